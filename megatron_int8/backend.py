@@ -1,0 +1,114 @@
+"""Backend dispatch: one place decides whether quantize/GEMM run in PyTorch or in Triton.
+
+A backend offers two calls with identical contracts (see quantize.py for conventions):
+  quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite)
+      -> (Q(x) as [R, C] or None, Q(x^T) as [C, R] or None)
+  gemm(a, b, *, out_dtype, bias=None, accumulate_into=None) -> dequant(a @ b^T) [+ bias]
+`rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
+a kernel may produce both in one pass (fused cast-transpose).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from . import quantize as ref
+from .recipe import BACKENDS, Int8Recipe
+
+ENV_BACKEND = "MEGATRON_INT8_BACKEND"
+
+
+class ReferenceBackend:
+    """PyTorch ops; INT8 products through torch._int_mm (exact INT32 accumulation on CPU and CUDA)."""
+
+    name = "reference"
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        granularity: str,
+        block_size: int,
+        weight: bool,
+        rowwise: bool,
+        columnwise: bool,
+        stochastic: bool = False,
+        name: str = "tensor",
+        check_finite: bool = True,
+    ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
+        tile2d = weight and granularity == "block"
+        kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite)
+        row = col = None
+        if rowwise:
+            row = ref.quantize(x, granularity, tile2d=tile2d, **kw)
+        if columnwise:
+            if row is not None and (granularity == "tensor" or tile2d):
+                col = row.transposed()  # same scales: a byte transpose, identical rounding
+            else:
+                col = ref.quantize(x.t(), granularity, tile2d=tile2d, **kw)
+                col.data = col.data.contiguous()
+        return row, col
+
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None):
+        return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+
+
+class TritonBackend:
+    """Triton kernels from megatron_int8.kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from . import kernels  # imported lazily: triton is optional
+
+        self._quantize = kernels.triton_quantize
+        self._gemm = kernels.triton_gemm
+
+    def quantize(self, x, **kwargs):
+        return self._quantize(x, **kwargs)
+
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None):
+        return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        from . import kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _instance(name: str):
+    return ReferenceBackend() if name == "reference" else TritonBackend()
+
+
+def resolve_backend_name(device: torch.device, recipe: Int8Recipe) -> str:
+    """The backend a recipe runs with on a device; MEGATRON_INT8_BACKEND overrides the recipe."""
+    choice = os.environ.get(ENV_BACKEND) or recipe.backend
+    if choice not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}={choice!r}: expected one of {BACKENDS}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "reference"
+    if choice == "triton":
+        if not triton_available():
+            raise ImportError("INT8 backend 'triton' requested but triton (or megatron_int8.kernels) is not importable")
+        if not _triton_runs_on(device):
+            raise ValueError(f"INT8 backend 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got {device}")
+    return choice
+
+
+def get_backend(device: torch.device, recipe: Int8Recipe):
+    return _instance(resolve_backend_name(device, recipe))

@@ -1,0 +1,222 @@
+"""The INT8 linear autograd function: fprop, dgrad and wgrad as INT8 x INT8 -> INT32 GEMMs.
+
+Also carries the tensor-parallel behaviour of megatron-core's
+`linear_with_grad_accumulation_and_async_allreduce` (sequence-parallel all-gather / reduce-scatter,
+async all-reduce of the input gradient, accumulation into `weight.main_grad`), so the Megatron layers
+only have to call it.
+
+Memory: for backward it keeps Q(X)^T (int8, already laid out for the wgrad GEMM) and its scale, never the
+high-precision input, unless wgrad runs in high precision.
+Weights: Q(W) and Q(W)^T are cached per weight tensor until the weight changes. A change is seen through
+torch's version counter, a new storage, or any optimizer step (a global torch.optim step hook), because
+Megatron's optimizers write parameters through `.data`, which the version counter does not see.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .backend import get_backend
+from .quantize import QTensor
+from .recipe import DEFAULT_RECIPE, Int8Recipe
+
+_weight_generation = 0
+
+
+def invalidate_weight_caches(*_args) -> None:
+    """Force every cached weight quantization to be recomputed (call after non-optimizer weight edits)."""
+    global _weight_generation
+    _weight_generation += 1
+
+
+register_optimizer_step_post_hook(invalidate_weight_caches)
+
+
+@dataclasses.dataclass
+class _CachedWeight:
+    key: tuple
+    row: Optional[QTensor]
+    col: Optional[QTensor]
+
+
+_CACHE_ATTR = "_megatron_int8_quantized"  # stored on the weight tensor itself, so it dies with it
+
+
+def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
+    """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged."""
+    kw = dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=True,
+              name="weight", check_finite=recipe.check_finite)
+    if not recipe.cache_weights:
+        return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)
+    key = (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
+           recipe.granularity, recipe.block_size, backend.name)
+    entry = getattr(weight, _CACHE_ATTR, None)
+    if entry is None or entry.key != key or (rowwise and entry.row is None) or (columnwise and entry.col is None):
+        # Quantize every form this recipe will use, in one pass, so later micro-batches only read.
+        row, col = backend.quantize(weight.detach(), rowwise=rowwise or recipe.fprop,
+                                    columnwise=columnwise or recipe.dgrad, **kw)
+        entry = _CachedWeight(key, row, col)
+        setattr(weight, _CACHE_ATTR, entry)
+    return entry.row, entry.col
+
+
+@dataclasses.dataclass(frozen=True)
+class TPOptions:
+    """Tensor-parallel communication done inside the linear, as in megatron-core."""
+
+    group: Optional[torch.distributed.ProcessGroup] = None
+    sequence_parallel: bool = False  # all-gather input along dim 0; reduce-scatter its gradient
+    allreduce_dgrad: bool = False  # all-reduce the input gradient (column-parallel without SP)
+    gradient_accumulation_fusion: bool = False  # accumulate wgrad into weight.main_grad
+
+
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    world = torch.distributed.get_world_size(group)
+    out = torch.empty((x.shape[0] * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) -> dict:
+    return dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=False,
+                stochastic=stochastic, name=name, check_finite=recipe.check_finite)
+
+
+class _Int8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
+        total = _all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
+        x2d = total.reshape(-1, total.shape[-1])
+        backend = get_backend(x2d.device, recipe)
+        wgrad_int8 = recipe.wgrad and weight.requires_grad
+        qx_row = qx_col = None
+        if recipe.fprop or wgrad_int8:
+            qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
+                                              **_quantize_kwargs(recipe, "fprop input"))
+        if recipe.fprop:
+            qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
+            out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias)
+        else:
+            out = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
+
+        ctx.recipe, ctx.tp, ctx.backend = recipe, tp, backend
+        ctx.input_shape, ctx.input_dtype = tuple(input.shape), input.dtype
+        ctx.total_shape = tuple(total.shape)
+        ctx.has_bias = bias is not None
+        ctx.wgrad_int8 = wgrad_int8
+        if wgrad_int8:
+            ctx.qx_meta = (qx_col.granularity, qx_col.block_size, qx_col.tile2d)
+            ctx.save_for_backward(weight, qx_col.data, qx_col.scale)
+        elif weight.requires_grad:
+            ctx.save_for_backward(weight, input)  # high-precision wgrad needs X (re-gathered under SP)
+        else:
+            ctx.save_for_backward(weight)
+        return out.view(*total.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        recipe, tp, backend = ctx.recipe, ctx.tp, ctx.backend
+        weight = ctx.saved_tensors[0]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g2d = grad_output.reshape(-1, grad_output.shape[-1])
+        if not g2d.is_contiguous():
+            g2d = g2d.contiguous()
+
+        dgrad_int8, wgrad_int8 = need_dgrad and recipe.dgrad, need_wgrad and ctx.wgrad_int8
+        qg_row = qg_col = None
+        if dgrad_int8 or wgrad_int8:
+            qg_row, qg_col = backend.quantize(
+                g2d, rowwise=dgrad_int8, columnwise=wgrad_int8,
+                **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
+
+        grad_input = handle = None
+        if need_dgrad:
+            if dgrad_int8:
+                _, qw_col = quantized_weight(weight, backend, recipe, rowwise=False, columnwise=True)
+                dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype)
+            else:
+                dx = (g2d @ weight.to(g2d.dtype)).to(ctx.input_dtype)
+            dx = dx.view(ctx.total_shape)
+            if tp.sequence_parallel:
+                grad_input = torch.empty(ctx.input_shape, dtype=dx.dtype, device=dx.device)
+                handle = torch.distributed.reduce_scatter_tensor(grad_input, dx, group=tp.group, async_op=True)
+            else:
+                grad_input = dx
+                if tp.allreduce_dgrad:
+                    handle = torch.distributed.all_reduce(grad_input, group=tp.group, async_op=True)
+
+        grad_weight = None
+        if need_wgrad:
+            main_grad = getattr(weight, "main_grad", None) if tp.gradient_accumulation_fusion else None
+            if wgrad_int8:
+                g, bs, t2 = ctx.qx_meta
+                qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
+                if main_grad is not None:
+                    backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad)
+                else:
+                    grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype)
+            else:
+                x = ctx.saved_tensors[1]
+                if tp.sequence_parallel:
+                    x = _all_gather_dim0(x, tp.group)
+                gw = g2d.t() @ x.reshape(-1, x.shape[-1]).to(g2d.dtype)
+                if main_grad is not None:
+                    main_grad.add_(gw)
+                else:
+                    grad_weight = gw.to(weight.dtype)
+            if main_grad is not None:
+                grad_weight = _main_grad_placeholder(weight)
+
+        grad_bias = g2d.sum(dim=0).to(ctx.input_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _main_grad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """Megatron's contract once wgrad went into main_grad: a dummy grad plus grad_added_to_main_grad."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+
+
+def int8_linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    recipe: Optional[Int8Recipe] = None,
+    *,
+    tp: Optional[TPOptions] = None,
+) -> torch.Tensor:
+    """`torch.nn.functional.linear` with INT8 fprop/dgrad/wgrad: input [..., in], weight [out, in].
+
+    The output has the input's dtype. `tp` adds megatron-core's tensor-parallel communication.
+    """
+    recipe = recipe or DEFAULT_RECIPE
+    tp = tp or TPOptions()
+    if weight.dim() != 2:
+        raise ValueError(f"int8_linear: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(f"int8_linear: input {tuple(input.shape)} does not match weight {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"int8_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not input.is_floating_point():
+        raise TypeError(f"int8_linear: input must be floating point, got {input.dtype}")
+    if tp.sequence_parallel and tp.allreduce_dgrad:
+        raise ValueError("int8_linear: sequence_parallel and allreduce_dgrad are mutually exclusive")
+    if not recipe.any_int8:
+        return _hp_linear_with_tp(input, weight, bias, tp)
+    return _Int8LinearFunction.apply(input, weight, bias, recipe, tp)
+
+
+def _hp_linear_with_tp(input, weight, bias, tp: TPOptions):
+    """All three GEMMs in high precision: exactly F.linear, plus the TP communication when asked for."""
+    if tp.group is None and not (tp.sequence_parallel or tp.allreduce_dgrad or tp.gradient_accumulation_fusion):
+        return F.linear(input, weight, bias)
+    return _Int8LinearFunction.apply(input, weight, bias, Int8Recipe(fprop=False, dgrad=False, wgrad=False), tp)

@@ -1,0 +1,198 @@
+"""Reference (pure PyTorch) INT8 quantization, dequantization and scaled INT8 GEMM.
+
+Conventions, shared with the Triton kernels:
+- an operand is a 2-D tensor [R, C] whose *last* axis C is the GEMM's contraction axis (K-major, the
+  layout Hopper's INT8 tensor cores need for both operands); `gemm(a, b)` computes a @ b^T -> [Ra, Rb];
+- scale = amax / 127 in fp32 (1.0 for an all-zero group), q = clamp(round(x / scale), -127, 127), where
+  the division is an IEEE fp32 division and round is half-to-even (or floor(v + U[0,1)) when stochastic);
+- scale shapes: "tensor" -> [] ; "row" -> [R] ; "block" -> [R, ceil(C/B)] for 1xB tiles, or
+  [ceil(R/B), ceil(C/B)] for BxB tiles (weights).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .recipe import QMAX
+
+# |acc| <= 127 * 127 * K must fit in int32: split longer contractions and sum the pieces in fp32.
+MAX_EXACT_K = (2**31 - 1) // (QMAX * QMAX) // 128 * 128
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when a tensor that is about to be quantized holds Inf or NaN."""
+
+
+@dataclasses.dataclass
+class QTensor:
+    """An INT8 operand [R, C] (C = contraction axis) with its fp32 scales."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    block_size: int = 128
+    tile2d: bool = False  # block granularity with BxB tiles (weights)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def scale_per_row_block(self) -> torch.Tensor:
+        """Block scales as [R, ceil(C/B)] (BxB tiles repeated over their rows)."""
+        assert self.granularity == "block"
+        if not self.tile2d:
+            return self.scale
+        return self.scale.repeat_interleave(self.block_size, dim=0)[: self.data.shape[0]]
+
+    def transposed(self) -> "QTensor":
+        """Q(x)^T without re-quantizing: exact for tensorwise and BxB-tile scales only."""
+        if self.granularity == "tensor":
+            return QTensor(self.data.t().contiguous(), self.scale, "tensor", self.block_size)
+        if self.granularity == "block" and self.tile2d:
+            return QTensor(self.data.t().contiguous(), self.scale.t().contiguous(), "block", self.block_size, True)
+        raise ValueError(f"a {self.granularity}-wise operand must be re-quantized along the other axis, not transposed")
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return dequantize(self).to(dtype)
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scale amax/127; an all-zero group gets scale 1 (finite, and dequantizes to exact zeros)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+
+
+def _check_finite(amax: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(amax).all()):
+        raise NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax={amax.max().item()})")
+
+
+def _round_clamp(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
+    if stochastic:
+        noise = torch.rand(v.shape, device=v.device, dtype=torch.float32, generator=generator)
+        v = torch.floor(v + noise)
+    else:
+        v = torch.round(v)  # round half to even
+    return v.clamp_(-QMAX, QMAX).to(torch.int8)
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    r, c = x.shape
+    if r == rows and c == cols:
+        return x
+    return torch.nn.functional.pad(x, (0, cols - c, 0, rows - r))
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize(
+    x: torch.Tensor,
+    granularity: str = "tensor",
+    *,
+    block_size: int = 128,
+    tile2d: bool = False,
+    stochastic: bool = False,
+    name: str = "tensor",
+    check_finite: bool = True,
+    generator: Optional[torch.Generator] = None,
+) -> QTensor:
+    """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
+    xf = x.float()
+    R, C = xf.shape
+    if granularity == "tensor":
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        expanded = scale = scale_from_amax(amax)
+    elif granularity == "row":
+        amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
+        scale = scale_from_amax(amax)
+        expanded = scale[:, None]
+    elif granularity == "block":
+        B = block_size
+        rb = B if tile2d else 1
+        Rp, Cp = _ceil(R, rb) * rb, _ceil(C, B) * B
+        tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
+        amax = tiles.amax(dim=(1, 3))
+        scale = scale_from_amax(amax)
+        expanded = scale.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]
+    else:
+        raise ValueError(f"unknown granularity {granularity!r}")
+    if check_finite:
+        _check_finite(amax, name)
+    else:  # no host sync: a non-finite group gets a NaN scale, so its products are NaN, never garbage
+        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    q = _round_clamp(xf / expanded, stochastic, generator)
+    return QTensor(q, scale, granularity, block_size, tile2d and granularity == "block")
+
+
+def dequantize(qt: QTensor) -> torch.Tensor:
+    """fp32 reconstruction q * scale."""
+    q = qt.data.float()
+    if qt.granularity == "tensor":
+        return q * qt.scale
+    if qt.granularity == "row":
+        return q * qt.scale[:, None]
+    s = qt.scale_per_row_block().repeat_interleave(qt.block_size, dim=1)[:, : q.shape[1]]
+    return q * s
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int32 a[M,K] @ b[N,K]^T via torch._int_mm (padded where CUDA's shape rules require)."""
+    M, K = a.shape
+    N = b.shape[0]
+    if a.device.type == "cuda":
+        Mp, Kp, Np = max(_ceil(M, 8) * 8, 32), _ceil(K, 8) * 8, _ceil(N, 8) * 8
+        out = torch._int_mm(_pad_to(a, Mp, Kp), _pad_to(b, Np, Kp).t())
+        return out[:M, :N]
+    if K == 0:
+        return torch.zeros(M, N, dtype=torch.int32, device=a.device)
+    return torch._int_mm(a, b.t())
+
+
+def _int_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int32-exact product converted to fp32, chunking K so int32 never overflows."""
+    K = a.shape[1]
+    if K <= MAX_EXACT_K:
+        return int_mm(a, b).float()
+    out = None
+    for k0 in range(0, K, MAX_EXACT_K):
+        part = int_mm(a[:, k0 : k0 + MAX_EXACT_K], b[:, k0 : k0 + MAX_EXACT_K]).float()
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def gemm(
+    a: QTensor,
+    b: QTensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: Optional[torch.Tensor] = None,
+    accumulate_into: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """dequant(a @ b^T) [+ bias], or accumulated into an fp32 buffer (gradient-accumulation fusion)."""
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
+    if a.granularity != b.granularity:
+        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+    if a.granularity == "block":
+        B = a.block_size
+        sa, sb = a.scale_per_row_block(), b.scale_per_row_block()
+        out = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+        for kb in range(sa.shape[1]):
+            cols = slice(kb * B, (kb + 1) * B)
+            out += _int_mm_fp32(a.data[:, cols], b.data[:, cols]) * sa[:, kb : kb + 1] * sb[None, :, kb]
+    else:
+        out = _int_mm_fp32(a.data, b.data)
+        sa = a.scale[:, None] if a.granularity == "row" else a.scale
+        sb = b.scale[None, :] if b.granularity == "row" else b.scale
+        out = out * sa * sb
+    if bias is not None:
+        out = out + bias.float()
+    if accumulate_into is not None:
+        return accumulate_into.add_(out)
+    return out.to(out_dtype)

@@ -1,0 +1,69 @@
+"""INT8 training recipe: what is quantized, how finely, and how it is rounded.
+
+One frozen dataclass, validated on construction, so that an unsupported choice fails where it is made
+instead of being silently ignored deep inside a training step.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+QMAX = 127  # symmetric INT8 range [-127, 127]: -128 is never produced, so negation is exact.
+GRANULARITIES = ("tensor", "row", "block")
+ROUNDINGS = ("nearest", "stochastic")
+BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Recipe:
+    """How an INT8 linear quantizes its three GEMMs.
+
+    granularity: "tensor" (one fp32 scale per tensor, the default), "row" (one scale per token for
+        activations and gradients, per output channel for weights; every operand is scaled along the
+        GEMM's contraction axis, so backward re-quantizes along the other axis), or "block"
+        (1 x block_size tiles for activations/gradients, block_size x block_size tiles for weights).
+    fprop, dgrad, wgrad: run that GEMM in INT8 (True) or in the input's precision (False).
+    grad_rounding: rounding of output gradients: "nearest" (round half to even) or "stochastic"
+        (unbiased; activations and weights always round to nearest).
+    backend: "auto" (Triton on CUDA when available, else the PyTorch reference), "reference" or
+        "triton". The environment variable MEGATRON_INT8_BACKEND overrides it.
+    check_finite: raise on Inf/NaN in a quantized tensor, naming it. Costs one host sync per quantize
+        on GPU; with False a non-finite tensor yields NaN outputs (never finite garbage).
+    cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
+    """
+
+    granularity: str = "tensor"
+    block_size: int = 128
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    grad_rounding: str = "nearest"
+    backend: str = "auto"
+    check_finite: bool = True
+    cache_weights: bool = True
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"Int8Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.grad_rounding not in ROUNDINGS:
+            raise ValueError(f"Int8Recipe.grad_rounding must be one of {ROUNDINGS}, got {self.grad_rounding!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Int8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
+            raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
+        for name in ("fprop", "dgrad", "wgrad", "check_finite", "cache_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Int8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def any_int8(self) -> bool:
+        return self.fprop or self.dgrad or self.wgrad
+
+    def describe(self) -> str:
+        """Short human-readable form for precision tables and logs."""
+        gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
+        gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
+        sr = ",sr" if self.grad_rounding == "stochastic" else ""
+        return f"int8[{gran},{gemms}{sr}]"
+
+
+DEFAULT_RECIPE = Int8Recipe()
