@@ -1,0 +1,55 @@
+"""Test helpers: float64 references and error bounds derived from quantization steps.
+
+For y = a @ b^T with a = s_a*(q_a + e_a), |e_a| <= 1/2 (round to nearest, in units of the element's scale):
+  |y_int8 - y| <= (S_a/2) @ |b|^T + |a| @ (S_b/2)^T + (S_a/2) @ (S_b/2)^T      (elementwise)
+where S_a, S_b are the per-element scale matrices of the two operands.
+"""
+import torch
+
+from megatron_int8.quantize import QTensor, quantize
+
+
+def heavy_tailed(*shape, outliers=0.01, scale=30.0, generator=None, dtype=torch.float32):
+    """Gaussian data with a fraction of large outliers (fresh on every call)."""
+    x = torch.randn(*shape, generator=generator, dtype=torch.float64)
+    mask = torch.rand(*shape, generator=generator, dtype=torch.float64) < outliers
+    x = torch.where(mask, x * scale, x)
+    return x.to(dtype)
+
+
+def expanded_scale(qt: QTensor) -> torch.Tensor:
+    """The scale of every element of a quantized operand, as a float64 [R, C] matrix."""
+    R, C = qt.data.shape
+    if qt.granularity == "tensor":
+        return qt.scale.double().expand(R, C)
+    if qt.granularity == "row":
+        return qt.scale.double()[:, None].expand(R, C)
+    s = qt.scale_per_row_block().double()
+    return s.repeat_interleave(qt.block_size, dim=1)[:, :C]
+
+
+def product_bound(a, b, granularity, *, a_weight=False, b_weight=False, block_size=128):
+    """Elementwise float64 bound on |dequant(Q(a) @ Q(b)^T) - a @ b^T| from the two operands' scales."""
+    qa = quantize(a, granularity, block_size=block_size, tile2d=a_weight and granularity == "block")
+    qb = quantize(b, granularity, block_size=block_size, tile2d=b_weight and granularity == "block")
+    sa, sb = expanded_scale(qa) / 2, expanded_scale(qb) / 2
+    a64, b64 = a.double(), b.double()
+    return sa @ b64.abs().t() + a64.abs() @ sb.t() + sa @ sb.t()
+
+
+def rounding_slack(ref: torch.Tensor, dtype: torch.dtype, a, b) -> torch.Tensor:
+    """Output-dtype rounding of the result plus fp32 dequant/accumulation rounding."""
+    out_eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    fp32_terms = a.double().abs() @ b.double().abs().t() * (4 * torch.finfo(torch.float32).eps)
+    return ref.abs() * out_eps + fp32_terms
+
+
+def assert_within_int8_bound(out, a, b, granularity, *, a_weight=False, b_weight=False, block_size=128, what=""):
+    ref = a.double() @ b.double().t()
+    bound = product_bound(a, b, granularity, a_weight=a_weight, b_weight=b_weight, block_size=block_size)
+    bound = bound + rounding_slack(ref, out.dtype, a, b)
+    err = (out.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: error exceeds the quantization bound by {worst:.3f}x"
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.flatten(), dim=0).item()
+    return cos

@@ -1,0 +1,171 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from int8_bounds import assert_within_int8_bound, heavy_tailed
+from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, invalidate_weight_caches
+from megatron_int8.backend import ReferenceBackend
+
+RECIPES = [Int8Recipe(), Int8Recipe(granularity="row"), Int8Recipe(granularity="block", block_size=32)]
+
+
+def _leaf(t, dtype):
+    return t.to(dtype).detach().requires_grad_()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: r.describe())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fprop_dgrad_wgrad_within_quantization_bound(recipe, dtype, record_property):
+    S, B, K, N = 11, 3, 96, 40  # 3-D [seq, batch, hidden] input as in megatron, ragged sizes
+    x, w, gy = heavy_tailed(S, B, K, dtype=dtype), heavy_tailed(N, K, dtype=dtype), heavy_tailed(S, B, N, dtype=dtype)
+    bias = torch.randn(N, dtype=dtype)
+    xl, wl, bl = _leaf(x, dtype), _leaf(w, dtype), _leaf(bias, dtype)
+    y = int8_linear(xl, wl, bl, recipe)
+    assert y.dtype == dtype and y.shape == (S, B, N)
+    y.backward(gy)
+    assert xl.grad.dtype == dtype and wl.grad.dtype == dtype
+    g, bs = recipe.granularity, recipe.block_size
+    x2, gy2 = x.reshape(-1, K), gy.reshape(-1, N)
+    cos = {}
+    cos["fprop"] = assert_within_int8_bound((y - bl).reshape(-1, N).detach(), x2, w, g, b_weight=True, block_size=bs, what="fprop")
+    cos["dgrad"] = assert_within_int8_bound(xl.grad.reshape(-1, K), gy2, w.t(), g, b_weight=True, block_size=bs, what="dgrad")
+    cos["wgrad"] = assert_within_int8_bound(wl.grad, gy2.t(), x2.t(), g, block_size=bs, what="wgrad")
+    assert torch.allclose(bl.grad.double(), gy2.double().sum(0), rtol=torch.finfo(dtype).eps * 4, atol=1e-3)
+    record_property("cosine_similarity", cos)
+    print(recipe.describe(), dtype, "cosine vs float64:", {k: round(v, 6) for k, v in cos.items()})
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 33), (1, 33)])
+def test_all_switches_off_equals_f_linear_exactly(shape):
+    recipe = Int8Recipe(fprop=False, dgrad=False, wgrad=False)
+    x, w, b = torch.randn(*shape), torch.randn(21, 33), torch.randn(21)
+    gy = torch.randn(*shape[:-1], 21)
+    leaves = [_leaf(t, torch.float32) for t in (x, w, b)]
+    ref_leaves = [_leaf(t, torch.float32) for t in (x, w, b)]
+    y = int8_linear(*leaves, recipe)
+    y_ref = F.linear(*ref_leaves)
+    assert torch.equal(y, y_ref)
+    y.backward(gy)
+    y_ref.backward(gy)
+    for a, r in zip(leaves, ref_leaves):
+        assert torch.equal(a.grad, r.grad)
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_single_gemm_in_high_precision_is_exact_there(gemm):
+    recipe = Int8Recipe(**{gemm: False})
+    x, w, gy = heavy_tailed(24, 64), heavy_tailed(16, 64), heavy_tailed(24, 16)
+    xl, wl = _leaf(x, torch.float32), _leaf(w, torch.float32)
+    y = int8_linear(xl, wl, None, recipe)
+    y.backward(gy)
+    exact = {"fprop": (y, x @ w.t()), "dgrad": (xl.grad, gy @ w), "wgrad": (wl.grad, gy.t() @ x)}[gemm]
+    assert torch.allclose(exact[0], exact[1], rtol=1e-5, atol=1e-5)
+    others = [k for k in ("fprop", "dgrad", "wgrad") if k != gemm]
+    for k in others:  # the INT8 GEMMs really are quantized
+        got, ref = {"fprop": (y, x @ w.t()), "dgrad": (xl.grad, gy @ w), "wgrad": (wl.grad, gy.t() @ x)}[k]
+        assert not torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_saved_activation_is_int8_not_the_input():
+    x = _leaf(torch.randn(4, 6, 64), torch.bfloat16)
+    w = _leaf(torch.randn(32, 64), torch.bfloat16)
+    y = int8_linear(x, w)
+    saved = y.grad_fn.saved_tensors
+    int8 = [t for t in saved if t.dtype == torch.int8]
+    assert len(int8) == 1 and int8[0].numel() == x.numel()
+    assert int8[0].shape == (64, 24)  # Q(X)^T, already K-major for the wgrad GEMM
+    floating = [t for t in saved if t.is_floating_point() and t.numel() > 1]
+    assert all(t is w for t in floating), "only the weight (a parameter) may be saved in high precision"
+
+
+def test_high_precision_wgrad_saves_the_input():
+    x, w = _leaf(torch.randn(4, 64), torch.float32), _leaf(torch.randn(32, 64), torch.float32)
+    y = int8_linear(x, w, None, Int8Recipe(wgrad=False))
+    assert any(t.dtype == torch.float32 and t.shape == x.shape for t in y.grad_fn.saved_tensors)
+
+
+class _CountingBackend(ReferenceBackend):
+    def __init__(self):
+        self.weight_quantizations = 0
+
+    def quantize(self, x, **kw):
+        self.weight_quantizations += kw["weight"]
+        return super().quantize(x, **kw)
+
+
+def _patch_backend(monkeypatch):
+    counting = _CountingBackend()
+    monkeypatch.setattr("megatron_int8.linear.get_backend", lambda device, recipe: counting)
+    return counting
+
+
+def test_weight_quantization_reused_across_micro_batches_until_step(monkeypatch):
+    counting = _patch_backend(monkeypatch)
+    w = torch.nn.Parameter(torch.randn(32, 64))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(3):  # three micro-batches: fprop + dgrad each
+        int8_linear(torch.randn(8, 64, requires_grad=True), w).sum().backward()
+    assert counting.weight_quantizations == 1
+    opt.step()
+    int8_linear(torch.randn(8, 64), w)
+    assert counting.weight_quantizations == 2
+
+
+def test_weight_cache_sees_writes_through_data_by_an_optimizer(monkeypatch):
+    """Megatron's optimizers copy into param.data, which the version counter does not see."""
+    counting = _patch_backend(monkeypatch)
+    w = torch.nn.Parameter(torch.randn(32, 64))
+    x = torch.randn(8, 64)
+
+    class CopyingOptimizer(torch.optim.Optimizer):
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.data.copy_(torch.randn_like(p))
+
+    opt = CopyingOptimizer([w], {})
+    y0 = int8_linear(x, w)
+    opt.step()
+    y1 = int8_linear(x, w)
+    assert counting.weight_quantizations == 2
+    assert torch.allclose(y1, int8_linear(x, w.detach().clone()), rtol=0, atol=0)
+    assert not torch.allclose(y0, y1)
+    w.data = torch.randn(32, 64)  # new storage
+    int8_linear(x, w)
+    assert counting.weight_quantizations == 4  # the detached clone above was quantized once too
+    invalidate_weight_caches()
+    int8_linear(x, w)
+    assert counting.weight_quantizations == 5
+
+
+def test_non_finite_output_gradient_raises_naming_it():
+    x, w, gy = torch.randn(6, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True), torch.randn(6, 8)
+    gy[2, 3] = float("nan")
+    y = int8_linear(x, w)
+    with pytest.raises(NonFiniteError, match="output gradient"):
+        y.backward(gy)
+
+
+@pytest.mark.parametrize("where, name", [("input", "fprop input"), ("weight", "weight")])
+def test_non_finite_forward_raises_naming_the_tensor(where, name):
+    x, w = torch.randn(6, 32), torch.randn(8, 32)
+    {"input": x, "weight": w}[where][2, 3] = float("inf")
+    with pytest.raises(NonFiniteError, match=name):
+        int8_linear(x, w)
+
+
+def test_bad_shapes_and_dtypes_are_clear_errors():
+    with pytest.raises(ValueError, match="does not match"):
+        int8_linear(torch.randn(4, 10), torch.randn(8, 12))
+    with pytest.raises(ValueError, match="2-D"):
+        int8_linear(torch.randn(4, 10), torch.randn(8, 10, 1))
+    with pytest.raises(ValueError, match="bias"):
+        int8_linear(torch.randn(4, 10), torch.randn(8, 10), torch.randn(7))
+    with pytest.raises(TypeError, match="floating"):
+        int8_linear(torch.ones(4, 10, dtype=torch.int64), torch.randn(8, 10))
+
+
+def test_odd_inner_dimensions_are_handled():
+    for K, N in [(1, 1), (3, 5), (17, 130)]:
+        x, w = heavy_tailed(9, K), heavy_tailed(N, K)
+        y = int8_linear(x, w)
+        assert_within_int8_bound(y, x, w, "tensor", b_weight=True, what=f"K={K},N={N}")

@@ -1,0 +1,171 @@
+import pytest
+import torch
+
+from int8_bounds import assert_within_int8_bound, expanded_scale, heavy_tailed
+from megatron_int8.quantize import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize
+
+GRANULARITIES = [("tensor", False), ("row", False), ("block", False), ("block", True)]
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def float64_quantize(x, scale64):
+    """The float64 reference: q = clamp(round_half_even(x / s), -127, 127)."""
+    return torch.round(x.double() / scale64).clamp(-127, 127)
+
+
+def float64_group_amax(x, granularity, block, tile2d):
+    x = x.double().abs()
+    R, C = x.shape
+    if granularity == "tensor":
+        return x.max().expand(R, C)
+    if granularity == "row":
+        return x.amax(dim=1, keepdim=True).expand(R, C)
+    rb = block if tile2d else 1
+    out = torch.empty_like(x)
+    for r0 in range(0, R, rb):
+        for c0 in range(0, C, block):
+            out[r0 : r0 + rb, c0 : c0 + block] = x[r0 : r0 + rb, c0 : c0 + block].max()
+    return out
+
+
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_matches_float64_reference(granularity, tile2d, dtype):
+    x = heavy_tailed(70, 300, dtype=dtype)  # ragged: neither dim a multiple of the 32-block
+    qt = quantize(x, granularity, block_size=32, tile2d=tile2d)
+    assert qt.data.dtype == torch.int8 and qt.scale.dtype == torch.float32
+    # scale = amax / 127 computed in fp32, for the right group of every element
+    amax = float64_group_amax(x, granularity, 32, tile2d)
+    s = expanded_scale(qt)
+    assert torch.equal(s, (amax.float() / 127).double()), "scale is not fp32(amax/127) of the element's group"
+    q_ref = float64_quantize(x, s)
+    q = qt.data.double()
+    # Exact (exact ties included) except where x/s lies within one fp32 rounding of, but not on, a .5 tie:
+    # the quotient is computed in fp32, as in the kernels.
+    v = x.double() / s
+    off_tie = (v - v.floor() - 0.5).abs()
+    near_tie = (off_tie > 0) & (off_tie <= 2 * FP32_EPS * v.abs())
+    assert torch.equal(q[~near_tie], q_ref[~near_tie])
+    assert (q - q_ref).abs().max() <= 1
+    assert near_tie.float().mean() < 1e-2  # the exemption stays rare (bf16 data has more near-ties)
+    assert q.abs().max() <= 127
+    # the extremes of each group map to exactly +-127
+    assert torch.equal(q[x.double().abs() == amax].abs(), torch.full_like(q[x.double().abs() == amax], 127.0))
+
+
+def test_round_half_to_even_ties_and_negative_extreme():
+    # amax 127 -> scale exactly 1: ties are exact in every precision
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.0, 127.0, 3.49]])
+    q = quantize(x, "tensor").data
+    assert q.tolist() == [[0, 2, 2, 0, -2, -2, 126, -127, 127, 3]]
+
+
+def test_clamp_keeps_symmetric_range_under_stochastic_rounding():
+    x = torch.tensor([[127.0, -127.0, 126.9, -126.9] * 64])
+    for seed in range(5):
+        q = quantize(x, "tensor", stochastic=True, generator=torch.Generator().manual_seed(seed)).data
+        assert q.min() >= -127 and q.max() <= 127
+
+
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+def test_zero_tensor_gives_zero_and_finite_scale(granularity, tile2d):
+    qt = quantize(torch.zeros(40, 50), granularity, block_size=16, tile2d=tile2d)
+    assert torch.isfinite(qt.scale).all() and (qt.scale == 1).all()
+    assert not qt.data.any()
+    assert not dequantize(qt).any()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_input_raises_naming_the_tensor(bad):
+    x = torch.randn(8, 16)
+    x[3, 5] = bad
+    with pytest.raises(NonFiniteError, match="output gradient"):
+        quantize(x, "tensor", name="output gradient")
+
+
+def test_non_finite_without_check_gives_nan_not_garbage():
+    x = torch.randn(8, 16)
+    x[3, 5] = float("inf")
+    qt = quantize(x, "row", check_finite=False)
+    out = dequantize(qt)
+    assert torch.isnan(out[3]).all()  # the affected group is NaN ...
+    assert torch.isfinite(out[torch.arange(8) != 3]).all()  # ... the others are intact
+
+
+def test_stochastic_rounding_is_unbiased():
+    g = torch.Generator().manual_seed(0)
+    x = heavy_tailed(16, 64, generator=g)
+    n = 400
+    acc = torch.zeros(16, 64, dtype=torch.float64)
+    for _ in range(n):
+        acc += dequantize(quantize(x, "tensor", stochastic=True, generator=g)).double()
+    mean = acc / n
+    s = quantize(x, "tensor").scale.double()
+    # each draw's error is within one step with std <= s/2: the mean is within 5 sigma of x
+    assert ((mean - x.double()).abs() <= 5 * (s / 2) / n**0.5 + 1e-12).all()
+    nearest_err = (dequantize(quantize(x, "tensor")).double() - x.double()).abs().max()
+    assert nearest_err <= s / 2 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+def test_transposed_or_requantized_columnwise_is_consistent(granularity, tile2d):
+    x = heavy_tailed(48, 80)
+    qt = quantize(x, granularity, block_size=16, tile2d=tile2d)
+    if granularity == "tensor" or tile2d:
+        qtt = qt.transposed()
+        assert torch.equal(dequantize(qtt), dequantize(qt).t())
+    else:
+        with pytest.raises(ValueError, match="re-quantized"):
+            qt.transposed()
+
+
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+def test_gemm_exact_on_quantized_operands_and_within_bound(granularity, tile2d):
+    a, b = heavy_tailed(67, 96), heavy_tailed(45, 96)
+    qa = quantize(a, granularity, block_size=32)
+    qb = quantize(b, granularity, block_size=32, tile2d=tile2d)
+    out = gemm(qa, qb, out_dtype=torch.float32)
+    # the INT32 GEMM + epilogue equals the float64 product of the dequantized operands
+    exact = dequantize(qa).double() @ dequantize(qb).double().t()
+    slack = dequantize(qa).double().abs() @ dequantize(qb).double().abs().t() * 4 * FP32_EPS
+    assert ((out.double() - exact).abs() <= slack).all()
+    assert_within_int8_bound(out, a, b, granularity, b_weight=tile2d, block_size=32, what=granularity)
+
+
+def test_gemm_bias_and_accumulate_into():
+    a, b = heavy_tailed(20, 64), heavy_tailed(12, 64)
+    qa, qb = quantize(a, "tensor"), quantize(b, "tensor")
+    bias = torch.randn(12)
+    plain = gemm(qa, qb, out_dtype=torch.float32)
+    assert torch.allclose(gemm(qa, qb, out_dtype=torch.float32, bias=bias), plain + bias, rtol=0, atol=1e-5)
+    buf = torch.randn(20, 12)
+    start = buf.clone()
+    out = gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)
+    assert out is buf
+    assert torch.allclose(buf, start + plain, rtol=1e-6, atol=1e-5)
+
+
+def test_gemm_long_contraction_never_overflows_int32():
+    K = MAX_EXACT_K + 384
+    a = torch.full((2, K), 127, dtype=torch.int8)
+    b = torch.full((3, K), -127, dtype=torch.int8)
+    b[1] = 127
+    one = torch.ones((), dtype=torch.float32)
+    out = gemm(QTensor(a, one, "tensor"), QTensor(b, one, "tensor"), out_dtype=torch.float32)
+    expected = 127 * 127 * K  # > 2**31: would wrap in a single int32 accumulation
+    assert expected > 2**31
+    assert out[0, 1].item() == pytest.approx(expected, rel=1e-6)
+    assert out[1, 0].item() == pytest.approx(-expected, rel=1e-6)
+
+
+def test_gemm_rejects_mismatched_operands():
+    qa = quantize(torch.randn(4, 32), "tensor")
+    with pytest.raises(ValueError, match="contraction"):
+        gemm(qa, quantize(torch.randn(4, 16), "tensor"))
+    with pytest.raises(ValueError, match="differently"):
+        gemm(qa, quantize(torch.randn(4, 32), "row"))
+
+
+def test_quantize_rejects_non_2d():
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(torch.randn(2, 3, 4))
