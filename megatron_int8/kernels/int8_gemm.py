@@ -1,0 +1,233 @@
+"""Triton INT8 x INT8 -> INT32 GEMM with the dequantization fused into the epilogue.
+
+out[M, N] = dequant(a[M, K] @ b[N, K]^T) [+ bias], both operands K-major (the only layout Hopper's
+`wgmma ... s32.s8.s8` accepts), written as bf16/fp16/fp32, or added into an fp32 buffer (`accumulate_into`,
+Megatron's gradient-accumulation fusion into `main_grad`).
+
+Epilogues, in the reference's (megatron_int8.quantize.gemm) order of fp32 operations:
+- tensor: (acc * sa) * sb; row: (acc * sa[m]) * sb[n]; then + bias, then cast or add into the buffer.
+- block: the loop walks K in blocks of `block_size`; each block's exact int32 partial is promoted to fp32
+  and added as partial * sa[m, kb] * sb[n, kb] (BxB weight tiles index sb[n // B, kb]).
+INT32 overflow: |acc| <= 127 * 127 * K, so for K > quantize.MAX_EXACT_K the kernel accumulates int32 over
+chunks of MAX_EXACT_K and sums the chunks in fp32, exactly like the reference.
+
+Tiles: group-M swizzled output tiles; M/N edges read wrapped rows (in bounds, never stored) and K edges
+are masked to zero, so ragged shapes are exact. Autotuned over a short list of Hopper configs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+import importlib
+
+# the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
+ref = importlib.import_module("megatron_int8.quantize")
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_sam, stride_sak, stride_sbn, stride_sbk,
+    K_CHUNK,  # int32-exact contraction length (multiple of BLOCK_K), used when SPLIT_K_EXACT
+    SB_ROWS_PER_SCALE,  # rows of b sharing one block-scale row (block_size for BxB tiles, else 1)
+    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SPLIT_K_EXACT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUB_K: tl.constexpr,  # block recipe: block_size // BLOCK_K dot steps per scale block
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % size_m)
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_am = offs_m % M  # wrapped rows: in bounds, computed but never stored
+    offs_bn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+
+    if SCALE_MODE == 2:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sa_ptrs = sa_ptr + offs_am.to(tl.int64) * stride_sam
+        sb_ptrs = sb_ptr + (offs_bn // SB_ROWS_PER_SCALE).to(tl.int64) * stride_sbn
+        n_kb = tl.cdiv(K, BLOCK_K * SUB_K)
+        for kb in range(0, n_kb):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for s in tl.static_range(SUB_K):
+                k0 = (kb * SUB_K + s) * BLOCK_K
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0)
+                part = tl.dot(a, b, part, out_dtype=tl.int32)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            sa = tl.load(sa_ptrs + kb * stride_sak)
+            sb = tl.load(sb_ptrs + kb * stride_sbk)
+            acc += (part.to(tl.float32) * sa[:, None]) * sb[None, :]
+        out = acc
+    else:
+        if SPLIT_K_EXACT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kc in range(0, K, K_CHUNK):
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+                for k0 in range(kc, tl.minimum(kc + K_CHUNK, K), BLOCK_K):
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0)
+                    part = tl.dot(a, b, part, out_dtype=tl.int32)
+                    a_ptrs += BLOCK_K * stride_ak
+                    b_ptrs += BLOCK_K * stride_bk
+                acc += part.to(tl.float32)
+        else:
+            iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(b_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0)
+                    b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k0, other=0)
+                iacc = tl.dot(a, b, iacc, out_dtype=tl.int32)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+            acc = iacc.to(tl.float32)
+        if SCALE_MODE == 0:
+            out = (acc * tl.load(sa_ptr)) * tl.load(sb_ptr)
+        else:
+            sa = tl.load(sa_ptr + offs_am.to(tl.int64) * stride_sam)
+            sb = tl.load(sb_ptr + offs_bn.to(tl.int64) * stride_sbn)
+            out = (acc * sa[:, None]) * sb[None, :]
+
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_bn).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if ACCUMULATE:
+        out = tl.load(c_ptrs, mask=c_mask, other=0.0) + out
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _configs():
+    cfgs = []
+    for bm, bn, warps, stages in [
+        (256, 128, 8, 3), (256, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+        (128, 128, 4, 4), (128, 128, 8, 4), (128, 128, 4, 5),
+    ]:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles far larger than the problem (tiny or ragged GEMMs)."""
+    M, N = named_args["M"], named_args["N"]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(128, triton.next_power_of_2(M))
+            and c.kwargs["BLOCK_N"] <= max(128, triton.next_power_of_2(N))]
+    return keep or configs[:1]
+
+
+_int8_gemm_tuned = triton.autotune(
+    configs=_configs(),
+    key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "SPLIT_K_EXACT", "EVEN_K", "BLOCK_K", "SUB_K"],
+    prune_configs_by={"early_config_prune": _prune},
+    # accumulate_into is read-modify-write: restore it between autotuning trials
+    restore_value=["c_ptr"],
+)(_int8_gemm_kernel)
+
+
+def _block_k_for(block_size: int) -> int:
+    for bk in (128, 64, 32, 16):
+        if block_size % bk == 0:
+            return bk
+    raise ValueError(f"block_size {block_size} must be a multiple of 16")
+
+
+def triton_gemm(
+    a: ref.QTensor,
+    b: ref.QTensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: Optional[torch.Tensor] = None,
+    accumulate_into: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned."""
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
+    if a.granularity != b.granularity:
+        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+    M, K = a.data.shape
+    N = b.data.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    if a.granularity == "block" and a.block_size != b.block_size:
+        raise ValueError(f"block sizes differ: {a.block_size} vs {b.block_size}")
+    if accumulate_into is not None:
+        if accumulate_into.shape != (M, N) or accumulate_into.dtype != torch.float32:
+            raise ValueError(f"accumulate_into must be fp32 [{M}, {N}], got {accumulate_into.dtype} "
+                             f"{tuple(accumulate_into.shape)}")
+        c = accumulate_into
+    else:
+        c = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    ad, bd = a.data, b.data
+
+    sub_k, sb_rows = 1, 1
+    if a.granularity == "tensor":
+        mode, sa, sb = _SCALE_TENSOR, a.scale, b.scale
+        s_strides = (0, 0, 0, 0)
+        block_k = 128
+    elif a.granularity == "row":
+        mode, sa, sb = _SCALE_ROW, a.scale, b.scale
+        s_strides = (sa.stride(0), 0, sb.stride(0), 0)
+        block_k = 128
+    elif a.granularity == "block":
+        mode = _SCALE_BLOCK
+        B = a.block_size
+        block_k = _block_k_for(B)
+        sub_k = B // block_k
+        sa = a.scale_per_row_block() if a.tile2d else a.scale  # activations: [M, nkb]
+        sb = b.scale
+        sb_rows = B if b.tile2d else 1
+        s_strides = (sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    else:
+        raise ValueError(f"unknown granularity {a.granularity!r}")
+    if _INTERPRET:
+        block_k = min(block_k, 32)
+        if mode == _SCALE_BLOCK:
+            block_k = _block_k_for(a.block_size) if a.block_size <= 32 else 32
+            sub_k = a.block_size // block_k
+    max_k = ref.MAX_EXACT_K  # read at call time (tests shrink it)
+    split = mode != _SCALE_BLOCK and K > max_k
+    k_chunk = max(block_k, max_k // block_k * block_k)
+    args = (ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K,
+            ad.stride(0), ad.stride(1), bd.stride(0), bd.stride(1), c.stride(0), c.stride(1), *s_strides,
+            k_chunk, sb_rows)
+    meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+                SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
+    if _INTERPRET:
+        BM, BN = 16, 16
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
+    else:
+        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
+        _int8_gemm_tuned[grid](*args, **meta)
+    return c
