@@ -1,0 +1,123 @@
+"""Core attention on `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient
+kernels on GPU) for specs without Transformer Engine.
+
+megatron-core's own `DotProductAttention` materializes the [b, np, sq, sk] score matrix, which at
+sequence 4096 dominates a layer's time and memory and would blur an INT8-vs-BF16 linear comparison.
+This module is a drop-in for it in layer specs (same constructor, same forward, same `[s, b, h, d]`
+layout and mask convention), used by both the INT8 and the BF16 baseline specs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide, is_torch_min_version
+
+_SDPA_HAS_GQA = is_torch_min_version("2.5.0a0")  # the enable_gqa keyword
+
+
+class SDPAttention(MegatronModule):
+    """`DotProductAttention` semantics on SDPA: causal or masked softmax(q k^T * scale) v, GQA, dropout.
+
+    Masks follow megatron: a bool tensor broadcastable to [b, np, sq, sk], True = masked out; with
+    a causal mask type and no mask, the causal mask is implied (as in megatron's softmax).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention: context parallelism needs TEDotProductAttention")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"SDPAttention: softmax_type={config.softmax_type!r} is not supported")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise NotImplementedError("SDPAttention: sliding-window attention is not supported")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        world_size = self.tp_group.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, world_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, world_size)
+        # megatron's query-key layer scaling divides the scale by the layer number and multiplies
+        # the fp32 softmax input back: the product is unchanged, so SDPA takes the plain scale.
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """[sq, b, np, hn] queries, [sk, b, ng, hn] keys/values -> [sq, b, np * hn]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPAttention: packed sequences need TEDotProductAttention")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention_bias is not supported")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        sq, sk = query.shape[0], key.shape[0]
+
+        attn_mask, is_causal = None, False
+        if attention_mask is not None:
+            attn_mask = ~attention_mask.to(torch.bool)  # megatron: True = masked; SDPA: True = attend
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise ValueError(f"SDPAttention: causal attention without a mask needs sq == sk, got {sq} vs {sk}")
+            is_causal = True
+        elif mask_type == AttnMaskType.causal_bottom_right and sq > 1:
+            attn_mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(diagonal=sk - sq)
+
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        gqa_kwargs = {}
+        if groups > 1:
+            if _SDPA_HAS_GQA and attn_mask is None:
+                gqa_kwargs["enable_gqa"] = True  # keeps the flash kernel, no K/V copies
+            else:
+                key = key.repeat_interleave(groups, dim=2)
+                value = value.repeat_interleave(groups, dim=2)
+
+        # [s, b, n, d] -> [b, n, s, d] (views; SDPA accepts strided inputs)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=self.softmax_scale, **gqa_kwargs)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # per-TP-rank stream, as megatron
+                context = attend()
+        else:
+            context = attend()
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], self.hidden_size_per_partition)

@@ -1,0 +1,180 @@
+"""Run megatron-core models on a CPU-only torch build (gloo), for CI and development.
+
+megatron-core assumes CUDA in a few places that a CPU model actually reaches:
+- `torch.cuda.current_device()` is used as a `device=` argument (RoPE, all-gather buffers, grad
+  buffers): on CPU it answers "cpu";
+- the model-parallel RNG tracker seeds and forks the CUDA generator (attention dropout, activation
+  recompute): on CPU a tracker over torch's CPU generator replaces it;
+- `torch.cuda.synchronize/empty_cache` and streams (pipeline p2p, dist_checkpointing): no-ops;
+- `WrappedTorchNorm` refuses sequence parallelism: `SequenceParallelNorm` accepts it.
+
+Independently of the device, `apply_no_te_compat()` fixes a megatron-core 0.16.1 bug that breaks
+every MoE router without Transformer Engine (see its docstring); the MoE specs call it.
+
+`apply_cpu_compat()` is idempotent and does nothing when CUDA is available, so the same code path
+serves CPU tests and GPU runs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_APPLIED_FLAG = "_megatron_int8_cpu_compat"
+
+
+class _NullEvent:
+    """Stands in for torch.cuda.Event: CPU work is already complete when recorded."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _make_cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's named RNG streams (model-parallel, expert-parallel, ...) on torch's CPU generator."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if outer_name != "default-rng":
+                    outer_state = self.states_[outer_name]
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    return CpuRNGStatesTracker
+
+
+def apply_no_te_compat() -> None:
+    """Without Transformer Engine, megatron-core 0.16.1's `RouterGatingLinearFunction` reads the
+    never-defined name `te_general_gemm` (moe_utils.py:1192) unless the router runs in fp64: define
+    it as None, which selects the existing torch fallback. No effect when TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def apply_cpu_compat() -> None:
+    """Make a CPU-only process able to build, train, recompute and checkpoint megatron-core models.
+
+    No effect when CUDA is available (except `apply_no_te_compat`); calling it again is a no-op.
+    """
+    apply_no_te_compat()
+    if torch.cuda.is_available() or getattr(torch.cuda, _APPLIED_FLAG, False):
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: "cpu"  # every megatron call site passes it as device=...
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.Stream = _NullStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.Event = _NullEvent
+    main_stream = _NullStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: main_stream
+    torch.cuda.default_stream = lambda *args, **kwargs: main_stream
+
+    tracker_class = _make_cpu_rng_tracker_class()
+    # Any later (re)initialization of the tracker builds the CPU one too.
+    mrandom.CudaRNGStatesTracker = tracker_class
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker_class()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute snapshots and restores the "device" generator: on CPU that is torch's.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    setattr(torch.cuda, _APPLIED_FLAG, True)
+
+
+def model_parallel_seed(seed: int) -> None:
+    """Seed torch and megatron's model-parallel RNG streams (megatron's offsets), on CPU or GPU.
+
+    Call after `parallel_state.initialize_model_parallel`.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    apply_cpu_compat()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class SequenceParallelNorm:
+    """RMSNorm / LayerNorm (per `config.normalization`) that also works under sequence parallelism.
+
+    Same constructor as megatron's `WrappedTorchNorm` and the same parameters (state-dict keys
+    `weight` [, `bias`]). Under SP every TP rank sees different tokens, so the norm's parameter
+    gradients differ per rank: the parameters are tagged `sequence_parallel`, which makes
+    `finalize_model_grads` all-reduce them over the TP group, as it does for TENorm.
+    """
+
+    def __new__(
+        cls,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,  # apex kernel choice; no meaning for torch norms
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
+        if config.layernorm_zero_centered_gamma or zero_centered_gamma:
+            raise ValueError("SequenceParallelNorm: zero-centered gamma is not supported (use TENorm)")
+        if config.memory_efficient_layer_norm:
+            raise ValueError("SequenceParallelNorm: memory_efficient_layer_norm needs apex")
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"SequenceParallelNorm: unsupported normalization {config.normalization!r}")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm

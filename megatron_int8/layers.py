@@ -1,0 +1,110 @@
+"""megatron-core Column/RowParallelLinear with INT8 GEMMs.
+
+The subclasses change only `_forward_impl`, the call megatron makes for the local GEMM: everything
+around it (weight allocation and init, TP sharding, Row's output all-reduce / reduce-scatter,
+`gather_output`, `skip_bias_add`, `is_expert` explicit expert communication, sharded state dicts)
+stays megatron's, so parameter names and checkpoints are identical to the BF16 layers.
+`int8_linear` carries the semantics of `linear_with_grad_accumulation_and_async_allreduce`: sequence-
+parallel all-gather / reduce-scatter, async dgrad all-reduce, and wgrad accumulation into
+`weight.main_grad` with `grad_added_to_main_grad`. Frozen weights get no wgrad (as in
+`linear_with_frozen_weight`).
+
+`config.gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda in megatron; here
+the wgrad GEMM accumulates into main_grad itself, so these layers accept the flag without apex.
+"""
+from __future__ import annotations
+
+import copy
+from typing import List, Optional
+
+import torch
+from megatron.core.tensor_parallel import layers as mcore_layers
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+from .linear import TPOptions, int8_linear
+from .recipe import DEFAULT_RECIPE, Int8Recipe
+
+_HIGH_PRECISION = Int8Recipe(fprop=False, dgrad=False, wgrad=False)
+
+
+def _config_without_apex_check(config):
+    """A shallow config copy that passes megatron's apex check for gradient_accumulation_fusion."""
+    if config.gradient_accumulation_fusion and not mcore_layers._grad_accum_fusion_available:
+        config = copy.copy(config)  # no __post_init__: only the constructor reads this copy
+        config.gradient_accumulation_fusion = False
+    return config
+
+
+class Int8LinearMixin:
+    """INT8 `_forward_impl` shared by the column- and row-parallel layers.
+
+    `int8=False` keeps the layer high precision: megatron's own implementation, except that
+    gradient-accumulation fusion without apex runs through `int8_linear`'s high-precision path.
+    """
+
+    int8: bool
+    int8_recipe: Int8Recipe
+
+    def _finish_int8_init(self, config, recipe: Optional[Int8Recipe], int8: bool) -> None:
+        if config.defer_embedding_wgrad_compute:
+            raise NotImplementedError(
+                f"{type(self).__name__}: defer_embedding_wgrad_compute (grad_output_buffer) is not supported")
+        if recipe is not None and not isinstance(recipe, Int8Recipe):
+            raise TypeError(f"{type(self).__name__}: recipe must be an Int8Recipe, got {type(recipe).__name__}")
+        self.config = config
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.int8 = bool(int8)
+        self.int8_recipe = recipe or DEFAULT_RECIPE
+
+    def _forward_impl(
+        self,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        gradient_accumulation_fusion: bool,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        grad_output_buffer: Optional[List[torch.Tensor]] = None,
+        wgrad_deferral_limit: Optional[int] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> torch.Tensor:
+        if grad_output_buffer is not None:
+            raise NotImplementedError(f"{type(self).__name__}: grad_output_buffer (deferred wgrad) is not supported")
+        fused_accumulation = gradient_accumulation_fusion and weight.requires_grad
+        if not self.int8 and not (fused_accumulation and not mcore_layers._grad_accum_fusion_available):
+            return super()._forward_impl(
+                input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group)
+        if (sequence_parallel or allreduce_dgrad) and tp_group is None:
+            tp_group = get_tensor_model_parallel_group_if_none(None)
+        tp = TPOptions(group=tp_group, sequence_parallel=sequence_parallel, allreduce_dgrad=allreduce_dgrad,
+                       gradient_accumulation_fusion=fused_accumulation)
+        return int8_linear(input, weight, bias, self.int8_recipe if self.int8 else _HIGH_PRECISION, tp=tp)
+
+    def extra_repr(self) -> str:
+        return self.int8_recipe.describe() if self.int8 else "high precision"
+
+
+class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear with INT8 fprop/dgrad/wgrad. Extra keywords: `recipe`, `int8`."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method,
+                 recipe: Optional[Int8Recipe] = None, int8: bool = True, **kwargs):
+        if kwargs.get("grad_output_buffer") is not None or kwargs.get("embedding_activation_buffer") is not None:
+            raise NotImplementedError(
+                "Int8ColumnParallelLinear: grad_output_buffer / embedding_activation_buffer "
+                "(defer_embedding_wgrad_compute) are not supported")
+        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+                         init_method=init_method, **kwargs)
+        self._finish_int8_init(config, recipe, int8)
+
+
+class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
+    """RowParallelLinear with INT8 fprop/dgrad/wgrad. Extra keywords: `recipe`, `int8`."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method,
+                 recipe: Optional[Int8Recipe] = None, int8: bool = True, **kwargs):
+        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+                         init_method=init_method, **kwargs)
+        self._finish_int8_init(config, recipe, int8)

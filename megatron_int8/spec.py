@@ -1,0 +1,227 @@
+"""GPT layer and block specs with INT8 linears, mirroring megatron-core's local spec.
+
+Only the four linears of a transformer layer (linear_qkv, linear_proj, linear_fc1, linear_fc2, also
+inside routed and shared experts) change class; the embedding, the output layer and the MoE router
+are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (SDPA, or TE's when
+Transformer Engine is installed) and the norms (SP-capable torch norms, or TENorm) are the same for
+the INT8 and the BF16 baseline spec, so the two differ only in the linears.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional, Tuple
+
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType, LayerType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from .attention import SDPAttention
+from .compat import SequenceParallelNorm, apply_no_te_compat
+from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
+from .policy import Int8Policy
+from .recipe import DEFAULT_RECIPE, Int8Recipe
+
+if HAVE_TE:
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention, TENorm
+
+_INT8_LINEARS = (Int8ColumnParallelLinear, Int8RowParallelLinear)
+
+
+class Int8SpecProvider(LocalSpecProvider):
+    """megatron's local backend with INT8 linears (or, with `int8=False`, the same classes in high
+    precision), SDPA / TE attention and SP-capable norms."""
+
+    def __init__(self, recipe: Optional[Int8Recipe] = None, int8: bool = True):
+        self.recipe = recipe or DEFAULT_RECIPE
+        self.int8 = int8
+
+    def _linear(self, cls) -> ModuleSpec:
+        return ModuleSpec(module=cls, params={"recipe": self.recipe, "int8": self.int8})
+
+    def column_parallel_linear(self) -> ModuleSpec:
+        return self._linear(Int8ColumnParallelLinear)
+
+    def row_parallel_linear(self) -> ModuleSpec:
+        return self._linear(Int8RowParallelLinear)
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        """TENorm with Transformer Engine, else torch RMSNorm/LayerNorm (per config.normalization)
+        that also accepts sequence parallelism."""
+        return TENorm if HAVE_TE else SequenceParallelNorm
+
+    def core_attention(self) -> type:
+        return TEDotProductAttention if HAVE_TE else SDPAttention
+
+    def grouped_mlp_modules(
+        self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
+    ) -> Tuple[type, Optional[MLPSubmodules]]:
+        """Experts as SequentialMLP over this backend's linears (LocalSpecProvider hard-codes BF16 ones).
+
+        There is no grouped INT8 GEMM: `moe_grouped_gemm` falls back to SequentialMLP (one INT8
+        GEMM per local expert), with a warning, rather than to a BF16 GroupedMLP.
+        """
+        if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            warnings.warn("megatron-int8: moe_grouped_gemm has no INT8 grouped GEMM; "
+                          "experts run as SequentialMLP with INT8 linears")
+        return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
+                                            linear_fc2=self.row_parallel_linear())
+
+
+def get_gpt_int8_layer_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    normalization: Optional[str] = "RMSNorm",
+    qk_l2_norm: Optional[bool] = False,
+    *,
+    recipe: Optional[Int8Recipe] = None,
+    int8: bool = True,
+) -> ModuleSpec:
+    """A GPT TransformerLayer spec like megatron's `get_gpt_layer_local_spec`, with INT8 linears.
+
+    `int8=False` gives the BF16 baseline layer (same attention and norms). Dense MLPs keep
+    `module=MLP` (TransformerLayer passes the TP group only to exactly MLP). Norm modules follow
+    `config.normalization` (as megatron's torch norm does); `normalization` is accepted for
+    signature parity. Pass arguments by keyword.
+    """
+    if num_experts:
+        apply_no_te_compat()
+    backend = Int8SpecProvider(recipe=recipe, int8=int8)
+    norm = backend.layer_norm(rms_norm=normalization == "RMSNorm")
+    qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
+                                         if qk_layernorm else IdentityOp)
+    mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
+                                          moe_grouped_gemm=moe_grouped_gemm)
+    # Same checkpoint keys as megatron's specs: norms are stored where TE fuses them into the
+    # following linear. MoE layers, as in the TE spec, keep a separate pre-MLP norm.
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if num_experts is None:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def _keep_in_bf16(spec, bf16_modules: Tuple[str, ...], name: str = "", expert_group: Optional[str] = None):
+    """Copy of a spec tree where the INT8 linears named in `bf16_modules` get `int8=False`."""
+    if isinstance(spec, ModuleSpec):
+        if spec.module in _INT8_LINEARS and (name in bf16_modules or expert_group in bf16_modules):
+            return dataclasses.replace(spec, params={**spec.params, "int8": False})
+        if spec.submodules is None:
+            return spec
+        return dataclasses.replace(spec, submodules=_keep_in_bf16(spec.submodules, bf16_modules, name, expert_group))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {}
+        for field in dataclasses.fields(spec):
+            group = field.name if field.name in ("experts", "shared_experts") else expert_group
+            changes[field.name] = _keep_in_bf16(getattr(spec, field.name), bf16_modules, field.name, group)
+        return dataclasses.replace(spec, **changes)
+    return spec
+
+
+def _moe_layer_pattern(config: TransformerConfig):
+    """1 for MoE layers, 0 for dense ones, per global layer (megatron's moe_layer_freq rules)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    if isinstance(freq, list) and len(freq) == config.num_layers:
+        return list(freq)
+    raise ValueError(f"invalid moe_layer_freq {freq!r} for {config.num_layers} layers")
+
+
+def get_gpt_int8_layer_specs(
+    config: TransformerConfig,
+    policy: Int8Policy,
+    *,
+    normalization: Optional[str] = None,
+    qk_layernorm: Optional[bool] = None,
+    qk_l2_norm: bool = False,
+):
+    """One layer spec per global layer (index 0 .. num_layers-1), precision per `policy`."""
+    policy.check_num_layers(config.num_layers)
+    normalization = normalization or config.normalization
+    qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+    specs = []
+    for index, is_moe in enumerate(_moe_layer_pattern(config)):
+        spec = get_gpt_int8_layer_spec(
+            num_experts=config.num_moe_experts if is_moe else None,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=qk_layernorm,
+            normalization=normalization,
+            qk_l2_norm=qk_l2_norm,
+            recipe=policy.recipe,
+            int8=policy.layer_in_int8(index, config.num_layers),
+        )
+        if policy.bf16_modules:
+            spec = _keep_in_bf16(spec, policy.bf16_modules)
+        specs.append(spec)
+    return specs
+
+
+def get_gpt_int8_block_spec(
+    config: TransformerConfig,
+    policy: Int8Policy,
+    *,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    normalization: Optional[str] = None,
+    qk_layernorm: Optional[bool] = None,
+    qk_l2_norm: bool = False,
+) -> TransformerBlockSubmodules:
+    """The decoder block of this pipeline stage (and virtual stage): like megatron's
+    `get_gpt_decoder_block_spec`, with a per-layer precision policy and an explicit final norm.
+
+    `normalization` / `qk_layernorm` default to the config's. With `policy.enabled=False` this is
+    the BF16 baseline (same attention and norms).
+    """
+    layer_specs = get_gpt_int8_layer_specs(config, policy, normalization=normalization,
+                                           qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
+    if config.pipeline_model_parallel_layout is not None:
+        layout = config.pipeline_model_parallel_layout
+        assert isinstance(layout, PipelineParallelLayerLayout)
+        local_ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = [layer_specs[i] for i in local_ids]
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        local_specs = layer_specs[offset: offset + count]
+    final_norm = Int8SpecProvider().layer_norm(rms_norm=(normalization or config.normalization) == "RMSNorm")
+    return TransformerBlockSubmodules(layer_specs=local_specs, layer_norm=final_norm)
