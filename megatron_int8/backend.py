@@ -1,8 +1,9 @@
 """Backend dispatch: one place decides whether quantize/GEMM run in PyTorch or in Triton.
 
 A backend offers two calls with identical contracts (see quantize.py for conventions):
-  quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite)
-      -> (Q(x) as [R, C] or None, Q(x^T) as [C, R] or None)
+  quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
+           amax=None) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R] or None)
+      (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None) -> dequant(a @ b^T) [+ bias]
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
 a kernel may produce both in one pass (fused cast-transpose).
@@ -39,9 +40,10 @@ class ReferenceBackend:
         stochastic: bool = False,
         name: str = "tensor",
         check_finite: bool = True,
+        amax: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
         tile2d = weight and granularity == "block"
-        kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite)
+        kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
         if rowwise:
             row = ref.quantize(x, granularity, tile2d=tile2d, **kw)

@@ -72,6 +72,9 @@ class TPOptions:
     sequence_parallel: bool = False  # all-gather input along dim 0; reduce-scatter its gradient
     allreduce_dgrad: bool = False  # all-reduce the input gradient (column-parallel without SP)
     gradient_accumulation_fusion: bool = False  # accumulate wgrad into weight.main_grad
+    # Sequence parallel, tensorwise INT8 fprop: quantize the local shard with the group's amax and
+    # all-gather INT8 (half the bytes of BF16); the gathered Q(X) is reused for wgrad.
+    int8_all_gather: bool = False
 
 
 def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -79,6 +82,18 @@ def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((x.shape[0] * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def _gather_quantized_input(input, backend, recipe: Int8Recipe, group):
+    """Q(all-gather(X)) computed as all-gather(Q(X_local)) with one amax for the whole group: identical
+    INT8 values and scale, half the communication of gathering BF16."""
+    x_local = input.reshape(-1, input.shape[-1])
+    amax = x_local.abs().amax().float().reshape(1) if x_local.numel() else x_local.new_zeros(1, dtype=torch.float32)
+    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    q_local, _ = backend.quantize(x_local, rowwise=True, columnwise=False, amax=amax,
+                                  **_quantize_kwargs(recipe, "fprop input"))
+    q_total = _all_gather_dim0(q_local.data, group)
+    return QTensor(q_total, q_local.scale, "tensor", recipe.block_size)
 
 
 def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) -> dict:
@@ -89,14 +104,21 @@ def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) ->
 class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
-        total = _all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
-        x2d = total.reshape(-1, total.shape[-1])
-        backend = get_backend(x2d.device, recipe)
+        backend = get_backend(input.device, recipe)
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = None
-        if recipe.fprop or wgrad_int8:
-            qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
-                                              **_quantize_kwargs(recipe, "fprop input"))
+        if tp.sequence_parallel and tp.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
+            qx_row = _gather_quantized_input(input, backend, recipe, tp.group)
+            qx_col = qx_row.transposed() if wgrad_int8 else None
+            world = torch.distributed.get_world_size(tp.group)
+            total_shape = (input.shape[0] * world,) + tuple(input.shape[1:])
+        else:
+            total = _all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
+            total_shape = tuple(total.shape)
+            x2d = total.reshape(-1, total.shape[-1])
+            if recipe.fprop or wgrad_int8:
+                qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
+                                                  **_quantize_kwargs(recipe, "fprop input"))
         if recipe.fprop:
             qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
             out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias)
@@ -105,7 +127,7 @@ class _Int8LinearFunction(torch.autograd.Function):
 
         ctx.recipe, ctx.tp, ctx.backend = recipe, tp, backend
         ctx.input_shape, ctx.input_dtype = tuple(input.shape), input.dtype
-        ctx.total_shape = tuple(total.shape)
+        ctx.total_shape = total_shape
         ctx.has_bias = bias is not None
         ctx.wgrad_int8 = wgrad_int8
         if wgrad_int8:
@@ -115,7 +137,7 @@ class _Int8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(weight, input)  # high-precision wgrad needs X (re-gathered under SP)
         else:
             ctx.save_for_backward(weight)
-        return out.view(*total.shape[:-1], weight.shape[0])
+        return out.view(*total_shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -99,14 +99,23 @@ def quantize(
     name: str = "tensor",
     check_finite: bool = True,
     generator: Optional[torch.Generator] = None,
+    amax: Optional[torch.Tensor] = None,
 ) -> QTensor:
-    """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis."""
+    """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis.
+
+    `amax` (tensorwise only) replaces the tensor's own amax, e.g. one reduced over a tensor-parallel group
+    so that every rank's shard of a gathered activation shares one scale.
+    """
+    if amax is not None and granularity != "tensor":
+        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
     xf = x.float()
     R, C = xf.shape
     if granularity == "tensor":
-        amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        if amax is None:
+            amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+        amax = amax.reshape(()).float()
         expanded = scale = scale_from_amax(amax)
     elif granularity == "row":
         amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
