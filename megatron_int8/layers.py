@@ -82,9 +82,6 @@ class Int8LinearMixin:
                        gradient_accumulation_fusion=fused_accumulation)
         return int8_linear(input, weight, bias, self.int8_recipe if self.int8 else _HIGH_PRECISION, tp=tp)
 
-    def extra_repr(self) -> str:
-        return self.int8_recipe.describe() if self.int8 else "high precision"
-
 
 class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
     """ColumnParallelLinear with INT8 fprop/dgrad/wgrad. Extra keywords: `recipe`, `int8`."""

@@ -1,0 +1,149 @@
+"""Shared helpers for the megatron-core integration tests: distributed setup and INT8 error bounds."""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import tempfile
+import traceback
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+
+FP32_EPS = 2.0**-24
+QMAX = 127
+
+
+# ----------------------------------------------------------------------------- error bounds
+
+
+def _half_step(x_abs_upper: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Upper bound of half a quantization step for an operand [R, K] (K = contraction axis)."""
+    if granularity == "tensor":
+        return (x_abs_upper.max() / (2 * QMAX)).expand_as(x_abs_upper)
+    if granularity == "row":
+        return (x_abs_upper.amax(dim=1, keepdim=True) / (2 * QMAX)).expand_as(x_abs_upper)
+    raise ValueError(granularity)
+
+
+def qgemm_bound(a, b, ea=None, eb=None, granularity="tensor"):
+    """Bound on |Q(a~) Q(b~)^T - a b^T| for exact operands a [R, K], b [N, K] (float64) and
+    perturbed inputs with |a~ - a| <= ea, |b~ - b| <= eb. Round-to-nearest moves each element by at
+    most half a step, scale/2 = amax/254, and amax(a~) <= max(|a| + ea); fp32 output rounding adds
+    a few ulps of |a~||b~|^T."""
+    ea = torch.zeros_like(a) if ea is None else ea
+    eb = torch.zeros_like(b) if eb is None else eb
+    a_up, b_up = a.abs() + ea, b.abs() + eb
+    da = ea + _half_step(a_up, granularity)
+    db = eb + _half_step(b_up, granularity)
+    bound = da @ b.abs().T + a.abs() @ db.T + da @ db.T
+    return bound + 8 * FP32_EPS * ((a_up + da) @ (b_up + db).T)
+
+
+# ------------------------------------------------------------------------- megatron setup
+
+
+def init_megatron(world_size=1, rank=0, init_file=None, *, tp=1, pp=1, ep=1, vpp=None, seed=1234):
+    """gloo process group + megatron model parallel state on CPU (or GPU), seeded."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
+
+    apply_cpu_compat()
+    if not torch.distributed.is_initialized():
+        if init_file is None:
+            init_file = tempfile.mktemp(prefix="mi8_pg_")
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
+                                             rank=rank, world_size=world_size)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+    model_parallel_seed(seed)
+
+
+def teardown_megatron():
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process_megatron(**kwargs):
+    """World size 1 for an in-process test; tears down what it created."""
+    created = not torch.distributed.is_initialized()
+    init_megatron(**kwargs)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if created:
+            torch.distributed.destroy_process_group()
+
+
+def _worker(rank, world_size, init_file, fn, args, timeout, errors):
+    faulthandler.dump_traceback_later(timeout, exit=True)  # a hung collective prints stacks and dies
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world_size, init_file, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        with contextlib.suppress(Exception):
+            teardown_megatron()
+
+
+def run_distributed(fn, world_size, *args, timeout=150):
+    """Run fn(rank, world_size, init_file, *args) in `world_size` spawned processes (gloo, file
+    rendezvous, so no port can collide); raise with the child's traceback on failure or timeout."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    fd, init_file = tempfile.mkstemp(prefix="mi8_pg_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, timeout, errors))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout + 30)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    messages = []
+    while not errors.empty():
+        rank, tb = errors.get()
+        messages.append(f"--- rank {rank} ---\n{tb}")
+    if alive or messages or any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"distributed test failed (exit codes {[p.exitcode for p in procs]}, "
+                             f"{len(alive)} hung)\n" + "\n".join(messages))
+
+
+def tiny_config(**overrides):
+    """A small llama-style TransformerConfig for CPU tests (fp32, CPU init => TP-invariant weights)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+              gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+              add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0,
+              attention_dropout=0.0, init_method_std=0.02)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def outlier_tensor(*shape, generator=None, outliers=4, scale=20.0, dtype=torch.float32):
+    """Gaussian data with a few large entries (the INT8 failure mode that tensorwise scales must survive)."""
+    x = torch.randn(*shape, generator=generator, dtype=dtype)
+    flat = x.view(-1)
+    idx = torch.randint(0, flat.numel(), (outliers,), generator=generator)
+    flat[idx] = flat[idx].sign() * scale
+    return x
