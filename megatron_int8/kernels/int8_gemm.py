@@ -213,7 +213,7 @@ def triton_gemm(
     if _INTERPRET:
         block_k = min(block_k, 32)
         if mode == _SCALE_BLOCK:
-            block_k = _block_k_for(a.block_size) if a.block_size <= 32 else 32
+            block_k = 32 if a.block_size % 32 == 0 else 16
             sub_k = a.block_size // block_k
     max_k = ref.MAX_EXACT_K  # read at call time (tests shrink it)
     split = mode != _SCALE_BLOCK and K > max_k
