@@ -6,6 +6,8 @@ megatron-core assumes CUDA in a few places that a CPU model actually reaches:
 - the model-parallel RNG tracker seeds and forks the CUDA generator (attention dropout, activation
   recompute): on CPU a tracker over torch's CPU generator replaces it;
 - `torch.cuda.synchronize/empty_cache` and streams (pipeline p2p, dist_checkpointing): no-ops;
+- the MoE all-to-all dispatcher passes split sizes as tensors, which only become host lists on
+  GPU (`maybe_move_tensor_to_cpu`); on CPU `all_to_all_single` gets lists;
 - `WrappedTorchNorm` refuses sequence parallelism: `SequenceParallelNorm` accepts it.
 
 Independently of the device, `apply_no_te_compat()` fixes a megatron-core 0.16.1 bug that breaks
@@ -94,6 +96,15 @@ def _make_cpu_rng_tracker_class():
     return CpuRNGStatesTracker
 
 
+def _with_list_split_sizes(all_to_all_single):
+    def wrapper(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = lambda sizes: sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes  # noqa: E731
+        return all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes),
+                                 *args, **kwargs)
+
+    return wrapper
+
+
 def apply_no_te_compat() -> None:
     """Without Transformer Engine, megatron-core 0.16.1's `RouterGatingLinearFunction` reads the
     never-defined name `te_general_gemm` (moe_utils.py:1192) unless the router runs in fp64: define
@@ -123,6 +134,8 @@ def apply_cpu_compat() -> None:
     main_stream = _NullStream()
     torch.cuda.current_stream = lambda *args, **kwargs: main_stream
     torch.cuda.default_stream = lambda *args, **kwargs: main_stream
+
+    torch.distributed.all_to_all_single = _with_list_split_sizes(torch.distributed.all_to_all_single)
 
     tracker_class = _make_cpu_rng_tracker_class()
     # Any later (re)initialization of the tracker builds the CPU one too.
