@@ -1,0 +1,38 @@
+"""Pretrain a GPT model with megatron-core and INT8 linears.
+
+    python -m megatron_int8.pretrain --config configs/tiny.yaml --int8-linear ...
+    torchrun --nproc-per-node 8 -m megatron_int8.pretrain --config configs/llama3.1_8b.yaml ...
+
+Flags follow Megatron-LM's `pretrain_gpt.py` (see `--help`); `--config FILE.yaml` takes the same
+names as keys. Also installed as the `megatron-int8-pretrain` console script.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Before anything imports megatron: on a CPU-only machine megatron's optimizer modules are loaded
+    # with their CUDA device literals rewritten (no effect with CUDA).
+    from megatron_int8.training.cpu import install_cpu_optimizer_support
+
+    install_cpu_optimizer_support()
+    from megatron_int8.training.args import ArgumentError, parse_args
+    from megatron_int8.training.loop import pretrain
+
+    try:
+        pretrain(parse_args(argv))
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        import torch
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

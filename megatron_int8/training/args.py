@@ -1,0 +1,431 @@
+"""Command line and YAML arguments, named as Megatron-LM's, plus their validation.
+
+Flags carry Megatron-LM's names and defaults so that a command line (or a YAML file of the same keys)
+moves between this trainer and upstream `pretrain_gpt.py` unchanged. `--config FILE.yaml` sets
+defaults; flags given on the command line override them. Validation runs before anything expensive,
+so a bad layout or a missing file fails in the first second with a message that names the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import yaml
+
+from ..policy import add_int8_arguments
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "NullTokenizer")
+
+
+class ArgumentError(ValueError):
+    """A user-facing configuration error; the trainer prints it without a traceback."""
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="Default: 4*hidden, or Megatron's 2/3 rule rounded to 64 with --swiglu.")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--kv-channels", type=int, default=None, help="Head dim; default hidden/heads.")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 RoPE scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g = parser.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Default: --ffn-hidden-size.")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="Default: nccl with CUDA, gloo without.")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None, help="Default: micro x data-parallel.")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save a checkpoint and exit after an iteration divisible by this.")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                   help="Without APEX's fused_weight_gradient_mlp_cuda it is disabled automatically.")
+    g = parser.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Prefix of a .bin/.idx pair, or 'W1 PREFIX1 W2 PREFIX2 ...' for a blend.")
+    g.add_argument("--split", default="969, 30, 1", help="Train, validation, test proportions.")
+    g.add_argument("--mock-data", action="store_true", help="Random tokens (needs --vocab-size).")
+    g.add_argument("--data-cache-path", default=None, help="Where GPTDataset writes its index cache.")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model, or a tokenizer.json (or its directory) for HuggingFaceTokenizer.")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer size; with a real tokenizer, a check that it has this many tokens.")
+
+
+def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-jsonl", default=None,
+                   help="JSON-lines log of every iteration (default: SAVE/train_log.jsonl when --save is set).")
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true", help="Load only the model weights.")
+    g.add_argument("--no-load-rng", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-int8-pretrain",
+        description="Pretrain a GPT model with megatron-core and INT8 linears. Flags follow Megatron-LM.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", default=None,
+                        help="YAML file whose keys are these flags' names (dashes or underscores); "
+                             "command-line flags override it.")
+    _add_model_arguments(parser)
+    _add_parallel_arguments(parser)
+    _add_training_arguments(parser)
+    _add_data_arguments(parser)
+    _add_logging_checkpoint_arguments(parser)
+    add_int8_arguments(parser)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------ YAML
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
+    """Every long option name without its dashes, underscored ('num_layers'), mapped to its action."""
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                actions[option[2:].replace("-", "_")] = action
+    return actions
+
+
+def _yaml_value(key: str, value, action: argparse.Action):
+    """A YAML value converted to what argparse would have stored for the equivalent flag."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ArgumentError(f"config key '{key}': expected true or false, got {value!r}")
+        # `disable_bias_linear: true` means the flag is given, which stores its `const`.
+        return action.const if value else action.default
+    if value is None:
+        return None
+    if action.nargs in ("*", "+"):
+        values = value if isinstance(value, list) else str(value).split()
+        return [_convert(key, v, action) for v in values]
+    if isinstance(value, (list, dict)):
+        raise ArgumentError(f"config key '{key}': expected a single value, got {value!r}")
+    return _convert(key, value, action)
+
+
+def _convert(key: str, value, action: argparse.Action):
+    if action.type is not None:
+        try:
+            value = action.type(value)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"config key '{key}': cannot convert {value!r} with {action.type.__name__}") from None
+    elif not isinstance(value, str):
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ArgumentError(f"config key '{key}': {value!r} is not one of {list(action.choices)}")
+    return value
+
+
+def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, object]:
+    """Parser defaults (dest -> value) from a YAML file; unknown keys fail with the closest names."""
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            content = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            raise ArgumentError(f"--config {path}: not valid YAML: {err}") from None
+    if not isinstance(content, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    actions = _option_actions(parser)
+    defaults, errors = {}, []
+    for raw_key, value in content.items():
+        key = str(raw_key).lstrip("-").replace("-", "_")
+        action = actions.get(key)
+        if action is None or key == "config":
+            close = difflib.get_close_matches(key, list(actions), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            errors.append(f"unknown key '{raw_key}'{hint}")
+            continue
+        defaults[action.dest] = _yaml_value(str(raw_key), value, action)
+    if errors:
+        raise ArgumentError(f"--config {path}: " + "; ".join(errors))
+    return defaults
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse YAML (--config) then the command line over it; does not validate (see validate_args)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_yaml_defaults(known.config, parser))
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def _require(args, names: List[str]) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ArgumentError(f"missing required argument(s): {', '.join(missing)}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
+
+    Checks that need no files or tokenizer: data files and vocab are checked in `data.py`.
+    """
+    _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                    "micro_batch_size", "train_iters", "lr"])
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+
+    # Model shape.
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                            f"{args.max_position_embeddings}")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                                f"{args.num_attention_heads}; set --kv-channels (the head dim) explicitly")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--num-query-groups {args.num_query_groups}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+    if args.num_experts is not None:
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts "
+                                f"{args.num_experts}]")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        raise ArgumentError("--use-rope-scaling needs --position-embedding-type rope")
+
+    # Parallel layout.
+    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.expert_model_parallel_size)
+    if world_size % (tp * pp):
+        raise ArgumentError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
+                            "parallel size")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.num_query_groups % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide the {args.num_query_groups} "
+                            "query groups (--num-query-groups)")
+    if args.ffn_hidden_size % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size "
+                            f"{args.ffn_hidden_size}")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--pipeline-model-parallel-size {pp} does not divide --num-layers {args.num_layers}")
+    if ep > 1:
+        if args.num_experts is None or args.num_experts % ep:
+            raise ArgumentError(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}")
+        if args.data_parallel_size % ep:
+            raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+                                f"{args.data_parallel_size} (world {world_size} / TP {tp} / PP {pp})")
+    if args.sequence_parallel and tp == 1:
+        print("note: --sequence-parallel needs tensor parallelism; disabled at TP=1", flush=True)
+        args.sequence_parallel = False
+    if args.num_experts is not None and ep > 1 and tp > 1 and not args.sequence_parallel:
+        raise ArgumentError("MoE with expert and tensor parallelism needs --sequence-parallel")
+
+    # Batch.
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_micro_batches = args.global_batch_size // per_step
+
+    # Schedule.
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters >= max(args.lr_decay_iters, 1):
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
+                            f"{args.lr_decay_iters}")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-method only applies with --recompute-granularity full")
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+
+    # Data and tokenizer presence (contents are checked once the tokenizer is built).
+    if args.mock_data:
+        if args.tokenizer_type is None:
+            args.tokenizer_type = "NullTokenizer"
+    elif not args.data_path:
+        raise ArgumentError("no training data: give --data-path PREFIX (of PREFIX.bin/.idx) or --mock-data")
+    if args.tokenizer_type is None:
+        raise ArgumentError(f"--tokenizer-type is required (one of {', '.join(TOKENIZER_TYPES)})")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif args.tokenizer_model is None:
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif not os.path.exists(args.tokenizer_model):
+        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    if args.save is not None and args.log_jsonl is None:
+        args.log_jsonl = os.path.join(args.save, "train_log.jsonl")
+    return args
+
+
+def pad_vocab_size(vocab_size: int, args) -> int:
+    """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config_from_args(args, **overrides):
+    """The TransformerConfig these (validated) arguments describe."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=args.swiglu,
+        qk_layernorm=args.qk_layernorm,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        deallocate_pipeline_outputs=True,
+        variable_seq_lengths=False,
+    )
+    if args.num_experts is not None:
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_grouped_gemm=args.moe_grouped_gemm,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,186 @@
+"""Tokenizer, datasets and resumable data iterators, built on megatron-core's dataset stack.
+
+Everything that can be checked cheaply is checked before megatron-core builds its index caches:
+missing .bin/.idx files, token ids beyond the tokenizer's vocabulary, and splits that would get no
+tokens (megatron-core's GPTDataset then loops forever computing its epoch count).
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .args import ArgumentError
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+SPLIT_NAMES = ("train", "validation", "test")
+VOCAB_CHECK_TOKENS = 1 << 24  # token ids read per data file for the vocabulary check
+
+
+def build_tokenizer(args):
+    """A MegatronTokenizer for --tokenizer-type; checks --vocab-size against it when both are given."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    kind = args.tokenizer_type
+    if kind == "NullTokenizer":
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null", "model_type": "gpt"},
+                                                 vocab_size=args.vocab_size)
+    if kind in SENTENCEPIECE_TYPES:
+        tokenizer = MegatronTokenizer.from_pretrained(
+            tokenizer_path=args.tokenizer_model, metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+    elif kind == "HuggingFaceTokenizer":
+        try:
+            import transformers  # noqa: F401  (megatron's HuggingFaceTokenizer wraps AutoTokenizer)
+        except ImportError:
+            raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs the `transformers` package "
+                                "(pip install transformers)") from None
+        path = args.tokenizer_model
+        directory = os.path.dirname(path) if os.path.isfile(path) else path
+        tokenizer = MegatronTokenizer.from_pretrained(
+            tokenizer_path=directory, metadata_path={"library": "huggingface", "model_type": "gpt"}, use_fast=True)
+    else:
+        raise ArgumentError(f"unsupported --tokenizer-type {kind}")
+    if args.vocab_size is not None and tokenizer.vocab_size != args.vocab_size:
+        raise ArgumentError(f"tokenizer/vocab mismatch: {args.tokenizer_model} has {tokenizer.vocab_size} tokens "
+                            f"but --vocab-size is {args.vocab_size}; fix --vocab-size or use the matching tokenizer")
+    return tokenizer
+
+
+def data_prefixes(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """(prefixes, weights or None) from --data-path, as megatron-core's get_blend_from_list reads it."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    try:
+        prefixes, weights = get_blend_from_list(list(data_path))
+    except (ValueError, AssertionError) as err:
+        raise ArgumentError(f"--data-path {' '.join(data_path)}: {err}") from None
+    return list(prefixes), (list(weights) if weights is not None else None)
+
+
+def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
+    """Fail early on missing files, out-of-vocabulary token ids and splits left without tokens."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes, weights = data_prefixes(args.data_path)
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise ArgumentError(f"missing data file(s) {', '.join(missing)} (from --data-path); "
+                                "create them with scripts/preprocess_data.py")
+    try:
+        split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    except (ValueError, AssertionError) as err:
+        raise ArgumentError(f"--split {args.split!r}: {err}") from None
+    for index, prefix in enumerate(prefixes):
+        if weights is not None and weights[index] == 0:
+            continue
+        dataset = IndexedDataset(prefix, mmap=True)
+        lengths = dataset.sequence_lengths
+        for split, bookends in enumerate(split_matrix):
+            if bookends is None or not sizes[split]:
+                continue
+            begin, end = (int(round(b * float(len(lengths)))) for b in bookends)
+            if int(np.sum(lengths[begin:end], dtype=np.int64)) == 0:
+                raise ArgumentError(
+                    f"the {SPLIT_NAMES[split]} split of {prefix} is empty: --split {args.split!r} gives it "
+                    f"documents [{begin}, {end}) of {len(lengths)} (megatron-core would loop forever on it). "
+                    "Use more documents, a split that leaves this split at least one document"
+                    + (", or --eval-iters 0" if split == 1 else ""))
+        _check_token_ids(prefix, dataset, tokenizer.vocab_size)
+
+
+def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
+    """Token ids must index the embedding: a larger id means data made with another tokenizer."""
+    tokens = np.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
+    head = tokens[:VOCAB_CHECK_TOKENS]
+    if head.size and int(head.max()) >= vocab_size:
+        raise ArgumentError(f"tokenizer/vocab mismatch: {prefix}.bin contains token id {int(head.max())} but the "
+                            f"tokenizer has {vocab_size} tokens; preprocess the data with this tokenizer")
+
+
+def dataset_sizes(args) -> List[Optional[int]]:
+    """Samples per split, as Megatron-LM requests them (no test split: this trainer never uses it)."""
+    train = args.train_iters * args.global_batch_size
+    valid = None
+    if args.eval_iters > 0:
+        valid = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
+    return [train, valid, None]
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid) megatron-core datasets: GPTDataset/BlendedDataset over --data-path, or mock data.
+
+    Call `check_data` first (before the model is built) for real data.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    sizes = dataset_sizes(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=data_prefixes(args.data_path) if not args.mock_data else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask,
+        mid_level_dataset_surplus=0.005,
+    )
+    dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    # Every rank builds (memory-mapped, cached on disk by the first rank): TP ranks then read the same
+    # micro-batches without a broadcast.
+    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    return train, valid
+
+
+class PretrainingSampler:
+    """Micro-batch indices for one data-parallel rank, starting after `consumed_samples`.
+
+    Each global step takes the next micro x DP samples in order and gives this rank its slice, so a
+    run resumed at `consumed_samples` sees exactly the samples the uninterrupted run would have.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        if total_samples <= 0:
+            raise ArgumentError("a dataset split has no samples")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.rank_slice = slice(data_parallel_rank * micro_batch_size, (data_parallel_rank + 1) * micro_batch_size)
+        self.step = micro_batch_size * data_parallel_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        start = self.consumed_samples
+        while True:  # cycle: validation re-reads its split; train is sized for --train-iters
+            for first in range(start, self.total_samples - self.step + 1, self.step):
+                yield list(range(first, first + self.step))[self.rank_slice]
+            start = 0
+
+
+def build_data_iterator(dataset, consumed_samples: int, args) -> Optional[Iterator]:
+    """An endless iterator of micro-batches (dicts of CPU tensors) for this data-parallel rank."""
+    from megatron.core import parallel_state
+
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(
+        total_samples=len(dataset),
+        consumed_samples=consumed_samples % max(len(dataset), 1),
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
+        persistent_workers=args.num_workers > 0)
+    return iter(loader)

@@ -1,0 +1,176 @@
+"""The pretraining loop: setup, train steps through megatron's pipeline schedules, evaluation, saves."""
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import torch
+
+from ..policy import policy_from_args, print_precision_table
+from .args import ArgumentError, pad_vocab_size, validate_args
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
+from .metrics import TrainingLogger
+from .model import build_config, build_model, build_optimizer, initialize_distributed, set_random_seed, unwrap
+
+
+def _log(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _needs_data() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked token losses and token count: megatron's schedules divide by both counts."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), mask.sum().detach()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through this pipeline stage (megatron's `forward_step_func` contract)."""
+    if not _needs_data():  # middle pipeline stages receive activations, not tokens
+        return model(None, None, None), partial(loss_func, None)
+    batch = next(data_iterator)
+    device = _device()
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _reduce_loss(losses_reduced) -> float:
+    """Token-weighted mean loss over the global batch, known on every rank."""
+    from megatron.core import parallel_state
+
+    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for item in losses_reduced:
+            total += item["lm loss"].to(total)
+    torch.distributed.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def train_step(forward_backward, data_iterator, model, optimizer, scheduler, args):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_loss(losses), grad_norm, not update_successful
+
+
+def evaluate(forward_backward, data_iterator, model, args) -> float:
+    for chunk in model:
+        chunk.eval()
+    items = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            items += forward_backward(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+                num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
+    for chunk in model:
+        chunk.train()
+    return _reduce_loss(items)
+
+
+def _wire_megatron_config(config, model, optimizer, args) -> None:
+    """What megatron's schedules call back into: loss scaling, grad finalization, grad-sync overlap."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = model[0].no_sync
+        config.grad_sync_func = model[0].start_grad_sync
+
+
+def pretrain(args) -> dict:
+    """Train per `args` (from `args.parse_args`); returns {"iteration", "loss", "valid_loss"}."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(args, world_size)
+    try:
+        policy = policy_from_args(args)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokenizer = build_tokenizer(args)
+    args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args)
+    if not args.mock_data:
+        check_data(args, tokenizer, dataset_sizes(args))
+
+    initialize_distributed(args)
+    set_random_seed(args.seed)
+    _log(f"world size {world_size}: TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
+         f"DP {args.data_parallel_size}, EP {args.expert_model_parallel_size}; global batch "
+         f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {args.data_parallel_size} x "
+         f"{args.num_micro_batches} micro-batches; device {_device()}")
+    _log(f"tokenizer {args.tokenizer_type}: {tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}")
+    config = build_config(args, _log)
+    model = build_model(args, config, policy, args.padded_vocab_size)
+    num_params = sum(p.numel() for p in unwrap(model)[0].parameters())
+    _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
+    print_precision_table(unwrap(model), policy, print_fn=_log)
+    optimizer, scheduler = build_optimizer(args, model, _log)
+    _wire_megatron_config(config, model, optimizer, args)
+
+    iteration, consumed_samples = 0, 0
+    if args.load:
+        iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler, _log)
+    train_ds, valid_ds = build_datasets(args, tokenizer)
+    needs_data = _needs_data()
+    train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None
+    consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    valid_iterator = build_data_iterator(valid_ds, consumed_valid, args) if needs_data else None
+
+    logger = TrainingLogger(args, args.padded_vocab_size, iteration, torch.distributed.get_rank() == 0, _log)
+    forward_backward = get_forward_backward_func()
+    for chunk in model:
+        chunk.train()
+    loss = valid_loss = None
+    _log(f"training from iteration {iteration} to {args.train_iters}")
+    while iteration < args.train_iters:
+        start = time.time()
+        loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args)
+        iteration += 1
+        consumed_samples += args.global_batch_size
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
+                             grad_norm, skipped, time.time() - start)
+        paused = time.time()
+        if valid_ds is not None and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            valid_loss = evaluate(forward_backward, valid_iterator, model, args)
+            logger.validation(iteration, valid_loss)
+        exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
+        if args.save and (iteration == args.train_iters or exiting
+                          or (args.save_interval and iteration % args.save_interval == 0)):
+            save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log)
+        logger.pause_interval(time.time() - paused)
+        if exiting and iteration < args.train_iters:
+            _log(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    logger.close()
+    if parallel_state.model_parallel_is_initialized():
+        torch.distributed.barrier()
+    return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}

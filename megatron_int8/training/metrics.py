@@ -1,0 +1,151 @@
+"""Training metrics: model FLOPs, the per-interval log line, the JSONL log and TensorBoard scalars."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from typing import Optional
+
+import torch
+
+
+def model_flops_per_iteration(args, padded_vocab_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward = 3 x forward, 2 FLOPs per MAC).
+
+    Per token and layer: Q/K/V projections (GQA: K and V have num_query_groups heads), the output
+    projection, causal attention (QK^T and AV over half the sequence on average), and the MLP (3
+    matrices with SwiGLU, else 2; MoE: top-k experts plus the router). Plus the output logits.
+    Recompute and pipeline bubbles are not counted (model FLOPs, not hardware FLOPs).
+    """
+    h, d = args.hidden_size, args.kv_channels
+    q_size, kv_size = args.num_attention_heads * d, args.num_query_groups * d
+    attention = h * (q_size + 2 * kv_size) + q_size * h + args.seq_length * q_size  # causal: 2 x s/2
+    matrices = 3 if args.swiglu else 2
+    if args.num_experts:
+        mlp = args.moe_router_topk * matrices * h * args.moe_ffn_hidden_size + h * args.num_experts
+    else:
+        mlp = matrices * h * args.ffn_hidden_size
+    macs_per_token = args.num_layers * (attention + mlp) + h * padded_vocab_size
+    tokens = args.global_batch_size * args.seq_length
+    return 6.0 * tokens * macs_per_token
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory allocated by torch, or the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class TrainingLogger:
+    """Writes the log line (rank 0), the JSONL log and TensorBoard scalars.
+
+    The JSONL file gets one line per iteration ({"iteration", "lm_loss", ...}) and per validation
+    ({"iteration", "valid_lm_loss"}); each line is flushed, so a crash loses nothing written. When
+    a run resumes, lines after the checkpoint's iteration (from the interrupted run) are dropped.
+    """
+
+    def __init__(self, args, padded_vocab_size: int, start_iteration: int, is_writer: bool, print_fn=print):
+        self.args = args
+        self.is_writer = is_writer
+        self.print = print_fn
+        self.flops_per_iteration = model_flops_per_iteration(args, padded_vocab_size)
+        self.world_size = torch.distributed.get_world_size()
+        self.interval_start = time.time()
+        self.interval_iterations = 0
+        self.jsonl = None
+        self.tensorboard = None
+        if not is_writer:
+            return
+        if args.log_jsonl:
+            self._open_jsonl(args.log_jsonl, start_iteration)
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.print("note: --tensorboard-dir ignored: the tensorboard package is not installed "
+                           "(pip install tensorboard)")
+            else:
+                self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=10)
+
+    def _open_jsonl(self, path: str, start_iteration: int) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept if start_iteration > 0 else [])
+            os.replace(tmp, path)
+        self.jsonl = open(path, "a", encoding="utf-8")
+
+    def _write(self, record: dict) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+    def training_step(self, iteration: int, consumed_samples: int, loss: float, lr: float,
+                      grad_norm: Optional[float], skipped: bool, step_seconds: float) -> None:
+        args = self.args
+        self.interval_iterations += 1
+        if not self.is_writer:
+            return
+        tokens_per_s = args.global_batch_size * args.seq_length / max(step_seconds, 1e-9)
+        self._write({"iteration": iteration, "consumed_samples": consumed_samples, "lm_loss": loss, "lr": lr,
+                     "grad_norm": grad_norm, "skipped": skipped, "step_time_s": round(step_seconds, 6),
+                     "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear)})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("lm loss", loss, iteration)
+            self.tensorboard.add_scalar("learning-rate", lr, iteration)
+            if grad_norm is not None:
+                self.tensorboard.add_scalar("grad-norm", grad_norm, iteration)
+            self.tensorboard.add_scalar("tokens-per-second", tokens_per_s, iteration)
+        if iteration % args.log_interval and iteration != args.train_iters:
+            return
+        elapsed = time.time() - self.interval_start
+        per_iteration = elapsed / max(self.interval_iterations, 1)
+        tflops = self.flops_per_iteration / per_iteration / self.world_size / 1e12
+        interval_tokens_per_s = args.global_batch_size * args.seq_length / per_iteration
+        norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+        self.print(
+            f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {consumed_samples:12d} | "
+            f"elapsed time per iteration (ms): {per_iteration * 1000:.1f} | tokens/s: {interval_tokens_per_s:.0f} | "
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.2f} | learning rate: {lr:.6E} | "
+            f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm} | "
+            f"peak memory (GB): {peak_memory_gb():.2f} | "
+            f"ETA: {format_duration(per_iteration * (args.train_iters - iteration))}"
+            + (" | skipped (non-finite gradients)" if skipped else ""))
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("throughput-tflops-per-gpu", tflops, iteration)
+        self.interval_start = time.time()
+        self.interval_iterations = 0
+
+    def validation(self, iteration: int, loss: float) -> None:
+        if not self.is_writer:
+            return
+        self._write({"iteration": iteration, "valid_lm_loss": loss})
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar("lm loss validation", loss, iteration)
+        line = f" validation loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {_ppl(loss):.6E}"
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+
+    def pause_interval(self, seconds: float) -> None:
+        """Exclude time spent on evaluation or checkpointing from the throughput."""
+        self.interval_start += seconds
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 20.0))

@@ -1,0 +1,164 @@
+"""Process groups, the GPT model (INT8 or BF16 spec), DDP, megatron's optimizer and LR schedule."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from typing import List
+
+import numpy as np
+import torch
+
+from ..compat import apply_cpu_compat, model_parallel_seed
+from .args import transformer_config_from_args
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_distributed(args) -> None:
+    """torch.distributed (NCCL on GPU, gloo on CPU) and megatron's TP/PP/DP/EP groups.
+
+    A plain `python -m megatron_int8.pretrain` (no torchrun) runs as a world of one.
+    """
+    from megatron.core import parallel_state
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        apply_cpu_compat()
+    backend = args.distributed_backend or ("nccl" if use_cuda else "gloo")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's seeding: one seed per pipeline stage, megatron's TP/EP streams on top."""
+    from megatron.core import parallel_state
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    model_parallel_seed(seed)
+
+
+def fused_wgrad_available() -> bool:
+    """Whether APEX's fused weight-gradient extension (gradient_accumulation_fusion) is installed."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def build_config(args, log):
+    """TransformerConfig for this run; disables gradient accumulation fusion where it cannot run."""
+    if args.gradient_accumulation_fusion and not fused_wgrad_available():
+        log("note: gradient accumulation fusion off (APEX fused_weight_gradient_mlp_cuda not available)")
+        args.gradient_accumulation_fusion = False
+    return transformer_config_from_args(args, use_cpu_initialization=not torch.cuda.is_available())
+
+
+def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.Module]:
+    """[DDP(Float16Module?(GPTModel))] for this pipeline stage, on the current device."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
+    from megatron.core.transformer.module import Float16Module
+
+    from ..spec import get_gpt_int8_block_spec
+
+    spec = get_gpt_int8_block_spec(config, policy)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    )
+    for param in model.parameters():
+        set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return [model]
+
+
+def build_optimizer(args, model_chunks, log):
+    """megatron's optimizer (mixed precision, optional distributed optimizer) and LR/WD schedule."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    inner = [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in getattr(optimizer, "chained_optimizers", [optimizer])}
+    where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
+    log(f"optimizer: {'/'.join(sorted(set(inner)))} over {'/'.join(sorted(base))} {args.optimizer}{where}")
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def unwrap(model_chunks) -> List[torch.nn.Module]:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(model_chunks))
+

@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Build a small JSONL text corpus from files already on this machine: the Python standard library's
+own .py sources (no downloads). One document per source file: {"text": ..., "path": ...}.
+
+    python3 scripts/prepare_tiny_corpus.py --output runs/tiny/corpus.jsonl --max-mb 8
+"""
+import argparse
+import json
+import os
+import sys
+import sysconfig
+
+SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+
+
+def stdlib_sources(max_file_bytes: int):
+    """Standard-library .py files, sorted so that the corpus is the same on every run."""
+    root = sysconfig.get_paths()["stdlib"]
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("."))
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            if name.endswith(".py") and 0 < os.path.getsize(path) <= max_file_bytes:
+                yield root, path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="JSONL file to write")
+    parser.add_argument("--max-mb", type=float, default=8.0, help="stop after this many MB of text")
+    parser.add_argument("--max-file-kb", type=float, default=256.0, help="skip larger source files")
+    args = parser.parse_args(argv)
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    budget, written, docs = int(args.max_mb * 2**20), 0, 0
+    tmp = args.output + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for root, path in stdlib_sources(int(args.max_file_kb * 1024)):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            out.write(json.dumps({"text": text, "path": os.path.relpath(path, root)}) + "\n")
+            written += len(text.encode("utf-8"))
+            docs += 1
+            if written >= budget:
+                break
+    if docs == 0:
+        print(f"error: no Python sources found under {sysconfig.get_paths()['stdlib']}", file=sys.stderr)
+        return 1
+    os.replace(tmp, args.output)  # a partial corpus never looks complete
+    print(f"corpus: {docs} documents, {written / 2**20:.1f} MB -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Tokenize text into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx), appending EOD.
+
+Input: JSONL files (one document per line, text under --json-keys) or plain-text files (one
+document per file). Tokenizers: a SentencePiece model (Llama-2 style) or a Hugging Face
+`tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With --train-sentencepiece V,
+a SentencePiece BPE model of V tokens is first trained on the input and written to --tokenizer-model;
+it keeps whitespace and newlines exactly (identity normalization, byte fallback), so code stays code.
+
+    python3 scripts/preprocess_data.py --input corpus.jsonl --json-keys text \\
+        --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
+        --tokenizer-model tok/spm.model [--train-sentencepiece 4096] --workers 4
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+HF_EOD_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+def read_documents(paths, json_keys):
+    """(key, text) for every document of every input file."""
+    for path in paths:
+        if path.endswith((".jsonl", ".json")):
+            with open(path, encoding="utf-8") as f:
+                for line_number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise SystemExit(f"error: {path}:{line_number}: not JSON: {err}")
+                    for key in json_keys:
+                        if key not in record:
+                            raise SystemExit(f"error: {path}:{line_number}: no key {key!r} (--json-keys)")
+                        yield key, record[key]
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield json_keys[0], f.read()
+
+
+def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int) -> None:
+    """BPE over the input's lines; whitespace-preserving so that decode(encode(code)) == code."""
+    import sentencepiece as spm
+
+    def lines():
+        for _, text in read_documents(paths, json_keys):
+            for line in text.split("\n"):
+                if line.strip():
+                    yield line
+
+    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+    prefix = model_path[: -len(".model")] if model_path.endswith(".model") else model_path
+    started = time.time()
+    print(f"training a SentencePiece BPE tokenizer ({vocab_size} tokens) on {', '.join(paths)} ...", flush=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+        normalization_rule_name="identity", remove_extra_whitespaces=False, split_by_whitespace=True,
+        allow_whitespace_only_pieces=True, byte_fallback=True, split_digits=True, character_coverage=1.0,
+        user_defined_symbols=["\n", "\t"], input_sentence_size=2_000_000, shuffle_input_sentence=True,
+        max_sentence_length=16384, num_threads=os.cpu_count() or 1, minloglevel=2)
+    if prefix + ".model" != model_path:
+        os.replace(prefix + ".model", model_path)
+    print(f"wrote {model_path} in {time.time() - started:.1f} s", flush=True)
+
+
+class Encoder:
+    """Loaded once per worker process (tokenizers do not pickle)."""
+
+    def __init__(self, tokenizer_type, tokenizer_model, eod_token):
+        self.tokenizer_type, self.tokenizer_model, self.eod_token = tokenizer_type, tokenizer_model, eod_token
+
+    def load(self):
+        if self.tokenizer_type == "HuggingFaceTokenizer":
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise SystemExit("error: a Hugging Face tokenizer.json needs the `tokenizers` package "
+                                 "(pip install tokenizers)")
+            path = self.tokenizer_model
+            if os.path.isdir(path):
+                path = os.path.join(path, "tokenizer.json")
+            tokenizer = Tokenizer.from_file(path)
+            self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+            names = [self.eod_token] if self.eod_token else list(HF_EOD_CANDIDATES)
+            ids = [tokenizer.token_to_id(n) for n in names]
+            found = [(n, i) for n, i in zip(names, ids) if i is not None]
+            if not found:
+                raise SystemExit(f"error: none of {names} is a token of {path}; name the EOD token with --eod-token")
+            self.eod_name, self.eod = found[0]
+            self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            import sentencepiece as spm
+
+            processor = spm.SentencePieceProcessor(model_file=self.tokenizer_model)
+            self.vocab_size, self.eod = processor.vocab_size(), processor.eos_id()
+            self.eod_name = processor.id_to_piece(self.eod)
+            self._encode = processor.encode
+        return self
+
+    def encode(self, item):
+        key, text = item
+        ids = self._encode(text)
+        ids.append(self.eod)
+        return key, np.asarray(ids, dtype=np.int64), len(text.encode("utf-8"))
+
+
+_worker_encoder = None
+
+
+def _init_worker(encoder):
+    global _worker_encoder
+    _worker_encoder = encoder.load()
+
+
+def _encode_in_worker(item):
+    return _worker_encoder.encode(item)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="JSONL or plain-text files")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
+    parser.add_argument("--tokenizer-type", required=True,
+                        choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                                 "HuggingFaceTokenizer"])
+    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model, or tokenizer.json (or its dir)")
+    parser.add_argument("--train-sentencepiece", type=int, metavar="VOCAB", default=None,
+                        help="first train a SentencePiece model of VOCAB tokens on the input (to --tokenizer-model)")
+    parser.add_argument("--eod-token", default=None, help=f"Hugging Face EOD token (default: first of {HF_EOD_CANDIDATES})")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--log-interval-s", type=float, default=2.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+
+    for path in args.input:
+        if not os.path.isfile(path):
+            parser.error(f"--input {path}: no such file")
+    if args.train_sentencepiece is not None:
+        if args.tokenizer_type == "HuggingFaceTokenizer":
+            parser.error("--train-sentencepiece makes a SentencePiece model: use a SentencePiece --tokenizer-type")
+        train_sentencepiece(args.input, args.json_keys, args.tokenizer_model, args.train_sentencepiece)
+    elif not os.path.exists(args.tokenizer_model):
+        parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file (or pass --train-sentencepiece VOCAB)")
+
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token)
+    local = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token).load()
+    dtype = DType.optimal_dtype(local.vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    outputs = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    builders = {key: IndexedDatasetBuilder(path + ".bin.tmp", dtype=dtype) for key, path in outputs.items()}
+    print(f"tokenizing with {args.tokenizer_type} ({local.vocab_size} tokens, EOD {local.eod_name!r}={local.eod}), "
+          f"{args.workers} worker(s)", flush=True)
+
+    started = last = time.time()
+    docs = tokens = nbytes = 0
+    documents = read_documents(args.input, args.json_keys)
+    if args.workers > 1:
+        pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=(encoder,))
+        encoded = pool.imap(_encode_in_worker, documents, chunksize=16)
+    else:
+        pool, encoded = None, map(local.encode, documents)
+    for key, ids, size in encoded:
+        builders[key].add_document(ids, [len(ids)])
+        docs, tokens, nbytes = docs + 1, tokens + len(ids), nbytes + size
+        if time.time() - last >= args.log_interval_s:
+            last = time.time()
+            print(f"  {docs} documents, {tokens} tokens, {nbytes / 2**20:.1f} MB "
+                  f"({nbytes / 2**20 / (last - started):.2f} MB/s)", flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
+    for key, builder in builders.items():
+        builder.finalize(outputs[key] + ".idx")
+        os.replace(outputs[key] + ".bin.tmp", outputs[key] + ".bin")  # .bin appears only when complete
+        print(f"wrote {outputs[key]}.bin/.idx", flush=True)
+    print(f"done: {docs} documents, {tokens} tokens ({tokens / max(nbytes, 1):.3f} tokens/byte) in "
+          f"{time.time() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
