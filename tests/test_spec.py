@@ -1,0 +1,191 @@
+"""INT8 GPT specs: the six target architectures at tiny width build and train, the BF16 baseline
+spec, checkpoint interchange with BF16 models, and SDPA attention vs megatron's DotProductAttention."""
+import pytest
+import torch
+from mcore_helpers import single_process_megatron, tiny_config
+
+from megatron_int8.policy import Int8Policy
+from megatron_int8.recipe import Int8Recipe
+
+# Tiny stand-ins of the targets (see docs / research notes): what distinguishes each architecture
+# is kept (MHA/GQA, head_dim != hidden/heads, qk-norm, tied embeddings, RoPE base and scaling, MoE).
+ARCHITECTURES = {
+    "llama2-7b": (dict(num_attention_heads=4), dict(rotary_base=10000)),
+    "llama2-13b": (dict(hidden_size=80, num_attention_heads=5, ffn_hidden_size=216), dict(rotary_base=10000)),
+    "llama3.1-8b": (dict(num_attention_heads=4, num_query_groups=2, ffn_hidden_size=224),
+                    dict(rotary_base=500000, rope_scaling=True)),
+    "qwen3-4b": (dict(hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                      qk_layernorm=True, layernorm_epsilon=1e-6),
+                 dict(rotary_base=1000000, share_embeddings_and_output_weights=True)),
+    "qwen3-8b": (dict(num_attention_heads=4, num_query_groups=2, qk_layernorm=True, layernorm_epsilon=1e-6,
+                      ffn_hidden_size=192), dict(rotary_base=1000000)),
+    "mixtral-8x7b-8l": (dict(num_attention_heads=4, num_query_groups=2, num_moe_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=96, moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="alltoall"),
+                        dict(rotary_base=1000000)),
+}
+VOCAB, SEQ, BATCH = 96, 16, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world():
+    with single_process_megatron():
+        yield
+
+
+def _gpt(config, policy, **model_kw):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_int8.spec import get_gpt_int8_block_spec
+
+    model_kw.setdefault("share_embeddings_and_output_weights", False)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, policy),
+                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope", **model_kw)
+
+
+def _batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:], torch.arange(SEQ).expand(BATCH, -1)
+
+
+def _linears(model):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_architecture_builds_and_trains(arch):
+    from megatron_int8.layers import Int8LinearMixin
+
+    torch.manual_seed(0)
+    config_kw, model_kw = ARCHITECTURES[arch]
+    config = tiny_config(**config_kw)
+    model = _gpt(config, Int8Policy(recipe=Int8Recipe(backend="reference")), **model_kw)
+    for name, linear in _linears(model).items():
+        in_layer = ".layers." in name
+        assert isinstance(linear, Int8LinearMixin) == in_layer and (not in_layer or linear.int8), name
+    if config.num_moe_experts:
+        assert sum("local_experts" in n for n in _linears(model)) == 2 * 8 * config.num_layers
+    tokens, labels, positions = _batch()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = model(tokens, positions, None, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_bf16_baseline_has_same_modules_and_no_int8():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    config = tiny_config(qk_layernorm=True, num_query_groups=2)
+    int8_model = _gpt(config, Int8Policy())
+    bf16_model = _gpt(config, Int8Policy(enabled=False))
+    types = lambda m: [(n, type(x)) for n, x in m.named_modules()]  # noqa: E731
+    assert types(int8_model) == types(bf16_model)
+    assert not any(getattr(m, "int8", False) for m in bf16_model.modules())
+    layer = next(m for m in bf16_model.modules() if isinstance(m, TransformerLayer))
+    assert type(layer.self_attention.core_attention).__name__ in ("SDPAttention", "TEDotProductAttention")
+
+
+def test_bf16_modules_and_first_last_policy_in_spec():
+    from megatron_int8.spec import get_gpt_int8_layer_specs
+
+    config = tiny_config(num_layers=4, num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1, 1, 0])
+    policy = Int8Policy(first_last_layers_bf16=True, num_layers_at_end_in_bf16=0,
+                        bf16_modules=("linear_proj", "shared_experts", "linear_fc2"))
+    specs = get_gpt_int8_layer_specs(config, policy)
+    attn = [s.submodules.self_attention.submodules for s in specs]
+    assert [a.linear_qkv.params["int8"] for a in attn] == [False, True, True, True]
+    assert not any(a.linear_proj.params["int8"] for a in attn)
+    experts = specs[1].submodules.mlp.submodules.experts.submodules
+    assert experts.linear_fc1.params["int8"] and not experts.linear_fc2.params["int8"]
+    assert not specs[1].submodules.mlp.submodules.shared_experts.submodules.linear_fc1.params["int8"]
+    assert specs[3].submodules.mlp.submodules.linear_fc1.params["int8"]
+
+
+def test_checkpoints_interchange_with_bf16(tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = tiny_config(num_query_groups=2)
+    torch.manual_seed(1)
+    bf16 = _gpt(config, Int8Policy(enabled=False))
+    torch.manual_seed(2)
+    int8 = _gpt(config, Int8Policy())
+    stock = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    assert list(bf16.state_dict()) == list(int8.state_dict()) == list(stock.state_dict())
+    int8.load_state_dict(bf16.state_dict(), strict=True)
+    stock.load_state_dict(int8.state_dict(), strict=True)
+
+    # megatron dist_checkpointing: BF16 -> INT8 -> BF16 (same sharded keys, incl. the norm key map).
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "int8").mkdir()
+    torch.manual_seed(3)
+    bf16 = _gpt(config, Int8Policy(enabled=False))
+    dist_checkpointing.save(bf16.sharded_state_dict(), str(tmp_path / "bf16"))
+    int8 = _gpt(config, Int8Policy())
+    int8.load_state_dict(dist_checkpointing.load(int8.sharded_state_dict(), str(tmp_path / "bf16")))
+    for (name, a), b in zip(bf16.state_dict().items(), int8.state_dict().values()):
+        assert a is None and b is None or torch.equal(a, b), name
+    dist_checkpointing.save(int8.sharded_state_dict(), str(tmp_path / "int8"))
+    back = _gpt(config, Int8Policy(enabled=False))
+    back.load_state_dict(dist_checkpointing.load(back.sharded_state_dict(), str(tmp_path / "int8")))
+    tokens, labels, positions = _batch()
+    bf16.eval(), back.eval()
+    assert torch.equal(bf16(tokens, positions, None, labels=labels), back(tokens, positions, None, labels=labels))
+
+
+def _attention_pair(config):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_int8.attention import SDPAttention
+
+    kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return SDPAttention(**kw), DotProductAttention(**kw)
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_sdpa_attention_matches_dot_product_attention(groups):
+    config = tiny_config(num_attention_heads=4, num_query_groups=groups, kv_channels=16)
+    sdpa, reference = _attention_pair(config)
+    gen = torch.Generator().manual_seed(groups)
+    sq, b = 12, 2
+    q = torch.randn(sq, b, 4, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(sq, b, groups, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(sq, b, groups, 16, generator=gen, dtype=torch.float64)
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)[None, None]
+    padding = causal | (torch.arange(sq) >= torch.tensor([sq, sq - 3])[:, None])[:, None, None, :]
+    cases = [(None, causal), (causal, causal), (padding, padding)]  # (SDPA mask, reference mask)
+    for sdpa_mask, ref_mask in cases:
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = sdpa(*inputs, sdpa_mask)
+        ref = reference(*ref_inputs, ref_mask)
+        assert out.shape == (sq, b, 4 * 16)
+        torch.testing.assert_close(out, ref)  # float64 on both sides
+        g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        out.backward(g)
+        ref.backward(g)
+        for got, want in zip(inputs, ref_inputs):
+            torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_sdpa_attention_dropout_uses_model_parallel_rng():
+    config = tiny_config(attention_dropout=0.5)
+    sdpa, _ = _attention_pair(config)
+    q, k, v = (torch.randn(8, 2, 4, 16) for _ in range(3))
+    sdpa.eval()
+    assert torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
+    sdpa.train()
+    assert not torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
