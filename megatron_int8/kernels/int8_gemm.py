@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 import importlib
 
@@ -30,6 +31,7 @@ ref = importlib.import_module("megatron_int8.quantize")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
+ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, use one heuristic tile config
 
 
 @triton.jit
@@ -150,6 +152,7 @@ _int8_gemm_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune},
     # accumulate_into is read-modify-write: restore it between autotuning trials
     restore_value=["c_ptr"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
 )(_int8_gemm_kernel)
 
 
@@ -227,6 +230,10 @@ def triton_gemm(
         BM, BN = 16, 16
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
+    elif os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one heuristic config: no tuning, one compile per variant
+        BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
     else:
         grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
         _int8_gemm_tuned[grid](*args, **meta)

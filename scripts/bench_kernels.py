@@ -1,0 +1,351 @@
+"""Benchmark the INT8 kernels on one Hopper GPU and print markdown tables.
+
+    PYTHONUNBUFFERED=1 python3 scripts/bench_kernels.py [--quick] [--no-compile] [--out DIR]
+
+1. GEMMs: fprop, dgrad and wgrad of every linear of Llama2-7B, Llama3.1-8B, Qwen3-4B and Mixtral-8x7B
+   (8192 tokens; Mixtral's attention equals Llama3.1-8B's, so only its expert MLP is listed, at the
+   8192 * top-2 / 8 = 2048 tokens an expert sees on average): BF16 torch.matmul, our Triton INT8 GEMM with
+   fused dequant (tensorwise), torch._int_mm + eager dequant, FP8 torch._scaled_mm (tensorwise), in TFLOP/s
+   (TOP/s), and ours / BF16.
+2. Quantize kernels on an 8192 x 4096 bf16 activation: GB/s by the minimal-bytes model (read the input
+   once, write each int8 output once) next to a device-to-device copy's GB/s (read + write).
+3. A whole linear, fwd + bwd, all quantization included (weights re-quantized every step): ours vs BF16
+   nn.Linear vs torchao's int8_mixed_precision_training (eager; torch.compile on a subset).
+Medians of triton.testing.do_bench (which also flushes L2 before each call), inputs rotated among several
+copies. Tables also go to $OUT/bench_kernels.md (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_int8 import Int8Recipe, int8_linear  # noqa: E402
+from megatron_int8.backend import ReferenceBackend  # noqa: E402
+from megatron_int8.kernels import triton_gemm, triton_quantize  # noqa: E402
+
+import importlib  # noqa: E402
+
+qref = importlib.import_module("megatron_int8.quantize")
+REF = ReferenceBackend()
+T = 8192
+
+# (model, linear, in_features, out_features, tokens)
+LINEARS = [
+    ("Llama2-7B", "qkv", 4096, 3 * 4096, T),
+    ("Llama2-7B", "proj", 4096, 4096, T),
+    ("Llama2-7B", "fc1", 4096, 2 * 11008, T),
+    ("Llama2-7B", "fc2", 11008, 4096, T),
+    ("Llama3.1-8B", "qkv", 4096, 4096 + 2 * 8 * 128, T),
+    ("Llama3.1-8B", "proj", 4096, 4096, T),
+    ("Llama3.1-8B", "fc1", 4096, 2 * 14336, T),
+    ("Llama3.1-8B", "fc2", 14336, 4096, T),
+    ("Qwen3-4B", "qkv", 2560, 32 * 128 + 2 * 8 * 128, T),
+    ("Qwen3-4B", "proj", 32 * 128, 2560, T),
+    ("Qwen3-4B", "fc1", 2560, 2 * 9728, T),
+    ("Qwen3-4B", "fc2", 9728, 2560, T),
+    ("Mixtral-8x7B", "expert fc1", 4096, 2 * 14336, T * 2 // 8),
+    ("Mixtral-8x7B", "expert fc2", 14336, 4096, T * 2 // 8),
+]
+
+
+def bench(fn, rep=60, warmup=15):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def rotating(make, n):
+    """n independent copies of inputs; each call of the returned getter hands out the next one."""
+    sets = [make() for _ in range(n)]
+    state = {"i": 0}
+
+    def get():
+        state["i"] = (state["i"] + 1) % n
+        return sets[state["i"]]
+
+    return get
+
+
+def data(R, C, dtype=torch.bfloat16):
+    x = torch.randn(R, C, device="cuda")
+    x[:, 5] *= 30  # outlier channel
+    return x.to(dtype)
+
+
+def n_copies(nbytes):
+    return max(2, min(4, int(3 * 60e6 // max(nbytes, 1)) + 1))
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+def gemm_row(M, N, K, cache):
+    key = (M, N, K)
+    if key in cache:
+        return cache[key]
+    flops = 2.0 * M * N * K
+    n = n_copies(M * K + N * K)
+    bf = rotating(lambda: (data(M, K), data(N, K)), n)
+    t_bf16 = bench(lambda: (lambda a, b: torch.matmul(a, b.t()))(*bf()))
+
+    def mk_q():
+        qa, _ = REF.quantize(data(M, K), granularity="tensor", block_size=128, weight=False, rowwise=True,
+                             columnwise=False)
+        qb, _ = REF.quantize(data(N, K), granularity="tensor", block_size=128, weight=True, rowwise=True,
+                             columnwise=False)
+        return qa, qb
+
+    qs = rotating(mk_q, n)
+    triton_gemm(*qs(), out_dtype=torch.bfloat16)  # autotune outside the timing
+    t_ours = bench(lambda: triton_gemm(*qs(), out_dtype=torch.bfloat16))
+    t_intmm = bench(lambda: qref.gemm(*qs(), out_dtype=torch.bfloat16))
+
+    def mk_f8():
+        a, b = data(M, K), data(N, K)
+        sa = (a.abs().amax().float() / 448).reshape(())
+        sb = (b.abs().amax().float() / 448).reshape(())
+        return (a.float() / sa).to(torch.float8_e4m3fn), (b.float() / sb).to(torch.float8_e4m3fn), sa, sb
+
+    try:
+        f8 = rotating(mk_f8, n)
+        t_fp8 = bench(lambda: (lambda a, b, sa, sb: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
+                                                                     out_dtype=torch.bfloat16))(*f8()))
+    except Exception as e:  # noqa: BLE001
+        print(f"FP8 _scaled_mm failed for {key}: {e}")
+        t_fp8 = float("nan")
+    res = {k: flops / (t * 1e-3) / 1e12 for k, t in
+           (("bf16", t_bf16), ("ours", t_ours), ("intmm", t_intmm), ("fp8", t_fp8))}
+    cache[key] = res
+    torch.cuda.empty_cache()
+    return res
+
+
+def gemm_table(quick):
+    rows, ratios, cache = [], [], {}
+    lines = ["| model | GEMM | M, N, K | BF16 TFLOP/s | ours INT8 + fused dequant TOP/s | _int_mm + dequant TOP/s |"
+             " FP8 _scaled_mm TFLOP/s | ours / BF16 |", "|---|---|---|---|---|---|---|---|"]
+    linears = LINEARS[:2] if quick else LINEARS
+    for model, name, fin, fout, tok in linears:
+        for gemm, (M, N, K) in (("fprop", (tok, fout, fin)), ("dgrad", (tok, fin, fout)), ("wgrad", (fout, fin, tok))):
+            r = gemm_row(M, N, K, cache)
+            ratio = r["ours"] / r["bf16"]
+            ratios.append(ratio)
+            lines.append(f"| {model} | {name} {gemm} | {M}, {N}, {K} | {r['bf16']:.0f} | {r['ours']:.0f} | "
+                         f"{r['intmm']:.0f} | {r['fp8']:.0f} | {ratio:.2f}x |")
+            print(lines[-1], flush=True)
+            rows.append((model, name, gemm, r))
+    return lines, ratios
+
+
+# -------------------------------------------------------------------------------------------- quantize
+def quantize_table(R=8192, C=4096):
+    lines = [f"| quantize kernel ({R} x {C} bf16 in) | outputs | us | GB/s (minimal bytes) | % of D2D copy |"
+             " eager reference us |", "|---|---|---|---|---|---|"]
+    n = 3
+    xs = rotating(lambda: data(R, C), n)
+    dsts = rotating(lambda: torch.empty(R, C, dtype=torch.bfloat16, device="cuda"), n)
+    t_copy = bench(lambda: dsts().copy_(xs()))
+    copy_gbs = 4.0 * R * C / (t_copy * 1e-3) / 1e9
+    lines.append(f"| device-to-device copy | bf16 | {t_copy * 1e3:.0f} | {copy_gbs:.0f} | 100% | |")
+    fracs = []
+    cases = [
+        ("tensorwise quantize", "tensor", False, True, False, False),
+        ("tensorwise quantize+transpose", "tensor", False, True, True, False),
+        ("tensorwise quantize+transpose, stochastic", "tensor", False, True, True, True),
+        ("row-wise (per token)", "row", False, True, False, False),
+        ("row-wise both axes (Q(x), Q(x^T))", "row", False, True, True, False),
+        ("block 1x128 both axes", "block", False, True, True, False),
+        ("block 128x128 (weight) quantize+transpose", "block", True, True, True, False),
+    ]
+    for label, g, w, rw, cw, sr in cases:
+        kw = dict(granularity=g, block_size=128, weight=w, rowwise=rw, columnwise=cw, stochastic=sr,
+                  check_finite=False)
+        triton_quantize(xs(), **kw)
+        t = bench(lambda: triton_quantize(xs(), **kw))
+        t_ref = bench(lambda: REF.quantize(xs(), **kw), rep=30)
+        outs = int(rw) + int(cw)
+        gbs = R * C * (2 + outs) / (t * 1e-3) / 1e9
+        fracs.append((label, gbs / copy_gbs))
+        lines.append(f"| {label} | {outs} x int8 | {t * 1e3:.0f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
+                     f"{t_ref * 1e3:.0f} |")
+        print(lines[-1], flush=True)
+    # the sync of check_finite=True
+    kw = dict(granularity="tensor", block_size=128, weight=False, rowwise=True, columnwise=True)
+    t = bench(lambda: triton_quantize(xs(), **kw))
+    lines.append(f"| tensorwise quantize+transpose, check_finite=True (host sync) | 2 x int8 | {t * 1e3:.0f} | "
+                 f"{R * C * 4 / (t * 1e-3) / 1e9:.0f} | {100 * R * C * 4 / (t * 1e-3) / 1e9 / copy_gbs:.0f}% | |")
+    return lines, fracs
+
+
+# ------------------------------------------------------------------------------------------ fwd + bwd
+def linear_table(quick):
+    try:
+        from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+        from torchao.quantization import quantize_
+    except Exception as e:  # noqa: BLE001
+        print(f"torchao unavailable: {e}")
+        Int8MixedPrecisionTrainingConfig = quantize_ = None
+    lines = ["| model | linear | tokens, in -> out | BF16 nn.Linear ms | ours ms (check_finite) | ours ms (no sync) |"
+             " torchao int8 eager ms | ours / BF16 | torchao eager / ours |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios, vs_ao = [], []
+    linears = LINEARS[:2] if quick else LINEARS
+    for model, name, fin, fout, tok in linears:
+        x = data(tok, fin).requires_grad_(True)
+        dy = data(tok, fout)
+        lin = torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16)
+
+        def step_bf16():
+            x.grad = lin.weight.grad = None
+            lin(x).backward(dy)
+
+        w = lin.weight
+        r_sync = Int8Recipe(backend="triton", cache_weights=False)
+        r_nosync = Int8Recipe(backend="triton", cache_weights=False, check_finite=False)
+
+        def step_ours(recipe):
+            x.grad = w.grad = None
+            int8_linear(x, w, None, recipe).backward(dy)
+
+        t_bf16 = bench(step_bf16, rep=100)
+        step_ours(r_sync)
+        t_sync = bench(lambda: step_ours(r_sync), rep=100)
+        t_nosync = bench(lambda: step_ours(r_nosync), rep=100)
+        t_ao = float("nan")
+        if quantize_ is not None:
+            try:
+                ao = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16))
+                quantize_(ao, Int8MixedPrecisionTrainingConfig())
+
+                def step_ao():
+                    x.grad = ao[0].weight.grad = None
+                    ao(x).backward(dy)
+
+                step_ao()
+                t_ao = bench(step_ao, rep=100)
+            except Exception as e:  # noqa: BLE001
+                print(f"torchao failed on {model} {name}: {type(e).__name__}: {e}")
+        best = t_nosync
+        ratio = t_bf16 / best
+        ratios.append(ratio)
+        vs = t_ao / best
+        vs_ao.append(vs)
+
+        def f(t):
+            return "n/a" if t != t else f"{t:.2f}"
+
+        lines.append(f"| {model} | {name} | {tok}, {fin} -> {fout} | {t_bf16:.2f} | {t_sync:.2f} | {t_nosync:.2f} | "
+                     f"{f(t_ao)} | {ratio:.2f}x | {f(vs)}x |")
+        print(lines[-1], flush=True)
+        del x, dy, lin
+        torch.cuda.empty_cache()
+    return lines, ratios, vs_ao
+
+
+def compiled_table(subset):
+    """torchao's INT8 training under torch.compile (compiles take a minute each: a subset only)."""
+    from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
+    from torchao.quantization import quantize_
+
+    lines = ["| model | linear | torchao int8 + torch.compile ms | ours ms (no sync) | torchao compiled / ours |",
+             "|---|---|---|---|---|"]
+    vs = []
+    for model, name, fin, fout, tok in LINEARS:
+        if (model, name) not in subset:
+            continue
+        x = data(tok, fin).requires_grad_(True)
+        dy = data(tok, fout)
+        ao = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16))
+        quantize_(ao, Int8MixedPrecisionTrainingConfig())
+        aoc = torch.compile(ao)
+        w = ao[0].weight.detach().clone().requires_grad_(True)
+        recipe = Int8Recipe(backend="triton", cache_weights=False, check_finite=False)
+
+        def step_aoc():
+            x.grad = ao[0].weight.grad = None
+            aoc(x).backward(dy)
+
+        def step_ours():
+            x.grad = w.grad = None
+            int8_linear(x, w, None, recipe).backward(dy)
+
+        t0 = time.time()
+        step_aoc()
+        step_aoc()
+        print(f"  torch.compile of torchao {model} {name}: {time.time() - t0:.0f} s", flush=True)
+        t_aoc = bench(step_aoc, rep=100)
+        t_ours = bench(step_ours, rep=100)
+        vs.append(t_aoc / t_ours)
+        lines.append(f"| {model} | {name} | {t_aoc:.2f} | {t_ours:.2f} | {t_aoc / t_ours:.2f}x |")
+        print(lines[-1], flush=True)
+    return lines, vs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: gemm,quantize,linear,compile")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    head = [f"# INT8 kernel benchmark: {dev}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"{datetime.date.today().isoformat()}", ""]
+    out = list(head)
+    summary = []
+    t0 = time.time()
+    if "gemm" not in skip:
+        lines, ratios = gemm_table(args.quick)
+        out += ["## GEMMs (tensorwise scales, bf16 output)", ""] + lines + [""]
+        summary.append(f"GEMM ours/BF16: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, "
+                       f"max {max(ratios):.2f}x (target >= 1.8x)")
+        print(f"[gemm section {time.time() - t0:.0f} s]", flush=True)
+        _write(args.out, out, summary)
+    if "quantize" not in skip:
+        lines, fracs = quantize_table()
+        out += ["## Quantize kernels", ""] + lines + [""]
+        med = statistics.median(f for _, f in fracs)
+        summary.append(f"quantize GB/s vs D2D copy: median {100 * med:.0f}% (target >= 85%); "
+                       + ", ".join(f"{label}: {100 * f:.0f}%" for label, f in fracs))
+        print(f"[quantize section {time.time() - t0:.0f} s]", flush=True)
+        _write(args.out, out, summary)
+    if "linear" not in skip:
+        lines, ratios, vs_ao = linear_table(args.quick)
+        out += ["## Linear fwd+bwd (all quantization included, weights re-quantized every step)", ""] + lines + [""]
+        good = [v for v in vs_ao if v == v]
+        summary.append(f"linear fwd+bwd ours(no sync)/BF16: median {statistics.median(ratios):.2f}x, min "
+                       f"{min(ratios):.2f}x (target >= 1.6x); vs torchao best: min "
+                       f"{min(good) if good else float('nan'):.2f}x (target > 1 at every shape)")
+        print(f"[linear section {time.time() - t0:.0f} s]", flush=True)
+        _write(args.out, out, summary)
+    if "compile" not in skip and not args.no_compile:
+        try:
+            lines, vs = compiled_table({("Llama3.1-8B", "fc1"), ("Llama3.1-8B", "fc2")})
+            out += ["## torchao INT8 with torch.compile (subset)", ""] + lines + [""]
+            summary.append(f"torchao compiled / ours: {', '.join(f'{v:.2f}x' for v in vs)}")
+        except Exception as e:  # noqa: BLE001
+            print(f"torch.compile section failed: {type(e).__name__}: {e}")
+        print(f"[compile section {time.time() - t0:.0f} s]", flush=True)
+    print("\n" + _write(args.out, out, summary), flush=True)
+
+
+def _write(out_dir, out, summary):
+    """The tables so far plus the summary, to DIR/bench_kernels.md (rewritten after every section)."""
+    text = "\n".join(out + ["## Summary", ""] + [f"- {s}" for s in summary] + [""])
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_kernels.md"), "w") as fh:
+            fh.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

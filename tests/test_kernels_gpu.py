@@ -1,0 +1,232 @@
+"""The Triton kernels against the reference backend on a CUDA GPU, at real and ragged sizes.
+
+Skipped without CUDA (tests/conftest.py). Fresh heavy-tailed random data with outliers, never zeros.
+Quantization: int8 data and fp32 scales bit-identical to the reference (IEEE division, round half to even).
+GEMM: integer accumulation exact; dequantized outputs within fp32 rounding of the reference, bounded by
+the magnitudes |a| @ |b| that the epilogue sums. int8_linear: backend "triton" vs "reference", outputs and
+every gradient.
+"""
+import importlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+qref = importlib.import_module("megatron_int8.quantize")
+VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
+EPS = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module")
+def K():
+    pytest.importorskip("triton")
+    return importlib.import_module("megatron_int8.kernels")
+
+
+@pytest.fixture(scope="module")
+def REF():
+    from megatron_int8.backend import ReferenceBackend
+
+    return ReferenceBackend()
+
+
+def outliers(R, C, dtype=torch.bfloat16, device="cuda"):
+    x = torch.randn(R, C, device=device) * torch.rand(R, 1, device=device).add(0.1)  # per-row spread
+    spikes = torch.rand(R, C, device=device) < 1e-3
+    x = torch.where(spikes, x.sign() * (5 + torch.rand(R, C, device=device) * 500), x)
+    x[:, 3] *= 40  # an outlier channel
+    return x.to(dtype)
+
+
+def _kw(g, weight, block_size=128, **kw):
+    return dict(granularity=g, block_size=block_size, weight=weight, **kw)
+
+
+def assert_same_qtensor(got, want, what):
+    assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape, what
+    assert (got.granularity, got.block_size, got.tile2d) == (want.granularity, want.block_size, want.tile2d), what
+    assert torch.equal(got.scale, want.scale), f"{what}: scales differ"
+    n = (got.data != want.data).sum().item()
+    assert n == 0, f"{what}: {n} int8 values differ"
+
+
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("shape", [(8192, 4096), (4096, 11008), (1000, 1537), (3, 4099)])
+def test_quantize_bit_exact(K, REF, granularity, weight, shape):
+    x = outliers(*shape)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise)
+        got, want = K.triton_quantize(x, **kw), REF.quantize(x, **kw)
+        for g, w, what in zip(got, want, ("rowwise", "columnwise")):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert_same_qtensor(g, w, f"{granularity} weight={weight} {shape} {what} ({rowwise},{columnwise})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_other_dtypes_and_block_sizes(K, REF, dtype):
+    x = outliers(2000, 3001, dtype)
+    for g, w, b in [("tensor", False, 128), ("row", False, 128), ("block", False, 64), ("block", True, 96),
+                    ("block", False, 256)]:
+        kw = _kw(g, w, block_size=b, rowwise=True, columnwise=True)
+        for got, want, what in zip(K.triton_quantize(x, **kw), REF.quantize(x, **kw), ("row", "col")):
+            assert_same_qtensor(got, want, f"{g} B={b} {dtype} {what}")
+
+
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+def test_non_finite(K, REF, granularity, weight):
+    from megatron_int8 import NonFiniteError
+
+    for bad in (float("inf"), float("nan")):
+        x = outliers(1000, 1537)
+        x[700, 1300] = bad
+        kw = _kw(granularity, weight, rowwise=True, columnwise=True, name="fc2 output gradient")
+        with pytest.raises(NonFiniteError, match="fc2 output gradient"):
+            K.triton_quantize(x, **kw)
+        kw["check_finite"] = False
+        for got, want in zip(K.triton_quantize(x, **kw), REF.quantize(x, **kw)):
+            nan = torch.isnan(want.scale)
+            assert nan.any() and torch.equal(torch.isnan(got.scale), nan)
+            assert torch.equal(got.scale[~nan], want.scale[~nan])
+            fin = torch.isfinite(qref.dequantize(want))
+            assert torch.equal(got.data[fin], want.data[fin])
+
+
+def test_stochastic_rounding(K, REF):
+    x = outliers(4096, 4096, torch.float32)
+    for g, w in [("tensor", False), ("row", False), ("block", False)]:
+        kw = _kw(g, w, rowwise=True, columnwise=True)
+        near = REF.quantize(x, **kw)
+        sr = K.triton_quantize(x, stochastic=True, **kw)
+        for got, n, src in ((sr[0], near[0], x), (sr[1], near[1], x.t())):
+            assert torch.equal(got.scale, n.scale)
+            s = qref.dequantize(qref.QTensor(torch.ones_like(n.data), n.scale, g, 128, n.tile2d))
+            v = src / s
+            d = got.data.float() - torch.floor(v).clamp(-127, 127)
+            assert ((d == 0) | (d == 1)).all(), g
+            frac = v - torch.floor(v)
+            err = got.data.float() - v
+            # unbiased: E[q - v] = 0 (n ~ 16M draws; sd of the mean < 1e-3)
+            assert abs(err.mean().item()) < 2e-3, (g, err.mean().item())
+            # P(round up) = frac
+            inside = (v > -127) & (v < 127)
+            assert abs((d == 1)[inside].float().mean().item() - frac[inside].mean().item()) < 2e-3
+    # Q(x)^T reuses Q(x)'s draws for tensorwise scales
+    r, c = K.triton_quantize(x, stochastic=True, **_kw("tensor", False, rowwise=True, columnwise=True))
+    assert torch.equal(c.data, r.data.t())
+
+
+def _mag(qa, qb, REF):
+    """|a| @ |b| with the same scales: bounds the sum of magnitudes the fp32 epilogue adds up."""
+    aa = qref.QTensor(qa.data.abs(), qa.scale.abs(), qa.granularity, qa.block_size, qa.tile2d)
+    bb = qref.QTensor(qb.data.abs(), qb.scale.abs(), qb.granularity, qb.block_size, qb.tile2d)
+    return REF.gemm(aa, bb, out_dtype=torch.float32)
+
+
+def assert_gemm_close(got, want, mag, what, n_terms=1):
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    tol = 4 * n_terms * EPS * mag + 1e-30
+    err = (got.float() - want.float()).abs()
+    bad = ~(err <= tol)
+    assert not bad.any(), f"{what}: {bad.sum().item()} outputs off, worst err {err.max().item()}"
+
+
+GEMM_SHAPES = [(8192, 4096, 4096), (8192, 11008, 4096), (8192, 4096, 14336), (4096, 4096, 8192),
+               (1000, 1537, 777), (37, 29, 53), (4100, 257, 4224)]
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("M,N,Kd", GEMM_SHAPES)
+def test_gemm_matches_reference(K, REF, granularity, M, N, Kd):
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
+    mag = _mag(qa, qb, REF)
+    nkb = -(-Kd // 128) if granularity == "block" else 1
+    want = REF.gemm(qa, qb, out_dtype=torch.float32)
+    assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), want, mag, f"{granularity} fp32", nkb)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    want = REF.gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    got = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    ulp = 2.0 ** -7 * want.float().abs()
+    assert ((got.float() - want.float()).abs() <= ulp + 4 * nkb * EPS * (mag + bias.float().abs())).all()
+    main = torch.randn(M, N, device="cuda")
+    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    buf = main.clone()
+    got = K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)
+    assert got is buf
+    assert_gemm_close(got, want, mag + main.abs(), f"{granularity} accumulate_into", nkb + 1)
+
+
+@pytest.mark.parametrize("granularity,M,N,Kd", [("tensor", 8192, 4096, 4096), ("row", 1000, 1537, 777),
+                                                ("block", 4100, 257, 4224)])
+def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):
+    """The autotuned configs (the GPU test run may set MEGATRON_INT8_GEMM_AUTOTUNE=0 for the others)."""
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
+    nkb = -(-Kd // 128) if granularity == "block" else 1
+    assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), REF.gemm(qa, qb, out_dtype=torch.float32),
+                      _mag(qa, qb, REF), f"autotuned {granularity}", nkb)
+    main = torch.randn(M, N, device="cuda")
+    buf = main.clone()
+    K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)  # autotuning must not double-add
+    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(buf, want, _mag(qa, qb, REF) + main.abs(), f"autotuned {granularity} accumulate", nkb + 1)
+
+
+def test_gemm_integer_accumulation_exact(K):
+    for M, N, Kd in [(8192, 4096, 8192), (777, 1234, 4099)]:
+        a = torch.randint(-127, 128, (M, Kd), dtype=torch.int8, device="cuda")
+        b = torch.randint(-127, 128, (N, Kd), dtype=torch.int8, device="cuda")
+        a[5], b[7] = 127, -127
+        one = torch.tensor(1.0, device="cuda")
+        out = K.triton_gemm(qref.QTensor(a, one, "tensor"), qref.QTensor(b, one, "tensor"), out_dtype=torch.float32)
+        # both sides round the same exact int32 to fp32
+        assert torch.equal(out, qref.int_mm(a, b).float())
+        assert out[5, 7].item() == float(-127 * 127 * Kd)
+
+
+def test_gemm_long_contraction_splits_exactly(K, REF):
+    Kd = qref.MAX_EXACT_K + 4000  # int32 would overflow at 127*127*K
+    a = torch.full((64, Kd), 127, dtype=torch.int8, device="cuda")
+    b = torch.full((48, Kd), 127, dtype=torch.int8, device="cuda")
+    b[1] = -127
+    for g in ("tensor", "row"):
+        sa = torch.tensor(0.5, device="cuda") if g == "tensor" else torch.rand(64, device="cuda")
+        sb = torch.tensor(0.25, device="cuda") if g == "tensor" else torch.rand(48, device="cuda")
+        qa, qb = qref.QTensor(a, sa, g), qref.QTensor(b, sb, g)
+        got = K.triton_gemm(qa, qb, out_dtype=torch.float32)
+        want = REF.gemm(qa, qb, out_dtype=torch.float32)
+        assert torch.equal(got, want), g
+        exact = 127.0 * 127.0 * Kd
+        assert (got[:, 0] > 0).all() and (got[:, 1] < 0).all()
+        rel = (got[0, 0] / (sa.reshape(-1)[0] * sb.reshape(-1)[0]) / exact - 1).abs().item()
+        assert rel < 1e-6
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_int8_linear_triton_vs_reference(granularity, fusion):
+    from megatron_int8 import Int8Recipe, TPOptions, int8_linear
+
+    x0 = outliers(2 * 1024, 2048).reshape(2, 1024, 2048)
+    w0 = (outliers(3072, 2048) * 0.02).bfloat16()
+    b0 = torch.randn(3072, device="cuda").bfloat16()
+    dy = outliers(2048, 3072).reshape(2, 1024, 3072)
+    res = {}
+    for name in ("reference", "triton"):
+        x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
+        if fusion:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        recipe = Int8Recipe(granularity=granularity, backend=name)
+        y = int8_linear(x, w, b, recipe, tp=TPOptions(gradient_accumulation_fusion=fusion))
+        y.backward(dy)
+        res[name] = (y.detach(), x.grad, w.main_grad if fusion else w.grad, b.grad)
+    for what, got, want in zip(("output", "dgrad", "wgrad", "bias grad"), res["triton"], res["reference"]):
+        assert got.dtype == want.dtype and got.shape == want.shape, what
+        assert torch.isfinite(got).all(), what
+        rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert rel < 2e-3, f"{granularity} {what}: relative error {rel}"  # bf16 output rounding only
+        close = (got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-3 * want.float().abs().max()
+        assert close.float().mean() > 0.9999, f"{granularity} {what}"
