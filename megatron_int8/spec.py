@@ -138,19 +138,19 @@ def get_gpt_int8_layer_spec(
     )
 
 
-def _keep_in_bf16(spec, bf16_modules: Tuple[str, ...], name: str = "", expert_group: Optional[str] = None):
-    """Copy of a spec tree where the INT8 linears named in `bf16_modules` get `int8=False`."""
+def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Optional[str] = None):
+    """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`."""
     if isinstance(spec, ModuleSpec):
-        if spec.module in _INT8_LINEARS and (name in bf16_modules or expert_group in bf16_modules):
+        if spec.module in _INT8_LINEARS and policy.keeps_in_bf16(name, expert_group):
             return dataclasses.replace(spec, params={**spec.params, "int8": False})
         if spec.submodules is None:
             return spec
-        return dataclasses.replace(spec, submodules=_keep_in_bf16(spec.submodules, bf16_modules, name, expert_group))
+        return dataclasses.replace(spec, submodules=_keep_in_bf16(spec.submodules, policy, name, expert_group))
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         changes = {}
         for field in dataclasses.fields(spec):
             group = field.name if field.name in ("experts", "shared_experts") else expert_group
-            changes[field.name] = _keep_in_bf16(getattr(spec, field.name), bf16_modules, field.name, group)
+            changes[field.name] = _keep_in_bf16(getattr(spec, field.name), policy, field.name, group)
         return dataclasses.replace(spec, **changes)
     return spec
 
@@ -191,7 +191,7 @@ def get_gpt_int8_layer_specs(
             int8=policy.layer_in_int8(index, config.num_layers),
         )
         if policy.bf16_modules:
-            spec = _keep_in_bf16(spec, policy.bf16_modules)
+            spec = _keep_in_bf16(spec, policy)
         specs.append(spec)
     return specs
 
