@@ -189,3 +189,20 @@ def test_sdpa_attention_dropout_uses_model_parallel_rng():
     assert torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
     sdpa.train()
     assert not torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
+
+
+def test_bench_layer_cpu_smoke(tmp_path):
+    """scripts/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OUT=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    result = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_layer.py"), "--device", "cpu",
+                             "--tiny"], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "bench_layer.md").read_text()
+    for name in ("| INT8 |", "| BF16 |", "| BF16 stock local spec |"):
+        assert name in table

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Benchmark one Llama2-7B-shaped megatron-core TransformerLayer, forward + backward:
+INT8 spec vs the BF16 baseline spec (same SDPA attention and norms, so only the linears differ),
+plus megatron-core's stock local spec (DotProductAttention) for reference.
+
+Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-store process group.
+    python scripts/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
+    python scripts/bench_layer.py --device cpu --tiny  # CI smoke test
+Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=11008)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--granularity", choices=("tensor", "row", "block"), default="tensor")
+    p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto")
+    p.add_argument("--cache-weights", action="store_true",
+                   help="keep weight quantization across iterations (as micro-batches of one step do); "
+                        "default re-quantizes every iteration, the cost of a 1-micro-batch step")
+    p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
+        args.warmup, args.iters = 1, 2
+    return args
+
+
+def setup(device: str):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
+
+    apply_cpu_compat()
+    if not torch.distributed.is_initialized():
+        store = tempfile.mktemp(prefix="bench_layer_pg_")
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo",
+                                             init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_seed(1234)
+
+
+def build_layers(args):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_int8.recipe import Int8Recipe
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    dtype = torch.bfloat16
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
+    recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=False,
+                        cache_weights=args.cache_weights)
+    specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True),
+             "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False)}
+    if not args.no_stock:
+        specs["BF16 stock local spec"] = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return {name: build_module(spec, config=config, layer_number=1).to(device=args.device, dtype=dtype)
+            for name, spec in specs.items()}
+
+
+def time_layer(layer, name, args) -> float:
+    """Mean ms of one forward + backward."""
+    from megatron_int8.linear import invalidate_weight_caches
+
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    grad = torch.randn_like(x)
+    mask = None
+    if args.device == "cpu" and name.startswith("BF16 stock"):  # megatron builds its default mask on "cuda"
+        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1)[None, None]
+
+    def step():
+        if not args.cache_weights:
+            invalidate_weight_caches()  # a new optimizer step: weights are quantized again
+        out, _ = layer(x, attention_mask=mask)
+        out.backward(grad)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / args.iters
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda requested but CUDA is not available (use --device cpu --tiny)")
+    setup(args.device)
+    from megatron_int8.backend import resolve_backend_name
+    from megatron_int8.recipe import Int8Recipe
+
+    layers = build_layers(args)
+    times = {name: time_layer(layer, name, args) for name, layer in layers.items()}
+    backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    lines = [
+        f"Transformer layer fwd+bwd: hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, SwiGLU, RMSNorm, "
+        f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
+        f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}",
+        "",
+        "| spec | ms / iter | speedup vs BF16 |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | {ms:.2f} | {times['BF16'] / ms:.2f}x |" for name, ms in times.items()]
+    table = "\n".join(lines)
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_layer.md"), "w") as f:
+            f.write(table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
