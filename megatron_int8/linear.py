@@ -72,9 +72,6 @@ class TPOptions:
     sequence_parallel: bool = False  # all-gather input along dim 0; reduce-scatter its gradient
     allreduce_dgrad: bool = False  # all-reduce the input gradient (column-parallel without SP)
     gradient_accumulation_fusion: bool = False  # accumulate wgrad into weight.main_grad
-    # Sequence parallel, tensorwise INT8 fprop: quantize the local shard with the group's amax and
-    # all-gather INT8 (half the bytes of BF16); the gathered Q(X) is reused for wgrad.
-    int8_all_gather: bool = False
 
 
 def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -107,7 +104,8 @@ class _Int8LinearFunction(torch.autograd.Function):
         backend = get_backend(input.device, recipe)
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = None
-        if tp.sequence_parallel and tp.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
+        if tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
+            # the gathered Q(X) also serves wgrad (transposed), so X is never gathered in BF16
             qx_row = _gather_quantized_input(input, backend, recipe, tp.group)
             qx_col = qx_row.transposed() if wgrad_int8 else None
             world = torch.distributed.get_world_size(tp.group)

@@ -121,6 +121,8 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Do not check quantized tensors for Inf/NaN (saves a host sync per quantize).")
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
+    group.add_argument("--int8-bf16-all-gather", action="store_true",
+                       help="With --sequence-parallel: all-gather activations in BF16, not INT8.")
     return parser
 
 
@@ -146,6 +148,7 @@ def policy_from_args(args) -> Int8Policy:
             backend=args.int8_backend,
             check_finite=not args.int8_no_check_finite,
             cache_weights=not args.int8_no_weight_cache,
+            int8_all_gather=not getattr(args, "int8_bf16_all_gather", False),
         )
         policy = Int8Policy(
             enabled=bool(args.int8_linear),

@@ -31,8 +31,8 @@ def _worker(rank, world, port, result_path):
         for gather_int8 in (False, True):
             xl = x_local.clone().requires_grad_()
             wl = w.clone().requires_grad_()
-            tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True, int8_all_gather=gather_int8)
-            y = int8_linear(xl, wl, None, Int8Recipe(), tp=tp)
+            tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
+            y = int8_linear(xl, wl, None, Int8Recipe(int8_all_gather=gather_int8), tp=tp)
             saved = [t.dtype for t in y.grad_fn.saved_tensors]
             y.backward(gy)
             results[gather_int8] = (y.detach(), xl.grad, wl.grad, saved)
