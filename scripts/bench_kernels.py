@@ -121,6 +121,8 @@ def gemm_row(M, N, K, cache):
         t_fp8 = float("nan")
     res = {k: flops / (t * 1e-3) / 1e12 for k, t in
            (("bf16", t_bf16), ("ours", t_ours), ("intmm", t_intmm), ("fp8", t_fp8))}
+    from megatron_int8.kernels import int8_gemm as G
+    res["kernel"] = ",".join(sorted({v for k, v in G._choice.items() if k[:3] == (M, N, K)})) or "plain"
     cache[key] = res
     torch.cuda.empty_cache()
     return res
@@ -129,7 +131,7 @@ def gemm_row(M, N, K, cache):
 def gemm_table(quick):
     rows, ratios, cache = [], [], {}
     lines = ["| model | GEMM | M, N, K | BF16 TFLOP/s | ours INT8 + fused dequant TOP/s | _int_mm + dequant TOP/s |"
-             " FP8 _scaled_mm TFLOP/s | ours / BF16 |", "|---|---|---|---|---|---|---|---|"]
+             " FP8 _scaled_mm TFLOP/s | ours / BF16 | our kernel |", "|---|---|---|---|---|---|---|---|---|"]
     linears = LINEARS[:2] if quick else LINEARS
     for model, name, fin, fout, tok in linears:
         for gemm, (M, N, K) in (("fprop", (tok, fout, fin)), ("dgrad", (tok, fin, fout)), ("wgrad", (fout, fin, tok))):
@@ -137,7 +139,7 @@ def gemm_table(quick):
             ratio = r["ours"] / r["bf16"]
             ratios.append(ratio)
             lines.append(f"| {model} | {name} {gemm} | {M}, {N}, {K} | {r['bf16']:.0f} | {r['ours']:.0f} | "
-                         f"{r['intmm']:.0f} | {r['fp8']:.0f} | {ratio:.2f}x |")
+                         f"{r['intmm']:.0f} | {r['fp8']:.0f} | {ratio:.2f}x | {r['kernel']} |")
             print(lines[-1], flush=True)
             rows.append((model, name, gemm, r))
     return lines, ratios

@@ -1,5 +1,11 @@
 """The Triton kernels against the reference backend on a CUDA GPU, at real and ragged sizes.
 
+Quantization is compared with the reference run on the CPU: on CUDA, torch computes the reference's
+`amax / 127` (a division by a Python scalar) as amax * fl(1/127), which is not the IEEE division that the
+contract (and the kernels, through div_rn) specify, so its scales can differ by one ulp. The reference GEMM
+runs on CUDA except where its torch._int_mm calls cannot take the operands (a K-block slice whose row
+stride is not a multiple of 8 is rejected by cuBLASLt); there it runs on the CPU too.
+
 Skipped without CUDA (tests/conftest.py). Fresh heavy-tailed random data with outliers, never zeros.
 Quantization: int8 data and fp32 scales bit-identical to the reference (IEEE division, round half to even).
 GEMM: integer accumulation exact; dequantized outputs within fp32 rounding of the reference, bounded by
@@ -39,6 +45,24 @@ def outliers(R, C, dtype=torch.bfloat16, device="cuda"):
     return x.to(dtype)
 
 
+def _to(qt, device):
+    if qt is None:
+        return None
+    return qref.QTensor(qt.data.to(device), qt.scale.to(device), qt.granularity, qt.block_size, qt.tile2d)
+
+
+def ref_quantize(REF, x, **kw):
+    """The reference quantization, computed on the CPU (IEEE scale division), returned on x's device."""
+    return tuple(_to(q, x.device) for q in REF.quantize(x.cpu(), **kw))
+
+
+def ref_gemm(REF, qa, qb, **kw):
+    if qa.data.shape[1] % 8 == 0 or qa.granularity != "block":
+        return REF.gemm(qa, qb, **kw)
+    kw = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()}
+    return REF.gemm(_to(qa, "cpu"), _to(qb, "cpu"), **kw).cuda()
+
+
 def _kw(g, weight, block_size=128, **kw):
     return dict(granularity=g, block_size=block_size, weight=weight, **kw)
 
@@ -57,7 +81,7 @@ def test_quantize_bit_exact(K, REF, granularity, weight, shape):
     x = outliers(*shape)
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
         kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise)
-        got, want = K.triton_quantize(x, **kw), REF.quantize(x, **kw)
+        got, want = K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)
         for g, w, what in zip(got, want, ("rowwise", "columnwise")):
             assert (g is None) == (w is None)
             if w is not None:
@@ -70,7 +94,7 @@ def test_quantize_other_dtypes_and_block_sizes(K, REF, dtype):
     for g, w, b in [("tensor", False, 128), ("row", False, 128), ("block", False, 64), ("block", True, 96),
                     ("block", False, 256)]:
         kw = _kw(g, w, block_size=b, rowwise=True, columnwise=True)
-        for got, want, what in zip(K.triton_quantize(x, **kw), REF.quantize(x, **kw), ("row", "col")):
+        for got, want, what in zip(K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw), ("row", "col")):
             assert_same_qtensor(got, want, f"{g} B={b} {dtype} {what}")
 
 
@@ -85,7 +109,7 @@ def test_non_finite(K, REF, granularity, weight):
         with pytest.raises(NonFiniteError, match="fc2 output gradient"):
             K.triton_quantize(x, **kw)
         kw["check_finite"] = False
-        for got, want in zip(K.triton_quantize(x, **kw), REF.quantize(x, **kw)):
+        for got, want in zip(K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)):
             nan = torch.isnan(want.scale)
             assert nan.any() and torch.equal(torch.isnan(got.scale), nan)
             assert torch.equal(got.scale[~nan], want.scale[~nan])
@@ -97,7 +121,7 @@ def test_stochastic_rounding(K, REF):
     x = outliers(4096, 4096, torch.float32)
     for g, w in [("tensor", False), ("row", False), ("block", False)]:
         kw = _kw(g, w, rowwise=True, columnwise=True)
-        near = REF.quantize(x, **kw)
+        near = ref_quantize(REF, x, **kw)
         sr = K.triton_quantize(x, stochastic=True, **kw)
         for got, n, src in ((sr[0], near[0], x), (sr[1], near[1], x.t())):
             assert torch.equal(got.scale, n.scale)
@@ -121,7 +145,7 @@ def _mag(qa, qb, REF):
     """|a| @ |b| with the same scales: bounds the sum of magnitudes the fp32 epilogue adds up."""
     aa = qref.QTensor(qa.data.abs(), qa.scale.abs(), qa.granularity, qa.block_size, qa.tile2d)
     bb = qref.QTensor(qb.data.abs(), qb.scale.abs(), qb.granularity, qb.block_size, qb.tile2d)
-    return REF.gemm(aa, bb, out_dtype=torch.float32)
+    return ref_gemm(REF, aa, bb, out_dtype=torch.float32)
 
 
 def assert_gemm_close(got, want, mag, what, n_terms=1):
@@ -143,15 +167,15 @@ def test_gemm_matches_reference(K, REF, granularity, M, N, Kd):
     qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
     mag = _mag(qa, qb, REF)
     nkb = -(-Kd // 128) if granularity == "block" else 1
-    want = REF.gemm(qa, qb, out_dtype=torch.float32)
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32)
     assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), want, mag, f"{granularity} fp32", nkb)
     bias = torch.randn(N, device="cuda").bfloat16()
-    want = REF.gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
     got = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
     ulp = 2.0 ** -7 * want.float().abs()
     assert ((got.float() - want.float()).abs() <= ulp + 4 * nkb * EPS * (mag + bias.float().abs())).all()
     main = torch.randn(M, N, device="cuda")
-    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
     buf = main.clone()
     got = K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)
     assert got is buf
@@ -166,17 +190,38 @@ def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):
     qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
     nkb = -(-Kd // 128) if granularity == "block" else 1
-    assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), REF.gemm(qa, qb, out_dtype=torch.float32),
+    assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), ref_gemm(REF, qa, qb, out_dtype=torch.float32),
                       _mag(qa, qb, REF), f"autotuned {granularity}", nkb)
     main = torch.randn(M, N, device="cuda")
     buf = main.clone()
     K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)  # autotuning must not double-add
-    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
     assert_gemm_close(buf, want, _mag(qa, qb, REF) + main.abs(), f"autotuned {granularity} accumulate", nkb + 1)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("M,N,Kd", [(8192, 4096, 4096), (1000, 1544, 784), (4100, 264, 4224)])
+def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "tma")
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
+    mag = _mag(qa, qb, REF)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    got = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * (mag + 1)).all()
+    main = torch.randn(M, N, device="cuda")
+    buf = main.clone()
+    K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(buf, want, mag + main.abs(), f"tma {granularity} accumulate", 2)
+
+
 def test_gemm_integer_accumulation_exact(K):
-    for M, N, Kd in [(8192, 4096, 8192), (777, 1234, 4099)]:
+    # K = 1024: |acc| <= 127*127*1024 < 2^24, so the fp32 output shows the int32 accumulator exactly;
+    # the larger K compare equal after the same int32 -> fp32 rounding
+    for M, N, Kd in [(8192, 4096, 1024), (1000, 1234, 1040), (8192, 4096, 8192), (777, 1234, 4099)]:
         a = torch.randint(-127, 128, (M, Kd), dtype=torch.int8, device="cuda")
         b = torch.randint(-127, 128, (N, Kd), dtype=torch.int8, device="cuda")
         a[5], b[7] = 127, -127
@@ -184,7 +229,7 @@ def test_gemm_integer_accumulation_exact(K):
         out = K.triton_gemm(qref.QTensor(a, one, "tensor"), qref.QTensor(b, one, "tensor"), out_dtype=torch.float32)
         # both sides round the same exact int32 to fp32
         assert torch.equal(out, qref.int_mm(a, b).float())
-        assert out[5, 7].item() == float(-127 * 127 * Kd)
+        assert out[5, 7].item() == torch.tensor(-127 * 127 * Kd, dtype=torch.float32).item()
 
 
 def test_gemm_long_contraction_splits_exactly(K, REF):

@@ -32,6 +32,7 @@ ref = importlib.import_module("megatron_int8.quantize")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
 ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, use one heuristic tile config
+ENV_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"  # "auto" (time both once per shape), "plain" or "tma"
 
 
 @triton.jit
@@ -126,6 +127,93 @@ def _int8_gemm_kernel(
     if ACCUMULATE:
         out = tl.load(c_ptrs, mask=c_mask, other=0.0) + out
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _int8_gemm_tma_kernel(
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Persistent variant (tensor and row scales, contiguous operands): TMA tensor-descriptor loads and
+    stores (out-of-bounds boxes read as zero and are clipped on store), one program per SM walking the
+    group-M swizzled tiles, so one tile's epilogue overlaps the next tile's loads."""
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    group = GROUP_M * num_pid_n
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+        first_m = (tile_id // group) * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + ((tile_id % group) % size_m)
+        pid_n = (tile_id % group) // size_m
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        for ki in range(k_tiles):
+            a = a_desc.load([om, ki * BLOCK_K])
+            b = b_desc.load([on, ki * BLOCK_K])
+            iacc = tl.dot(a, b.T, iacc, out_dtype=tl.int32)
+        out = iacc.to(tl.float32)
+        offs_m = om + tl.arange(0, BLOCK_M)
+        offs_n = on + tl.arange(0, BLOCK_N)
+        if SCALE_MODE == 0:
+            out = (out * tl.load(sa_ptr)) * tl.load(sb_ptr)
+        else:
+            sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+            sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+            out = (out * sa[:, None]) * sb[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        if ACCUMULATE:
+            out = c_desc.load([om, on]) + out
+        c_desc.store([om, on], out.to(c_desc.dtype))
+
+
+def _tma_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl},
+                          num_warps=8, num_stages=st)
+            for bm, bn in ((128, 256), (256, 128)) for st in (3, 4) for fl in (True, False)]
+
+
+_int8_gemm_tma_tuned = triton.autotune(
+    configs=_tma_configs(),
+    key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE"],
+    restore_value=["c_ptr"],
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
+)(_int8_gemm_tma_kernel)
+
+_allocator_set = False
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need a scratch allocator."""
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+        _allocator_set = True
+
+
+def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
+    if mode == _SCALE_BLOCK or split or not ad.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(ad.device)[0] < 9:
+        return False
+    if not (ad.is_contiguous() and bd.is_contiguous() and c.is_contiguous()):
+        return False
+    K, N = ad.shape[1], bd.shape[0]
+    ok = K % 16 == 0 and (N * c.element_size()) % 16 == 0
+    ok = ok and all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
+    return ok
+
+
+_choice = {}  # (M, N, K, mode, bias, accumulate, out dtype) -> "plain" | "tma"
 
 
 def _configs():
@@ -235,6 +323,48 @@ def triton_gemm(
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
     else:
-        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
-        _int8_gemm_tuned[grid](*args, **meta)
+        launch_plain, launch_tma = _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K)
+        which = os.environ.get(ENV_KERNEL, "auto")
+        if which == "tma" or (which == "auto" and launch_tma is not None):
+            if launch_tma is None:
+                raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+            if which == "auto":
+                key = (M, N, K, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
+                if key not in _choice:
+                    _choice[key] = _pick(launch_plain, launch_tma, c)
+                which = _choice[key]
+        (launch_tma if which == "tma" else launch_plain)(c)
     return c
+
+
+def _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K):
+    def plain(out):
+        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
+        _int8_gemm_tuned[grid](*(args[:2] + (out,) + args[3:]), **meta)
+
+    if not _tma_eligible(ad, bd, c, bias, meta["SCALE_MODE"], meta["SPLIT_K_EXACT"]):
+        return plain, None
+    _ensure_allocator()
+    n_sms = torch.cuda.get_device_properties(ad.device).multi_processor_count
+
+    def tma(out):
+        grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
+        _int8_gemm_tma_tuned[grid](ad, bd, out, sa, sb, bias if bias is not None else out, M, N, K,
+                                   SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
+                                   ACCUMULATE=meta["ACCUMULATE"], NUM_SMS=n_sms)
+
+    return plain, tma
+
+
+def _pick(launch_plain, launch_tma, c) -> str:
+    """Time both tuned kernels once per shape on a scratch output; keep the faster."""
+    scratch = c.clone()
+    times = {}
+    for name, fn in (("plain", launch_plain), ("tma", launch_tma)):
+        try:
+            fn(scratch)  # autotunes this variant
+            times[name] = triton.testing.do_bench(lambda: fn(scratch), warmup=5, rep=30, return_mode="median")
+        except Exception:  # noqa: BLE001  (a variant that fails to compile is simply not chosen)
+            if name == "plain":
+                raise
+    return min(times, key=times.get)

@@ -104,14 +104,17 @@ def _finalize_kernel(
     """amax[i] = max_j p[i, j] (p addressed through strides), scale[i] = scale_from_amax(amax[i])."""
     offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
     mask_o = offs_o < n_out
-    acc = tl.zeros((BO,), tl.float32)
+    # elementwise maxima in the loop, one reduction after it (a reduction inside the loop trips
+    # triton 3.6's OptimizeThreadLocality pass)
+    acc = tl.zeros((BO, BRED), tl.float32)
     for j0 in range(0, n_red, BRED):
         offs_j = j0 + tl.arange(0, BRED)
         m = mask_o[:, None] & (offs_j < n_red)[None, :]
         p = tl.load(p_ptr + offs_o[:, None].to(tl.int64) * stride_out + offs_j[None, :] * stride_red, mask=m, other=0.0)
-        acc = tl.maximum(acc, tl.max(p, axis=1))
-    tl.store(amax_ptr + offs_o, acc, mask=mask_o)
-    tl.store(scale_ptr + offs_o, _scale_from_amax(acc), mask=mask_o)
+        acc = tl.maximum(acc, p)
+    amax = tl.max(acc, axis=1)
+    tl.store(amax_ptr + offs_o, amax, mask=mask_o)
+    tl.store(scale_ptr + offs_o, _scale_from_amax(amax), mask=mask_o)
 
 
 @triton.jit
@@ -191,7 +194,7 @@ if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T, _FIN = (16, 32), (16, 32), (16, 16), (16, 16)
     _WARPS = 4
 else:
-    _AMAX_TILE, _Q_TILE, _Q_TILE_T, _FIN = (32, 256), (16, 256), (64, 64), (64, 256)
+    _AMAX_TILE, _Q_TILE, _Q_TILE_T, _FIN = (32, 256), (16, 256), (64, 64), (32, 128)
     _WARPS = 8
 
 
@@ -200,7 +203,7 @@ def _finalize(p: torch.Tensor, n_out: int, n_red: int, stride_out: int, stride_r
     scale = torch.empty_like(amax)
     BO, BRED = _FIN
     if n_out == 1:
-        BO, BRED = 1, max(BRED, min(_pow2(n_red), 1024 if not _INTERPRET else 64))
+        BO, BRED = 2, max(BRED, min(_pow2(n_red), 1024 if not _INTERPRET else 64))
     _finalize_kernel[(_cdiv(n_out, BO),)](p, amax, scale, n_out, n_red, stride_out, stride_red,
                                          BO=BO, BRED=BRED, num_warps=4)
     return amax, scale
