@@ -1,0 +1,137 @@
+"""Data preparation and bad-input handling: preprocess_data.py (SentencePiece with exact whitespace,
+EOD, workers), and every early failure of the trainer with its message (in-process, nothing trains)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CODE = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n\n\nclass A:\n    pass\n"
+
+
+def _run(argv):
+    result = subprocess.run([sys.executable] + argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return result
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """30 documents: 24 source snippets (JSONL) and a plain-text file, tokenized by a fresh spm model."""
+    root = tmp_path_factory.mktemp("data")
+    lines = [json.dumps({"text": CODE.replace("x", name) * 20}) for name in
+             ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta") * 3]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "notes.txt").write_text("Plain text is one document.\nWith two lines.\n" * 50)
+    result = _run(["scripts/preprocess_data.py", "--input", str(root / "docs.jsonl"), str(root / "notes.txt"),
+                   "--output-prefix", str(root / "corpus"), "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(root / "tok" / "spm.model"), "--train-sentencepiece", "300",
+                   "--workers", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"root": root, "prefix": str(root / "corpus_text_document"), "tokenizer": str(root / "tok" / "spm.model"),
+            "stdout": result.stdout}
+
+
+def test_preprocess_round_trips_code_and_appends_eod(dataset):
+    import sentencepiece as spm
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    processor = spm.SentencePieceProcessor(model_file=dataset["tokenizer"])
+    indexed = IndexedDataset(dataset["prefix"])
+    assert len(indexed) == 25 and indexed.index.dtype == np.uint16
+    first = indexed[0].tolist()
+    assert first[-1] == processor.eos_id() and processor.eos_id() not in first[:-1]
+    assert processor.decode(first[:-1]) == CODE.replace("x", "alpha") * 20  # newlines, tabs, runs of spaces
+    assert processor.decode(indexed[24].tolist()[:-1]) == "Plain text is one document.\nWith two lines.\n" * 50
+    assert "done: 25 documents" in dataset["stdout"]
+
+
+def test_preprocess_errors(tmp_path):
+    missing = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / "nope.jsonl"), "--output-prefix",
+                    str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "m"])
+    assert missing.returncode != 0 and "no such file" in missing.stderr
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    wrong_key = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
+                      str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                      "--tokenizer-model", str(tmp_path / "m.model"), "--train-sentencepiece", "100"])
+    assert wrong_key.returncode != 0 and "no key 'text'" in wrong_key.stderr
+
+
+def _trainer_args(dataset, *extra):
+    return parse_args(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--data-path", dataset["prefix"],
+                       "--tokenizer-model", dataset["tokenizer"], "--num-layers", "2", "--train-iters", "4",
+                       "--lr-warmup-iters", "1", "--seq-length", "32", "--data-cache-path",
+                       str(dataset["root"] / "cache")] + list(extra))
+
+
+def _pretrain_error(args) -> str:
+    from megatron_int8.training.loop import pretrain
+
+    with pytest.raises(ArgumentError) as err:
+        pretrain(args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data-path", "/nonexistent/corpus"], "missing data file(s) /nonexistent/corpus.bin"),
+    (["--vocab-size", "1000"], "tokenizer/vocab mismatch: "),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "50"], "contains token id"),
+    (["--split", "1,99,0"], "the train split of"),
+    (["--split", "99,1,0"], "the validation split of"),
+    (["--tokenizer-model", "/nonexistent/spm.model"], "--tokenizer-model /nonexistent/spm.model: no such file"),
+    (["--int8-linear", "--int8-bf16-gemms", "fprop,dgrad,wgrad"], "leaves no INT8 GEMM"),
+])
+def test_bad_input_fails_early_with_message(dataset, extra, message):
+    assert message in _pretrain_error(_trainer_args(dataset, *extra))
+
+
+def test_empty_validation_split_is_fine_without_evaluation(dataset):
+    from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
+
+    args = validate_args(_trainer_args(dataset, "--split", "99,1,0", "--eval-iters", "0"), world_size=1)
+    check_data(args, build_tokenizer(args), dataset_sizes(args))
+
+
+@pytest.mark.parametrize("extra, world, message", [
+    (["--num-attention-heads", "6", "--kv-channels", "16", "--tensor-model-parallel-size", "4"], 4,
+     "--tensor-model-parallel-size 4 does not divide --num-attention-heads 6"),
+    (["--num-attention-heads", "8", "--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4,
+     "does not divide the 2 query groups"),
+    (["--seq-length", "512"], 1, "--seq-length 512 exceeds --max-position-embeddings 256"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--global-batch-size", "12"], 1, "--global-batch-size 12 is not divisible by --micro-batch-size 8"),
+    (["--hidden-size", "250"], 1, "set --kv-channels"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3, "--expert-model-parallel-size 3 must divide"),
+    (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be below --lr-decay-iters 4"),
+])
+def test_bad_layout_fails_with_message(dataset, extra, world, message):
+    args = _trainer_args(dataset, *extra)
+    with pytest.raises(ArgumentError) as err:
+        validate_args(args, world_size=world)
+    assert message in str(err.value)
+
+
+def test_yaml_typos_and_overrides(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("num_layer: 2\nhidden-size: 64\nswigl: true\n")
+    with pytest.raises(ArgumentError, match=r"unknown key 'num_layer'; did you mean num_layers.*unknown key 'swigl'"
+                                            r"; did you mean swiglu"):
+        parse_args(["--config", str(config)])
+    config.write_text("swiglu: 1\n")
+    with pytest.raises(ArgumentError, match="config key 'swiglu': expected true or false"):
+        parse_args(["--config", str(config)])
+    config.write_text("position_embedding_type: rotary\n")
+    with pytest.raises(ArgumentError, match="is not one of"):
+        parse_args(["--config", str(config)])
+    config.write_text("num-layers: 3\nhidden_size: 64\ndisable_bias_linear: true\ndata_path: [1, a, 2, b]\n"
+                      "lr: 1e-3\n")
+    args = parse_args(["--config", str(config), "--num-layers", "5"])
+    assert (args.num_layers, args.hidden_size, args.add_bias_linear) == (5, 64, False)
+    assert args.data_path == ["1", "a", "2", "b"] and args.lr == 1e-3
+    with pytest.raises(ArgumentError, match="no such file"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
