@@ -189,15 +189,14 @@ _int8_gemm_tma_tuned = triton.autotune(
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
 )(_int8_gemm_tma_kernel)
 
-_allocator_set = False
+def _scratch_alloc(size, alignment, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_allocator():
-    """Device-side tensor descriptors need a scratch allocator."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
-        _allocator_set = True
+    """Device-side tensor descriptors need a scratch allocator. Triton keeps it in a ContextVar, i.e. per
+    thread: set it on every launch, since autograd runs backward on its own thread."""
+    triton.set_allocator(_scratch_alloc)
 
 
 def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
@@ -208,7 +207,9 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
     if not (ad.is_contiguous() and bd.is_contiguous() and c.is_contiguous()):
         return False
     K, N = ad.shape[1], bd.shape[0]
-    ok = K % 16 == 0 and (N * c.element_size()) % 16 == 0
+    # 16-bit outputs only: an fp32 epilogue tile (fp32 out, accumulate_into) staged in shared memory for
+    # the TMA store does not fit next to the operand pipeline
+    ok = c.element_size() == 2 and K % 16 == 0 and (N * c.element_size()) % 16 == 0
     ok = ok and all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
     return ok
 
@@ -344,10 +345,10 @@ def _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K):
 
     if not _tma_eligible(ad, bd, c, bias, meta["SCALE_MODE"], meta["SPLIT_K_EXACT"]):
         return plain, None
-    _ensure_allocator()
     n_sms = torch.cuda.get_device_properties(ad.device).multi_processor_count
 
     def tma(out):
+        _ensure_allocator()
         grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
         _int8_gemm_tma_tuned[grid](ad, bd, out, sa, sb, bias if bias is not None else out, M, N, K,
                                    SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
