@@ -216,9 +216,12 @@ def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
         K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=torch.zeros(M, N, device="cuda"))
 
 
-def test_tma_kernel_on_autograd_thread(K):
+def test_tma_kernel_on_autograd_thread(K, monkeypatch):
     """The backward pass runs on autograd's thread: the TMA kernel's allocator must be set there too."""
     from megatron_int8 import Int8Recipe, int8_linear
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "tma")
 
     x = outliers(4096, 1024).requires_grad_(True)
     w = (outliers(2048, 1024) * 0.02).requires_grad_(True)
