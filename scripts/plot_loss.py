@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Plot training (and validation) loss from one or more trainer JSONL logs into a PNG.
+
+    python3 scripts/plot_loss.py runs/tiny/checkpoints/train_log.jsonl --output runs/tiny/loss.png
+    python3 scripts/plot_loss.py int8/train_log.jsonl bf16/train_log.jsonl --labels INT8 BF16 --output cmp.png
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def read_log(path):
+    """({iteration: train loss}, {iteration: validation loss}); later lines win (resumed runs)."""
+    train, valid = {}, {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "lm_loss" in record:
+                train[record["iteration"]] = record["lm_loss"]
+            if "valid_lm_loss" in record:
+                valid[record["iteration"]] = record["valid_lm_loss"]
+    return train, valid
+
+
+def smooth(values, window):
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("logs", nargs="+", help="train_log.jsonl files")
+    parser.add_argument("--labels", nargs="*", default=None, help="one legend label per log")
+    parser.add_argument("--output", required=True, help="PNG to write")
+    parser.add_argument("--smooth", type=int, default=10, help="moving-average window (iterations)")
+    parser.add_argument("--title", default="Training loss")
+    args = parser.parse_args(argv)
+    labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.logs]
+    if len(labels) != len(args.logs):
+        parser.error("--labels needs one label per log")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("error: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 1
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for path, label in zip(args.logs, labels):
+        train, valid = read_log(path)
+        if not train:
+            print(f"error: {path} has no training loss records", file=sys.stderr)
+            return 1
+        steps = sorted(train)
+        values = [train[s] for s in steps]
+        line, = axis.plot(steps, values, alpha=0.3, linewidth=0.8)
+        axis.plot(steps, smooth(values, args.smooth), color=line.get_color(), label=f"{label} (train)")
+        if valid:
+            axis.plot(sorted(valid), [valid[s] for s in sorted(valid)], "o--", color=line.get_color(),
+                      label=f"{label} (validation)")
+        print(f"{label}: iterations {steps[0]}-{steps[-1]}, loss {values[0]:.3f} -> {values[-1]:.3f}"
+              + (f", validation {valid[max(valid)]:.3f}" if valid else ""))
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("lm loss")
+    axis.set_title(args.title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    figure.savefig(args.output, dpi=120)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

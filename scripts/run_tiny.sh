@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The embedded default: pretrain a tiny Llama-style model with INT8 linears on text already on this
+# machine (Python's standard-library sources), no downloads. Run after `pip install -e .`:
+#
+#     bash scripts/run_tiny.sh [extra trainer flags, e.g. --train-iters 100]
+#     PRECISION=bf16 bash scripts/run_tiny.sh      # the same without INT8 (the baseline)
+#
+# Steps (corpus and tokenizer are reused when present): corpus -> SentencePiece tokenizer ->
+# indexed dataset -> pretraining (CPU, or GPU with --bf16 if one is present) -> loss-curve PNG.
+# Everything goes under runs/tiny (RUN_DIR to change it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${RUN_DIR:-runs/tiny}
+PRECISION=${PRECISION:-int8}
+PYTHON=${PYTHON:-python3}
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+mkdir -p "$RUN_DIR"
+started=$(date +%s)
+
+if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
+    echo "== 1/4 corpus from the Python standard library"
+    "$PYTHON" scripts/prepare_tiny_corpus.py --output "$RUN_DIR/corpus.jsonl" --max-mb 8
+else
+    echo "== 1/4 corpus: reusing $RUN_DIR/corpus.jsonl"
+fi
+
+DATA_PREFIX="$RUN_DIR/data/stdlib"
+if [[ ! -f "$RUN_DIR/tokenizer/spm.model" ]]; then
+    echo "== 2/4 SentencePiece tokenizer (4096 tokens) + 3/4 indexed dataset"
+    rm -f "${DATA_PREFIX}_text_document.bin"  # a new tokenizer invalidates old token ids
+    "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text \
+        --output-prefix "$DATA_PREFIX" --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece 4096 --workers 2
+elif [[ ! -f "${DATA_PREFIX}_text_document.bin" ]]; then
+    echo "== 2/4 tokenizer: reusing $RUN_DIR/tokenizer/spm.model; 3/4 indexed dataset"
+    "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text \
+        --output-prefix "$DATA_PREFIX" --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --workers 2
+else
+    echo "== 2/4 tokenizer and 3/4 dataset: reusing $RUN_DIR/tokenizer, $RUN_DIR/data"
+fi
+
+PRECISION_FLAGS=()
+[[ "$PRECISION" == "int8" ]] && PRECISION_FLAGS+=(--int8-linear)
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    PRECISION_FLAGS+=(--bf16)
+fi
+
+echo "== 4/4 pretraining ($PRECISION${PRECISION_FLAGS[*]:+: ${PRECISION_FLAGS[*]}})"
+"$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml \
+    --data-path "${DATA_PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
+    --data-cache-path "$RUN_DIR/data/cache" --save "$RUN_DIR/checkpoints" \
+    --log-jsonl "$RUN_DIR/train_log.jsonl" "${PRECISION_FLAGS[@]}" "$@"
+
+"$PYTHON" scripts/plot_loss.py "$RUN_DIR/train_log.jsonl" --labels "tiny $PRECISION" \
+    --output "$RUN_DIR/loss.png" --title "Tiny Llama-style model, $PRECISION linears"
+echo "done in $(( $(date +%s) - started )) s: checkpoint $RUN_DIR/checkpoints, log $RUN_DIR/train_log.jsonl, plot $RUN_DIR/loss.png"
