@@ -266,7 +266,8 @@ def compiled_table(subset):
         ao = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16))
         quantize_(ao, Int8MixedPrecisionTrainingConfig())
         aoc = torch.compile(ao)
-        w = ao[0].weight.detach().clone().requires_grad_(True)
+        # a plain bf16 weight (ao[0].weight is torchao's tensor subclass after quantize_)
+        w = (torch.randn(fout, fin, device="cuda") * 0.02).bfloat16().requires_grad_(True)
         recipe = Int8Recipe(backend="triton", cache_weights=False, check_finite=False)
 
         def step_aoc():
