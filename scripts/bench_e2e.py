@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""End-to-end training throughput, INT8 vs BF16, for the six model configs, with the project's trainer.
+
+For every model and precision it runs `python -m megatron_int8.pretrain --config configs/<model>.yaml`
+on mock data (one GPU: TP=PP=EP=1) at two depths, takes the median step time after warm-up, and
+fits t(L) = a + b*L (a: embedding, output layer, optimizer overhead; b: one transformer layer). Where
+the full model does not fit, the full-depth time a + b*num_layers is reported as a *projection*, labelled
+so. Prints one markdown table (also written to --out / $OUT/bench_e2e.md).
+
+    python scripts/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mixtral_8x7b_8l")
+# End-to-end INT8/BF16 speedups reported by the base paper on its accelerator.
+PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
+                 "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
+PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
+SINGLE_GPU_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer",
+                        "--expert-model-parallel-size", "1"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--depths", nargs=2, type=int, default=[2, 4], metavar=("L1", "L2"),
+                   help="Two depths to measure (Mixtral uses half of each, at least 1).")
+    p.add_argument("--iters", type=int, default=12, help="Training iterations per run.")
+    p.add_argument("--warmup", type=int, default=4, help="Iterations excluded from the timing.")
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="Further trainer flags for every run (e.g. --int8-granularity row).")
+    return p.parse_args(argv)
+
+
+def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
+    """One trainer run; returns median step time (s), final loss and peak memory (GB)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
+               "--mock-data", "--num-layers", str(layers), "--train-iters", str(opts.iters),
+               "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
+               "--global-batch-size", str(opts.micro_batch_size), "--log-interval", "1",
+               "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
+               *SINGLE_GPU_OVERRIDES, *opts.extra]
+        if int8:
+            cmd.append("--int8-linear")
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8} (exit {proc.returncode})")
+        with open(log, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if '"lm_loss"' in line]
+    timed = [s["step_time_s"] for s in steps[opts.warmup:]]
+    if not timed:
+        raise RuntimeError(f"{model}: no timed iterations (iters {opts.iters} <= warmup {opts.warmup})")
+    peaks = PEAK_MEMORY.findall(proc.stdout)
+    result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
+              "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
+    print(f"  {model:16s} L={layers:2d} {'int8' if int8 else 'bf16'}: step {result['step_s'] * 1e3:8.1f} ms, "
+          f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB, run {result['wall_s']:.0f} s", flush=True)
+    return result
+
+
+def full_depth(model: str) -> int:
+    with open(os.path.join(ROOT, "configs", f"{model}.yaml"), encoding="utf-8") as f:
+        return int(yaml.safe_load(f)["num_layers"])
+
+
+def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:
+    """Full-depth step time from two depths; NaN when timing noise hides the per-layer cost."""
+    per_layer = (t2 - t1) / (l2 - l1)
+    return t1 + per_layer * (full - l1) if per_layer > 0 else float("nan")
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    tokens = opts.seq_length * opts.micro_batch_size
+    rows = []
+    for model in opts.models:
+        full = full_depth(model)
+        depths = opts.depths if not model.startswith("mixtral") else [max(1, d // 2) for d in opts.depths]
+        l1, deep = min(min(d, full) for d in depths), max(min(d, full) for d in depths)
+        if l1 == deep < full:
+            raise SystemExit(f"{model}: two different depths are needed to project to {full} layers")
+        res = {(p, l): run_trainer(model, l, p == "int8", opts) for p in ("bf16", "int8") for l in {l1, deep}}
+        row = {"model": model, "measured": ",".join(map(str, sorted({l1, deep}))), "full": full}
+        for p in ("bf16", "int8"):
+            row[f"{p}_tok_s"] = tokens / res[(p, deep)]["step_s"]
+            if deep == full:
+                row[f"{p}_full_tok_s"], row["projected"] = row[f"{p}_tok_s"], False
+            else:
+                row[f"{p}_full_tok_s"] = tokens / project(res[(p, l1)]["step_s"], res[(p, deep)]["step_s"], l1, deep, full)
+                row["projected"] = True
+            row[f"{p}_peak_gb"] = res[(p, deep)]["peak_gb"]
+            row[f"{p}_loss"] = res[(p, deep)]["loss"]
+        rows.append(row)
+    table = format_table(rows, opts)
+    print(table)
+    out = opts.out or (os.path.join(os.environ["OUT"], "bench_e2e.md") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+
+
+def format_table(rows, opts) -> str:
+    lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, 1 GPU, mock data, {opts.iters} iterations "
+             f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "
+             "depths where marked (P)",
+             "",
+             "| model | layers measured / full | BF16 tok/s | INT8 tok/s | speedup (measured) | speedup full depth "
+             "| paper | peak GB BF16 / INT8 | INT8/BF16 memory | loss BF16 / INT8 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        full_speedup = r["int8_full_tok_s"] / r["bf16_full_tok_s"]
+        lines.append(
+            f"| {r['model']} | {r['measured']} / {r['full']} | {r['bf16_tok_s']:.0f} | {r['int8_tok_s']:.0f} "
+            f"| {r['int8_tok_s'] / r['bf16_tok_s']:.3f}x | {full_speedup:.3f}x{' (P)' if r['projected'] else ''} "
+            f"| {PAPER_SPEEDUP[r['model']]:.2f}x | {r['bf16_peak_gb']:.1f} / {r['int8_peak_gb']:.1f} "
+            f"| {r['int8_peak_gb'] / r['bf16_peak_gb']:.2f} | {r['bf16_loss']:.3f} / {r['int8_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
