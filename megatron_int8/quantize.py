@@ -61,7 +61,10 @@ class QTensor:
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scale amax/127; an all-zero group gets scale 1 (finite, and dequantizes to exact zeros)."""
     amax = amax.float()
-    return torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
+    # which can differ from the IEEE quotient by one ulp.
+    qmax = torch.tensor(QMAX, dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
 def _check_finite(amax: torch.Tensor, name: str) -> None:
@@ -154,9 +157,9 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 a[M,K] @ b[N,K]^T via torch._int_mm (padded where CUDA's shape rules require)."""
     M, K = a.shape
     N = b.shape[0]
-    if a.device.type == "cuda":
+    if a.device.type == "cuda":  # cuBLASLt: M > 16, K and N multiples of 8, 8-aligned row strides
         Mp, Kp, Np = max(_ceil(M, 8) * 8, 32), _ceil(K, 8) * 8, _ceil(N, 8) * 8
-        out = torch._int_mm(_pad_to(a, Mp, Kp), _pad_to(b, Np, Kp).t())
+        out = torch._int_mm(_pad_to(a, Mp, Kp).contiguous(), _pad_to(b, Np, Kp).contiguous().t())
         return out[:M, :N]
     if K == 0:
         return torch.zeros(M, N, dtype=torch.int32, device=a.device)
