@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-weights", action="store_true",
                    help="keep weight quantization across iterations (as micro-batches of one step do); "
                         "default re-quantizes every iteration, the cost of a 1-micro-batch step")
+    p.add_argument("--check-finite", action="store_true",
+                   help="the recipe's Inf/NaN check (one host sync per quantize); default off, as the "
+                        "trainer's loss and grad-norm checks catch non-finite values")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     args = p.parse_args(argv)
     if args.tiny:
@@ -76,7 +79,7 @@ def build_layers(args):
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
         use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
-    recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=False,
+    recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
                         cache_weights=args.cache_weights)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False)}
@@ -131,7 +134,8 @@ def main(argv=None) -> str:
     lines = [
         f"Transformer layer fwd+bwd: hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
-        f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}",
+        f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
+        f"finite check {'on' if args.check_finite else 'off'}",
         "",
         "| spec | ms / iter | speedup vs BF16 |",
         "|---|---|---|",
