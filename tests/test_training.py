@@ -96,3 +96,19 @@ def test_resume_matches_uninterrupted_and_switches_precision(data, tmp_path):
     resumed, reference = losses(bf16_dir / "train_log.jsonl"), losses(whole / "train_log.jsonl")
     assert sorted(resumed) == list(range(1, 7)) and "| int8 |" not in out
     assert all(abs(resumed[i] - reference[i]) < 0.05 for i in (4, 5, 6)), (resumed, reference)
+
+
+def test_pipeline_checkpoint_resumes_under_tensor_and_sequence_parallelism(data, tmp_path):
+    """PP=2 (pipeline schedule, loss from the last stage) saves; TP=2 with sequence parallelism loads
+    it (dist_checkpointing reshards model and optimizer) and continues like the PP=2 run."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "2",
+              "--int8-linear"]
+    reference, split = tmp_path / "reference", tmp_path / "split"
+    train(data, *common, "--pipeline-model-parallel-size", "2", "--save", str(reference), nproc=2)
+    train(data, *common, "--pipeline-model-parallel-size", "2", "--save", str(split), "--exit-interval", "2", nproc=2)
+    out = train(data, *common, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", str(split),
+                "--load", str(split), nproc=2)
+    assert "TP 2, PP 1" in out and "loaded checkpoint" in out
+    expected, resumed = losses(reference / "train_log.jsonl"), losses(split / "train_log.jsonl")
+    assert [resumed[i] for i in (1, 2)] == [expected[i] for i in (1, 2)]
+    assert all(abs(resumed[i] - expected[i]) < 1e-3 for i in (3, 4)), (resumed, expected)

@@ -71,7 +71,10 @@ def build_config(args, log):
     if args.gradient_accumulation_fusion and not fused_wgrad_available():
         log("note: gradient accumulation fusion off (APEX fused_weight_gradient_mlp_cuda not available)")
         args.gradient_accumulation_fusion = False
-    return transformer_config_from_args(args, use_cpu_initialization=not torch.cuda.is_available())
+    on_gpu = torch.cuda.is_available()
+    # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
+    return transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
+                                        bias_activation_fusion=args.swiglu and on_gpu)
 
 
 def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.Module]:
