@@ -94,3 +94,23 @@ def test_builds_at_tiny_width(name, megatron_world):
     tokens = torch.randint(0, 200, (1, 32))
     loss = model(tokens, torch.arange(32)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
+    _check_flops_formula(model, args, experts, topk)
+
+
+def _check_flops_formula(model, args, experts, topk):
+    """The logged model FLOPs equal 6 x tokens x (weights a token meets + causal attention), with
+    the weights counted from the built model (MoE: top-k of the experts, plus the router)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_int8.training.metrics import model_flops_per_iteration
+
+    weights_per_token = 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weight = module.weight if module.weight is not None else model.embedding.word_embeddings.weight
+            weights_per_token += weight.numel() * (topk / experts if ".local_experts." in name else 1)
+        elif name.endswith("mlp.router"):
+            weights_per_token += module.weight.numel()
+    attention = args.num_layers * args.seq_length * args.num_attention_heads * args.kv_channels
+    expected = 6 * args.global_batch_size * args.seq_length * (weights_per_token + attention)
+    assert model_flops_per_iteration(args, args.padded_vocab_size) == pytest.approx(expected)

@@ -136,3 +136,46 @@ def test_yaml_typos_and_overrides(tmp_path):
     assert args.data_path == ["1", "a", "2", "b"] and args.lr == 1e-3
     with pytest.raises(ArgumentError, match="no such file"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+def _installed(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(_installed("tokenizers"), reason="the `tokenizers` package is installed")
+def test_hf_tokenizer_json_without_tokenizers_package(dataset, tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    result = _run(["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
+                   str(tmp_path / "x"), "--tokenizer-type", "HuggingFaceTokenizer",
+                   "--tokenizer-model", str(tmp_path / "tokenizer.json")])
+    assert result.returncode != 0 and "needs the `tokenizers` package" in result.stderr
+
+
+@pytest.mark.skipif(not _installed("tokenizers"), reason="needs the `tokenizers` package")
+def test_hf_tokenizer_json_preprocess(dataset, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([CODE] * 10, trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    result = _run(["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
+                   str(tmp_path / "hf"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    eod = tokenizer.token_to_id("<|endoftext|>")
+    documents = IndexedDataset(str(tmp_path / "hf_text_document"))
+    assert len(documents) == 24 and documents[0][-1] == eod
+    assert tokenizer.decode(documents[0][:-1].tolist()) == CODE.replace("x", "alpha") * 20
+
+
+@pytest.mark.skipif(_installed("transformers"), reason="the `transformers` package is installed")
+def test_trainer_hf_tokenizer_without_transformers(dataset, tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    message = _pretrain_error(_trainer_args(dataset, "--tokenizer-type", "HuggingFaceTokenizer",
+                                            "--tokenizer-model", str(tmp_path / "tokenizer.json")))
+    assert "needs the `transformers` package" in message
