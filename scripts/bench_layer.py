@@ -43,6 +43,8 @@ def parse_args(argv=None):
                    help="the recipe's Inf/NaN check (one host sync per quantize); default off, as the "
                         "trainer's loss and grad-norm checks catch non-finite values")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
@@ -119,6 +121,23 @@ def time_layer(layer, name, args) -> float:
     return (time.perf_counter() - start) * 1e3 / args.iters
 
 
+def profile_layer(layer, args) -> None:
+    """Where an INT8 layer's time goes: GPU kernels by total time, and CPU vs GPU busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            out, _ = layer(x)
+            out.backward(torch.ones_like(out))
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -129,6 +148,8 @@ def main(argv=None) -> str:
 
     layers = build_layers(args)
     times = {name: time_layer(layer, name, args) for name, layer in layers.items()}
+    if args.profile:
+        profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     lines = [
