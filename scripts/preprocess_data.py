@@ -57,6 +57,7 @@ def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int) -> N
     os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
     prefix = model_path[: -len(".model")] if model_path.endswith(".model") else model_path
     started = time.time()
+    spm.set_random_generator_seed(1234)  # the same corpus gives the same tokenizer
     print(f"training a SentencePiece BPE tokenizer ({vocab_size} tokens) on {', '.join(paths)} ...", flush=True)
     spm.SentencePieceTrainer.train(
         sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",

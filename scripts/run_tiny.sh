@@ -53,5 +53,6 @@ echo "== 4/4 pretraining ($PRECISION${PRECISION_FLAGS[*]:+: ${PRECISION_FLAGS[*]
     --log-jsonl "$RUN_DIR/train_log.jsonl" "${PRECISION_FLAGS[@]}" "$@"
 
 "$PYTHON" scripts/plot_loss.py "$RUN_DIR/train_log.jsonl" --labels "tiny $PRECISION" \
-    --output "$RUN_DIR/loss.png" --title "Tiny Llama-style model, $PRECISION linears"
+    --output "$RUN_DIR/loss.png" --title "Tiny Llama-style model, $PRECISION linears" \
+    || echo "(no loss plot: see the message above; the JSONL log is complete)"
 echo "done in $(( $(date +%s) - started )) s: checkpoint $RUN_DIR/checkpoints, log $RUN_DIR/train_log.jsonl, plot $RUN_DIR/loss.png"
