@@ -95,10 +95,11 @@ def _inner_optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _is_distributed(optimizer) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+def _is_distributed_over_torch_adam(optimizer) -> bool:
+    """A DistributedOptimizer on torch's Adam (no Apex/TE fused Adam): the case with the faults."""
+    from megatron.core.optimizer import distrib_optimizer
 
-    return isinstance(optimizer, DistributedOptimizer)
+    return isinstance(optimizer, distrib_optimizer.DistributedOptimizer) and not distrib_optimizer.HAVE_APEX_OR_TE
 
 
 def _adam_steps(optimizer) -> list:
@@ -114,7 +115,7 @@ def _adam_steps(optimizer) -> list:
 def _prime_distributed_optimizers(optimizer) -> None:
     """Give a fresh DistributedOptimizer zero Adam state, which its sharded_state_dict needs to exist."""
     for opt in _inner_optimizers(optimizer):
-        if _is_distributed(opt) and len(opt.optimizer.state) == 0:
+        if _is_distributed_over_torch_adam(opt) and len(opt.optimizer.state) == 0:
             opt.init_state_fn(opt.optimizer, opt.config)
             for group in opt.optimizer.param_groups:
                 for param in group["params"]:
@@ -124,7 +125,7 @@ def _prime_distributed_optimizers(optimizer) -> None:
 def _restore_adam_steps(optimizer, steps: list) -> None:
     """One `step` tensor per parameter again, at the saved count."""
     for opt, step in zip(_inner_optimizers(optimizer), steps):
-        if step is None or not _is_distributed(opt):
+        if step is None or not _is_distributed_over_torch_adam(opt):
             continue
         for state in getattr(opt, "optimizer", opt).state.values():
             if "step" in state:
