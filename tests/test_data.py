@@ -90,6 +90,19 @@ def test_bad_input_fails_early_with_message(dataset, extra, message):
     assert message in _pretrain_error(_trainer_args(dataset, *extra))
 
 
+def test_weighted_blend_checks_the_splits_megatron_will_build(dataset):
+    """A weighted blend makes megatron-core build every split with a share, the unused test split too."""
+    from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
+
+    single = validate_args(_trainer_args(dataset, "--split", "96,3,1"), world_size=1)
+    check_data(single, build_tokenizer(single), dataset_sizes(single))  # test split not built: fine
+    blend = validate_args(_trainer_args(dataset, "--split", "96,3,1", "--data-path", "0.5", dataset["prefix"],
+                                        "0.5", dataset["prefix"]), world_size=1)
+    assert dataset_sizes(blend)[2] == blend.global_batch_size
+    with pytest.raises(ArgumentError, match="the test split of .* is empty.*or a share of 0"):
+        check_data(blend, build_tokenizer(blend), dataset_sizes(blend))
+
+
 def test_empty_validation_split_is_fine_without_evaluation(dataset):
     from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
 

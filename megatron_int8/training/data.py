@@ -90,8 +90,8 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
                 raise ArgumentError(
                     f"the {SPLIT_NAMES[split]} split of {prefix} is empty: --split {args.split!r} gives it "
                     f"documents [{begin}, {end}) of {len(lengths)} (megatron-core would loop forever on it). "
-                    "Use more documents, a split that leaves this split at least one document"
-                    + (", or --eval-iters 0" if split == 1 else ""))
+                    "Use more documents, or a --split that gives this split at least one document or a share of 0"
+                    + (" (or --eval-iters 0)" if split == 1 and weights is None else ""))
         _check_token_ids(prefix, dataset, tokenizer.vocab_size)
 
 
@@ -105,12 +105,17 @@ def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
 
 
 def dataset_sizes(args) -> List[Optional[int]]:
-    """Samples per split, as Megatron-LM requests them (no test split: this trainer never uses it)."""
+    """Samples per split, as Megatron-LM requests them; None (build nothing extra) for the test split,
+    which this trainer never uses, and for validation without --eval-iters. megatron-core needs a
+    size for every split of a weighted blend: those unused splits then get one global batch."""
     train = args.train_iters * args.global_batch_size
     valid = None
     if args.eval_iters > 0:
         valid = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
-    return [train, valid, None]
+    sizes = [train, valid, None]
+    if not args.mock_data and data_prefixes(args.data_path)[1] is not None:
+        sizes = [args.global_batch_size if size is None else size for size in sizes]
+    return sizes
 
 
 def build_datasets(args, tokenizer):
