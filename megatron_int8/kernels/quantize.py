@@ -6,18 +6,26 @@ tensor cores need. scale = amax / 127 in fp32 (IEEE division, 1.0 for an all-zer
 holding Inf/NaN), q = clamp(round_half_even(x_fp32 / scale), -127, 127) with an IEEE-correct division
 (`tl.math.div_rn`), so the int8 data and the scales are bit-identical to the PyTorch reference.
 
-Kernels
-- `_amax_partials_kernel` (tensor and row granularity): one read of x in [TR, TC] tiles; writes each
-  tile's max |x| and/or each row's / column's max over the tile. No atomics: the partial maxima are reduced
-  by `_finalize_kernel` (a tiny second pass that also computes the scales).
-- `_quantize_tile_kernel`: one read of x in tiles; writes Q(x) and/or Q(x)^T from the same registers
-  (the transposed store goes through shared memory via `tl.trans`, so both stores are coalesced). Modes:
-  tensorwise scale given, per-row/per-column scale vectors given, or scales computed inside the tile for
-  the block recipe (BxB weight tiles: one scale, stored for Q(x) and transposed for Q(x)^T; 1xB tiles:
-  row maxima for Q(x) and column maxima for Q(x^T), both from one read). The block recipe is therefore a
-  single pass over x; tensor and row granularity need two (amax, then quantize).
-- Stochastic rounding: floor(v + u), u ~ U[0, 1) from Philox (`tl.rand`) keyed by the element's index
-  in x, so Q(x) and Q(x)^T share their random draws (Q(x)^T is then exactly the transpose of Q(x)).
+Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so every launch counts):
+- tensor and row granularity: 2. `_amax_partials_kernel` reads x once and writes a few partial maxima
+  (no atomics, so no zero-initialised buffer and no extra memset launch); `_quantize_kernel` then reads x
+  again and every program reduces the partials it needs itself, so there is no separate "finalize"
+  launch. To keep that redundant reduction cheap, each amax program walks a tall strip of rows
+  (`_amax_rows_per_program`), which bounds the partials to <= ~1024 per tensor / per column.
+- block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
+- check_finite=True adds one small torch reduction and the host sync that reads it; False adds nothing.
+The partials share one allocation with the tensorwise scale (a few KB, kept alive with the scale), so a
+tensorwise call allocates 3 tensors (Q(x), Q(x^T), scale + partials) and syncs nothing.
+
+Quantize+transpose: Q(x) and Q(x)^T are stored from the same registers; the transposed store goes through
+`tl.trans` (a shared-memory layout change), and the tile is 64 x 128 so that both int8 stores write whole
+32-byte sectors in 16-byte vectors (rows of 128 B for Q(x), 64 B for Q(x)^T).
+
+Stochastic rounding: floor(v + u), u ~ U[0, 1). One Philox call (`tl.rand4x`) yields 4 draws, used for 4
+adjacent columns (element (r, c) takes draw c % 4 of the call at counter r * ceil(C/4) + c // 4), which
+cuts the Philox work 4x compared with one call per element (`tl.rand`). The draws are keyed by the
+element's position in x, so Q(x) and Q(x)^T share them (Q(x)^T is then exactly the transpose of Q(x)).
+Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to one call per element.
 """
 from __future__ import annotations
 
@@ -36,10 +44,11 @@ ref = importlib.import_module("megatron_int8.quantize")
 QMAX = 127.0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# tile modes of _quantize_tile_kernel
-_MODE_TENSOR, _MODE_VECTORS, _MODE_TILE2D, _MODE_1XB = 0, 1, 2, 3
+# modes of _quantize_block_kernel
+_MODE_TILE2D, _MODE_1XB = 2, 3
 
 
+# ------------------------------------------------------------------------------------------ helpers
 @triton.jit
 def _abs_nonfinite_to_inf(x):
     """|x| with NaN mapped to +inf, so a max-reduction turns any Inf/NaN into amax = inf."""
@@ -56,14 +65,28 @@ def _scale_from_amax(amax):
 
 
 @triton.jit
-def _round_clamp(x, s, offs, seed, STOCHASTIC: tl.constexpr):
-    """int8 clamp(round(x / s)); x / s is IEEE division; half-to-even or stochastic rounding."""
+def _uniform_tile(seed, offs_r, lin, col0, C4, TR: tl.constexpr, TC: tl.constexpr, FOUR: tl.constexpr):
+    """U[0, 1) for a [TR, TC] tile whose first column is col0 (a multiple of 4 when FOUR).
+
+    FOUR: one Philox call per 4 columns (counter r * C4 + c // 4, draw c % 4), the 4 draws interleaved
+    back into columns; else one call per element (counter = lin, the element index)."""
+    if FOUR:
+        cnt = offs_r[:, None] * C4 + (col0 // 4 + tl.arange(0, TC // 4))[None, :]
+        u0, u1, u2, u3 = tl.rand4x(seed, cnt)
+        # interleave(interleave(u0, u2), interleave(u1, u3)): column 4j + k holds u_k[j]
+        return tl.interleave(tl.interleave(u0, u2), tl.interleave(u1, u3))
+    else:
+        return tl.rand(seed, lin)
+
+
+@triton.jit
+def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
+    """int8 clamp(round(x / s)); x / s is IEEE division; half-to-even, or floor(v + u) when stochastic."""
     v = tl.math.div_rn(x, s)
     v = tl.where(v == v, v, 0.0)  # NaN: non-finite scale (or 0/0), whose scale marks it NaN anyway
     # clamp before rounding: the bounds are integers and rounding is monotone, so the result is the same
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     if STOCHASTIC:
-        u = tl.rand(seed, offs)
         v = tl.minimum(tl.floor(v + u), 127.0)
     else:
         # round half to even: adding 1.5 * 2^23 leaves no fraction bits in fp32 (|v| <= 127)
@@ -72,62 +95,137 @@ def _round_clamp(x, s, offs, seed, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _tile_uniforms(seed, offs_r, offs_c, col0, C, TR: tl.constexpr, TC: tl.constexpr,
+                   STOCHASTIC: tl.constexpr, FOUR: tl.constexpr):
+    """The tile's random draws (a dummy scalar when rounding to nearest)."""
+    if STOCHASTIC:
+        lin = offs_r[:, None] * C + offs_c[None, :]
+        return _uniform_tile(seed, offs_r, lin, col0, (C + 3) // 4, TR, TC, FOUR)
+    else:
+        return 0.0
+
+
+# ------------------------------------------------------------------------- tensor / row granularity
+@triton.jit
 def _amax_partials_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     ptile_ptr, prow_ptr, pcol_ptr,
+    RB,  # rows per program (a multiple of TR): few row strips, so few partials per column
     TR: tl.constexpr, TC: tl.constexpr,
     TILE_MAX: tl.constexpr, ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,
 ):
-    rt = tl.program_id(0)
+    """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps and writes
+    ptile[i, j] (max |x| of its block), prow[r, j] (each row's max over the block's columns) and/or
+    pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
+    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass)."""
+    rs = tl.program_id(0)
     ct = tl.program_id(1)
     n_ct = tl.num_programs(1)
+    offs_c = ct * TC + tl.arange(0, TC)
+    mask_c = offs_c < C
+    acc = tl.zeros((TR, TC), tl.float32)
+    for r0 in range(0, RB, TR):
+        offs_r = rs * RB + r0 + tl.arange(0, TR)
+        mask_r = offs_r < R
+        mask = mask_r[:, None] & mask_c[None, :]
+        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc,
+                    mask=mask, other=0.0)
+        a = _abs_nonfinite_to_inf(x.to(tl.float32))
+        if ROW_MAX:  # prow [R, n_ct]
+            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.max(a, axis=1), mask=mask_r)
+        if TILE_MAX or COL_MAX:
+            acc = tl.maximum(acc, a)
+    if COL_MAX:  # pcol [n_rs, C]
+        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, tl.max(acc, axis=0), mask=mask_c)
+    if TILE_MAX:  # ptile [n_rs * n_ct]
+        tl.store(ptile_ptr + rs * n_ct + ct, tl.max(tl.max(acc, axis=1), axis=0))
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, R, C, stride_xr, stride_xc,
+    q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, R], contiguous
+    s_ptr, st_ptr,  # scales written here: [] (tensor, both point to it) or [R] and [C] (row)
+    p_ptr, n_p,  # tensor: the n_p tile partials
+    prow_ptr, n_ct,  # row: prow [R, n_ct]
+    pcol_ptr, n_rs,  # row: pcol [n_rs, C]
+    seed,
+    TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; partials reduced BP at a time
+    TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+    STOCHASTIC: tl.constexpr, FOUR: tl.constexpr,
+):
+    """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. Each program first reduces the partial maxima it needs
+    (all n_p of them for a tensorwise scale; its rows' n_ct / its columns' n_rs for row scales) and
+    program (0, *) / (*, 0) stores the scales, so the scales need no launch of their own."""
+    rt = tl.program_id(0)
+    ct = tl.program_id(1)
     offs_r = rt * TR + tl.arange(0, TR)
     offs_c = ct * TC + tl.arange(0, TC)
     mask_r = offs_r < R
     mask_c = offs_c < C
     mask = mask_r[:, None] & mask_c[None, :]
     x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0)
-    a = _abs_nonfinite_to_inf(x.to(tl.float32))
-    if TILE_MAX:
-        tl.store(ptile_ptr + rt * n_ct + ct, tl.max(tl.max(a, axis=1), axis=0))
-    if ROW_MAX:  # prow [R, n_ct]
-        tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.max(a, axis=1), mask=mask_r)
-    if COL_MAX:  # pcol [n_rt, C]
-        tl.store(pcol_ptr + rt.to(tl.int64) * C + offs_c, tl.max(a, axis=0), mask=mask_c)
+    x = x.to(tl.float32)
+    u = _tile_uniforms(seed, offs_r, offs_c, ct * TC, C, TR, TC, STOCHASTIC, FOUR)
+    q_offs = offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
+    qt_offs = offs_c[:, None].to(tl.int64) * R + offs_r[None, :]
+    mask_t = mask_c[:, None] & mask_r[None, :]
+
+    if TENSOR:
+        acc = tl.zeros((BP,), tl.float32)
+        for j0 in range(0, n_p, BP):
+            offs_p = j0 + tl.arange(0, BP)
+            acc = tl.maximum(acc, tl.load(p_ptr + offs_p, mask=offs_p < n_p, other=0.0))
+        s = _scale_from_amax(tl.max(acc, axis=0))
+        if (rt == 0) & (ct == 0):
+            tl.store(s_ptr, s)
+        q = _round_clamp(x, s, u, STOCHASTIC)
+        if ROW:
+            tl.store(q_ptr + q_offs, q, mask=mask)
+        if COL:
+            tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
+    else:
+        if ROW:
+            acc_r = tl.zeros((TR, BP), tl.float32)
+            for j0 in range(0, n_ct, BP):
+                offs_p = j0 + tl.arange(0, BP)
+                m = mask_r[:, None] & (offs_p < n_ct)[None, :]
+                acc_r = tl.maximum(acc_r, tl.load(prow_ptr + offs_r[:, None].to(tl.int64) * n_ct + offs_p[None, :],
+                                                  mask=m, other=0.0))
+            s_r = _scale_from_amax(tl.max(acc_r, axis=1))
+            if ct == 0:
+                tl.store(s_ptr + offs_r, s_r, mask=mask_r)
+            q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
+            tl.store(q_ptr + q_offs, q, mask=mask)
+        if COL:
+            acc_c = tl.zeros((BP, TC), tl.float32)
+            for i0 in range(0, n_rs, BP):
+                offs_p = i0 + tl.arange(0, BP)
+                m = (offs_p < n_rs)[:, None] & mask_c[None, :]
+                acc_c = tl.maximum(acc_c, tl.load(pcol_ptr + offs_p[:, None].to(tl.int64) * C + offs_c[None, :],
+                                                  mask=m, other=0.0))
+            s_c = _scale_from_amax(tl.max(acc_c, axis=0))
+            if rt == 0:
+                tl.store(st_ptr + offs_c, s_c, mask=mask_c)
+            qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
+            tl.store(qt_ptr + qt_offs, tl.trans(qc), mask=mask_t)
 
 
+# ----------------------------------------------------------------------------------- block granularity
 @triton.jit
-def _finalize_kernel(
-    p_ptr, amax_ptr, scale_ptr, n_out, n_red, stride_out, stride_red,
-    BO: tl.constexpr, BRED: tl.constexpr,
-):
-    """amax[i] = max_j p[i, j] (p addressed through strides), scale[i] = scale_from_amax(amax[i])."""
-    offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
-    mask_o = offs_o < n_out
-    # elementwise maxima in the loop, one reduction after it (a reduction inside the loop trips
-    # triton 3.6's OptimizeThreadLocality pass)
-    acc = tl.zeros((BO, BRED), tl.float32)
-    for j0 in range(0, n_red, BRED):
-        offs_j = j0 + tl.arange(0, BRED)
-        m = mask_o[:, None] & (offs_j < n_red)[None, :]
-        p = tl.load(p_ptr + offs_o[:, None].to(tl.int64) * stride_out + offs_j[None, :] * stride_red, mask=m, other=0.0)
-        acc = tl.maximum(acc, p)
-    amax = tl.max(acc, axis=1)
-    tl.store(amax_ptr + offs_o, amax, mask=mask_o)
-    tl.store(scale_ptr + offs_o, _scale_from_amax(amax), mask=mask_o)
-
-
-@triton.jit
-def _quantize_tile_kernel(
+def _quantize_block_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, R], contiguous
-    s_ptr, st_ptr,  # scales of Q(x) and of Q(x^T) (read in modes 0/1, written in modes 2/3)
-    ss_r, ss_c, sts_r, sts_c,  # strides of the 2-D block-scale arrays (modes 2/3)
-    GR, GC,  # rows / columns covered by one program (the block size in modes 2/3)
+    s_ptr, st_ptr,  # block scales of Q(x) and of Q(x^T), written
+    ss_r, ss_c, sts_r, sts_c,  # strides of the 2-D block-scale arrays
+    GR, GC,  # rows / columns covered by one program (the block size, or several rows of 1 x B groups)
     seed,
     TR: tl.constexpr, TC: tl.constexpr,  # power-of-two register tile >= (GR, GC)
-    MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STOCHASTIC: tl.constexpr,
+    MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR: tl.constexpr,
 ):
+    """Single pass: scales computed inside the tile. MODE 2: one scale per BxB weight tile, stored for Q(x)
+    and transposed for Q(x^T). MODE 3: 1xB groups, row maxima for Q(x) and column maxima for Q(x^T),
+    both from one read."""
     rt = tl.program_id(0)
     ct = tl.program_id(1)
     ir = tl.arange(0, TR)
@@ -139,22 +237,15 @@ def _quantize_tile_kernel(
     mask = mask_r[:, None] & mask_c[None, :]
     x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    lin = offs_r[:, None] * C + offs_c[None, :]  # element index in x: the random stream's counter
+    u = _tile_uniforms(seed, offs_r, offs_c, ct * GC, C, TR, TC, STOCHASTIC, FOUR)
     q_offs = offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
     qt_offs = offs_c[:, None].to(tl.int64) * R + offs_r[None, :]
     mask_t = mask_c[:, None] & mask_r[None, :]
 
-    if MODE == 0:  # one tensorwise scale, already computed
-        s = tl.load(s_ptr)
-        q = _round_clamp(x, s, lin, seed, STOCHASTIC)
-        if ROW:
-            tl.store(q_ptr + q_offs, q, mask=mask)
-        if COL:
-            tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
-    elif MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
+    if MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
         amax = tl.max(tl.max(_abs_nonfinite_to_inf(x), axis=1), axis=0)
         s = _scale_from_amax(amax)
-        q = _round_clamp(x, s, lin, seed, STOCHASTIC)
+        q = _round_clamp(x, s, u, STOCHASTIC)
         if ROW:
             tl.store(s_ptr + rt * ss_r + ct * ss_c, s)
             tl.store(q_ptr + q_offs, q, mask=mask)
@@ -162,24 +253,19 @@ def _quantize_tile_kernel(
             tl.store(st_ptr + ct * sts_r + rt * sts_c, s)
             tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
     else:
-        if ROW:
-            if MODE == 1:
-                s_r = tl.load(s_ptr + offs_r, mask=mask_r, other=1.0)
-            else:  # 1 x GC groups: row maxima inside the tile
-                s_r = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=1))
-                tl.store(s_ptr + offs_r.to(tl.int64) * ss_r + ct * ss_c, s_r, mask=mask_r)
-            q = _round_clamp(x, s_r[:, None], lin, seed, STOCHASTIC)
+        if ROW:  # 1 x GC groups: row maxima inside the tile
+            s_r = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=1))
+            tl.store(s_ptr + offs_r.to(tl.int64) * ss_r + ct * ss_c, s_r, mask=mask_r)
+            q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
-        if COL:
-            if MODE == 1:
-                s_c = tl.load(st_ptr + offs_c, mask=mask_c, other=1.0)
-            else:  # GR x 1 groups of x = 1 x GR groups of x^T: column maxima inside the tile
-                s_c = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=0))
-                tl.store(st_ptr + offs_c.to(tl.int64) * sts_r + rt * sts_c, s_c, mask=mask_c)
-            qc = _round_clamp(x, s_c[None, :], lin, seed, STOCHASTIC)
+        if COL:  # GR x 1 groups of x = 1 x GR groups of x^T: column maxima inside the tile
+            s_c = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=0))
+            tl.store(st_ptr + offs_c.to(tl.int64) * sts_r + rt * sts_c, s_c, mask=mask_c)
+            qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
             tl.store(qt_ptr + qt_offs, tl.trans(qc), mask=mask_t)
 
 
+# ------------------------------------------------------------------------------------------- host side
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -189,35 +275,50 @@ def _pow2(n: int) -> int:
 
 
 # Tile shapes. The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise
-# multi-tile reductions and ragged edges on tiny inputs.
+# multi-tile reductions, multi-step amax strips and ragged edges on tiny inputs.
 if _INTERPRET:
-    _AMAX_TILE, _Q_TILE, _Q_TILE_T, _FIN = (16, 32), (16, 32), (16, 16), (16, 16)
-    _WARPS = 4
+    _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
+    _MAX_STRIPS, _BP, _WARPS, _BLOCK_ROWS = 3, 4, 4, 4
 else:
-    _AMAX_TILE, _Q_TILE, _Q_TILE_T, _FIN = (32, 256), (16, 256), (64, 64), (32, 128)
-    _WARPS = 8
+    # amax: 32 x 256 register tile, strips of rows; quantize: 16 x 256 (one output, 512 B bf16 rows) or
+    # 64 x 128 (both outputs: 128 B rows of Q(x), 64 B rows of Q(x)^T, all whole sectors)
+    _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 128)
+    _MAX_STRIPS, _BP, _WARPS, _BLOCK_ROWS = 32, None, 8, 4096
+_MAX_TILE_PARTIALS = 1024  # tensorwise: partials every quantize program reduces (4 KB, from L2)
 
 
-def _finalize(p: torch.Tensor, n_out: int, n_red: int, stride_out: int, stride_red: int):
-    amax = torch.empty(n_out, dtype=torch.float32, device=p.device)
-    scale = torch.empty_like(amax)
-    BO, BRED = _FIN
-    if n_out == 1:
-        BO, BRED = 2, max(BRED, min(_pow2(n_red), 1024 if not _INTERPRET else 64))
-    _finalize_kernel[(_cdiv(n_out, BO),)](p, amax, scale, n_out, n_red, stride_out, stride_red,
-                                         BO=BO, BRED=BRED, num_warps=4)
-    return amax, scale
+def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
+    """Rows per amax program: enough programs to fill the GPU, few enough partials to re-reduce cheaply."""
+    TR = _AMAX_TILE[0]
+    n_rt = _cdiv(R, TR)
+    strips = _MAX_STRIPS
+    if tensor:
+        strips = min(strips, max(1, _MAX_TILE_PARTIALS // n_ct))
+    strips = max(1, min(strips, n_rt))
+    return _cdiv(n_rt, strips) * TR
 
 
-def _raise_if_nonfinite(bad: torch.Tensor, name: str, amax: Optional[torch.Tensor] = None) -> None:
-    if bool(bad):  # the one host sync of check_finite=True
-        shown = amax.max().item() if amax is not None else float("inf")
-        raise ref.NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax={shown})")
+def _bp(n: int) -> int:
+    """Partials reduced per load in _quantize_kernel: all of them at once on the GPU (one L2 round trip
+    before the tile can be rounded), at most 1024 (4 KB); small chunks in the interpreter to test the loop."""
+    return _BP if _INTERPRET else min(_pow2(n), _MAX_TILE_PARTIALS)
+
+
+def _raise_if_nonfinite(scale: torch.Tensor, name: str) -> None:
+    """The one host sync of check_finite=True. Any Inf/NaN element makes its row and its column group's
+    scale NaN (a NaN amax is mapped to inf), so one scale array suffices."""
+    if bool(torch.isnan(scale).any()):
+        raise ref.NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax=inf)")
 
 
 def _seed(stochastic: bool) -> int:
     # drawn from torch's CPU generator: reproducible under torch.manual_seed, and no device sync
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
+
+
+def _four(TC: int, GC: int, n_ct: int) -> bool:
+    """4 draws per Philox call need tile columns in whole groups of 4 starting at multiples of 4."""
+    return TC % 4 == 0 and (GC % 4 == 0 or n_ct == 1)
 
 
 def triton_quantize(
@@ -231,71 +332,100 @@ def triton_quantize(
     stochastic: bool = False,
     name: str = "tensor",
     check_finite: bool = True,
+    amax: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
-    """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R] or None)."""
+    """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R] or None).
+
+    `amax` (tensorwise only): a precomputed amax (e.g. reduced over the tensor-parallel group) replacing
+    x's own; it then stands in for the partials, so the amax launch is skipped."""
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
     if granularity not in ("tensor", "row", "block"):
         raise ValueError(f"unknown granularity {granularity!r}")
+    if amax is not None and granularity != "tensor":
+        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
     if not (rowwise or columnwise):
         return None, None
     R, C = x.shape
-    tile2d = weight and granularity == "block"
     if R == 0 or C == 0 or not x.is_floating_point():  # degenerate: nothing for a kernel to do
         from ..backend import ReferenceBackend
         return ReferenceBackend().quantize(x, granularity=granularity, block_size=block_size, weight=weight,
                                            rowwise=rowwise, columnwise=columnwise, stochastic=stochastic,
-                                           name=name, check_finite=check_finite)
+                                           name=name, check_finite=check_finite, amax=amax)
     dev = x.device
     q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
     qt = torch.empty((C, R), dtype=torch.int8, device=dev) if columnwise else None
     dummy = q if q is not None else qt
+    q = q if q is not None else dummy
     seed = _seed(stochastic)
     sx_r, sx_c = x.stride()
-    common = dict(ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic, num_warps=_WARPS)
 
-    if granularity in ("tensor", "row"):
-        TR, TC = _AMAX_TILE
-        n_rt, n_ct = _cdiv(R, TR), _cdiv(C, TC)
-        tensor = granularity == "tensor"
-        ptile = torch.empty(n_rt * n_ct if tensor else 1, dtype=torch.float32, device=dev)
-        prow = torch.empty((R, n_ct) if (not tensor and rowwise) else (1,), dtype=torch.float32, device=dev)
-        pcol = torch.empty((n_rt, C) if (not tensor and columnwise) else (1,), dtype=torch.float32, device=dev)
-        _amax_partials_kernel[(n_rt, n_ct)](
-            x, R, C, sx_r, sx_c, ptile, prow, pcol, TR=TR, TC=TC,
-            TILE_MAX=tensor, ROW_MAX=not tensor and rowwise, COL_MAX=not tensor and columnwise,
-            num_warps=_WARPS)
-        if tensor:
-            amax, scale = _finalize(ptile, 1, ptile.numel(), 0, 1)
-            amax, scale = amax.reshape(()), scale.reshape(())
-            s_row = s_col = scale
-            amaxes = [amax]
+    if granularity == "block":
+        return _quantize_block(x, q, qt, rowwise, columnwise, weight, int(block_size), stochastic, seed,
+                               name, check_finite)
+
+    tensor = granularity == "tensor"
+    TR, TC = _Q_TILE_T if columnwise else _Q_TILE
+    grid_q = (_cdiv(R, TR), _cdiv(C, TC))
+    common = dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
+                  FOUR=_four(TC, TC, grid_q[1]), num_warps=_WARPS)
+    if tensor:
+        if amax is not None:  # the given amax is the single "partial": no amax launch
+            scale = torch.empty((), dtype=torch.float32, device=dev)
+            parts = amax.reshape(1).to(device=dev, dtype=torch.float32).contiguous()
+            n_p = 1
         else:
-            s_row = s_col = None
-            amaxes = []
-            if rowwise:
-                a_r, s_row = _finalize(prow, R, n_ct, n_ct, 1)
-                amaxes.append(a_r)
-            if columnwise:
-                a_c, s_col = _finalize(pcol, C, n_rt, 1, C)
-                amaxes.append(a_c)
-        TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-        _quantize_tile_kernel[(_cdiv(R, TR), _cdiv(C, TC))](
-            x, R, C, sx_r, sx_c, q if q is not None else dummy, qt if qt is not None else dummy,
-            s_row if s_row is not None else s_col, s_col if s_col is not None else s_row,
-            0, 0, 0, 0, TR, TC, seed, TR=TR, TC=TC,
-            MODE=_MODE_TENSOR if tensor else _MODE_VECTORS, **common)
+            ATR, ATC = _AMAX_TILE
+            n_ct = _cdiv(C, ATC)
+            RB = _amax_rows_per_program(R, n_ct, True)
+            n_p = _cdiv(R, RB) * n_ct
+            buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
+            _amax_partials_kernel[(_cdiv(R, RB), n_ct)](
+                x, R, C, sx_r, sx_c, buf[1:], buf, buf, RB, TR=ATR, TC=ATC,
+                TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
+            scale, parts = buf[0], buf[1:]
+        _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, scale, scale,
+                                 parts, n_p, parts, 1, parts, 1, seed, BP=_bp(n_p), **common)
         if check_finite:
-            bad = torch.stack([(~torch.isfinite(a)).any() for a in amaxes]).any()
-            _raise_if_nonfinite(bad, name, torch.cat([a.reshape(-1) for a in amaxes]))
-        row = ref.QTensor(q, s_row, granularity, block_size) if rowwise else None
-        col = ref.QTensor(qt, s_col, granularity, block_size) if columnwise else None
+            _raise_if_nonfinite(scale, name)
+        row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
+        col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
         return row, col
 
-    # block granularity: single pass, scales computed inside each tile
-    B = int(block_size)
+    # row granularity: scales per row of x (rowwise) and per column of x (columnwise)
+    ATR, ATC = _AMAX_TILE
+    n_ct = _cdiv(C, ATC)
+    RB = _amax_rows_per_program(R, n_ct, False)
+    n_rs = _cdiv(R, RB)
+    n_row = R * n_ct if rowwise else 0
+    n_col = n_rs * C if columnwise else 0
+    parts = torch.empty(max(1, n_row + n_col), dtype=torch.float32, device=dev)
+    prow, pcol = parts, parts[n_row:] if columnwise else parts
+    _amax_partials_kernel[(n_rs, n_ct)](
+        x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
+        TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=columnwise, num_warps=_WARPS)
+    s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
+    s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
+    sd = s_row if s_row is not None else s_col
+    _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy,
+                             sd, s_col if s_col is not None else sd,
+                             parts, 0, prow, n_ct, pcol, n_rs, seed,
+                             BP=min(_bp(max(n_ct if rowwise else 1, n_rs if columnwise else 1)), 64), **common)
+    if check_finite:
+        # the smaller scale array: a non-finite element poisons both its row's and its column's scale
+        _raise_if_nonfinite(s_row if s_col is None or (s_row is not None and R <= C) else s_col, name)
+    row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
+    col = ref.QTensor(qt, s_col, "row", block_size) if columnwise else None
+    return row, col
+
+
+def _quantize_block(x, q, qt, rowwise, columnwise, weight, B, stochastic, seed, name, check_finite):
+    """Block granularity: one launch, scales computed inside each tile. 128 x 128 tiles run 16 warps: with 8,
+    the 1xB both-axes variant needs ~230 registers per thread (and spills with stochastic rounding)."""
+    R, C = x.shape
+    dev = x.device
     nbr, nbc = _cdiv(R, B), _cdiv(C, B)
-    if tile2d:
+    if weight:
         GR, GC, mode = B, B, _MODE_TILE2D
         s = torch.empty((nbr, nbc), dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty((nbc, nbr), dtype=torch.float32, device=dev) if columnwise else None
@@ -304,20 +434,23 @@ def triton_quantize(
         if rowwise and columnwise:
             GR, GC = B, B
         elif rowwise:
-            GR, GC = max(1, min(R, (4 if _INTERPRET else 4096) // _pow2(B))), B
+            GR, GC = max(1, min(R, _BLOCK_ROWS // _pow2(B))), B
         else:
-            GR, GC = B, max(1, min(C, (4 if _INTERPRET else 4096) // _pow2(B)))
+            GR, GC = B, max(1, min(C, _BLOCK_ROWS // _pow2(B)))
         s = torch.empty((R, nbc), dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty((C, nbr), dtype=torch.float32, device=dev) if columnwise else None
     sd = s if s is not None else st
     std = st if st is not None else s
-    _quantize_tile_kernel[(_cdiv(R, GR), _cdiv(C, GC))](
-        x, R, C, sx_r, sx_c, q if q is not None else dummy, qt if qt is not None else dummy,
+    grid = (_cdiv(R, GR), _cdiv(C, GC))
+    TR, TC = _pow2(GR), _pow2(GC)
+    _quantize_block_kernel[grid](
+        x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q,
         sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed,
-        TR=_pow2(GR), TC=_pow2(GC), MODE=mode, **common)
+        TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
+        FOUR=_four(TC, GC, grid[1]), num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
     if check_finite:
-        bad = torch.stack([torch.isnan(t).any() for t in (s, st) if t is not None]).any()
-        _raise_if_nonfinite(bad, name)
-    row = ref.QTensor(q, s, "block", B, tile2d) if rowwise else None
-    col = ref.QTensor(qt, st, "block", B, tile2d) if columnwise else None
+        # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
+        _raise_if_nonfinite(sd, name)
+    row = ref.QTensor(q, s, "block", B, weight) if rowwise else None
+    col = ref.QTensor(qt, st, "block", B, weight) if columnwise else None
     return row, col
