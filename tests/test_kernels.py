@@ -360,6 +360,147 @@ def test_gemm_tma_persistent_kernel(K, granularity, accumulate):
     assert_close_fp32(out, want, f"tma {granularity}")
 
 
+# ------------------------------------------------------------------ launch counts and hot-path guards
+# The small linears are CPU-launch-bound on the GPU: these pin the number of kernel launches and torch ops
+# per call, so that a regression (an extra finalize pass, a stray reduction, a host sync) fails on the CPU.
+QUANTIZE_LAUNCHES = {"tensor": 2, "row": 2, "block": 1}  # amax partials + quantize; block: one pass
+ALLOCS_AND_VIEWS = {"empty.memory_format", "select.int", "slice.Tensor", "view.default", "alias.default",
+                    "as_strided.default", "reshape.default", "_reshape_alias.default", "t.default"}
+
+
+@pytest.fixture
+def launch_log(monkeypatch):
+    """Records the name of every Triton kernel launched (kernels wrapped where the modules look them up);
+    torch ops inside a launch (the interpreter's host copies) are hidden from any dispatch mode."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    log = []
+
+    class Counting:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                log.append(self.name)
+                with _disable_current_modes():
+                    return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for mod in ("megatron_int8.kernels.quantize", "megatron_int8.kernels.int8_gemm"):
+        m = importlib.import_module(mod)
+        for name, obj in list(vars(m).items()):
+            if name.endswith("_kernel") and hasattr(obj, "__getitem__"):
+                monkeypatch.setattr(m, name, Counting(name, obj))
+    return log
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(f"{func._opname}.{func._overloadname}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weight, rowwise, columnwise):
+    x = outliers(37, 53)
+    kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise, check_finite=False)
+    with _OpLog() as ops:
+        r, c = K.triton_quantize(x, **kw)
+    assert len(launch_log) == QUANTIZE_LAUNCHES[granularity], launch_log
+    extra = [op for op in ops.ops if op not in ALLOCS_AND_VIEWS]
+    assert not extra, f"torch ops on the hot path (check_finite=False must not reduce or sync): {extra}"
+    allocs = ops.ops.count("empty.memory_format")
+    outs = int(rowwise) + int(columnwise)
+    # int8 outputs + scales (tensorwise: one scale sharing its buffer with the partials) + row partials
+    assert allocs == outs + (1 if granularity == "tensor" else outs) + (granularity == "row"), ops.ops
+    r0, c0 = REF.quantize(x, **kw)
+    for got, want in ((r, r0), (c, c0)):
+        if want is not None:
+            assert_same_qtensor(got, want)
+    # check_finite=True: one small reduction and the one host sync that reads it
+    launch_log.clear()
+    with _OpLog() as ops:
+        K.triton_quantize(x, **dict(kw, check_finite=True))
+    assert len(launch_log) == QUANTIZE_LAUNCHES[granularity]
+    assert ops.ops.count("_local_scalar_dense.default") == 1, ops.ops
+    assert len([op for op in ops.ops if op not in ALLOCS_AND_VIEWS]) <= 3, ops.ops
+
+
+def test_quantize_given_amax_skips_the_amax_pass(K, launch_log):
+    x = outliers(37, 53)
+    amax = x.float().abs().amax().reshape(1) * 2  # e.g. reduced over a tensor-parallel group
+    r, c = K.triton_quantize(x, **_kw("tensor", False, rowwise=True, columnwise=True, amax=amax))
+    assert launch_log == ["_quantize_kernel"]
+    r0, c0 = REF.quantize(x, **_kw("tensor", False, rowwise=True, columnwise=True, amax=amax))
+    assert_same_qtensor(r, r0)
+    assert_same_qtensor(c, c0)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_int8_linear_launches_per_step(K, launch_log, granularity):
+    """fwd + bwd = 3 GEMMs + one quantize call for X (Q(X), Q(X)^T), one for dY (Q(dY), Q(dY)^T) and, for W:
+    with cache_weights, one call (Q(W), Q(W)^T) on the first step and none while W is unchanged; without
+    it, Q(W) in forward and Q(W)^T in backward (two calls, nothing saved across the step)."""
+    x = outliers(2 * 19, 48, torch.float32).reshape(2, 19, 48).requires_grad_(True)
+    w = (outliers(40, 48, torch.float32) / 10).requires_grad_(True)
+    per_call = QUANTIZE_LAUNCHES[granularity]
+    for cache, quantize_calls in ((False, 4), (True, 3), (True, 2)):
+        launch_log.clear()
+        recipe = Int8Recipe(granularity=granularity, block_size=16, backend="triton", cache_weights=cache,
+                            check_finite=False)
+        int8_linear(x, w, None, recipe).backward(outliers(2 * 19, 40, torch.float32).reshape(2, 19, 40))
+        assert len(launch_log) == quantize_calls * per_call + 3, (cache, launch_log)
+        assert launch_log.count("_int8_gemm_kernel") == 3
+
+
+def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
+    """Off the interpreter the first call per key autotunes; later calls launch the chosen compiled config
+    directly. Here a stand-in autotuner (one fixed config) plays triton.autotune's part."""
+    import triton
+    from megatron_int8.kernels import int8_gemm as G
+
+    calls = []
+
+    class FakeTuner:
+        best_config = None
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(kwargs["SCALE_MODE"])
+                cfg = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2}, num_warps=4, num_stages=2)
+                FakeTuner.best_config = cfg
+                G._int8_gemm_kernel[grid(cfg.kwargs)](*args, **kwargs, **cfg.all_kwargs())
+            return run
+
+    monkeypatch.setattr(G, "_int8_gemm_tuned", FakeTuner())
+    monkeypatch.setattr(G, "_INTERPRET", False)
+    monkeypatch.setattr(G, "_fast", {})
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    for granularity in ("tensor", "row", "block"):
+        qa = _q(outliers(37, 64), granularity, False, block_size=32)
+        qb = _q(outliers(29, 64), granularity, True, block_size=32)
+        bias = torch.randn(29)
+        want = REF.gemm(qa, qb, out_dtype=torch.float32, bias=bias)
+        n = len(calls)
+        first = K.triton_gemm(qa, qb, out_dtype=torch.float32, bias=bias)
+        assert len(calls) == n + 1 and len(G._fast) >= 1
+        launch_log.clear()
+        for _ in range(2):
+            again = K.triton_gemm(qa, qb, out_dtype=torch.float32, bias=bias)
+            assert torch.equal(again, first)
+        assert len(calls) == n + 1, "the cached selection must bypass the autotuner"
+        assert launch_log == ["_int8_gemm_kernel"] * 2
+        assert_close_fp32(first, want, granularity)
+        K.triton_gemm(qa, qb, out_dtype=torch.float32)  # another key (no bias): tuned again
+        assert len(calls) == n + 2
+
+
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).
 for _name, _fn in list(globals().items()):
     if _name.startswith("test_") and callable(_fn) and _name != "test_kernels_under_triton_interpreter":

@@ -199,6 +199,32 @@ def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):
     assert_gemm_close(buf, want, _mag(qa, qb, REF) + main.abs(), f"autotuned {granularity} accumulate", nkb + 1)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "plain", "tma"])
+def test_gemm_cached_dispatch(K, REF, kernel, monkeypatch):
+    """Calls after the first (autotuned) one launch the cached kernel/config directly: same results."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    M, N, Kd = 2048, 1536, 1024
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw("tensor", False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw("tensor", True, rowwise=True, columnwise=False))
+    bias = torch.randn(N, device="cuda").bfloat16()
+    first = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    n = len(G._fast)
+    for _ in range(3):
+        assert torch.equal(K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias), first)
+    assert len(G._fast) == n
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    assert ((first.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * (_mag(qa, qb, REF) + 1)).all()
+    if kernel != "tma":  # fp32 accumulate (never TMA): first tuned (restoring the buffer), then cached
+        main = torch.randn(M, N, device="cuda")
+        bufs = [main.clone() for _ in range(3)]
+        for b in bufs:
+            K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=b)
+        assert torch.equal(bufs[0], bufs[1]) and torch.equal(bufs[1], bufs[2])
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("M,N,Kd", [(8192, 4096, 4096), (1000, 1544, 784), (4100, 264, 4224)])
 def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
