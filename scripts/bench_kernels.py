@@ -2,6 +2,9 @@
 
     PYTHONUNBUFFERED=1 python3 scripts/bench_kernels.py [--quick] [--no-compile] [--out DIR]
 
+--quick: Llama2-7B's four linears only (GEMMs and fwd+bwd) plus the quantize table, no torch.compile
+section: a few minutes, for a check after a kernel change.
+
 1. GEMMs: fprop, dgrad and wgrad of every linear of Llama2-7B, Llama3.1-8B, Qwen3-4B and Mixtral-8x7B
    (8192 tokens; Mixtral's attention equals Llama3.1-8B's, so only its expert MLP is listed, at the
    8192 * top-2 / 8 = 2048 tokens an expert sees on average): BF16 torch.matmul, our Triton INT8 GEMM with
@@ -132,7 +135,7 @@ def gemm_table(quick):
     rows, ratios, cache = [], [], {}
     lines = ["| model | GEMM | M, N, K | BF16 TFLOP/s | ours INT8 + fused dequant TOP/s | _int_mm + dequant TOP/s |"
              " FP8 _scaled_mm TFLOP/s | ours / BF16 | our kernel |", "|---|---|---|---|---|---|---|---|---|"]
-    linears = LINEARS[:2] if quick else LINEARS
+    linears = LINEARS[:4] if quick else LINEARS  # quick: Llama2-7B
     for model, name, fin, fout, tok in linears:
         for gemm, (M, N, K) in (("fprop", (tok, fout, fin)), ("dgrad", (tok, fin, fout)), ("wgrad", (fout, fin, tok))):
             r = gemm_row(M, N, K, cache)
@@ -197,7 +200,7 @@ def linear_table(quick):
              " torchao int8 eager ms | ours / BF16 | torchao eager / ours |",
              "|---|---|---|---|---|---|---|---|---|"]
     ratios, vs_ao = [], []
-    linears = LINEARS[:2] if quick else LINEARS
+    linears = LINEARS[:4] if quick else LINEARS  # quick: Llama2-7B
     for model, name, fin, fout, tok in linears:
         x = data(tok, fin).requires_grad_(True)
         dy = data(tok, fout)
@@ -329,7 +332,7 @@ def main():
                        f"{min(good) if good else float('nan'):.2f}x (target > 1 at every shape)")
         print(f"[linear section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
-    if "compile" not in skip and not args.no_compile:
+    if "compile" not in skip and not args.no_compile and not args.quick:
         try:
             lines, vs = compiled_table({("Llama3.1-8B", "fc1"), ("Llama3.1-8B", "fc2")})
             out += ["## torchao INT8 with torch.compile (subset)", ""] + lines + [""]
