@@ -4,6 +4,7 @@ loss goes down with INT8 and BF16, an interrupted-and-resumed run equals the uni
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -114,3 +115,56 @@ def test_pipeline_checkpoint_resumes_under_tensor_and_sequence_parallelism(data,
     expected, resumed = losses(reference / "train_log.jsonl"), losses(split / "train_log.jsonl")
     assert [resumed[i] for i in (1, 2)] == [expected[i] for i in (1, 2)]
     assert all(abs(resumed[i] - expected[i]) < 1e-3 for i in (3, 4)), (resumed, expected)
+
+
+DIES_DURING_SECOND_SAVE = r'''
+import os, sys
+from megatron_int8.training.cpu import install_cpu_optimizer_support
+install_cpu_optimizer_support()
+from megatron.core import dist_checkpointing
+from megatron_int8.pretrain import main
+
+original_save, saves = dist_checkpointing.save, []
+
+
+def save_then_die(*args, **kwargs):
+    saves.append(original_save(*args, **kwargs))
+    if len(saves) == 2:
+        os._exit(9)  # killed after writing the shards, before the checkpoint is renamed into place
+
+
+if __name__ == "__main__":  # dist_checkpointing's spawn Manager re-imports this script
+    dist_checkpointing.save = save_then_die
+    sys.exit(main())
+'''
+
+
+def test_save_killed_midway_keeps_the_last_checkpoint(data, tmp_path):
+    (tmp_path / "dies.py").write_text(DIES_DURING_SECOND_SAVE)
+    save = tmp_path / "ckpt"
+    argv = ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--data-path", data["prefix"],
+            "--tokenizer-model", data["tokenizer"], "--data-cache-path", data["cache"], *SMALL_MODEL,
+            "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "8", "--eval-interval", "100",
+            "--save-interval", "2", "--save", str(save), "--int8-linear"]
+    # Its own session: the dying trainer leaves megatron's checkpoint-writer Manager process behind,
+    # which is then ended with the session's process group.
+    with open(tmp_path / "killed.log", "w") as log:
+        killed = subprocess.Popen([sys.executable, str(tmp_path / "dies.py")] + argv, cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True,
+                                  env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        try:
+            returncode = killed.wait(timeout=300)
+        finally:
+            try:
+                os.killpg(killed.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == 9, (tmp_path / "killed.log").read_text()[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (save / "iter_0000002").is_dir() and not (save / "iter_0000004").exists()
+    assert (save / ".tmp_iter_0000004").is_dir()
+    out = train(data, *argv[8:], "--load", str(save))
+    assert "loaded checkpoint" in out and "(iteration 2," in out
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
+    assert not (save / ".tmp_iter_0000004").exists()
+    assert sorted(losses(save / "train_log.jsonl")) == list(range(1, 7))
