@@ -91,8 +91,9 @@ def test_builds_at_tiny_width(name, megatron_world):
         assert isinstance(mlp, MoELayer) and mlp.router.topk == topk and len(mlp.experts.local_experts) == experts
     linears = [m for m in model.modules() if isinstance(m, Int8LinearMixin)]
     assert linears and all(m.int8 for m in linears)
-    tokens = torch.randint(0, 200, (1, 32))
-    loss = model(tokens, torch.arange(32)[None], None, labels=tokens)
+    device = model.embedding.word_embeddings.weight.device  # the GPU where there is one
+    tokens = torch.randint(0, 200, (1, 32), device=device)
+    loss = model(tokens, torch.arange(32, device=device)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
     _check_flops_formula(model, args, experts, topk)
 

@@ -24,19 +24,20 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _run(argv, timeout=300):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+def _run(argv, timeout=300, gpu=False):
+    # CPU tests stay on the CPU (gloo) on GPU machines too; tests/test_training_gpu.py uses the GPUs.
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
     result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(argv)}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
     return result.stdout
 
 
-def train(data, *flags, nproc=1):
+def train(data, *flags, nproc=1, gpu=False):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                  "--master-port", str(_free_port())] if nproc > 1 else [sys.executable])
     return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                             "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-                            "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags))
+                            "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags), gpu=gpu)
 
 
 def losses(log_path, key="lm_loss"):
@@ -151,7 +152,7 @@ def test_save_killed_midway_keeps_the_last_checkpoint(data, tmp_path):
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen([sys.executable, str(tmp_path / "dies.py")] + argv, cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                  env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                                  env=dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES=""))
         try:
             returncode = killed.wait(timeout=300)
         finally:
