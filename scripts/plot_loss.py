@@ -2,7 +2,8 @@
 """Plot training (and validation) loss from one or more trainer JSONL logs into a PNG.
 
     python3 scripts/plot_loss.py runs/tiny/checkpoints/train_log.jsonl --output runs/tiny/loss.png
-    python3 scripts/plot_loss.py int8/train_log.jsonl bf16/train_log.jsonl --labels INT8 BF16 --output cmp.png
+    python3 scripts/plot_loss.py bf16/train_log.jsonl int8/train_log.jsonl --labels BF16 INT8 --output cmp.png \
+        --summary cmp.md     # + a markdown table: last-100 mean training loss, final validation loss, gaps
 """
 import argparse
 import json
@@ -35,6 +36,22 @@ def smooth(values, window):
     return out
 
 
+def summary_table(runs, window=100) -> str:
+    """Markdown: per run, the mean training loss of the last `window` iterations and the final
+    validation loss, each with its relative gap to the first run (the reference)."""
+    rows, reference = [], None
+    for label, train, valid in runs:
+        steps = sorted(train)
+        mean = sum(train[s] for s in steps[-window:]) / len(steps[-window:])
+        final_valid = valid[max(valid)] if valid else float("nan")
+        reference = reference or (mean, final_valid)
+        rows.append(f"| {label} | {steps[-1]} | {mean:.4f} | {100 * (mean / reference[0] - 1):+.2f}% | "
+                    f"{final_valid:.4f} | {100 * (final_valid / reference[1] - 1):+.2f}% |")
+    header = (f"| run | iterations | training loss (mean of last {window}) | gap | final validation loss | gap |\n"
+              "|---|---|---|---|---|---|")
+    return "\n".join([header] + rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", help="train_log.jsonl files")
@@ -42,6 +59,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="PNG to write")
     parser.add_argument("--smooth", type=int, default=10, help="moving-average window (iterations)")
     parser.add_argument("--title", default="Training loss")
+    parser.add_argument("--summary", default=None, help="also write a markdown summary table here")
     args = parser.parse_args(argv)
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.logs]
     if len(labels) != len(args.logs):
@@ -56,11 +74,13 @@ def main(argv=None) -> int:
         return 1
 
     figure, axis = plt.subplots(figsize=(8, 5))
+    runs = []
     for path, label in zip(args.logs, labels):
         train, valid = read_log(path)
         if not train:
             print(f"error: {path} has no training loss records", file=sys.stderr)
             return 1
+        runs.append((label, train, valid))
         steps = sorted(train)
         values = [train[s] for s in steps]
         line, = axis.plot(steps, values, alpha=0.3, linewidth=0.8)
@@ -79,6 +99,10 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     figure.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")
+    if args.summary:
+        with open(args.summary, "w", encoding="utf-8") as f:
+            f.write(summary_table(runs) + "\n")
+        print(f"wrote {args.summary}")
     return 0
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Build a small JSONL text corpus from files already on this machine: the Python standard library's
-own .py sources (no downloads). One document per source file: {"text": ..., "path": ...}.
+"""Build a JSONL text corpus from files already on this machine (no downloads): the .py sources of the
+Python standard library, or of the installed packages (site-packages: larger, for bigger runs).
+One document per source file: {"text": ..., "path": ...}.
 
     python3 scripts/prepare_tiny_corpus.py --output runs/tiny/corpus.jsonl --max-mb 8
+    python3 scripts/prepare_tiny_corpus.py --source site-packages --output corpus.jsonl --max-mb 120
 """
 import argparse
 import json
@@ -13,9 +15,11 @@ import sysconfig
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
 
-def stdlib_sources(max_file_bytes: int):
-    """Standard-library .py files, sorted so that the corpus is the same on every run."""
-    root = sysconfig.get_paths()["stdlib"]
+SOURCES = {"stdlib": "stdlib", "site-packages": "purelib"}  # --source -> sysconfig path name
+
+
+def python_sources(root: str, max_file_bytes: int):
+    """.py files under root (tests and caches skipped), sorted so that the corpus is the same on every run."""
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("."))
         for name in sorted(files):
@@ -27,15 +31,17 @@ def stdlib_sources(max_file_bytes: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSONL file to write")
+    parser.add_argument("--source", choices=sorted(SOURCES), default="stdlib", help="which Python sources")
     parser.add_argument("--max-mb", type=float, default=8.0, help="stop after this many MB of text")
     parser.add_argument("--max-file-kb", type=float, default=256.0, help="skip larger source files")
     args = parser.parse_args(argv)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    source_root = sysconfig.get_paths()[SOURCES[args.source]]
     budget, written, docs = int(args.max_mb * 2**20), 0, 0
     tmp = args.output + ".tmp"
     with open(tmp, "w", encoding="utf-8") as out:
-        for root, path in stdlib_sources(int(args.max_file_kb * 1024)):
+        for root, path in python_sources(source_root, int(args.max_file_kb * 1024)):
             try:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
@@ -47,7 +53,7 @@ def main(argv=None) -> int:
             if written >= budget:
                 break
     if docs == 0:
-        print(f"error: no Python sources found under {sysconfig.get_paths()['stdlib']}", file=sys.stderr)
+        print(f"error: no Python sources found under {source_root}", file=sys.stderr)
         return 1
     os.replace(tmp, args.output)  # a partial corpus never looks complete
     print(f"corpus: {docs} documents, {written / 2**20:.1f} MB -> {args.output}")
