@@ -5,8 +5,11 @@
 # logs, a PNG with training and validation curves, and a summary table (last-100-iteration mean training
 # loss, final validation loss, relative gap) to RUN_DIR (default runs/parity; $OUT too when set).
 #
-#     bash scripts/loss_parity.sh [extra trainer flags for both runs, e.g. --train-iters 500]
+#     bash scripts/loss_parity.sh [extra trainer flags for every run, e.g. --exit-interval 800]
 #     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
+#     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
+# Variants: bf16, int8 (default recipe + INT8_FLAGS), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16),
+# int8_dgrad_wgrad_bf16 (only fprop INT8), int8_sr (stochastic rounding of gradients), int8_first_last_bf16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/parity}
@@ -15,6 +18,7 @@ CORPUS_MB=${CORPUS_MB:-80}
 VOCAB=${VOCAB:-8192}
 WORKERS=${WORKERS:-$(nproc)}
 read -r -a INT8_EXTRA <<< "${INT8_FLAGS:-}"
+read -r -a RUNS <<< "${VARIANTS:-bf16 int8}"
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 mkdir -p "$RUN_DIR"
 
@@ -30,9 +34,22 @@ if [[ ! -f "${PREFIX}_text_document.bin" ]]; then
         --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece "$VOCAB" --workers "$WORKERS"
 fi
 
-for precision in bf16 int8; do
-    flags=()
-    [[ "$precision" == "int8" ]] && flags=(--int8-linear "${INT8_EXTRA[@]}")
+variant_flags() {
+    case "$1" in
+        bf16) ;;
+        int8) echo --int8-linear "${INT8_EXTRA[@]}" ;;
+        int8_row) echo --int8-linear --int8-granularity row ;;
+        int8_block) echo --int8-linear --int8-granularity block ;;
+        int8_wgrad_bf16) echo --int8-linear --int8-bf16-gemms wgrad ;;
+        int8_dgrad_wgrad_bf16) echo --int8-linear --int8-bf16-gemms dgrad,wgrad ;;
+        int8_sr) echo --int8-linear --int8-grad-rounding stochastic ;;
+        int8_first_last_bf16) echo --int8-linear --int8-first-last-layers-bf16 ;;
+        *) echo "unknown variant $1" >&2; return 1 ;;
+    esac
+}
+for v in "${RUNS[@]}"; do variant_flags "$v" > /dev/null || exit 2; done
+for precision in "${RUNS[@]}"; do
+    read -r -a flags <<< "$(variant_flags "$precision")"
     echo "== training $precision ${flags[*]}"
     set +e
     "$PYTHON" -m megatron_int8.pretrain --config configs/parity_125m.yaml \
@@ -44,7 +61,8 @@ for precision in bf16 int8; do
     [[ $status -eq 0 ]] || { echo "$precision run failed (exit $status): see $RUN_DIR/$precision.log"; exit 1; }
 done
 
-"$PYTHON" scripts/plot_loss.py "$RUN_DIR/bf16.jsonl" "$RUN_DIR/int8.jsonl" --labels BF16 INT8 \
+logs=(); for v in "${RUNS[@]}"; do logs+=("$RUN_DIR/$v.jsonl"); done
+"$PYTHON" scripts/plot_loss.py "${logs[@]}" --labels "${RUNS[@]}" \
     --output "$RUN_DIR/loss_parity.png" --title "125M Llama-style model: INT8 vs BF16" --summary "$RUN_DIR/summary.md"
 cat "$RUN_DIR/summary.md"
-if [[ -n "${OUT:-}" ]]; then cp "$RUN_DIR"/{bf16.jsonl,int8.jsonl,loss_parity.png,summary.md} "$OUT"/; fi
+if [[ -n "${OUT:-}" ]]; then cp "${logs[@]}" "$RUN_DIR"/{loss_parity.png,summary.md} "$OUT"/; fi
