@@ -179,7 +179,9 @@ def _precision_of(module) -> Tuple[str, str]:
     if isinstance(module, Int8LinearMixin) and module.int8:
         return "int8", module.int8_recipe.describe()
     weight = getattr(module, "weight", None)
-    dtype = str(weight.dtype).replace("torch.", "") if weight is not None else "-"
+    if weight is None:  # GPTModel's output layer with tied embeddings multiplies by the embedding weight
+        return "tied to embedding", "-"
+    dtype = str(weight.dtype).replace("torch.", "")
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype), "-"
 
 

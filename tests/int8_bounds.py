@@ -2,7 +2,8 @@
 
 For y = a @ b^T with a = s_a*(q_a + e_a), |e_a| <= 1/2 (round to nearest, in units of the element's scale):
   |y_int8 - y| <= (S_a/2) @ |b|^T + |a| @ (S_b/2)^T + (S_a/2) @ (S_b/2)^T      (elementwise)
-where S_a, S_b are the per-element scale matrices of the two operands.
+where S_a, S_b are the per-element scale matrices of the two operands. A stochastically rounded operand
+has |e| < 1: its S/2 becomes S.
 """
 import torch
 
@@ -28,11 +29,11 @@ def expanded_scale(qt: QTensor) -> torch.Tensor:
     return s.repeat_interleave(qt.block_size, dim=1)[:, :C]
 
 
-def product_bound(a, b, granularity, *, a_weight=False, b_weight=False, block_size=128):
+def product_bound(a, b, granularity, *, a_weight=False, b_weight=False, block_size=128, a_stochastic=False):
     """Elementwise float64 bound on |dequant(Q(a) @ Q(b)^T) - a @ b^T| from the two operands' scales."""
     qa = quantize(a, granularity, block_size=block_size, tile2d=a_weight and granularity == "block")
     qb = quantize(b, granularity, block_size=block_size, tile2d=b_weight and granularity == "block")
-    sa, sb = expanded_scale(qa) / 2, expanded_scale(qb) / 2
+    sa, sb = expanded_scale(qa) / (1 if a_stochastic else 2), expanded_scale(qb) / 2
     a64, b64 = a.double(), b.double()
     return sa @ b64.abs().t() + a64.abs() @ sb.t() + sa @ sb.t()
 
@@ -44,9 +45,11 @@ def rounding_slack(ref: torch.Tensor, dtype: torch.dtype, a, b) -> torch.Tensor:
     return ref.abs() * out_eps + fp32_terms
 
 
-def assert_within_int8_bound(out, a, b, granularity, *, a_weight=False, b_weight=False, block_size=128, what=""):
+def assert_within_int8_bound(out, a, b, granularity, *, a_weight=False, b_weight=False, block_size=128, what="",
+                             a_stochastic=False):
     ref = a.double() @ b.double().t()
-    bound = product_bound(a, b, granularity, a_weight=a_weight, b_weight=b_weight, block_size=block_size)
+    bound = product_bound(a, b, granularity, a_weight=a_weight, b_weight=b_weight, block_size=block_size,
+                          a_stochastic=a_stochastic)
     bound = bound + rounding_slack(ref, out.dtype, a, b)
     err = (out.double() - ref).abs()
     worst = (err / bound).max().item()

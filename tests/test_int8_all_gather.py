@@ -32,7 +32,7 @@ def _worker(rank, world, port, result_path):
             xl = x_local.clone().requires_grad_()
             wl = w.clone().requires_grad_()
             tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
-            y = int8_linear(xl, wl, None, Int8Recipe(int8_all_gather=gather_int8), tp=tp)
+            y = int8_linear(xl, wl, None, Int8Recipe(int8_all_gather=gather_int8, grad_rounding="nearest"), tp=tp)
             saved = [t.dtype for t in y.grad_fn.saved_tensors]
             y.backward(gy)
             results[gather_int8] = (y.detach(), xl.grad, wl.grad, saved)

@@ -332,7 +332,7 @@ def test_int8_linear_triton_matches_reference(K, granularity):
     res = {}
     for name in ("reference", "triton"):
         x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
-        recipe = Int8Recipe(granularity=granularity, block_size=16, backend=name)
+        recipe = Int8Recipe(granularity=granularity, block_size=16, backend=name, grad_rounding="nearest")
         y = int8_linear(x, w, b, recipe)
         y.backward(dy)
         res[name] = (y.detach(), x.grad, w.grad, b.grad)

@@ -2,7 +2,7 @@
 derived from the quantization scales, main_grad accumulation, frozen weights, BF16 parity."""
 import pytest
 import torch
-from mcore_helpers import outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
+from mcore_helpers import nearest_recipe, outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
 
 from megatron_int8.recipe import Int8Recipe
 
@@ -20,6 +20,7 @@ def _layers():
 
 
 def _build(kind, config, in_f=64, out_f=48, bias=True, skip_bias_add=False, **kw):
+    kw.setdefault("recipe", nearest_recipe())
     col, row = _layers()
     init = torch.nn.init.xavier_normal_
     if kind == "column":
@@ -39,7 +40,7 @@ def _plant_outliers(layer, generator):
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_forward_backward_within_quantization_bound(kind, granularity):
     gen = torch.Generator().manual_seed(7)
-    layer = _build(kind, tiny_config(), recipe=Int8Recipe(granularity=granularity, backend="reference"))
+    layer = _build(kind, tiny_config(), recipe=nearest_recipe(granularity=granularity, backend="reference"))
     _plant_outliers(layer, gen)
     x = outlier_tensor(8, 3, 64, generator=gen).requires_grad_(True)
     out, out_bias = layer(x)

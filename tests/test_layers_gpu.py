@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from mcore_helpers import outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
+from mcore_helpers import nearest_recipe, outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
 
 pytestmark = pytest.mark.gpu
 BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
@@ -22,12 +22,11 @@ def megatron_world():
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_int8_column_layer_on_gpu_within_bound(granularity):
     from megatron_int8.layers import Int8ColumnParallelLinear
-    from megatron_int8.recipe import Int8Recipe
 
     gen = torch.Generator().manual_seed(0)
     config = tiny_config(params_dtype=torch.bfloat16, bf16=True)
     layer = Int8ColumnParallelLinear(256, 384, config=config, init_method=torch.nn.init.xavier_normal_, bias=False,
-                                     recipe=Int8Recipe(granularity=granularity)).cuda()
+                                     recipe=nearest_recipe(granularity=granularity)).cuda()
     with torch.no_grad():
         layer.weight.copy_(outlier_tensor(384, 256, generator=gen, scale=8.0) * 0.05)
     x = outlier_tensor(64, 4, 256, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)

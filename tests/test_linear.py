@@ -6,7 +6,8 @@ from int8_bounds import assert_within_int8_bound, heavy_tailed
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, invalidate_weight_caches
 from megatron_int8.backend import ReferenceBackend
 
-RECIPES = [Int8Recipe(), Int8Recipe(granularity="row"), Int8Recipe(granularity="block", block_size=32)]
+RECIPES = [Int8Recipe(grad_rounding=r, **g) for r in ("nearest", "stochastic")
+           for g in (dict(), dict(granularity="row"), dict(granularity="block", block_size=32))]
 
 
 def _leaf(t, dtype):
@@ -24,12 +25,13 @@ def test_fprop_dgrad_wgrad_within_quantization_bound(recipe, dtype, record_prope
     assert y.dtype == dtype and y.shape == (S, B, N)
     y.backward(gy)
     assert xl.grad.dtype == dtype and wl.grad.dtype == dtype
-    g, bs = recipe.granularity, recipe.block_size
+    g, bs, sr = recipe.granularity, recipe.block_size, recipe.grad_rounding == "stochastic"
     x2, gy2 = x.reshape(-1, K), gy.reshape(-1, N)
     cos = {}
     cos["fprop"] = assert_within_int8_bound((y - bl).reshape(-1, N).detach(), x2, w, g, b_weight=True, block_size=bs, what="fprop")
-    cos["dgrad"] = assert_within_int8_bound(xl.grad.reshape(-1, K), gy2, w.t(), g, b_weight=True, block_size=bs, what="dgrad")
-    cos["wgrad"] = assert_within_int8_bound(wl.grad, gy2.t(), x2.t(), g, block_size=bs, what="wgrad")
+    cos["dgrad"] = assert_within_int8_bound(xl.grad.reshape(-1, K), gy2, w.t(), g, b_weight=True, block_size=bs,
+                                            a_stochastic=sr, what="dgrad")
+    cos["wgrad"] = assert_within_int8_bound(wl.grad, gy2.t(), x2.t(), g, block_size=bs, a_stochastic=sr, what="wgrad")
     assert torch.allclose(bl.grad.double(), gy2.double().sum(0), rtol=torch.finfo(dtype).eps * 4, atol=1e-3)
     record_property("cosine_similarity", cos)
     print(recipe.describe(), dtype, "cosine vs float64:", {k: round(v, 6) for k, v in cos.items()})
@@ -169,3 +171,21 @@ def test_odd_inner_dimensions_are_handled():
         x, w = heavy_tailed(9, K), heavy_tailed(N, K)
         y = int8_linear(x, w)
         assert_within_int8_bound(y, x, w, "tensor", b_weight=True, what=f"K={K},N={N}")
+
+
+def test_default_recipe_rounds_only_gradients_stochastically():
+    """Forward (activations, weights) is deterministic; gradients follow the RNG and are reproducible."""
+    x, w, gy = heavy_tailed(16, 64), heavy_tailed(24, 64), heavy_tailed(16, 24)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        xl, wl = _leaf(x, torch.float32), _leaf(w, torch.float32)
+        y = int8_linear(xl, wl)
+        y.backward(gy)
+        return y.detach(), xl.grad, wl.grad
+
+    assert Int8Recipe().grad_rounding == "stochastic"
+    (y0, dx0, dw0), (y1, dx1, dw1), (y2, dx2, dw2) = run(0), run(1), run(0)
+    assert torch.equal(y0, y1)
+    assert not torch.equal(dx0, dx1) and not torch.equal(dw0, dw1)
+    assert torch.equal(dx0, dx2) and torch.equal(dw0, dw2)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from mcore_helpers import init_megatron, outlier_tensor, qgemm_bound, run_distributed, tiny_config
+from mcore_helpers import init_megatron, nearest_recipe, outlier_tensor, qgemm_bound, run_distributed, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +65,10 @@ def _tp_chain_worker(rank, world_size, init_file):
                                  sequence_parallel=sequence_parallel, gradient_accumulation_fusion=fusion)
             torch.manual_seed(0)  # CPU init: the same full weights on every rank, for every model
             fc1 = Int8ColumnParallelLinear(hidden, ffn, config=config, init_method=torch.nn.init.xavier_normal_,
-                                           bias=False, gather_output=False, int8=int8)
+                                           bias=False, gather_output=False, int8=int8, recipe=nearest_recipe())
             fc2 = Int8RowParallelLinear(ffn, hidden, config=config, init_method=torch.nn.init.xavier_normal_,
-                                        bias=False, input_is_parallel=True, skip_bias_add=False, int8=int8)
+                                        bias=False, input_is_parallel=True, skip_bias_add=False, int8=int8,
+                                        recipe=nearest_recipe())
             models[name] = (fc1, fc2)
         gen = torch.Generator().manual_seed(42)
         with torch.no_grad():  # outliers in the weights, identical on both ranks before sharding
@@ -133,7 +134,7 @@ def _moe_layer(config):
 
     from megatron_int8.spec import get_gpt_int8_layer_spec
 
-    spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts)
+    spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, recipe=nearest_recipe())
     return build_module(spec.submodules.mlp, config=config)
 
 

@@ -185,7 +185,9 @@ def build_data_iterator(dataset, consumed_samples: int, args) -> Optional[Iterat
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
     )
+    # Its own generator: creating the iterator must not draw from the global RNG, which a resumed run
+    # restores before building iterators (stochastic rounding and dropout consume that RNG).
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
-        persistent_workers=args.num_workers > 0)
+        persistent_workers=args.num_workers > 0, generator=torch.Generator().manual_seed(args.seed))
     return iter(loader)

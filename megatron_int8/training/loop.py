@@ -159,7 +159,8 @@ def pretrain(args) -> dict:
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
                              grad_norm, skipped, time.time() - start)
         paused = time.time()
-        if valid_ds is not None and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
+        if valid_ds is not None and args.eval_iters > 0 and (
+                iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, valid_iterator, model, args)
             logger.validation(iteration, valid_loss)
         exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
