@@ -178,6 +178,14 @@ def _int_mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def check_gemm_operands(a: QTensor, b: QTensor) -> None:
+    """Both backends' GEMM contract: same contraction length and the same granularity."""
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
+    if a.granularity != b.granularity:
+        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+
+
 def gemm(
     a: QTensor,
     b: QTensor,
@@ -187,10 +195,7 @@ def gemm(
     accumulate_into: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dequant(a @ b^T) [+ bias], or accumulated into an fp32 buffer (gradient-accumulation fusion)."""
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
-    if a.granularity != b.granularity:
-        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+    check_gemm_operands(a, b)
     if a.granularity == "block":
         B = a.block_size
         sa, sb = a.scale_per_row_block(), b.scale_per_row_block()

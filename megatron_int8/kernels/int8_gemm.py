@@ -279,10 +279,7 @@ def triton_gemm(
     accumulate_into: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned."""
-    if a.data.shape[1] != b.data.shape[1]:
-        raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
-    if a.granularity != b.granularity:
-        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+    ref.check_gemm_operands(a, b)
     M, K = a.data.shape
     N = b.data.shape[0]
     if M == 0 or N == 0 or K == 0:
