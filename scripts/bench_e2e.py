@@ -8,6 +8,9 @@ the full model does not fit, the full-depth time a + b*num_layers is reported as
 so. Prints one markdown table (also written to --out / $OUT/bench_e2e.md).
 
     python scripts/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
+    # several GPUs, full depth, a parallel layout (the scale-out runs):
+    python scripts/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
+        --layout "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mix
 PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
                  "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
 PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
-SINGLE_GPU_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer",
-                        "--expert-model-parallel-size", "1"]
+BENCH_OVERRIDES = ["--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer"]
+PARALLEL_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                      "--expert-model-parallel-size", "1"]
 
 
 def parse_args(argv=None):
@@ -42,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=4, help="Iterations excluded from the timing.")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes); global batch = micro x nproc")
+    p.add_argument("--layout", default=None,
+                   help="parallel-layout flags replacing the single-GPU TP=PP=EP=1 overrides (with --nproc)")
+    p.add_argument("--full-depth", action="store_true", help="measure only the config's own depth (no projection)")
     p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
@@ -52,12 +60,15 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
     """One trainer run; returns median step time (s), final loss and peak memory (GB)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
-        cmd = [sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                    str(opts.nproc)] if opts.nproc > 1 else [sys.executable]
+        layout = opts.layout.split() if opts.layout is not None else PARALLEL_OVERRIDES
+        cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
                "--mock-data", "--num-layers", str(layers), "--train-iters", str(opts.iters),
                "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
-               "--global-batch-size", str(opts.micro_batch_size), "--log-interval", "1",
+               "--global-batch-size", str(opts.micro_batch_size * opts.nproc), "--log-interval", "1",
                "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
-               *SINGLE_GPU_OVERRIDES, *opts.extra]
+               *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
             cmd.append("--int8-linear")
         start = time.time()
@@ -91,11 +102,13 @@ def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:
 
 def main(argv=None):
     opts = parse_args(argv)
-    tokens = opts.seq_length * opts.micro_batch_size
+    tokens = opts.seq_length * opts.micro_batch_size * opts.nproc
     rows = []
     for model in opts.models:
         full = full_depth(model)
         depths = opts.depths if not model.startswith("mixtral") else [max(1, d // 2) for d in opts.depths]
+        if opts.full_depth:
+            depths = [full]
         l1, deep = min(min(d, full) for d in depths), max(min(d, full) for d in depths)
         if l1 == deep < full:
             raise SystemExit(f"{model}: two different depths are needed to project to {full} layers")
@@ -120,7 +133,8 @@ def main(argv=None):
 
 
 def format_table(rows, opts) -> str:
-    lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, 1 GPU, mock data, {opts.iters} iterations "
+    gpus = f"{opts.nproc} GPU{'s' if opts.nproc > 1 else ''}" + (f" ({opts.layout})" if opts.layout else "")
+    lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, {gpus}, mock data, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "
              "depths where marked (P)",
              "",
