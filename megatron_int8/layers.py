@@ -23,9 +23,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from .linear import TPOptions, int8_linear
-from .recipe import DEFAULT_RECIPE, Int8Recipe
+from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
-_HIGH_PRECISION = Int8Recipe(fprop=False, dgrad=False, wgrad=False)
 
 
 def _config_without_apex_check(config):
@@ -80,7 +79,7 @@ class Int8LinearMixin:
             tp_group = get_tensor_model_parallel_group_if_none(None)
         tp = TPOptions(group=tp_group, sequence_parallel=sequence_parallel, allreduce_dgrad=allreduce_dgrad,
                        gradient_accumulation_fusion=fused_accumulation)
-        return int8_linear(input, weight, bias, self.int8_recipe if self.int8 else _HIGH_PRECISION, tp=tp)
+        return int8_linear(input, weight, bias, self.int8_recipe if self.int8 else HIGH_PRECISION, tp=tp)
 
 
 class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):

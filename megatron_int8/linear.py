@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backend import get_backend
 from .quantize import QTensor
-from .recipe import DEFAULT_RECIPE, Int8Recipe
+from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 _weight_generation = 0
 
@@ -53,7 +53,7 @@ def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwi
     if not recipe.cache_weights:
         return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)
     key = (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
-           recipe.granularity, recipe.block_size, backend.name)
+           recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
     entry = getattr(weight, _CACHE_ATTR, None)
     if entry is None or entry.key != key or (rowwise and entry.row is None) or (columnwise and entry.col is None):
         # Quantize every form this recipe will use, in one pass, so later micro-batches only read.
@@ -101,7 +101,7 @@ def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) ->
 class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
-        backend = get_backend(input.device, recipe)
+        backend = get_backend(input.device, recipe) if recipe.any_int8 else None
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = None
         if tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
@@ -239,4 +239,4 @@ def _hp_linear_with_tp(input, weight, bias, tp: TPOptions):
     """All three GEMMs in high precision: exactly F.linear, plus the TP communication when asked for."""
     if tp.group is None and not (tp.sequence_parallel or tp.allreduce_dgrad or tp.gradient_accumulation_fusion):
         return F.linear(input, weight, bias)
-    return _Int8LinearFunction.apply(input, weight, bias, Int8Recipe(fprop=False, dgrad=False, wgrad=False), tp)
+    return _Int8LinearFunction.apply(input, weight, bias, HIGH_PRECISION, tp)

@@ -106,7 +106,8 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--int8-bf16-gemms", type=str, default="",
                        help="Comma-separated GEMMs kept in high precision: any of fprop,dgrad,wgrad.")
     group.add_argument("--int8-grad-rounding", choices=ROUNDINGS, default=d.grad_rounding,
-                       help="Rounding of output gradients.")
+                       help="Rounding of output gradients (default: %(default)s; activations and weights "
+                            "always round to nearest).")
     group.add_argument("--int8-backend", choices=BACKENDS, default=d.backend,
                        help="INT8 kernels: auto (Triton on CUDA), reference (PyTorch) or triton.")
     group.add_argument("--int8-first-last-layers-bf16", action="store_true",
@@ -122,7 +123,8 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
     group.add_argument("--int8-bf16-all-gather", action="store_true",
-                       help="With --sequence-parallel: all-gather activations in BF16, not INT8.")
+                       help="With --sequence-parallel: all-gather activations in BF16. By default they are "
+                            "gathered in INT8 (tensorwise granularity only; row/block always gather BF16).")
     return parser
 
 

@@ -182,8 +182,9 @@ def check_gemm_operands(a: QTensor, b: QTensor) -> None:
     """Both backends' GEMM contract: same contraction length and the same granularity."""
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"contraction mismatch: {tuple(a.data.shape)} @ {tuple(b.data.shape)}^T")
-    if a.granularity != b.granularity:
-        raise ValueError(f"operands quantized differently: {a.granularity} vs {b.granularity}")
+    if a.granularity != b.granularity or (a.granularity == "block" and a.block_size != b.block_size):
+        raise ValueError(f"operands quantized differently: {a.granularity}/{a.block_size} vs "
+                         f"{b.granularity}/{b.block_size}")
 
 
 def gemm(

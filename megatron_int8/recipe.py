@@ -74,3 +74,4 @@ class Int8Recipe:
 
 
 DEFAULT_RECIPE = Int8Recipe()
+HIGH_PRECISION = Int8Recipe(fprop=False, dgrad=False, wgrad=False)  # all three GEMMs in the input's dtype

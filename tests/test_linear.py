@@ -189,3 +189,27 @@ def test_default_recipe_rounds_only_gradients_stochastically():
     assert torch.equal(y0, y1)
     assert not torch.equal(dx0, dx1) and not torch.equal(dw0, dw1)
     assert torch.equal(dx0, dx2) and torch.equal(dw0, dw2)
+
+
+def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
+    """BF16 layers (e.g. fused main_grad accumulation without apex) must not depend on the INT8 backend."""
+    from megatron_int8 import TPOptions
+    from megatron_int8.backend import ENV_BACKEND
+    from megatron_int8.recipe import HIGH_PRECISION
+
+    monkeypatch.setenv(ENV_BACKEND, "triton")  # unusable on CPU without the interpreter
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    w.main_grad = torch.zeros(8, 16)
+    x, gy = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
+    int8_linear(x, w, None, HIGH_PRECISION, tp=TPOptions(gradient_accumulation_fusion=True)).backward(gy)
+    assert torch.allclose(w.main_grad, gy.t() @ x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_cached_weight_is_not_reused_across_check_finite_settings():
+    w = torch.randn(8, 32)
+    w[1, 2] = float("inf")
+    x = torch.randn(4, 32)
+    assert torch.isnan(int8_linear(x, w, None, Int8Recipe(check_finite=False))).all()
+    with pytest.raises(NonFiniteError, match="weight"):
+        int8_linear(x, w, None, Int8Recipe(check_finite=True))

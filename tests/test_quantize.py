@@ -164,6 +164,8 @@ def test_gemm_rejects_mismatched_operands():
         gemm(qa, quantize(torch.randn(4, 16), "tensor"))
     with pytest.raises(ValueError, match="differently"):
         gemm(qa, quantize(torch.randn(4, 32), "row"))
+    with pytest.raises(ValueError, match="differently"):
+        gemm(quantize(torch.randn(4, 64), "block", block_size=32), quantize(torch.randn(4, 64), "block", block_size=16))
 
 
 def test_quantize_rejects_non_2d():

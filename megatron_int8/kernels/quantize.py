@@ -41,7 +41,7 @@ import importlib
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
 
-QMAX = 127.0
+QMAX = float(ref.QMAX)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # modes of _quantize_block_kernel
