@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install megatron-int8 with its test extra. Keeps an existing torch (CUDA builds included);
-# installs the CPU build torch==2.13.0 only where torch is missing.
+# installs torch==2.13.0 only where torch is missing (a local CPU wheel on the project's CI machines).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0

@@ -8,8 +8,10 @@
 #     bash scripts/loss_parity.sh [extra trainer flags for every run, e.g. --exit-interval 800]
 #     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
 #     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
-# Variants: bf16, int8 (default recipe + INT8_FLAGS), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16),
-# int8_dgrad_wgrad_bf16 (only fprop INT8), int8_sr (stochastic rounding of gradients), int8_first_last_bf16.
+# Variants: bf16; int8 (the default recipe + INT8_FLAGS); and, each with its gradient rounding stated so the
+# ablation means the same whatever the default: int8_nearest / int8_sr (tensorwise, gradients rounded to
+# nearest / stochastically), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16), int8_dgrad_wgrad_bf16
+# (only fprop INT8) -- all four with nearest rounding -- int8_row_sr, int8_first_last_bf16 (default recipe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/parity}
@@ -38,11 +40,13 @@ variant_flags() {
     case "$1" in
         bf16) ;;
         int8) echo --int8-linear "${INT8_EXTRA[@]}" ;;
-        int8_row) echo --int8-linear --int8-granularity row ;;
-        int8_block) echo --int8-linear --int8-granularity block ;;
-        int8_wgrad_bf16) echo --int8-linear --int8-bf16-gemms wgrad ;;
-        int8_dgrad_wgrad_bf16) echo --int8-linear --int8-bf16-gemms dgrad,wgrad ;;
+        int8_nearest) echo --int8-linear --int8-grad-rounding nearest ;;
         int8_sr) echo --int8-linear --int8-grad-rounding stochastic ;;
+        int8_row) echo --int8-linear --int8-granularity row --int8-grad-rounding nearest ;;
+        int8_row_sr) echo --int8-linear --int8-granularity row --int8-grad-rounding stochastic ;;
+        int8_block) echo --int8-linear --int8-granularity block --int8-grad-rounding nearest ;;
+        int8_wgrad_bf16) echo --int8-linear --int8-bf16-gemms wgrad --int8-grad-rounding nearest ;;
+        int8_dgrad_wgrad_bf16) echo --int8-linear --int8-bf16-gemms dgrad,wgrad --int8-grad-rounding nearest ;;
         int8_first_last_bf16) echo --int8-linear --int8-first-last-layers-bf16 ;;
         *) echo "unknown variant $1" >&2; return 1 ;;
     esac
