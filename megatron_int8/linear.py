@@ -6,7 +6,8 @@ async all-reduce of the input gradient, accumulation into `weight.main_grad`), s
 only have to call it.
 
 Memory: for backward it keeps Q(X)^T (int8, already laid out for the wgrad GEMM) and its scale, never the
-high-precision input, unless wgrad runs in high precision.
+high-precision input, unless wgrad runs in high precision. Under sequence parallelism with the INT8
+all-gather it keeps only the local shard Q(X_local) and all-gathers it again (INT8) during dgrad.
 Weights: Q(W) and Q(W)^T are cached per weight tensor until the weight changes. A change is seen through
 torch's version counter, a new storage, or any optimizer step (a global torch.optim step hook), because
 Megatron's optimizers write parameters through `.data`, which the version counter does not see.
@@ -82,15 +83,15 @@ def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_quantized_input(input, backend, recipe: Int8Recipe, group):
-    """Q(all-gather(X)) computed as all-gather(Q(X_local)) with one amax for the whole group: identical
-    INT8 values and scale, half the communication of gathering BF16."""
+    """(Q(X_local), Q(all-gather(X))) computed as all-gather(Q(X_local)) with one amax for the whole group:
+    identical INT8 values and scale, half the communication of gathering BF16."""
     x_local = input.reshape(-1, input.shape[-1])
     amax = x_local.abs().amax().float().reshape(1) if x_local.numel() else x_local.new_zeros(1, dtype=torch.float32)
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     q_local, _ = backend.quantize(x_local, rowwise=True, columnwise=False, amax=amax,
                                   **_quantize_kwargs(recipe, "fprop input"))
     q_total = _all_gather_dim0(q_local.data, group)
-    return QTensor(q_total, q_local.scale, "tensor", recipe.block_size)
+    return q_local, QTensor(q_total, q_local.scale, "tensor", recipe.block_size)
 
 
 def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) -> dict:
@@ -103,11 +104,11 @@ class _Int8LinearFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
         backend = get_backend(input.device, recipe) if recipe.any_int8 else None
         wgrad_int8 = recipe.wgrad and weight.requires_grad
-        qx_row = qx_col = None
+        qx_row = qx_col = qx_local = None
         if tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
-            # the gathered Q(X) also serves wgrad (transposed), so X is never gathered in BF16
-            qx_row = _gather_quantized_input(input, backend, recipe, tp.group)
-            qx_col = qx_row.transposed() if wgrad_int8 else None
+            # X is never gathered in BF16; backward re-gathers the local INT8 shard for wgrad (as megatron
+            # re-gathers the BF16 input), so only 1 byte per local element stays saved
+            qx_local, qx_row = _gather_quantized_input(input, backend, recipe, tp.group)
             world = torch.distributed.get_world_size(tp.group)
             total_shape = (input.shape[0] * world,) + tuple(input.shape[1:])
         else:
@@ -128,7 +129,10 @@ class _Int8LinearFunction(torch.autograd.Function):
         ctx.total_shape = total_shape
         ctx.has_bias = bias is not None
         ctx.wgrad_int8 = wgrad_int8
-        if wgrad_int8:
+        ctx.regather_int8 = qx_local is not None
+        if wgrad_int8 and ctx.regather_int8:
+            ctx.save_for_backward(weight, qx_local.data, qx_local.scale)
+        elif wgrad_int8:
             ctx.qx_meta = (qx_col.granularity, qx_col.block_size, qx_col.tile2d)
             ctx.save_for_backward(weight, qx_col.data, qx_col.scale)
         elif weight.requires_grad:
@@ -153,6 +157,14 @@ class _Int8LinearFunction(torch.autograd.Function):
                 g2d, rowwise=dgrad_int8, columnwise=wgrad_int8,
                 **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
 
+        gather = None
+        if wgrad_int8 and ctx.regather_int8:  # Q(X) shards for wgrad, gathered while dgrad runs
+            q_local = ctx.saved_tensors[1]
+            world = torch.distributed.get_world_size(tp.group)
+            gathered = torch.empty((q_local.shape[0] * world, q_local.shape[1]), dtype=q_local.dtype,
+                                   device=q_local.device)
+            gather = torch.distributed.all_gather_into_tensor(gathered, q_local, group=tp.group, async_op=True)
+
         grad_input = handle = None
         if need_dgrad:
             if dgrad_int8:
@@ -172,9 +184,13 @@ class _Int8LinearFunction(torch.autograd.Function):
         grad_weight = None
         if need_wgrad:
             main_grad = getattr(weight, "main_grad", None) if tp.gradient_accumulation_fusion else None
-            if wgrad_int8:
+            if wgrad_int8 and gather is not None:
+                gather.wait()
+                qx_col = QTensor(gathered, ctx.saved_tensors[2], "tensor", recipe.block_size).transposed()
+            elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
+            if wgrad_int8:
                 if main_grad is not None:
                     backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad)
                 else:

@@ -33,7 +33,7 @@ def _worker(rank, world, port, result_path):
             wl = w.clone().requires_grad_()
             tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
             y = int8_linear(xl, wl, None, Int8Recipe(int8_all_gather=gather_int8, grad_rounding="nearest"), tp=tp)
-            saved = [t.dtype for t in y.grad_fn.saved_tensors]
+            saved = [(t.dtype, t.numel()) for t in y.grad_fn.saved_tensors]
             y.backward(gy)
             results[gather_int8] = (y.detach(), xl.grad, wl.grad, saved)
         same = all(torch.equal(a, b) for a, b in zip(results[False][:3], results[True][:3]))
@@ -53,4 +53,6 @@ def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
         r = torch.load(tmp_path / f"r.{rank}")
         assert r["same"], f"rank {rank}: INT8 all-gather differs from BF16 all-gather + quantize"
         assert r["fwd_equal"], f"rank {rank}: sequence-parallel forward differs from the unsharded one"
-        assert torch.int8 in r["saved"] and r["shape"] == (8, 3, 24)
+        int8_saved = [n for dtype, n in r["saved"] if dtype == torch.int8]
+        assert int8_saved == [8 // world * 3 * 64], "backward must keep only the local INT8 shard of X"
+        assert r["shape"] == (8, 3, 24)
