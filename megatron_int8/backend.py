@@ -52,7 +52,6 @@ class ReferenceBackend:
                 col = row.transposed()  # same scales: a byte transpose, identical rounding
             else:
                 col = ref.quantize(x.t(), granularity, tile2d=tile2d, **kw)
-                col.data = col.data.contiguous()
         return row, col
 
     def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None):

@@ -49,8 +49,7 @@ _CACHE_ATTR = "_megatron_int8_quantized"  # stored on the weight tensor itself, 
 
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
     """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged."""
-    kw = dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=True,
-              name="weight", check_finite=recipe.check_finite)
+    kw = _quantize_kwargs(recipe, "weight", weight=True)
     if not recipe.cache_weights:
         return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)
     key = (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
@@ -86,7 +85,9 @@ def _gather_quantized_input(input, backend, recipe: Int8Recipe, group):
     """(Q(X_local), Q(all-gather(X))) computed as all-gather(Q(X_local)) with one amax for the whole group:
     identical INT8 values and scale, half the communication of gathering BF16."""
     x_local = input.reshape(-1, input.shape[-1])
-    amax = x_local.abs().amax().float().reshape(1) if x_local.numel() else x_local.new_zeros(1, dtype=torch.float32)
+    # one reduction pass, no |x| temporary (max |x| is exact in any order)
+    amax = (torch.linalg.vector_norm(x_local, float("inf"), dtype=torch.float32).reshape(1) if x_local.numel()
+            else x_local.new_zeros(1, dtype=torch.float32))
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     q_local, _ = backend.quantize(x_local, rowwise=True, columnwise=False, amax=amax,
                                   **_quantize_kwargs(recipe, "fprop input"))
@@ -94,8 +95,8 @@ def _gather_quantized_input(input, backend, recipe: Int8Recipe, group):
     return q_local, QTensor(q_total, q_local.scale, "tensor", recipe.block_size)
 
 
-def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False) -> dict:
-    return dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=False,
+def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False, weight: bool = False) -> dict:
+    return dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=weight,
                 stochastic=stochastic, name=name, check_finite=recipe.check_finite)
 
 

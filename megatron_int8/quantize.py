@@ -92,6 +92,16 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor]) -> None:
+    """Both backends' quantize contract: a 2-D operand, a known granularity, amax only when tensorwise."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
+    if granularity not in ("tensor", "row", "block"):
+        raise ValueError(f"unknown granularity {granularity!r}")
+    if amax is not None and granularity != "tensor":
+        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
+
+
 def quantize(
     x: torch.Tensor,
     granularity: str = "tensor",
@@ -104,15 +114,12 @@ def quantize(
     generator: Optional[torch.Generator] = None,
     amax: Optional[torch.Tensor] = None,
 ) -> QTensor:
-    """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis.
+    """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis; Q(x) is contiguous.
 
     `amax` (tensorwise only) replaces the tensor's own amax, e.g. one reduced over a tensor-parallel group
     so that every rank's shard of a gathered activation shares one scale.
     """
-    if amax is not None and granularity != "tensor":
-        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
-    if x.dim() != 2:
-        raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
+    check_quantize_args(x, granularity, amax)
     xf = x.float()
     R, C = xf.shape
     if granularity == "tensor":
@@ -124,7 +131,7 @@ def quantize(
         amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
         scale = scale_from_amax(amax)
         expanded = scale[:, None]
-    elif granularity == "block":
+    else:  # block
         B = block_size
         rb = B if tile2d else 1
         Rp, Cp = _ceil(R, rb) * rb, _ceil(C, B) * B
@@ -132,13 +139,11 @@ def quantize(
         amax = tiles.amax(dim=(1, 3))
         scale = scale_from_amax(amax)
         expanded = scale.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]
-    else:
-        raise ValueError(f"unknown granularity {granularity!r}")
     if check_finite:
         _check_finite(amax, name)
     else:  # no host sync: a non-finite group gets a NaN scale, so its products are NaN, never garbage
         scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    q = _round_clamp(xf / expanded, stochastic, generator)
+    q = _round_clamp(xf / expanded, stochastic, generator).contiguous()  # a transposed x gives strided q
     return QTensor(q, scale, granularity, block_size, tile2d and granularity == "block")
 
 

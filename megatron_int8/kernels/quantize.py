@@ -338,12 +338,7 @@ def triton_quantize(
 
     `amax` (tensorwise only): a precomputed amax (e.g. reduced over the tensor-parallel group) replacing
     x's own; it then stands in for the partials, so the amax launch is skipped."""
-    if x.dim() != 2:
-        raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
-    if granularity not in ("tensor", "row", "block"):
-        raise ValueError(f"unknown granularity {granularity!r}")
-    if amax is not None and granularity != "tensor":
-        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
+    ref.check_quantize_args(x, granularity, amax)
     if not (rowwise or columnwise):
         return None, None
     R, C = x.shape
