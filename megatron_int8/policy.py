@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
