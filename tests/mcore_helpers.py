@@ -52,19 +52,32 @@ def qgemm_bound(a, b, ea=None, eb=None, granularity="tensor"):
 # ------------------------------------------------------------------------- megatron setup
 
 
-def init_megatron(world_size=1, rank=0, init_file=None, *, tp=1, pp=1, ep=1, vpp=None, seed=1234):
-    """gloo process group + megatron model parallel state on CPU (or GPU), seeded."""
+def rank_device(rank: int, device: str = "cpu") -> torch.device:
+    """The device a test rank computes on: the CPU, or one GPU per rank (cuda:rank) for `device="cuda"`."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def init_megatron(world_size=1, rank=0, init_file=None, *, tp=1, pp=1, ep=1, vpp=None, seed=1234, device="cpu"):
+    """Process group + megatron model parallel state, seeded. `device="cpu"`: gloo, CPU tensors (also a
+    single process on a GPU machine); `device="cuda"`: NCCL with rank r on cuda:r (set as current device)."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
     from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
 
+    dev = rank_device(rank, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     apply_cpu_compat()
     if not torch.distributed.is_initialized():
         if init_file is None:
             init_file = tempfile.mktemp(prefix="mi8_pg_")
-        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}",
-                                             rank=rank, world_size=world_size)
+        torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                             init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -110,8 +123,9 @@ def _worker(rank, world_size, init_file, fn, args, timeout, errors):
 
 
 def run_distributed(fn, world_size, *args, timeout=150):
-    """Run fn(rank, world_size, init_file, *args) in `world_size` spawned processes (gloo, file
-    rendezvous, so no port can collide); raise with the child's traceback on failure or timeout."""
+    """Run fn(rank, world_size, init_file, *args) in `world_size` spawned processes (file rendezvous, so
+    no port can collide; fn picks gloo or NCCL through init_megatron); raise with the child's traceback
+    on failure or timeout."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     fd, init_file = tempfile.mkstemp(prefix="mi8_pg_")

@@ -1,11 +1,13 @@
 """Multi-process (gloo, 2 ranks) tests: tensor/sequence parallel INT8 linears against TP=1 and
-float64 within scale-derived bounds, expert parallel MoE, and the precision table under PP/VPP."""
+float64 within scale-derived bounds, expert parallel MoE, and the precision table under PP/VPP.
+tests/test_parallel_gpu.py runs the same tensor/sequence-parallel worker on 2 GPUs (NCCL, Triton)."""
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mcore_helpers import init_megatron, nearest_recipe, outlier_tensor, qgemm_bound, run_distributed, tiny_config
+from mcore_helpers import (init_megatron, nearest_recipe, outlier_tensor, qgemm_bound, rank_device, run_distributed,
+                           tiny_config)
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +37,17 @@ def _chain_bounds(x, w1, w2, g):
     return exact, bound
 
 
-def _tp1_int8_chain(x, w1, w2, g):
-    """The TP=1 INT8 model on full tensors."""
+def _tp1_int8_chain(x, w1, w2, g, device="cpu"):
+    """The TP=1 INT8 model on full tensors (fp32 on `device`, round-to-nearest like the TP=2 layers);
+    results on the CPU."""
     from megatron_int8.linear import int8_linear
 
-    x = x.float().requires_grad_(True)
-    w1 = w1.float().requires_grad_(True)
-    w2 = w2.float().requires_grad_(True)
-    out = int8_linear(F.gelu(int8_linear(x, w1)), w2)
-    out.backward(g.float())
-    return {"out": out.detach(), "dx": x.grad, "dw1": w1.grad, "dw2": w2.grad}
+    x = x.to(device, torch.float32).requires_grad_(True)
+    w1 = w1.to(device, torch.float32).requires_grad_(True)
+    w2 = w2.to(device, torch.float32).requires_grad_(True)
+    out = int8_linear(F.gelu(int8_linear(x, w1, recipe=nearest_recipe())), w2, recipe=nearest_recipe())
+    out.backward(g.to(device, torch.float32))
+    return {k: v.cpu() for k, v in {"out": out.detach(), "dx": x.grad, "dw1": w1.grad, "dw2": w2.grad}.items()}
 
 
 def _gather(t, dim):
@@ -53,10 +56,32 @@ def _gather(t, dim):
     return torch.cat(parts, dim)
 
 
-def _tp_chain_worker(rank, world_size, init_file):
+def _record_gemm_backends():
+    """Wrap both backends' GEMM: the returned list gets (backend name, device type) of every INT8 GEMM."""
+    from megatron_int8 import backend
+
+    calls = []
+    for cls in (backend.ReferenceBackend, backend.TritonBackend):
+        def gemm(self, a, b, _original=cls.gemm, **kwargs):
+            calls.append((self.name, a.data.device.type))
+            return _original(self, a, b, **kwargs)
+        cls.gemm = gemm
+    return calls
+
+
+def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
+    """fc1 -> gelu -> fc2 at TP=2 (+-SP), fp32, round-to-nearest: INT8 against float64, the TP=1 INT8
+    chain and the high-precision layers, within the propagated scale bounds. `device="cuda"`: rank r on
+    cuda:r, NCCL, the default (Triton) backend; the bounds are the same (fp32 in and out)."""
+    from megatron_int8.backend import resolve_backend_name
     from megatron_int8.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 
-    init_megatron(world_size, rank, init_file, tp=2)
+    init_megatron(world_size, rank, init_file, tp=2, device=device)
+    dev = rank_device(rank, device)
+    torch.set_float32_matmul_precision("highest")  # the high-precision model in IEEE fp32 on GPU too (no TF32)
+    expected_backend = resolve_backend_name(dev, nearest_recipe())
+    assert dev.type == "cpu" or expected_backend == "triton", expected_backend
+    gemm_calls = _record_gemm_backends()
     hidden, ffn, seq, batch = 32, 64, 8, 2
     for sequence_parallel in (False, True):
         models = {}
@@ -69,7 +94,7 @@ def _tp_chain_worker(rank, world_size, init_file):
             fc2 = Int8RowParallelLinear(ffn, hidden, config=config, init_method=torch.nn.init.xavier_normal_,
                                         bias=False, input_is_parallel=True, skip_bias_add=False, int8=int8,
                                         recipe=nearest_recipe())
-            models[name] = (fc1, fc2)
+            models[name] = (fc1.to(dev), fc2.to(dev))
         gen = torch.Generator().manual_seed(42)
         with torch.no_grad():  # outliers in the weights, identical on both ranks before sharding
             w1_full = outlier_tensor(ffn, hidden, generator=gen, scale=6.0) * 0.1
@@ -78,6 +103,7 @@ def _tp_chain_worker(rank, world_size, init_file):
                 fc1.weight.copy_(w1_full.chunk(2, 0)[rank])
                 fc2.weight.copy_(w2_full.chunk(2, 1)[rank])
         for fc in models["int8"]:
+            assert fc.weight.device == dev
             fc.weight.main_grad = torch.zeros_like(fc.weight)
             fc.weight.grad_added_to_main_grad = False
 
@@ -90,18 +116,19 @@ def _tp_chain_worker(rank, world_size, init_file):
             local = slice(rank * seq // 2, (rank + 1) * seq // 2) if sequence_parallel else slice(None)
             results = {}
             for name, (fc1, fc2) in models.items():
-                x = x_full[local].clone().requires_grad_(True)
+                x = x_full[local].to(dev, copy=True).requires_grad_(True)
                 out = fc2(F.gelu(fc1(x)[0]))[0]
-                out.backward(g_full[local])
+                out.backward(g_full[local].to(dev))
+                assert out.device == dev and x.grad.device == dev
                 full = (lambda t: _gather(t, 0)) if sequence_parallel else (lambda t: t)
-                results[name] = {"out": full(out.detach()).reshape(-1, hidden),
-                                 "dx": full(x.grad).reshape(-1, hidden)}
+                results[name] = {"out": full(out.detach()).reshape(-1, hidden).cpu(),
+                                 "dx": full(x.grad).reshape(-1, hidden).cpu()}
             for fc in models["int8"]:
                 fc.weight.grad, fc.weight.grad_added_to_main_grad = None, False
 
             x64, g64 = x_full.double().reshape(-1, hidden), g_full.double().reshape(-1, hidden)
             exact, bound = _chain_bounds(x64, w1_full.double(), w2_full.double(), g64)
-            tp1 = _tp1_int8_chain(x64, w1_full.double(), w2_full.double(), g64)
+            tp1 = _tp1_int8_chain(x64, w1_full.double(), w2_full.double(), g64, dev)
             for key in ("out", "dx"):
                 tp2, hp = results["int8"][key].double(), results["hp"][key].double()
                 assert ((tp2 - exact[key]).abs() <= bound[key]).all(), (sequence_parallel, micro_batch, key)
@@ -117,12 +144,16 @@ def _tp_chain_worker(rank, world_size, init_file):
         # main_grad accumulated over the 3 micro-batches, gathered over TP.
         fc1, fc2 = models["int8"]
         hp1, hp2 = models["hp"]
-        got = {"dw1": _gather(fc1.weight.main_grad, 0).double(), "dw2": _gather(fc2.weight.main_grad, 1).double()}
-        hp = {"dw1": _gather(hp1.weight.grad, 0).double(), "dw2": _gather(hp2.weight.grad, 1).double()}
+        got = {"dw1": _gather(fc1.weight.main_grad, 0).double().cpu(),
+               "dw2": _gather(fc2.weight.main_grad, 1).double().cpu()}
+        hp = {"dw1": _gather(hp1.weight.grad, 0).double().cpu(), "dw2": _gather(hp2.weight.grad, 1).double().cpu()}
         for key in got:
             assert ((got[key] - exact_wgrad[key]).abs() <= bound_wgrad[key]).all(), (sequence_parallel, key)
             assert ((got[key] - tp1_wgrad[key]).abs() <= 2 * bound_wgrad[key]).all(), key
             assert ((got[key] - hp[key]).abs() <= bound_wgrad[key] + (hp[key] - exact_wgrad[key]).abs()).all(), key
+        # every INT8 GEMM (TP=2 layers and the TP=1 chain) ran on this rank's device, with the expected backend
+        assert gemm_calls and set(gemm_calls) == {(expected_backend, dev.type)}, set(gemm_calls)
+        gemm_calls.clear()
 
 
 def test_tensor_and_sequence_parallel_match_tp1_and_fp64():
