@@ -133,13 +133,24 @@ print("RESULT", int8, bool(torch.isfinite(loss.float()).all()))
 '''
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM"), reason="set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout")
+# MEGATRON_LM: a core_v0.16.1 checkout; unset, the copy that scripts/fetch_megatron_lm.sh made (patched)
+THIRD_PARTY_MEGATRON_LM = os.path.join(ROOT, "third_party", "megatron-lm")
+MEGATRON_LM = os.environ.get("MEGATRON_LM") or (
+    THIRD_PARTY_MEGATRON_LM if os.path.isfile(os.path.join(THIRD_PARTY_MEGATRON_LM, "pretrain_gpt.py")) else None)
+
+
+@pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout, or run "
+                    "scripts/fetch_megatron_lm.sh")
 def test_patched_megatron_lm_builds_int8_model(tmp_path):
-    """Copy the checkout's two patched files, apply the patch, and let upstream's own argument parser
-    and gpt_builder build a Qwen3-style model with INT8 linears (layer 1 kept BF16 by flag)."""
-    source = os.environ["MEGATRON_LM"]
+    """Copy the checkout, apply the patch, and let upstream's own argument parser and gpt_builder build
+    a Qwen3-style model with INT8 linears (layer 1 kept BF16 by flag). A copy that is already patched
+    (third_party/megatron-lm) must be patched with exactly this patch: it is reverted, then re-applied."""
     work = tmp_path / "mlm"
-    shutil.copytree(source, work, ignore=shutil.ignore_patterns(".git"))
+    shutil.copytree(MEGATRON_LM, work, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    already = subprocess.run(["git", "apply", "--reverse", "--check", PATCH], cwd=work, capture_output=True)
+    if already.returncode == 0:
+        subprocess.run(["git", "apply", "--reverse", PATCH], cwd=work, check=True)
+        assert "megatron_int8" not in (work / "pretrain_gpt.py").read_text()
     subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
     (tmp_path / "build.py").write_text(UPSTREAM_BUILD)
     with socket.socket() as sock:

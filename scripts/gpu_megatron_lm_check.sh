@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Upstream Megatron-LM's own pretrain_gpt.py (core_v0.16.1 + patches/megatron-lm-core_v0.16.1.patch) on
+# ONE GPU: a 4-layer Llama-style model on mock data, first with --int8-linear, then the same run in BF16
+# (upstream's local spec). One call on the GPU machine, from the repository root:
+#
+#   bash scripts/gpu_megatron_lm_check.sh
+#
+# Needs third_party/megatron-lm (bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM) and, where
+# megatron-core is not installed, its wheel in .whl/ (installed into /tmp/site). Offline machines without
+# pydantic (upstream's megatron/rl imports it) take wheels from third_party/wheels/, made with
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d third_party/wheels pydantic==2.12.5
+# Logs go to $OUT (default /tmp/out): megatron_lm_{int8,bf16}.log and the iteration lines.
+# Environment: ITERS [30], RUN_TIMEOUT [240 s per run], PRECISIONS ["int8 bf16"], EXTRA_ARGS (appended
+# to both runs), PRINT_ARGS=1 (print the pretrain_gpt.py flags and exit; needs no GPU).
+set -o pipefail
+OUT=${OUT:-/tmp/out}
+ROOT=$PWD
+MLM=$ROOT/third_party/megatron-lm
+ITERS=${ITERS:-30}
+mkdir -p "$OUT"
+[ -f "$MLM/pretrain_gpt.py" ] || { echo "no $MLM/pretrain_gpt.py: bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM" >&2; exit 2; }
+grep -q megatron_int8 "$MLM/pretrain_gpt.py" || { echo "$MLM is not patched" >&2; exit 2; }
+
+# 1. megatron-core (and torchao) from the carried wheels; megatron.training etc. from third_party (it has
+#    no megatron/core, so `megatron`, a namespace package, takes megatron.core from /tmp/site).
+if [ -z "$PRINT_ARGS" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$ROOT
+else
+  export PYTHONPATH=$ROOT
+fi
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+# 2. Flags. environment_argv(): --transformer-impl local --no-rope-fusion without Transformer Engine,
+#    --no-gradient-accumulation-fusion without APEX. Upstream's local spec (the BF16 run) also needs, without
+#    APEX: --no-masked-softmax-fusion (else it imports APEX's scaled_masked_softmax_cuda at the first forward)
+#    and --no-persist-layer-norm (else its torch RMSNorm refuses to build).
+mapfile -t ENV_ARGS < <(python3 -c "from megatron_int8.megatron_lm import environment_argv; print(*environment_argv(), sep='\n')") || exit 1
+python3 -c "import scaled_masked_softmax_cuda" 2>/dev/null || ENV_ARGS+=(--no-masked-softmax-fusion)
+python3 -c "import apex" 2>/dev/null || ENV_ARGS+=(--no-persist-layer-norm)
+MODEL_ARGS=(
+  --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
+  --group-query-attention --num-query-groups 4 --kv-channels 64
+  --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope --rotary-base 10000
+  --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
+)
+TRAIN_ARGS=(
+  --micro-batch-size 4 --global-batch-size 32 --train-iters "$ITERS"
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+  --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --seed 1234
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000
+  --eval-iters 0 --eval-interval 100000 --log-interval 5 --log-throughput --num-workers 1
+  --distributed-timeout-minutes 5
+)
+ARGS=("${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${ENV_ARGS[@]}")
+if [ -n "$PRINT_ARGS" ]; then printf '%s\n' "${ARGS[@]}" --int8-linear $EXTRA_ARGS; exit 0; fi
+
+# 3. pydantic: upstream's megatron/rl (imported by megatron/training/training.py) needs it.
+if ! python3 -c "import pydantic" 2>/dev/null; then
+  wheels=$(ls "$ROOT"/third_party/wheels/*.whl 2>/dev/null | grep -v typing_extensions)
+  [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels
+  if ! python3 -c "import pydantic" 2>/dev/null; then  # an older typing_extensions than pydantic wants?
+    ls "$ROOT"/third_party/wheels/typing_extensions-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index \
+      --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT"/third_party/wheels/typing_extensions-*.whl
+  fi
+fi
+
+# 4. Megatron-LM's initialize runs `make -C <megatron.core>/datasets` on rank 0 (exit 1 if make fails).
+#    The wheel has the compiled helpers_cpp but not upstream's Makefile: give it one whose target is that
+#    file (built only if missing), and a `make` that only checks the import where make is absent.
+DATASETS=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))") || exit 1
+if [ ! -f "$DATASETS/Makefile" ] && [ -w "$DATASETS" ]; then
+  cat > "$DATASETS/Makefile" <<'EOF'
+# written by megatron-int8's scripts/gpu_megatron_lm_check.sh (the wheel ships helpers_cpp prebuilt)
+LIBEXT = $(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+OUT = helpers_cpp$(LIBEXT)
+default: $(OUT)
+$(OUT): helpers.cpp
+	$(CXX) -O3 -Wall -shared -std=c++17 -fPIC $(shell python3 -m pybind11 --includes) $< -o $@
+EOF
+  touch "$DATASETS"/helpers_cpp*.so 2>/dev/null
+fi
+if ! command -v make >/dev/null; then
+  mkdir -p /tmp/mlm-shims && printf '#!/bin/sh\nexec python3 -c "import megatron.core.datasets.helpers_cpp"\n' > /tmp/mlm-shims/make
+  chmod +x /tmp/mlm-shims/make && export PATH=/tmp/mlm-shims:$PATH
+fi
+# 5. ...and megatron/legacy/fused_kernels.load() runs `$CUDA_HOME/bin/nvcc -V` only to pick -gencode flags
+#    (it builds nothing). Without an nvcc there, a stand-in that reports torch's CUDA version.
+if ! python3 -c "import os, sys; from torch.utils.cpp_extension import CUDA_HOME as h; sys.exit(not (h and os.access(h + '/bin/nvcc', os.X_OK)))" 2>/dev/null; then
+  mkdir -p /tmp/mlm-cuda/bin && v=$(python3 -c "import torch; print(torch.version.cuda or '12.0')")
+  printf '#!/bin/sh\necho "Cuda compilation tools, release %s, V%s (stand-in for megatron/legacy/fused_kernels)"\n' "$v" "$v" > /tmp/mlm-cuda/bin/nvcc
+  chmod +x /tmp/mlm-cuda/bin/nvcc && export CUDA_HOME=/tmp/mlm-cuda
+fi
+
+# 6. Upstream's pretrain_gpt.py runs unchanged through runpy; the launcher only wraps
+#    megatron.training.training.get_model to print the per-linear precision table of the built model.
+mkdir -p /tmp/mlm-launch
+cat > /tmp/mlm-launch/pretrain_gpt_with_table.py <<'EOF'
+import runpy, sys
+mlm = sys.argv.pop(1)
+sys.path[0] = mlm                       # as `python3 $mlm/pretrain_gpt.py`: the checkout is sys.path[0]
+import megatron.core, megatron.training.training as training
+from megatron.core.utils import unwrap_model
+from megatron.training import get_args
+from megatron_int8.policy import policy_from_args, print_precision_table
+print(f"megatron.core {megatron.core.__version__} from {megatron.core.__path__[0]}; megatron.training from "
+      f"{training.__file__}", flush=True)
+get_model = training.get_model
+def get_model_and_print_table(*args, **kwargs):
+    model = get_model(*args, **kwargs)
+    run_args = get_args()
+    print_precision_table(unwrap_model(model), policy_from_args(run_args) if run_args.int8_linear else None,
+                          print_fn=lambda table: print(table, flush=True))
+    return model
+training.get_model = get_model_and_print_table
+sys.argv[0] = f"{mlm}/pretrain_gpt.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+EOF
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+for precision in ${PRECISIONS:-int8 bf16}; do
+  flags=(); [ "$precision" = int8 ] && flags=(--int8-linear)
+  log=$OUT/megatron_lm_$precision.log
+  echo "== Megatron-LM pretrain_gpt.py, $precision: torchrun --nproc-per-node 1 ... ${flags[*]} $EXTRA_ARGS"
+  start=$(date +%s)
+  timeout "${RUN_TIMEOUT:-240}" torchrun --standalone --nproc-per-node 1 /tmp/mlm-launch/pretrain_gpt_with_table.py "$MLM" \
+    "${ARGS[@]}" "${flags[@]}" $EXTRA_ARGS > "$log" 2>&1
+  rc=$?
+  echo "exit $rc after $(( $(date +%s) - start )) s ($log)"
+  grep -E "^megatron.core |INT8 precision table|^\| " "$log" | head -40
+  grep -E " iteration +[0-9]+/" "$log" | sed -E 's/^ *\[[^]]*\] *//' | tee "$OUT/iterations_$precision.txt"
+  if [ "$rc" -ne 0 ]; then
+    status=1
+    grep -E "Error|error|Traceback|Killed" "$log" | grep -v -i warn | tail -15
+    tail -30 "$log"
+  fi
+done
+exit $status
