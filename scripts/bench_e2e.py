@@ -32,6 +32,9 @@ MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mix
 PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
                  "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
 PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
+# the trainer's log line: iteration time and model TFLOP/s per GPU over the same interval
+ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
 BENCH_OVERRIDES = ["--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer"]
 PARALLEL_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                       "--expert-model-parallel-size", "1"]
@@ -57,7 +60,8 @@ def parse_args(argv=None):
 
 
 def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
-    """One trainer run; returns median step time (s), final loss and peak memory (GB)."""
+    """One trainer run; returns median step time (s), final loss, peak memory (GB, rank 0) and model
+    TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -71,6 +75,8 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
                *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
             cmd.append("--int8-linear")
+        if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
+            cmd = ["timeout", "--kill-after", "30", str(int(opts.run_timeout)), *cmd]
         start = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -82,8 +88,12 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
     if not timed:
         raise RuntimeError(f"{model}: no timed iterations (iters {opts.iters} <= warmup {opts.warmup})")
     peaks = PEAK_MEMORY.findall(proc.stdout)
+    intervals, tflops = ITERATION_MS.findall(proc.stdout), TFLOPS.findall(proc.stdout)
+    # model TFLOP per GPU and iteration (the trainer's formula, fixed for a run) over the median step time
+    tflop_per_gpu = float(tflops[-1]) * float(intervals[-1]) / 1e3 if tflops and intervals else float("nan")
     result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
               "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
+    result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
     print(f"  {model:16s} L={layers:2d} {'int8' if int8 else 'bf16'}: step {result['step_s'] * 1e3:8.1f} ms, "
           f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB, run {result['wall_s']:.0f} s", flush=True)
     return result

@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Scale-out throughput, INT8 vs BF16, on several GPUs of one host (issue #7; docs/scaling.md).
+
+Every layout trains its model at full depth through the project's trainer under torchrun (NCCL), on mock
+data, once per variant: BF16 (the baseline), INT8 (`--int8-linear`), and for the sequence-parallel Llama2-7B
+layout also INT8 with the activation all-gather in BF16 (`--int8-bf16-all-gather`), which isolates the INT8
+SP all-gather. Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
+iterations, loss, rank 0's peak memory, model TFLOP/s per GPU). Global batch = micro-batch x GPUs, so every
+layout trains on the same tokens per iteration (seq x micro x GPUs) and data-parallel ranks accumulate.
+
+After every run its result goes to RESULTS/<layout>__<variant>.json and the markdown table is rewritten,
+so a device call cut short still returns what finished; `--deadline` keeps the whole call inside a time
+limit (later runs get the time left, or are skipped and listed as such).
+
+    python scripts/bench_scaling.py                                   # the 4-GPU layouts, 50 iterations
+    python scripts/bench_scaling.py --layouts llama2_7b-tp2sp-dp2 --iters 60 --deadline 500
+    python scripts/bench_scaling.py --smoke                           # CPU, gloo, 2 processes, tiny widths
+    python scripts/bench_scaling.py --report DIR [DIR ...]            # one table from earlier calls' results
+
+Outputs (default directory: $OUT, else runs/scaling): bench_scaling.md (the table), scaling_results/*.json.
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and CUDA_DEVICE_MAX_CONNECTIONS=1 are set for every
+run (NVLink multicast off on the lent machines; megatron's TP/SP communication ordering).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e import full_depth, run_trainer  # noqa: E402
+
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+VARIANTS = {  # name -> (label, INT8 linears, extra trainer flags)
+    "bf16": ("BF16", False, []),
+    "int8": ("INT8", True, []),
+    "int8-bf16ag": ("INT8, BF16 SP all-gather", True, ["--int8-bf16-all-gather"]),
+}
+# Tiny widths for --smoke (CPU): every model keeps its structure (GQA, MoE, untied, SwiGLU) at width 64.
+SMOKE_MODEL = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+               "--num-query-groups", "2", "--kv-channels", "16", "--moe-ffn-hidden-size", "128",
+               "--max-position-embeddings", "64", "--vocab-size", "512", "--num-workers", "0"]
+SMOKE_LAYERS, SMOKE_SEQ = 2, 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    model: str  # configs/<model>.yaml
+    nproc: int
+    flags: str  # every parallel size explicit: the YAMLs carry 8-GPU layouts
+    title: str
+    variants: tuple = ("bf16", "int8")
+    smoke_flags: str = ""  # the same parallelism kinds on 2 CPU processes
+    env: tuple = ()  # (name, value) pairs set for this layout's runs
+
+
+# The INT8 GEMM autotunes once per exact shape (M, N, K). MoE experts get a different token count almost
+# every call, so with autotuning nearly every expert GEMM would be benchmarked over all tile configs first
+# (tenths of a second each, ~100 expert GEMMs per iteration): the MoE layouts use the kernel's fixed tile
+# heuristic instead (MEGATRON_INT8_GEMM_AUTOTUNE=0: no tuning, plain kernel).
+MOE_ENV = (("MEGATRON_INT8_GEMM_AUTOTUNE", "0"),)
+
+
+def _sizes(tp=1, pp=1, ep=1):
+    return (f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
+            f"--expert-model-parallel-size {ep}")
+
+
+LAYOUTS = {
+    "llama2_7b-tp2sp-dp2": Layout(
+        "llama2_7b", 4, _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer",
+        "Llama2-7B, TP 2 + SP x DP 2, distributed optimizer", ("bf16", "int8", "int8-bf16ag"),
+        _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
+    "llama2_13b-tp4sp": Layout(
+        "llama2_13b", 4, _sizes(tp=4) + " --sequence-parallel --use-distributed-optimizer",
+        "Llama2-13B, TP 4 + SP, distributed optimizer", smoke_flags=_sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
+    "mixtral_8x7b_8l-ep4": Layout(
+        "mixtral_8x7b_8l", 4, _sizes(ep=4) + " --use-distributed-optimizer",
+        "Mixtral-8x7B (8 layers), EP 4 x DP 4, distributed optimizer",
+        smoke_flags=_sizes(ep=2) + " --use-distributed-optimizer", env=MOE_ENV),
+    # alternatives named in the issue (not run by default)
+    "llama2_13b-tp2pp2": Layout(
+        "llama2_13b", 4, _sizes(tp=2, pp=2) + " --sequence-parallel --use-distributed-optimizer",
+        "Llama2-13B, TP 2 + SP x PP 2, distributed optimizer", smoke_flags=_sizes(pp=2) + " --use-distributed-optimizer"),
+    "mixtral_8x7b_8l-ep2tp2": Layout(
+        "mixtral_8x7b_8l", 4, _sizes(tp=2, ep=2) + " --sequence-parallel --use-distributed-optimizer",
+        "Mixtral-8x7B (8 layers), EP 2 x TP 2 + SP, DP 2, distributed optimizer",
+        smoke_flags=_sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer", env=MOE_ENV),
+    # two GPUs (nvidia-h200-x2): the Llama2-7B SP layout and its all-gather comparison
+    "llama2_7b-tp2sp": Layout(
+        "llama2_7b", 2, _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer",
+        "Llama2-7B, TP 2 + SP, distributed optimizer", ("bf16", "int8", "int8-bf16ag"),
+        _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
+}
+DEFAULT_LAYOUTS = ["llama2_7b-tp2sp-dp2", "llama2_13b-tp4sp", "mixtral_8x7b_8l-ep4"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
+                   help=f"default: {' '.join(DEFAULT_LAYOUTS)}")
+    p.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
+                   help="run only these variants of each layout (default: the layout's own list)")
+    p.add_argument("--iters", type=int, default=50, help="training iterations per run")
+    p.add_argument("--warmup", type=int, default=5, help="iterations excluded from the timing")
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--deadline", type=float, default=500,
+                   help="seconds for all runs together; a run gets at most the time left")
+    p.add_argument("--run-timeout", type=float, default=400, help="seconds for one run (ends a hung run)")
+    p.add_argument("--min-run-s", type=float, default=60, help="skip a run when less time than this is left")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, gloo, 2 processes, 2 layers of width 64, seq 64: checks the plumbing only")
+    p.add_argument("--out-dir", default=None, help="default: $OUT, else runs/scaling")
+    p.add_argument("--report", nargs="+", default=None, metavar="DIR",
+                   help="no runs: one table from the results under these directories")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="further trainer flags for every run (e.g. --recompute-granularity selective)")
+    opts = p.parse_args(argv)
+    if opts.smoke:
+        opts.iters, opts.warmup = min(opts.iters, 4), min(opts.warmup, 1)
+    return opts
+
+
+def describe_flags(flags: str) -> str:
+    """'--tensor-model-parallel-size 2 ... --sequence-parallel' -> 'TP 2 + SP' (sizes above 1 only)."""
+    words, parts = flags.split(), []
+    for flag, short in (("--tensor-model-parallel-size", "TP"), ("--pipeline-model-parallel-size", "PP"),
+                        ("--expert-model-parallel-size", "EP")):
+        if flag in words and int(words[words.index(flag) + 1]) > 1:
+            parts.append(f"{short} {words[words.index(flag) + 1]}" + (" + SP" if short == "TP" and
+                                                                      "--sequence-parallel" in words else ""))
+    if "--use-distributed-optimizer" in words:
+        parts.append("distributed optimizer")
+    return ", ".join(parts) or "DP only"
+
+
+def run_options(layout: Layout, variant: str, opts, timeout: float) -> argparse.Namespace:
+    """The options bench_e2e.run_trainer reads, for one run."""
+    extra = list(VARIANTS[variant][2]) + list(opts.extra)
+    if opts.smoke:
+        extra = SMOKE_MODEL + extra
+    return argparse.Namespace(
+        layers=SMOKE_LAYERS if opts.smoke else full_depth(layout.model), nproc=2 if opts.smoke else layout.nproc, layout=layout.smoke_flags if opts.smoke else layout.flags,
+        iters=opts.iters, warmup=opts.warmup, seq_length=SMOKE_SEQ if opts.smoke else opts.seq_length,
+        micro_batch_size=opts.micro_batch_size, extra=extra, run_timeout=timeout, smoke=opts.smoke)
+
+
+def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
+    """One run through bench_e2e.run_trainer; a failure is recorded, not raised."""
+    layers = ropts.layers
+    title = f"{layout.title} [smoke: {describe_flags(ropts.layout)}]" if ropts.smoke else layout.title
+    record = {"layout": name, "title": title, "smoke": ropts.smoke, "model": layout.model, "variant": variant,
+              "precision": VARIANTS[variant][0], "gpus": ropts.nproc, "layers": layers, "flags": ropts.layout,
+              "extra": ropts.extra, "iters": ropts.iters, "warmup": ropts.warmup, "seq_length": ropts.seq_length,
+              "micro_batch_size": ropts.micro_batch_size,
+              "tokens_per_iter": ropts.seq_length * ropts.micro_batch_size * ropts.nproc, "env": dict(layout.env)}
+    env = " ".join(f"{k}={v}" for k, v in layout.env)
+    print(f"== {name} {variant}: {ropts.nproc} processes, {layers} layers, {ropts.layout} {' '.join(ropts.extra)}"
+          + (f" ({env})" if env else ""), flush=True)
+    saved = {k: os.environ.get(k) for k, _ in layout.env}
+    os.environ.update(dict(layout.env))
+    try:
+        result = run_trainer(layout.model, layers, VARIANTS[variant][1], ropts)
+    except RuntimeError as err:
+        record["error"] = str(err)
+        print(f"   failed: {err}", flush=True)
+        return record
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    record.update(result)
+    record["tokens_per_s"] = record["tokens_per_iter"] / result["step_s"]
+    return record
+
+
+def _fmt(value, spec):
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_table(records) -> str:
+    """One markdown table: every layout's variants, speedups against the layout's BF16 run."""
+    order = {name: i for i, name in enumerate(LAYOUTS)}
+    records = sorted(records, key=lambda r: (order.get(r["layout"], 99), list(VARIANTS).index(r["variant"])))
+    bf16 = {r["layout"]: r for r in records if r["variant"] == "bf16" and "error" not in r and "skipped" not in r}
+    first = next((r for r in records if "error" not in r and "skipped" not in r), records[0] if records else {})
+    smoke = any(r.get("smoke") for r in records)
+    lines = ["SMOKE RUN on CPU (gloo, 2 processes, 2 layers of width 64, the layouts reduced as marked): checks "
+             "the plumbing, the numbers mean nothing", ""] if smoke else []
+    lines += [f"seq {first.get('seq_length')}, micro-batch {first.get('micro_batch_size')}, global batch = micro x GPUs, "
+             f"mock data, {first.get('iters')} iterations per run, median step time after {first.get('warmup')} "
+             "warm-up iterations; peak memory of rank 0; TFLOP/s: model FLOPs (the trainer's formula) per GPU",
+             "",
+             "| layout | GPUs | precision | tokens/s | TFLOP/s/GPU | peak memory (GB) | loss at the end "
+             "| INT8/BF16 speedup |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if "error" in r or "skipped" in r:
+            code = re.search(r"\(exit (-?\d+)\)", r.get("error", ""))
+            why = (f"skipped ({r['skipped']})" if "skipped" in r else
+                   "failed (timed out)" if code and code.group(1) in ("124", "137") else
+                   f"failed (exit {code.group(1)})" if code else "failed")
+            lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {why} | | | | |")
+            continue
+        base = bf16.get(r["layout"])
+        speedup = "1.000x (baseline)" if r["variant"] == "bf16" else (
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a")
+        precision = r["precision"] + (" (GEMM tile heuristic)" if r["variant"] != "bf16" and
+                                      r.get("env", {}).get("MEGATRON_INT8_GEMM_AUTOTUNE") == "0" else "")
+        lines.append(f"| {r['title']} | {r['gpus']} | {precision} | {r['tokens_per_s']:.0f} "
+                     f"| {_fmt(r.get('tflops_per_gpu'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} "
+                     f"| {_fmt(r.get('loss'), '.4f')} | {speedup} |")
+    done = {(r["layout"], r["variant"]): r for r in records if "error" not in r and "skipped" not in r}
+    for (name, variant), r in done.items():
+        if variant == "int8-bf16ag" and (name, "int8") in done:
+            ratio = done[(name, "int8")]["tokens_per_s"] / r["tokens_per_s"]
+            lines += ["", f"{r['title']}: INT8 SP all-gather vs BF16 SP all-gather (both INT8 linears): "
+                          f"{ratio:.3f}x tokens/s"]
+    return "\n".join(lines)
+
+
+def load_records(dirs) -> list:
+    records = {}
+    for d in dirs:
+        for path in sorted(glob.glob(os.path.join(d, "**", "*.json"), recursive=True)):
+            with open(path, encoding="utf-8") as f:
+                r = json.load(f)
+            if isinstance(r, dict) and "layout" in r and "variant" in r:
+                records[(r["layout"], r["variant"])] = r  # a later directory's result replaces an earlier one
+    return list(records.values())
+
+
+def main(argv=None):
+    opts = parse_args(argv)
+    os.environ.update(ENV)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    out_dir = opts.out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "runs", "scaling")
+    os.makedirs(out_dir, exist_ok=True)
+    table_path = os.path.join(out_dir, "bench_scaling.md")
+    if opts.report:
+        table = format_table(load_records(opts.report))
+        print(table)
+        with open(table_path, "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+        return 0
+    if opts.smoke:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path (gloo) even on a GPU machine
+    results_dir = os.path.join(out_dir, "scaling_results")
+    os.makedirs(results_dir, exist_ok=True)
+    names = opts.layouts or DEFAULT_LAYOUTS
+    if not opts.smoke:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        missing = [n for n in names if LAYOUTS[n].nproc > gpus]
+        if missing:
+            raise SystemExit(f"{gpus} GPU(s) visible; {', '.join(missing)} need(s) {LAYOUTS[missing[0]].nproc}")
+    start, records, failures = time.time(), [], 0
+    for name in names:
+        layout = LAYOUTS[name]
+        for variant in [v for v in layout.variants if opts.variants is None or v in opts.variants]:
+            left = opts.deadline - (time.time() - start)
+            if left < opts.min_run_s:
+                ropts = run_options(layout, variant, opts, 0)
+                title = f"{layout.title} [smoke: {describe_flags(ropts.layout)}]" if opts.smoke else layout.title
+                record = {"layout": name, "title": title, "smoke": opts.smoke, "variant": variant,
+                          "gpus": ropts.nproc, "precision": VARIANTS[variant][0],
+                          "skipped": f"{left:.0f} s left of --deadline"}
+                print(f"== {name} {variant}: skipped, {left:.0f} s left", flush=True)
+            else:
+                record = measure(name, layout, variant, run_options(layout, variant, opts,
+                                                                     min(opts.run_timeout, left)))
+                failures += "error" in record
+            records.append(record)
+            with open(os.path.join(results_dir, f"{name}__{variant}.json"), "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+            table = format_table(records)
+            with open(table_path, "w", encoding="utf-8") as f:
+                f.write(table + "\n")
+    print(table, flush=True)
+    print(f"table: {table_path}; results: {results_dir}; {time.time() - start:.0f} s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
