@@ -3,8 +3,9 @@
 Conventions, shared with the Triton kernels:
 - an operand is a 2-D tensor [R, C] whose *last* axis C is the GEMM's contraction axis (K-major, the
   layout Hopper's INT8 tensor cores need for both operands); `gemm(a, b)` computes a @ b^T -> [Ra, Rb];
-- scale = amax / 127 in fp32 (1.0 for an all-zero group), q = clamp(round(x / scale), -127, 127), where
-  the division is an IEEE fp32 division and round is half-to-even (or floor(v + U[0,1)) when stochastic);
+- scale = amax / 127 in fp32 (1.0 for an all-zero group), q = clamp(round(x * (1 / scale)), -127, 127):
+  one IEEE fp32 reciprocal per group and an fp32 multiply per element (a per-element division made the
+  quantize kernels instruction-bound), round half-to-even (or floor(v + U[0,1)) when stochastic);
 - scale shapes: "tensor" -> [] ; "row" -> [R] ; "block" -> [R, ceil(C/B)] for 1xB tiles, or
   [ceil(R/B), ceil(C/B)] for BxB tiles (weights).
 """
@@ -126,11 +127,10 @@ def quantize(
         if amax is None:
             amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
         amax = amax.reshape(()).float()
-        expanded = scale = scale_from_amax(amax)
+        scale = scale_from_amax(amax)
     elif granularity == "row":
         amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
         scale = scale_from_amax(amax)
-        expanded = scale[:, None]
     else:  # block
         B = block_size
         rb = B if tile2d else 1
@@ -138,12 +138,16 @@ def quantize(
         tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
         amax = tiles.amax(dim=(1, 3))
         scale = scale_from_amax(amax)
-        expanded = scale.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]
     if check_finite:
         _check_finite(amax, name)
     else:  # no host sync: a non-finite group gets a NaN scale, so its products are NaN, never garbage
         scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    q = _round_clamp(xf / expanded, stochastic, generator).contiguous()  # a transposed x gives strided q
+    inverse = torch.ones_like(scale) / scale  # tensor / tensor: an IEEE quotient on CUDA too
+    if granularity == "row":
+        inverse = inverse[:, None]
+    elif granularity == "block":
+        inverse = inverse.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]
+    q = _round_clamp(xf * inverse, stochastic, generator).contiguous()  # a transposed x gives strided q
     return QTensor(q, scale, granularity, block_size, tile2d and granularity == "block")
 
 

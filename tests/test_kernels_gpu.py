@@ -217,12 +217,13 @@ def test_gemm_cached_dispatch(K, REF, kernel, monkeypatch):
     assert len(G._fast) == n
     want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
     assert ((first.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * (_mag(qa, qb, REF) + 1)).all()
-    if kernel != "tma":  # fp32 accumulate (never TMA): first tuned (restoring the buffer), then cached
-        main = torch.randn(M, N, device="cuda")
-        bufs = [main.clone() for _ in range(3)]
-        for b in bufs:
-            K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=b)
-        assert torch.equal(bufs[0], bufs[1]) and torch.equal(bufs[1], bufs[2])
+    main = torch.randn(M, N, device="cuda")  # fp32 accumulate: first tuned (restoring the buffer), then cached
+    bufs = [main.clone() for _ in range(3)]
+    for b in bufs:
+        K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=b)
+    assert torch.equal(bufs[0], bufs[1]) and torch.equal(bufs[1], bufs[2])
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(bufs[0], want, _mag(qa, qb, REF) + main.abs(), f"{kernel} cached accumulate", 2)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
@@ -237,9 +238,14 @@ def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
     want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
     got = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
     assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * (mag + 1)).all()
-    # fp32 outputs (accumulate_into) are not TMA-eligible: forcing it must fail loudly, not compute garbage
-    with pytest.raises(ValueError, match="not eligible"):
-        K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=torch.zeros(M, N, device="cuda"))
+    # fp32 outputs: the pointer epilogue (plain fp32 output, and the wgrad's accumulate_into main_grad)
+    assert_gemm_close(K.triton_gemm(qa, qb, out_dtype=torch.float32), ref_gemm(REF, qa, qb, out_dtype=torch.float32),
+                      mag, f"tma {granularity} fp32", 1)
+    main = torch.randn(M, N, device="cuda")
+    buf = main.clone()
+    K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)  # autotuning must not double-add
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(buf, want, mag + main.abs(), f"tma {granularity} accumulate_into", 2)
 
 
 def test_tma_kernel_on_autograd_thread(K, monkeypatch):

@@ -9,7 +9,8 @@ FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def float64_quantize(x, scale64):
-    """The float64 reference: q = clamp(round_half_even(x / s), -127, 127)."""
+    """The float64 reference: q = clamp(round_half_even(x / s), -127, 127); the implementations compute
+    x * (1 / s) in fp32, which differs only within the near-tie exemption of the tests below."""
     return torch.round(x.double() / scale64).clamp(-127, 127)
 
 
@@ -40,8 +41,8 @@ def test_quantize_matches_float64_reference(granularity, tile2d, dtype):
     assert torch.equal(s, (amax.float() / 127).double()), "scale is not fp32(amax/127) of the element's group"
     q_ref = float64_quantize(x, s)
     q = qt.data.double()
-    # Exact (exact ties included) except where x/s lies within one fp32 rounding of, but not on, a .5 tie:
-    # the quotient is computed in fp32, as in the kernels.
+    # Exact (exact ties included) except where x/s lies near, but not on, a .5 tie: the implementations
+    # compute x * fl(1/s) in fp32, two roundings, so |fp32 v - v| <= 2^-23 |v|, inside the exemption.
     v = x.double() / s
     off_tie = (v - v.floor() - 0.5).abs()
     near_tie = (off_tie > 0) & (off_tie <= 2 * FP32_EPS * v.abs())

@@ -139,13 +139,15 @@ def _int8_gemm_kernel(
 @triton.jit
 def _int8_gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
-    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """Persistent variant (tensor and row scales, contiguous operands): TMA tensor-descriptor loads and
-    stores (out-of-bounds boxes read as zero and are clipped on store), one program per SM walking the
-    group-M swizzled tiles, so one tile's epilogue overlaps the next tile's loads."""
+    """Persistent variant (tensor and row scales, contiguous operands): TMA tensor-descriptor loads
+    (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, so one
+    tile's epilogue overlaps the next tile's loads. C_TMA: 16-bit outputs leave through a TMA store
+    (clipped at the edges); fp32 outputs and `accumulate_into` (the wgrad into main_grad) use masked
+    pointer loads/stores, since an fp32 tile staged in shared memory does not fit beside the pipeline."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -153,7 +155,8 @@ def _int8_gemm_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    if C_TMA:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     group = GROUP_M * num_pid_n
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         first_m = (tile_id // group) * GROUP_M
@@ -178,20 +181,27 @@ def _int8_gemm_tma_kernel(
             out = (out * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if ACCUMULATE:
-            out = c_desc.load([om, on]) + out
-        c_desc.store([om, on], out.to(c_desc.dtype))
+        if C_TMA:
+            if ACCUMULATE:
+                out = c_desc.load([om, on]) + out
+            c_desc.store([om, on], out.to(c_desc.dtype))
+        else:
+            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            if ACCUMULATE:
+                out = tl.load(c_ptrs, mask=c_mask, other=0.0) + out
+            tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _tma_configs():
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl},
                           num_warps=8, num_stages=st)
-            for bm, bn in ((128, 256), (256, 128)) for st in (3, 4) for fl in (True, False)]
+            for bm, bn in ((128, 256), (256, 128), (128, 128)) for st in (3, 4) for fl in (True, False)]
 
 
 _int8_gemm_tma_tuned = triton.autotune(
     configs=_tma_configs(),
-    key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE"],
+    key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "C_TMA"],
     restore_value=["c_ptr"],
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
 )(_int8_gemm_tma_kernel)
@@ -224,11 +234,12 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
     if not (ad.is_contiguous() and bd.is_contiguous() and c.is_contiguous()):
         return False
     K, N = ad.shape[1], bd.shape[0]
-    # 16-bit outputs only: an fp32 epilogue tile (fp32 out, accumulate_into) staged in shared memory for
-    # the TMA store does not fit next to the operand pipeline
-    ok = c.element_size() == 2 and K % 16 == 0 and (N * c.element_size()) % 16 == 0
-    ok = ok and all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
-    return ok
+    ok = K % 16 == 0 and (N * c.element_size()) % 16 == 0  # TMA: 16-byte aligned row strides
+    return ok and all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
+
+
+def _c_tma(dtype: torch.dtype) -> bool:
+    return dtype.itemsize == 2
 
 
 _choice = {}  # (M, N, K, mode, bias, accumulate, out dtype) -> "plain" | "tma"
@@ -356,11 +367,11 @@ def triton_gemm(
                     _choice[key] = _pick(launch_plain, launch_tma, c)
                 which = _choice[key]
         (launch_tma if which == "tma" else launch_plain)(c)
-        _fast[fast_key] = _direct_launcher(which == "tma", meta, M, N, ad.device)
+        _fast[fast_key] = _direct_launcher(which == "tma", meta, M, N, ad.device, c.dtype)
     return c
 
 
-def _direct_launcher(tma: bool, meta, M, N, device):
+def _direct_launcher(tma: bool, meta, M, N, device, c_dtype):
     """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
     launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel."""
     tuner = _int8_gemm_tma_tuned if tma else _int8_gemm_tuned
@@ -376,7 +387,8 @@ def _direct_launcher(tma: bool, meta, M, N, device):
 
         return launch
     n_sms = _num_sms(device)
-    kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], NUM_SMS=n_sms)
+    kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
+              C_TMA=_c_tma(c_dtype), NUM_SMS=n_sms)
     kernel = _int8_gemm_tma_kernel[(min(n_sms, grid[0]),)]
 
     def launch(args, c):
@@ -400,7 +412,7 @@ def _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K, tma_ok):
         grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
         _int8_gemm_tma_tuned[grid](ad, bd, out, sa, sb, bias if bias is not None else out, M, N, K,
                                    SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
-                                   ACCUMULATE=meta["ACCUMULATE"], NUM_SMS=n_sms)
+                                   ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(out.dtype), NUM_SMS=n_sms)
 
     return plain, tma
 

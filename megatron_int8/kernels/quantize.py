@@ -3,8 +3,9 @@
 Contract (identical to megatron_int8.quantize, see its docstring): an operand x [R, C] has its contraction
 axis last. `rowwise` returns Q(x) [R, C], `columnwise` returns Q(x^T) [C, R], both K-major as Hopper's INT8
 tensor cores need. scale = amax / 127 in fp32 (IEEE division, 1.0 for an all-zero group, NaN for a group
-holding Inf/NaN), q = clamp(round_half_even(x_fp32 / scale), -127, 127) with an IEEE-correct division
-(`tl.math.div_rn`), so the int8 data and the scales are bit-identical to the PyTorch reference.
+holding Inf/NaN), q = clamp(round_half_even(x_fp32 * (1 / scale)), -127, 127) with an IEEE-correct
+reciprocal per scale (`tl.math.div_rn`) and an fp32 multiply per element, so the int8 data and the scales
+are bit-identical to the PyTorch reference.
 
 Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so every launch counts):
 - tensor and row granularity: 2. `_amax_partials_kernel` reads x once and writes a few partial maxima
@@ -81,8 +82,9 @@ def _uniform_tile(seed, offs_r, lin, col0, C4, TR: tl.constexpr, TC: tl.constexp
 
 @triton.jit
 def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
-    """int8 clamp(round(x / s)); x / s is IEEE division; half-to-even, or floor(v + u) when stochastic."""
-    v = tl.math.div_rn(x, s)
+    """int8 clamp(round(x * (1 / s))), half-to-even or floor(v + u) when stochastic. 1 / s is one IEEE
+    division per scale (s is a scalar or a broadcast row/column of scales), then one multiply per element."""
+    v = x * tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     v = tl.where(v == v, v, 0.0)  # NaN: non-finite scale (or 0/0), whose scale marks it NaN anyway
     # clamp before rounding: the bounds are integers and rounding is monotone, so the result is the same
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
