@@ -8,6 +8,7 @@
 #     bash scripts/loss_parity.sh [extra trainer flags for every run, e.g. --exit-interval 800]
 #     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
 #     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
+#     PARALLEL=1 VARIANTS="bf16 int8 int8_row_sr" bash scripts/loss_parity.sh   # all variants at once, one GPU
 # Variants: bf16; int8 (the default recipe + INT8_FLAGS); and, each with its gradient rounding stated so the
 # ablation means the same whatever the default: int8_nearest / int8_sr (tensorwise, gradients rounded to
 # nearest / stochastically), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16), int8_dgrad_wgrad_bf16
@@ -52,18 +53,34 @@ variant_flags() {
     esac
 }
 for v in "${RUNS[@]}"; do variant_flags "$v" > /dev/null || exit 2; done
-for precision in "${RUNS[@]}"; do
+
+train_variant() {  # train_variant NAME [extra flags]: one run, its log in $RUN_DIR/NAME.{log,jsonl}
+    local precision=$1; shift
+    local flags
     read -r -a flags <<< "$(variant_flags "$precision")"
     echo "== training $precision ${flags[*]}"
     set +e
     "$PYTHON" -m megatron_int8.pretrain --config configs/parity_125m.yaml \
         --data-path "${PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
-        --data-cache-path "$RUN_DIR/data/cache" --log-jsonl "$RUN_DIR/$precision.jsonl" "${flags[@]}" "$@" \
-        2>&1 | tee "$RUN_DIR/$precision.log" | grep --line-buffered -E "iteration|validation|error|Error"
-    status=${PIPESTATUS[0]}
+        --data-cache-path "$RUN_DIR/data/cache_$precision" --log-jsonl "$RUN_DIR/$precision.jsonl" "${flags[@]}" "$@" \
+        2>&1 | tee "$RUN_DIR/$precision.log" | grep --line-buffered -E "iteration|validation|error|Error" \
+        | sed -u "s/^/[$precision] /"
+    local status=${PIPESTATUS[0]}
     set -e
-    [[ $status -eq 0 ]] || { echo "$precision run failed (exit $status): see $RUN_DIR/$precision.log"; exit 1; }
-done
+    [[ $status -eq 0 ]] || { echo "$precision run failed (exit $status): see $RUN_DIR/$precision.log"; return 1; }
+}
+
+if [[ -n "${PARALLEL:-}" ]]; then
+    # Every variant at once on the same GPU: a 125M model leaves most of an H100/H200 idle (launch-bound),
+    # so together they finish far sooner than one after another. Losses do not depend on it; step times do.
+    # (Each variant has its own index cache directory, so no two processes build the same cache files.)
+    pids=()
+    for precision in "${RUNS[@]}"; do train_variant "$precision" "$@" & pids+=($!); sleep 2; done
+    failed=0; for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    [[ $failed -eq 0 ]] || exit 1
+else
+    for precision in "${RUNS[@]}"; do train_variant "$precision" "$@" || exit 1; done
+fi
 
 logs=(); for v in "${RUNS[@]}"; do logs+=("$RUN_DIR/$v.jsonl"); done
 "$PYTHON" scripts/plot_loss.py "${logs[@]}" --labels "${RUNS[@]}" \
