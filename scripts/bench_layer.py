@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_int8.recipe import DEFAULT_RECIPE  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--granularity", choices=("tensor", "row", "block"), default="tensor")
+    p.add_argument("--granularity", choices=("tensor", "row", "block"), default=DEFAULT_RECIPE.granularity)
     p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto")
     p.add_argument("--cache-weights", action="store_true",
                    help="keep weight quantization across iterations (as micro-batches of one step do); "

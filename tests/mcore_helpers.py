@@ -16,11 +16,12 @@ QMAX = 127
 
 
 def nearest_recipe(**kw):
-    """Round-to-nearest gradients: the deterministic recipe these tests compare runs and bounds with
-    (the default stochastic rounding draws random numbers, and its error is up to a full step)."""
+    """Tensorwise scales (what qgemm_bound assumes unless told otherwise) and round-to-nearest gradients:
+    the deterministic recipe these tests compare runs and bounds with (stochastic rounding draws random
+    numbers, and its error is up to a full step)."""
     from megatron_int8.recipe import Int8Recipe
 
-    return Int8Recipe(grad_rounding="nearest", **kw)
+    return Int8Recipe(**{"granularity": "tensor", "grad_rounding": "nearest", **kw})
 
 
 # ----------------------------------------------------------------------------- error bounds

@@ -32,13 +32,14 @@ def _worker(rank, world, port, result_path):
             xl = x_local.clone().requires_grad_()
             wl = w.clone().requires_grad_()
             tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
-            y = int8_linear(xl, wl, None, Int8Recipe(int8_all_gather=gather_int8, grad_rounding="nearest"), tp=tp)
+            y = int8_linear(xl, wl, None, Int8Recipe(granularity="tensor", int8_all_gather=gather_int8,
+                                                      grad_rounding="nearest"), tp=tp)
             saved = [(t.dtype, t.numel()) for t in y.grad_fn.saved_tensors]
             y.backward(gy)
             results[gather_int8] = (y.detach(), xl.grad, wl.grad, saved)
         same = all(torch.equal(a, b) for a, b in zip(results[False][:3], results[True][:3]))
         # unsharded: quantizing the full input must give the same forward
-        y_ref = int8_linear(x_full, w, None, Int8Recipe())
+        y_ref = int8_linear(x_full, w, None, Int8Recipe(granularity="tensor"))
         torch.save({"same": same, "fwd_equal": torch.equal(y_ref, results[True][0]),
                     "saved": results[True][3], "shape": tuple(results[True][0].shape)}, f"{result_path}.{rank}")
     finally:

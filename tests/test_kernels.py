@@ -342,8 +342,10 @@ def test_int8_linear_triton_matches_reference(K, granularity):
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_tma_persistent_kernel(K, granularity, accumulate):
-    """The persistent TMA-descriptor variant (chosen on Hopper when faster): ragged M and N, bias, accumulate."""
+@pytest.mark.parametrize("c_tma", [True, False])
+def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma):
+    """The persistent TMA-descriptor variant (chosen on Hopper when faster): ragged M and N, bias, accumulate,
+    through the TMA-store epilogue and the pointer epilogue (the one fp32 outputs use on the GPU)."""
     from megatron_int8.kernels import int8_gemm as G
 
     M, N, Kd = 37, 36, 96  # more tiles than programs: the persistent loop visits several
@@ -354,7 +356,7 @@ def test_gemm_tma_persistent_kernel(K, granularity, accumulate):
     out = main.clone() if accumulate else torch.full((M, N), float("nan"))
     G._int8_gemm_tma_kernel[(3,)](qa.data, qb.data, out, qa.scale, qb.scale, bias, M, N, Kd,
                                   SCALE_MODE=0 if granularity == "tensor" else 1, HAS_BIAS=True,
-                                  ACCUMULATE=accumulate, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
+                                  ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
                                   NUM_SMS=3, FLATTEN=True)
     want = REF.gemm(qa, qb, out_dtype=torch.float32, bias=bias, accumulate_into=main.clone() if accumulate else None)
     assert_close_fp32(out, want, f"tma {granularity}")

@@ -26,8 +26,8 @@ def test_recipe_rejects_non_bool_switch():
 
 
 def test_recipe_describe_names_high_precision_gemms():
-    assert Int8Recipe().describe() == "int8[tensor,fprop/dgrad/wgrad,sr]"
-    assert Int8Recipe(grad_rounding="nearest").describe() == "int8[tensor,fprop/dgrad/wgrad]"
+    assert Int8Recipe().describe() == "int8[row,fprop/dgrad/wgrad]"  # the default: row scales, nearest
+    assert Int8Recipe(granularity="tensor", grad_rounding="stochastic").describe() == "int8[tensor,fprop/dgrad/wgrad,sr]"
     r = Int8Recipe(granularity="block", block_size=64, wgrad=False, grad_rounding="stochastic")
     assert r.describe() == "int8[block64,fprop/dgrad/wgrad:hp,sr]"
 
