@@ -49,7 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=4, help="Iterations excluded from the timing.")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes); global batch = micro x nproc")
+    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes)")
+    p.add_argument("--grad-accum", type=int, default=8,
+                   help="micro-batches per step per GPU: global batch = micro x nproc x this. Pretraining steps "
+                        "hold many micro-batches, so the optimizer step is amortized as in a real run")
     p.add_argument("--layout", default=None,
                    help="parallel-layout flags replacing the single-GPU TP=PP=EP=1 overrides (with --nproc)")
     p.add_argument("--full-depth", action="store_true", help="measure only the config's own depth (no projection)")
@@ -57,6 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     return p.parse_args(argv)
+
+
+def global_batch(opts) -> int:
+    """micro x GPUs x micro-batches per step (`grad_accum`, 1 where a caller has none)."""
+    return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
 
 
 def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
@@ -70,7 +78,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
         cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
                "--mock-data", "--num-layers", str(layers), "--train-iters", str(opts.iters),
                "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
-               "--global-batch-size", str(opts.micro_batch_size * opts.nproc), "--log-interval", "1",
+               "--global-batch-size", str(global_batch(opts)), "--log-interval", "1",
                "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
                *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
@@ -112,7 +120,7 @@ def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:
 
 def main(argv=None):
     opts = parse_args(argv)
-    tokens = opts.seq_length * opts.micro_batch_size * opts.nproc
+    tokens = opts.seq_length * global_batch(opts)
     rows = []
     for model in opts.models:
         full = full_depth(model)
@@ -144,7 +152,8 @@ def main(argv=None):
 
 def format_table(rows, opts) -> str:
     gpus = f"{opts.nproc} GPU{'s' if opts.nproc > 1 else ''}" + (f" ({opts.layout})" if opts.layout else "")
-    lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, {gpus}, mock data, {opts.iters} iterations "
+    lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, global batch {global_batch(opts)}, {gpus}, "
+             f"mock data, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "
              "depths where marked (P)",
              "",
