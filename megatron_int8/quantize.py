@@ -127,26 +127,23 @@ def quantize(
         if amax is None:
             amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
         amax = amax.reshape(()).float()
-        scale = scale_from_amax(amax)
+        per_element = lambda group: group  # noqa: E731  (one scale broadcasts)
     elif granularity == "row":
         amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
-        scale = scale_from_amax(amax)
+        per_element = lambda group: group[:, None]  # noqa: E731
     else:  # block
         B = block_size
         rb = B if tile2d else 1
         Rp, Cp = _ceil(R, rb) * rb, _ceil(C, B) * B
         tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
         amax = tiles.amax(dim=(1, 3))
-        scale = scale_from_amax(amax)
+        per_element = lambda group: group.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]  # noqa: E731
+    scale = scale_from_amax(amax)
     if check_finite:
         _check_finite(amax, name)
     else:  # no host sync: a non-finite group gets a NaN scale, so its products are NaN, never garbage
         scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    inverse = torch.ones_like(scale) / scale  # tensor / tensor: an IEEE quotient on CUDA too
-    if granularity == "row":
-        inverse = inverse[:, None]
-    elif granularity == "block":
-        inverse = inverse.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]
+    inverse = per_element(torch.ones_like(scale) / scale)  # tensor / tensor: an IEEE quotient on CUDA too
     q = _round_clamp(xf * inverse, stochastic, generator).contiguous()  # a transposed x gives strided q
     return QTensor(q, scale, granularity, block_size, tile2d and granularity == "block")
 
