@@ -62,7 +62,7 @@ train_variant() {  # train_variant NAME [extra flags]: one run, its log in $RUN_
     set +e
     "$PYTHON" -m megatron_int8.pretrain --config configs/parity_125m.yaml \
         --data-path "${PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
-        --data-cache-path "$RUN_DIR/data/cache_$precision" --log-jsonl "$RUN_DIR/$precision.jsonl" "${flags[@]}" "$@" \
+        --data-cache-path "$RUN_DIR/data/cache${PARALLEL:+_$precision}" --log-jsonl "$RUN_DIR/$precision.jsonl" "${flags[@]}" "$@" \
         2>&1 | tee "$RUN_DIR/$precision.log" | grep --line-buffered -E "iteration|validation|error|Error" \
         | sed -u "s/^/[$precision] /"
     local status=${PIPESTATUS[0]}
@@ -73,7 +73,7 @@ train_variant() {  # train_variant NAME [extra flags]: one run, its log in $RUN_
 if [[ -n "${PARALLEL:-}" ]]; then
     # Every variant at once on the same GPU: a 125M model leaves most of an H100/H200 idle (launch-bound),
     # so together they finish far sooner than one after another. Losses do not depend on it; step times do.
-    # (Each variant has its own index cache directory, so no two processes build the same cache files.)
+    # (Each variant then has its own index cache directory, so no two processes write the same files.)
     pids=()
     for precision in "${RUNS[@]}"; do train_variant "$precision" "$@" & pids+=($!); sleep 2; done
     failed=0; for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
