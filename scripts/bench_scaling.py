@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import full_depth, run_trainer  # noqa: E402
+from bench_e2e import full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 VARIANTS = {  # name -> (label, INT8 linears, extra trainer flags)
@@ -111,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="iterations excluded from the timing")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per step per GPU (global batch = micro x GPUs x this); bench_e2e.py uses 8 "
+                        "to amortize the optimizer step as pretraining does, 1 here keeps full-depth runs short")
     p.add_argument("--deadline", type=float, default=500,
                    help="seconds for all runs together; a run gets at most the time left")
     p.add_argument("--run-timeout", type=float, default=400, help="seconds for one run (ends a hung run)")
@@ -149,7 +152,8 @@ def run_options(layout: Layout, variant: str, opts, timeout: float) -> argparse.
     return argparse.Namespace(
         layers=SMOKE_LAYERS if opts.smoke else full_depth(layout.model), nproc=2 if opts.smoke else layout.nproc, layout=layout.smoke_flags if opts.smoke else layout.flags,
         iters=opts.iters, warmup=opts.warmup, seq_length=SMOKE_SEQ if opts.smoke else opts.seq_length,
-        micro_batch_size=opts.micro_batch_size, extra=extra, run_timeout=timeout, smoke=opts.smoke)
+        micro_batch_size=opts.micro_batch_size, grad_accum=opts.grad_accum, extra=extra, run_timeout=timeout,
+        smoke=opts.smoke)
 
 
 def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
@@ -159,8 +163,8 @@ def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
     record = {"layout": name, "title": title, "smoke": ropts.smoke, "model": layout.model, "variant": variant,
               "precision": VARIANTS[variant][0], "gpus": ropts.nproc, "layers": layers, "flags": ropts.layout,
               "extra": ropts.extra, "iters": ropts.iters, "warmup": ropts.warmup, "seq_length": ropts.seq_length,
-              "micro_batch_size": ropts.micro_batch_size,
-              "tokens_per_iter": ropts.seq_length * ropts.micro_batch_size * ropts.nproc, "env": dict(layout.env)}
+              "micro_batch_size": ropts.micro_batch_size, "global_batch": global_batch(ropts),
+              "tokens_per_iter": ropts.seq_length * global_batch(ropts), "env": dict(layout.env)}
     env = " ".join(f"{k}={v}" for k, v in layout.env)
     print(f"== {name} {variant}: {ropts.nproc} processes, {layers} layers, {ropts.layout} {' '.join(ropts.extra)}"
           + (f" ({env})" if env else ""), flush=True)
@@ -196,7 +200,7 @@ def format_table(records) -> str:
     smoke = any(r.get("smoke") for r in records)
     lines = ["SMOKE RUN on CPU (gloo, 2 processes, 2 layers of width 64, the layouts reduced as marked): checks "
              "the plumbing, the numbers mean nothing", ""] if smoke else []
-    lines += [f"seq {first.get('seq_length')}, micro-batch {first.get('micro_batch_size')}, global batch = micro x GPUs, "
+    lines += [f"seq {first.get('seq_length')}, micro-batch {first.get('micro_batch_size')}, global batch {first.get('global_batch')}, "
              f"mock data, {first.get('iters')} iterations per run, median step time after {first.get('warmup')} "
              "warm-up iterations; peak memory of rank 0; TFLOP/s: model FLOPs (the trainer's formula) per GPU",
              "",
