@@ -7,7 +7,7 @@ runs on CUDA except where its torch._int_mm calls cannot take the operands (a K-
 stride is not a multiple of 8 is rejected by cuBLASLt); there it runs on the CPU too.
 
 Skipped without CUDA (tests/conftest.py). Fresh heavy-tailed random data with outliers, never zeros.
-Quantization: int8 data and fp32 scales bit-identical to the reference (IEEE division, round half to even).
+Quantization: int8 data and fp32 scales bit-identical to the reference (IEEE reciprocal of the scale, round half to even).
 GEMM: integer accumulation exact; dequantized outputs within fp32 rounding of the reference, bounded by
 the magnitudes |a| @ |b| that the epilogue sums. int8_linear: backend "triton" vs "reference", outputs and
 every gradient.
