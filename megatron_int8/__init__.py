@@ -4,7 +4,7 @@ The core (recipe, quantization, the INT8 autograd linear) imports without megatr
 the megatron-core layers and specs live in `megatron_int8.layers` / `megatron_int8.spec`.
 """
 from .linear import TPOptions, int8_linear, invalidate_weight_caches
-from .quantize import NonFiniteError, QTensor, dequantize, quantize
+from .quantize import NonFiniteError, QTensor, dequantize, quantize, raise_if_nonfinite
 from .recipe import DEFAULT_RECIPE, Int8Recipe
 
 __version__ = "0.1.0"
@@ -19,4 +19,5 @@ __all__ = [
     "int8_linear",
     "invalidate_weight_caches",
     "quantize",
+    "raise_if_nonfinite",
 ]

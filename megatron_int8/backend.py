@@ -39,7 +39,7 @@ class ReferenceBackend:
         columnwise: bool,
         stochastic: bool = False,
         name: str = "tensor",
-        check_finite: bool = True,
+        check_finite: str = "deferred",
         amax: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
         tile2d = weight and granularity == "block"

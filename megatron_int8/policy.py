@@ -12,7 +12,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from .recipe import BACKENDS, GRANULARITIES, ROUNDINGS, Int8Recipe
+from .recipe import BACKENDS, FINITE_CHECKS, GRANULARITIES, ROUNDINGS, Int8Recipe
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 LINEAR_SUBMODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -118,8 +118,10 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="With --int8-first-last-layers-bf16: number of trailing BF16 layers.")
     group.add_argument("--int8-bf16-modules", nargs="*", default=[],
                        help=f"Submodules kept in BF16 in every layer: any of {', '.join(BF16_MODULE_NAMES)}.")
-    group.add_argument("--int8-no-check-finite", action="store_true",
-                       help="Do not check quantized tensors for Inf/NaN (saves a host sync per quantize).")
+    group.add_argument("--int8-check-finite", choices=FINITE_CHECKS, default=d.check_finite,
+                       help="Inf/NaN in a quantized tensor: 'deferred' raises naming it at the end of the "
+                            "step (one host sync per step), 'immediate' inside the quantize call (one host "
+                            "sync per quantize), 'off' leaves NaN outputs to the loss and grad-norm checks.")
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
     group.add_argument("--int8-bf16-all-gather", action="store_true",
@@ -148,7 +150,7 @@ def policy_from_args(args) -> Int8Policy:
             wgrad="wgrad" not in bf16_gemms,
             grad_rounding=args.int8_grad_rounding,
             backend=args.int8_backend,
-            check_finite=not args.int8_no_check_finite,
+            check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,
             int8_all_gather=not getattr(args, "int8_bf16_all_gather", False),
         )

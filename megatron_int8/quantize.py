@@ -68,9 +68,62 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
-def _check_finite(amax: torch.Tensor, name: str) -> None:
-    if not bool(torch.isfinite(amax).all()):
-        raise NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax={amax.max().item()})")
+class _NonFiniteRecord:
+    """Which named tensors were quantized with a NaN scale (= held Inf/NaN), kept on their device.
+
+    One fp32 slot per name and device holds the running max of the scales, which a NaN scale turns NaN;
+    recording adds one or two small launches and no host sync, and `raise_if_nonfinite` reads all slots
+    with one sync. Names are few and fixed (e.g. "fprop input", "weight"), so the slots never grow
+    with the number of steps, even where nothing ever reads them.
+    """
+
+    def __init__(self):
+        self._slot = {}  # name -> index, in order of first use (forward order)
+        self._flags = {}  # device -> fp32 tensor of slots
+
+    def record(self, scale: torch.Tensor, name: str) -> None:
+        if scale.numel() == 0:
+            return
+        index = self._slot.setdefault(name, len(self._slot))
+        flags = self._flags.get(scale.device)
+        if flags is None or flags.numel() <= index:
+            grown = torch.zeros(2 * (index + 1), dtype=torch.float32, device=scale.device)
+            if flags is not None:
+                grown[: flags.numel()] = flags
+            self._flags[scale.device] = flags = grown
+        slot = flags[index]
+        torch.maximum(slot, scale if scale.dim() == 0 else scale.amax(), out=slot)  # NaN propagates
+
+    def raise_if_nonfinite(self) -> None:
+        names = list(self._slot)
+        seen = []
+        for flags in self._flags.values():
+            values = flags[: len(names)].tolist()  # the one host sync
+            seen += [n for n, v in zip(names, values) if v != v and n not in seen]
+            flags.zero_()
+        if seen:
+            raise NonFiniteError(f"INT8 quantization: Inf or NaN in {', '.join(seen)} since the last check "
+                                 "(Int8Recipe(check_finite='immediate') stops at the first occurrence)")
+
+
+_NONFINITE = _NonFiniteRecord()
+
+
+def raise_if_nonfinite() -> None:
+    """Raise NonFiniteError naming every tensor quantized with Inf/NaN (check_finite="deferred") since
+    the last call, and reset the record. One host sync; the trainer calls it once per step."""
+    _NONFINITE.raise_if_nonfinite()
+
+
+def handle_nonfinite(scale: torch.Tensor, name: str, check_finite: str) -> None:
+    """After a quantize whose non-finite groups carry NaN scales: act per Int8Recipe.check_finite."""
+    if check_finite == "deferred":
+        _NONFINITE.record(scale, name)
+    elif check_finite == "immediate":
+        if bool(torch.isnan(scale).any()):
+            raise NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax=inf)")
+    elif check_finite != "off":
+        raise ValueError(f"check_finite must be 'deferred', 'immediate' or 'off', got {check_finite!r}")
 
 
 def _round_clamp(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
@@ -111,7 +164,7 @@ def quantize(
     tile2d: bool = False,
     stochastic: bool = False,
     name: str = "tensor",
-    check_finite: bool = True,
+    check_finite: str = "deferred",
     generator: Optional[torch.Generator] = None,
     amax: Optional[torch.Tensor] = None,
 ) -> QTensor:
@@ -138,11 +191,10 @@ def quantize(
         tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
         amax = tiles.amax(dim=(1, 3))
         per_element = lambda group: group.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]  # noqa: E731
+    # a non-finite group gets a NaN scale, so its products are NaN, never finite garbage
     scale = scale_from_amax(amax)
-    if check_finite:
-        _check_finite(amax, name)
-    else:  # no host sync: a non-finite group gets a NaN scale, so its products are NaN, never garbage
-        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    handle_nonfinite(scale, name, check_finite)
     inverse = per_element(torch.ones_like(scale) / scale)  # tensor / tensor: an IEEE quotient on CUDA too
     q = _round_clamp(xf * inverse, stochastic, generator).contiguous()  # a transposed x gives strided q
     return QTensor(q, scale, granularity, block_size, tile2d and granularity == "block")

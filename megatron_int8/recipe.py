@@ -11,6 +11,7 @@ QMAX = 127  # symmetric INT8 range [-127, 127]: -128 is never produced, so negat
 GRANULARITIES = ("tensor", "row", "block")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
+FINITE_CHECKS = ("deferred", "immediate", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +35,13 @@ class Int8Recipe:
         token's own magnitude, and nearest rounding then matches BF16 (docs/convergence.md).
     backend: "auto" (Triton on CUDA when available, else the PyTorch reference), "reference" or
         "triton". The environment variable MEGATRON_INT8_BACKEND overrides it.
-    check_finite: raise on Inf/NaN in a quantized tensor, naming it. Costs one host sync per quantize
-        on GPU; with False a non-finite tensor yields NaN outputs (never finite garbage).
+    check_finite: Inf/NaN in a quantized tensor always gives its group a NaN scale, so the outputs it
+        touches are NaN, never finite garbage. On top of that: "deferred" (the default) records the
+        tensor's name in a device-side flag, and `megatron_int8.raise_if_nonfinite()` (the trainer calls it
+        once per step, before the optimizer) raises NonFiniteError naming it: one host sync per step.
+        Where nobody calls it (upstream Megatron-LM), the NaN reaches the loss and gradient checks.
+        "immediate" raises inside the quantize call (one host sync per quantize: a debugging aid that
+        cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
     cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
     int8_all_gather: under sequence parallelism with tensorwise INT8 fprop, quantize each rank's shard
         with the tensor-parallel group's amax and all-gather INT8 instead of BF16 (same values, half
@@ -49,7 +55,7 @@ class Int8Recipe:
     wgrad: bool = True
     grad_rounding: str = "nearest"
     backend: str = "auto"
-    check_finite: bool = True
+    check_finite: str = "deferred"
     cache_weights: bool = True
     int8_all_gather: bool = True
 
@@ -58,11 +64,13 @@ class Int8Recipe:
             raise ValueError(f"Int8Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.grad_rounding not in ROUNDINGS:
             raise ValueError(f"Int8Recipe.grad_rounding must be one of {ROUNDINGS}, got {self.grad_rounding!r}")
+        if self.check_finite not in FINITE_CHECKS:
+            raise ValueError(f"Int8Recipe.check_finite must be one of {FINITE_CHECKS}, got {self.check_finite!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"Int8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        for name in ("fprop", "dgrad", "wgrad", "check_finite", "cache_weights", "int8_all_gather"):
+        for name in ("fprop", "dgrad", "wgrad", "cache_weights", "int8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Int8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
 

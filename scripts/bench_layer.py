@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_int8.recipe import DEFAULT_RECIPE  # noqa: E402
+from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,9 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-weights", action="store_true",
                    help="keep weight quantization across iterations (as micro-batches of one step do); "
                         "default re-quantizes every iteration, the cost of a 1-micro-batch step")
-    p.add_argument("--check-finite", action="store_true",
-                   help="the recipe's Inf/NaN check (one host sync per quantize); default off, as the "
-                        "trainer's loss and grad-norm checks catch non-finite values")
+    p.add_argument("--check-finite", choices=FINITE_CHECKS, default=DEFAULT_RECIPE.check_finite,
+                   help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
+                        "sync per quantize) or off")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
@@ -157,7 +157,7 @@ def main(argv=None) -> str:
         f"Transformer layer fwd+bwd: hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
         f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
-        f"finite check {'on' if args.check_finite else 'off'}",
+        f"finite check {args.check_finite}",
         "",
         "| spec | ms / iter | speedup vs BF16 |",
         "|---|---|---|",

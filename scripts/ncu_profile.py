@@ -16,7 +16,7 @@ from megatron_int8.kernels import triton_gemm, triton_quantize
 
 def _quantize(x, columnwise, stochastic=False):
     return triton_quantize(x, granularity="tensor", block_size=128, weight=False, rowwise=True,
-                           columnwise=columnwise, stochastic=stochastic, check_finite=False)
+                           columnwise=columnwise, stochastic=stochastic, check_finite="off")
 
 
 def main():

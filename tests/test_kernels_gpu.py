@@ -100,15 +100,20 @@ def test_quantize_other_dtypes_and_block_sizes(K, REF, dtype):
 
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
 def test_non_finite(K, REF, granularity, weight):
-    from megatron_int8 import NonFiniteError
+    from megatron_int8 import NonFiniteError, raise_if_nonfinite
 
     for bad in (float("inf"), float("nan")):
         x = outliers(1000, 1537)
         x[700, 1300] = bad
         kw = _kw(granularity, weight, rowwise=True, columnwise=True, name="fc2 output gradient")
         with pytest.raises(NonFiniteError, match="fc2 output gradient"):
-            K.triton_quantize(x, **kw)
-        kw["check_finite"] = False
+            K.triton_quantize(x, **dict(kw, check_finite="immediate"))
+        K.triton_quantize(outliers(1000, 1537), **kw)  # deferred (the default): a finite tensor ...
+        raise_if_nonfinite()  # ... leaves no flag
+        K.triton_quantize(x, **kw)
+        with pytest.raises(NonFiniteError, match="fc2 output gradient"):
+            raise_if_nonfinite()
+        kw["check_finite"] = "off"
         for got, want in zip(K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)):
             nan = torch.isnan(want.scale)
             assert nan.any() and torch.equal(torch.isnan(got.scale), nan)
@@ -257,7 +262,7 @@ def test_tma_kernel_on_autograd_thread(K, monkeypatch):
 
     x = outliers(4096, 1024).requires_grad_(True)
     w = (outliers(2048, 1024) * 0.02).requires_grad_(True)
-    y = int8_linear(x, w, None, Int8Recipe(backend="triton", check_finite=False))
+    y = int8_linear(x, w, None, Int8Recipe(backend="triton", check_finite="off"))
     y.backward(outliers(4096, 2048))
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
 

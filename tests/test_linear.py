@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from int8_bounds import assert_within_int8_bound, heavy_tailed
-from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, invalidate_weight_caches
+from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, invalidate_weight_caches, raise_if_nonfinite
 from megatron_int8.backend import ReferenceBackend
 
 RECIPES = [Int8Recipe(grad_rounding=r, **g) for r in ("nearest", "stochastic")
@@ -144,9 +144,16 @@ def test_weight_cache_sees_writes_through_data_by_an_optimizer(monkeypatch):
 def test_non_finite_output_gradient_raises_naming_it():
     x, w, gy = torch.randn(6, 32, requires_grad=True), torch.randn(8, 32, requires_grad=True), torch.randn(6, 8)
     gy[2, 3] = float("nan")
-    y = int8_linear(x, w)
     with pytest.raises(NonFiniteError, match="output gradient"):
-        y.backward(gy)
+        int8_linear(x, w, None, Int8Recipe(check_finite="immediate")).backward(gy)
+    # deferred (the default): backward completes with NaN where the bad token reaches, and the step-end
+    # check names the tensor
+    x.grad = w.grad = None
+    int8_linear(x, w).backward(gy)
+    assert torch.isnan(x.grad[2]).all() and torch.isfinite(x.grad[[0, 1, 3, 4, 5]]).all()
+    assert torch.isnan(w.grad).any()
+    with pytest.raises(NonFiniteError, match="output gradient"):
+        raise_if_nonfinite()
 
 
 @pytest.mark.parametrize("where, name", [("input", "fprop input"), ("weight", "weight")])
@@ -154,7 +161,10 @@ def test_non_finite_forward_raises_naming_the_tensor(where, name):
     x, w = torch.randn(6, 32), torch.randn(8, 32)
     {"input": x, "weight": w}[where][2, 3] = float("inf")
     with pytest.raises(NonFiniteError, match=name):
-        int8_linear(x, w)
+        int8_linear(x, w, None, Int8Recipe(check_finite="immediate"))
+    assert torch.isnan(int8_linear(x, w)).any()
+    with pytest.raises(NonFiniteError, match=name):
+        raise_if_nonfinite()
 
 
 def test_bad_shapes_and_dtypes_are_clear_errors():
@@ -212,7 +222,7 @@ def test_cached_weight_is_not_reused_across_check_finite_settings():
     w[1, 2] = float("inf")
     x = torch.randn(4, 32)
     # tensorwise: the Inf makes the one weight scale NaN, so every output is NaN (row scales: one column)
-    assert torch.isnan(int8_linear(x, w, None, Int8Recipe(granularity="tensor", check_finite=False))).all()
-    assert torch.isnan(int8_linear(x, w, None, Int8Recipe(check_finite=False))[:, 1]).all()
+    assert torch.isnan(int8_linear(x, w, None, Int8Recipe(granularity="tensor", check_finite="off"))).all()
+    assert torch.isnan(int8_linear(x, w, None, Int8Recipe(check_finite="off"))[:, 1]).all()
     with pytest.raises(NonFiniteError, match="weight"):
-        int8_linear(x, w, None, Int8Recipe(check_finite=True))
+        int8_linear(x, w, None, Int8Recipe(check_finite="immediate"))

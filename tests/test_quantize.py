@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from int8_bounds import assert_within_int8_bound, expanded_scale, heavy_tailed
-from megatron_int8.quantize import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize
+from megatron_int8.quantize import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize, raise_if_nonfinite
 
 GRANULARITIES = [("tensor", False), ("row", False), ("block", False), ("block", True)]
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -81,16 +81,40 @@ def test_non_finite_input_raises_naming_the_tensor(bad):
     x = torch.randn(8, 16)
     x[3, 5] = bad
     with pytest.raises(NonFiniteError, match="output gradient"):
-        quantize(x, "tensor", name="output gradient")
+        quantize(x, "tensor", name="output gradient", check_finite="immediate")
 
 
-def test_non_finite_without_check_gives_nan_not_garbage():
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+def test_deferred_check_raises_once_naming_every_bad_tensor(granularity, tile2d):
+    good, bad = torch.randn(40, 50), torch.randn(40, 50)
+    bad[7, 33] = float("nan")
+    kw = dict(block_size=16, tile2d=tile2d)
+    quantize(good, granularity, name="fc1 input", **kw)
+    quantize(bad, granularity, name="fc2 input", **kw)  # no raise here: the check is deferred
+    quantize(bad * 2, granularity, name="output gradient", **kw)
+    quantize(bad, granularity, name="weight", check_finite="off", **kw)  # "off" records nothing
+    with pytest.raises(NonFiniteError, match="since the last check") as info:
+        raise_if_nonfinite()
+    named = str(info.value).split(" in ")[1].split(" since")[0].split(", ")
+    assert sorted(named) == ["fc2 input", "output gradient"]  # not fc1 (finite), not weight (check off)
+    raise_if_nonfinite()  # the record was reset by the read
+    quantize(good, granularity, name="fc2 input", **kw)
+    raise_if_nonfinite()  # a later finite tensor under the same name does not raise
+
+
+@pytest.mark.parametrize("mode", ["off", "deferred"])
+def test_non_finite_without_immediate_check_gives_nan_not_garbage(mode):
     x = torch.randn(8, 16)
     x[3, 5] = float("inf")
-    qt = quantize(x, "row", check_finite=False)
+    qt = quantize(x, "row", check_finite=mode)
     out = dequantize(qt)
     assert torch.isnan(out[3]).all()  # the affected group is NaN ...
     assert torch.isfinite(out[torch.arange(8) != 3]).all()  # ... the others are intact
+
+
+def test_unknown_check_finite_mode_is_an_error():
+    with pytest.raises(ValueError, match="check_finite"):
+        quantize(torch.randn(4, 4), "tensor", check_finite=True)
 
 
 def test_stochastic_rounding_is_unbiased():

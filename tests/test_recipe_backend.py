@@ -13,6 +13,7 @@ from megatron_int8.backend import ENV_BACKEND, ReferenceBackend, get_backend, re
         (dict(backend="cuda"), "backend"),
         (dict(granularity="block", block_size=100), "block_size"),
         (dict(granularity="block", block_size=0), "block_size"),
+        (dict(check_finite=True), "check_finite"),  # a mode name, not a bool
     ],
 )
 def test_recipe_rejects_bad_values(kwargs, match):

@@ -169,3 +169,30 @@ def test_save_killed_midway_keeps_the_last_checkpoint(data, tmp_path):
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert not (save / ".tmp_iter_0000004").exists()
     assert sorted(losses(save / "train_log.jsonl")) == list(range(1, 7))
+
+
+def test_train_step_stops_before_the_update_on_a_nonfinite_int8_input():
+    """The deferred Inf/NaN check runs between backward and the optimizer: the update never happens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_int8 import NonFiniteError, quantize
+    from megatron_int8.training.loop import train_step
+
+    class Optimizer:
+        def zero_grad(self):
+            pass
+
+        def step(self):
+            raise AssertionError("the optimizer ran on a step with a non-finite INT8 input")
+
+    def forward_backward(**_kwargs):
+        x = torch.randn(4, 8)
+        x[1, 2] = float("nan")
+        quantize(x, "row", name="fc1 input")  # as an INT8 linear of the model would
+        return []
+
+    args = SimpleNamespace(num_micro_batches=1, seq_length=8, micro_batch_size=1)
+    with pytest.raises(NonFiniteError, match="fc1 input"):
+        train_step(forward_backward, None, [], Optimizer(), None, args)

@@ -14,7 +14,10 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   launch. To keep that redundant reduction cheap, each amax program walks a tall strip of rows
   (`_amax_rows_per_program`), which bounds the partials to <= ~1024 per tensor / per column.
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
-- check_finite=True adds one small torch reduction and the host sync that reads it; False adds nothing.
+- check_finite: "deferred" (default) adds one or two small torch launches that fold a scale array into
+  a device-side flag (no sync); "immediate" one small reduction and the host sync that reads it; "off"
+  nothing. Any Inf/NaN element makes its groups' scales NaN (a NaN amax is mapped to inf), so one scale
+  array tells.
 The partials share one allocation with the tensorwise scale (a few KB, kept alive with the scale), so a
 tensorwise call allocates 3 tensors (Q(x), Q(x^T), scale + partials) and syncs nothing.
 
@@ -306,13 +309,6 @@ def _bp(n: int) -> int:
     return _BP if _INTERPRET else min(_pow2(n), _MAX_TILE_PARTIALS)
 
 
-def _raise_if_nonfinite(scale: torch.Tensor, name: str) -> None:
-    """The one host sync of check_finite=True. Any Inf/NaN element makes its row and its column group's
-    scale NaN (a NaN amax is mapped to inf), so one scale array suffices."""
-    if bool(torch.isnan(scale).any()):
-        raise ref.NonFiniteError(f"INT8 quantization: {name} contains Inf or NaN (amax=inf)")
-
-
 def _seed(stochastic: bool) -> int:
     # drawn from torch's CPU generator: reproducible under torch.manual_seed, and no device sync
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
@@ -333,7 +329,7 @@ def triton_quantize(
     columnwise: bool,
     stochastic: bool = False,
     name: str = "tensor",
-    check_finite: bool = True,
+    check_finite: str = "deferred",
     amax: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
     """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R] or None).
@@ -383,8 +379,7 @@ def triton_quantize(
             scale, parts = buf[0], buf[1:]
         _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, scale, scale,
                                  parts, n_p, parts, 1, parts, 1, seed, BP=_bp(n_p), **common)
-        if check_finite:
-            _raise_if_nonfinite(scale, name)
+        ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
         col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
         return row, col
@@ -408,9 +403,8 @@ def triton_quantize(
                              sd, s_col if s_col is not None else sd,
                              parts, 0, prow, n_ct, pcol, n_rs, seed,
                              BP=min(_bp(max(n_ct if rowwise else 1, n_rs if columnwise else 1)), 64), **common)
-    if check_finite:
-        # the smaller scale array: a non-finite element poisons both its row's and its column's scale
-        _raise_if_nonfinite(s_row if s_col is None or (s_row is not None and R <= C) else s_col, name)
+    # the smaller scale array: a non-finite element poisons both its row's and its column's scale
+    ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= C) else s_col, name, check_finite)
     row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
     col = ref.QTensor(qt, s_col, "row", block_size) if columnwise else None
     return row, col
@@ -445,9 +439,8 @@ def _quantize_block(x, q, qt, rowwise, columnwise, weight, B, stochastic, seed, 
         sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed,
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
-    if check_finite:
-        # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
-        _raise_if_nonfinite(sd, name)
+    # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
+    ref.handle_nonfinite(sd, name, check_finite)
     row = ref.QTensor(q, s, "block", B, weight) if rowwise else None
     col = ref.QTensor(qt, st, "block", B, weight) if columnwise else None
     return row, col

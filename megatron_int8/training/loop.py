@@ -8,6 +8,7 @@ from functools import partial
 import torch
 
 from ..policy import policy_from_args, print_precision_table
+from ..quantize import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
@@ -71,6 +72,7 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
         forward_step_func=forward_step, data_iterator=data_iterator, model=model,
         num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    raise_if_nonfinite()  # INT8 inputs with Inf/NaN (deferred check): stop before the update, naming them
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
