@@ -37,7 +37,7 @@ if not INTERPRETING:
         assert proc.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}"
         assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
 
-from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear  # noqa: E402
+from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
 from megatron_int8.backend import ReferenceBackend  # noqa: E402
 
 qref = importlib.import_module("megatron_int8.quantize")
@@ -157,8 +157,11 @@ def test_non_finite(K, granularity, weight, bad):
     x[11, 17] = bad
     kw = _kw(granularity, weight, rowwise=True, columnwise=True, name="fc1 input")
     with pytest.raises(NonFiniteError, match="fc1 input"):
-        K.triton_quantize(x, **kw)
-    kw["check_finite"] = False
+        K.triton_quantize(x, **dict(kw, check_finite="immediate"))
+    K.triton_quantize(x, **kw)  # deferred (the default): no raise until the step-end check
+    with pytest.raises(NonFiniteError, match="fc1 input"):
+        raise_if_nonfinite()
+    kw["check_finite"] = "off"
     r1, c1 = K.triton_quantize(x, **kw)
     r0, c0 = REF.quantize(x, **kw)
     for got, want in ((r1, r0), (c1, c0)):
@@ -411,12 +414,12 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
 def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weight, rowwise, columnwise):
     x = outliers(37, 53)
-    kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise, check_finite=False)
+    kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise, check_finite="off")
     with _OpLog() as ops:
         r, c = K.triton_quantize(x, **kw)
     assert len(launch_log) == QUANTIZE_LAUNCHES[granularity], launch_log
     extra = [op for op in ops.ops if op not in ALLOCS_AND_VIEWS]
-    assert not extra, f"torch ops on the hot path (check_finite=False must not reduce or sync): {extra}"
+    assert not extra, f"torch ops on the hot path (check_finite='off' must not reduce or sync): {extra}"
     allocs = ops.ops.count("empty.memory_format")
     outs = int(rowwise) + int(columnwise)
     # int8 outputs + scales (tensorwise: one scale sharing its buffer with the partials) + row partials
@@ -425,13 +428,20 @@ def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weig
     for got, want in ((r, r0), (c, c0)):
         if want is not None:
             assert_same_qtensor(got, want)
-    # check_finite=True: one small reduction and the one host sync that reads it
+    # "immediate": one small reduction and the one host sync that reads it
     launch_log.clear()
     with _OpLog() as ops:
-        K.triton_quantize(x, **dict(kw, check_finite=True))
+        K.triton_quantize(x, **dict(kw, check_finite="immediate"))
     assert len(launch_log) == QUANTIZE_LAUNCHES[granularity]
     assert ops.ops.count("_local_scalar_dense.default") == 1, ops.ops
     assert len([op for op in ops.ops if op not in ALLOCS_AND_VIEWS]) <= 3, ops.ops
+    # "deferred" (the default): a flag update on the device (a max over the scales, folded into the
+    # name's slot) and no host sync
+    K.triton_quantize(x, **dict(kw, check_finite="deferred"))  # the slot exists from here on
+    with _OpLog() as ops:
+        K.triton_quantize(x, **dict(kw, check_finite="deferred"))
+    extra = [op for op in ops.ops if op not in ALLOCS_AND_VIEWS]
+    assert "_local_scalar_dense.default" not in extra and len(extra) <= 2, ops.ops
 
 
 def test_quantize_given_amax_skips_the_amax_pass(K, launch_log):
@@ -455,15 +465,16 @@ def test_int8_linear_launches_per_step(K, launch_log, granularity):
     for cache, quantize_calls in ((False, 4), (True, 3), (True, 2)):
         launch_log.clear()
         recipe = Int8Recipe(granularity=granularity, block_size=16, backend="triton", cache_weights=cache,
-                            check_finite=False)
+                            check_finite="off")
         int8_linear(x, w, None, recipe).backward(outliers(2 * 19, 40, torch.float32).reshape(2, 19, 40))
         assert len(launch_log) == quantize_calls * per_call + 3, (cache, launch_log)
         assert launch_log.count("_int8_gemm_kernel") == 3
 
 
 def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
-    """Off the interpreter the first call per key autotunes; later calls launch the chosen compiled config
-    directly. Here a stand-in autotuner (one fixed config) plays triton.autotune's part."""
+    """Off the interpreter the first call per key (M bucketed to a power of two) autotunes; later calls
+    launch the chosen compiled config directly. Here a stand-in autotuner (one fixed config) plays
+    triton.autotune's part."""
     import triton
     from megatron_int8.kernels import int8_gemm as G
 
@@ -501,6 +512,14 @@ def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
         assert_close_fp32(first, want, granularity)
         K.triton_gemm(qa, qb, out_dtype=torch.float32)  # another key (no bias): tuned again
         assert len(calls) == n + 2
+        # another M in the same power-of-two bucket (37 -> 64): the cached config, a grid for its own M
+        qa2 = _q(outliers(61, 64), granularity, False, block_size=32)
+        got = K.triton_gemm(qa2, qb, out_dtype=torch.float32, bias=bias)
+        assert len(calls) == n + 2, "an M in a tuned bucket must not autotune again"
+        assert_close_fp32(got, REF.gemm(qa2, qb, out_dtype=torch.float32, bias=bias), granularity)
+        K.triton_gemm(_q(outliers(65, 64), granularity, False, block_size=32), qb, out_dtype=torch.float32,
+                      bias=bias)  # the next bucket (128): tuned once
+        assert len(calls) == n + 3
 
 
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).

@@ -14,11 +14,14 @@ chunks of MAX_EXACT_K and sums the chunks in fp32, exactly like the reference.
 Tiles: group-M swizzled output tiles; M/N edges read wrapped rows (in bounds, never stored) and K edges
 are masked to zero, so ragged shapes are exact. Autotuned over a short list of Hopper configs.
 
-Dispatch: the first call per key (shapes, scale mode, flags, output dtype, device, TMA eligibility and the
-MEGATRON_INT8_GEMM_* settings) autotunes and, with MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the
-TMA kernel; the chosen kernel, config and grid are then cached in `_fast`, and later calls launch that
-compiled kernel directly instead of going through `triton.autotune`'s per-call dispatch (key building,
-pruning, hooks) and the variant selection. Small linears are CPU-launch-bound, so this is measurable.
+Dispatch: the first call per key (N, K, M rounded up to a power of two, scale mode, flags, output dtype,
+device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
+MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
+cached in `_fast`, and later calls launch that compiled kernel directly (grid from their own M) instead of
+going through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant
+selection. Small linears are CPU-launch-bound, so this is measurable. The power-of-two M bucket matters for
+MoE experts, whose token count changes with every routing: tuning per exact M would benchmark all configs
+on nearly every expert GEMM, while a bucket is tuned once (the best tile moves little within 2x of M).
 """
 from __future__ import annotations
 
@@ -242,7 +245,7 @@ def _c_tma(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 2
 
 
-_choice = {}  # (M, N, K, mode, bias, accumulate, out dtype) -> "plain" | "tma"
+_choice = {}  # (M bucket, N, K, mode, bias, accumulate, out dtype, device) -> "plain" | "tma"
 _fast = {}  # dispatch key -> launch(c, args) of the selected compiled kernel and config (see module doc)
 
 
@@ -352,7 +355,8 @@ def triton_gemm(
     else:
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
-        fast_key = (M, N, K, c.dtype, ad.device, tma_ok, which, *meta.values())
+        m_bucket = triton.next_power_of_2(M)
+        fast_key = (m_bucket, N, K, c.dtype, ad.device, tma_ok, which, *meta.values())
         launch = _fast.get(fast_key)
         if launch is not None:  # hot path: the compiled kernel chosen on the first call
             launch(args, c)
@@ -362,38 +366,36 @@ def triton_gemm(
             if launch_tma is None:
                 raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
             if which == "auto":
-                key = (M, N, K, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
+                key = (m_bucket, N, K, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
                 if key not in _choice:
                     _choice[key] = _pick(launch_plain, launch_tma, c)
                 which = _choice[key]
         (launch_tma if which == "tma" else launch_plain)(c)
-        _fast[fast_key] = _direct_launcher(which == "tma", meta, M, N, ad.device, c.dtype)
+        _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
     return c
 
 
-def _direct_launcher(tma: bool, meta, M, N, device, c_dtype):
+def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
-    launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel."""
+    launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
+    (args[6]) sets the grid, as calls sharing the key may differ in M within the bucket."""
     tuner = _int8_gemm_tma_tuned if tma else _int8_gemm_tuned
-    cfg = tuner.best_config
-    kw = dict(cfg.all_kwargs())
-    grid = (triton.cdiv(M, kw["BLOCK_M"]) * triton.cdiv(N, kw["BLOCK_N"]),)
+    kw = dict(tuner.best_config.all_kwargs())
+    BM, n_tiles = kw["BLOCK_M"], triton.cdiv(N, kw["BLOCK_N"])
     if not tma:
         kw.update(meta)
-        kernel = _int8_gemm_kernel[grid]
 
         def launch(args, c):
-            kernel(*args, **kw)
+            _int8_gemm_kernel[(triton.cdiv(args[6], BM) * n_tiles,)](*args, **kw)
 
         return launch
     n_sms = _num_sms(device)
     kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
               C_TMA=_c_tma(c_dtype), NUM_SMS=n_sms)
-    kernel = _int8_gemm_tma_kernel[(min(n_sms, grid[0]),)]
 
     def launch(args, c):
         _ensure_allocator()
-        kernel(*args[:9], **kw)  # a, b, c, sa, sb, bias, M, N, K
+        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(args[6], BM) * n_tiles),)](*args[:9], **kw)  # a..K
 
     return launch
 
