@@ -8,6 +8,8 @@ the full model does not fit, the full-depth time a + b*num_layers is reported as
 so. Prints one markdown table (also written to --out / $OUT/bench_e2e.md).
 
     python scripts/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
+    # one model per GPU at a time on a several-GPU host (each run still uses one GPU):
+    python scripts/bench_e2e.py --gpus 0 1 2
     # several GPUs, full depth, a parallel layout (the scale-out runs):
     python scripts/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
         --layout "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
@@ -17,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
@@ -56,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--layout", default=None,
                    help="parallel-layout flags replacing the single-GPU TP=PP=EP=1 overrides (with --nproc)")
     p.add_argument("--full-depth", action="store_true", help="measure only the config's own depth (no projection)")
+    p.add_argument("--gpus", nargs="+", default=None, metavar="INDEX",
+                   help="single-GPU runs only: measure several models at once, each on its own GPU of these "
+                        "(a model's runs stay on one GPU, one after another; models start in --models order)")
     p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
@@ -67,9 +74,10 @@ def global_batch(opts) -> int:
     return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
 
 
-def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
+def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
     """One trainer run; returns median step time (s), final loss, peak memory (GB, rank 0) and model
-    TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run."""
+    TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
+    `env`: the trainer's environment (default: this process's)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -86,7 +94,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
         if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
             cmd = ["timeout", "--kill-after", "30", str(int(opts.run_timeout)), *cmd]
         start = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
             raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8} (exit {proc.returncode})")
@@ -102,7 +110,8 @@ def run_trainer(model: str, layers: int, int8: bool, opts) -> dict:
     result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
               "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
     result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
-    print(f"  {model:16s} L={layers:2d} {'int8' if int8 else 'bf16'}: step {result['step_s'] * 1e3:8.1f} ms, "
+    where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""
+    print(f"  {model:16s} L={layers:2d} {'int8' if int8 else 'bf16'}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
           f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB, run {result['wall_s']:.0f} s", flush=True)
     return result
 
@@ -118,40 +127,83 @@ def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:
     return t1 + per_layer * (full - l1) if per_layer > 0 else float("nan")
 
 
+def depths_of(model: str, opts):
+    """(shallow, deep) depths measured for a model, each at most its full depth."""
+    full = full_depth(model)
+    depths = opts.depths if not model.startswith("mixtral") else [max(1, d // 2) for d in opts.depths]
+    if opts.full_depth:
+        depths = [full]
+    l1, deep = min(min(d, full) for d in depths), max(min(d, full) for d in depths)
+    if l1 == deep < full:
+        raise SystemExit(f"{model}: two different depths are needed to project to {full} layers")
+    return l1, deep
+
+
+def measure_model(model: str, opts, env=None) -> dict:
+    """BF16 and INT8 at both depths; one table row (full depth projected where not measured)."""
+    full, (l1, deep) = full_depth(model), depths_of(model, opts)
+    tokens = opts.seq_length * global_batch(opts)
+    res = {(p, l): run_trainer(model, l, p == "int8", opts, env) for p in ("bf16", "int8") for l in {l1, deep}}
+    row = {"model": model, "measured": ",".join(map(str, sorted({l1, deep}))), "full": full}
+    for p in ("bf16", "int8"):
+        row[f"{p}_tok_s"] = tokens / res[(p, deep)]["step_s"]
+        if deep == full:
+            row[f"{p}_full_tok_s"], row["projected"] = row[f"{p}_tok_s"], False
+        else:
+            row[f"{p}_full_tok_s"] = tokens / project(res[(p, l1)]["step_s"], res[(p, deep)]["step_s"], l1, deep, full)
+            row["projected"] = True
+        row[f"{p}_peak_gb"] = res[(p, deep)]["peak_gb"]
+        row[f"{p}_loss"] = res[(p, deep)]["loss"]
+    return row
+
+
 def main(argv=None):
     opts = parse_args(argv)
-    tokens = opts.seq_length * global_batch(opts)
-    rows = []
     for model in opts.models:
-        full = full_depth(model)
-        depths = opts.depths if not model.startswith("mixtral") else [max(1, d // 2) for d in opts.depths]
-        if opts.full_depth:
-            depths = [full]
-        l1, deep = min(min(d, full) for d in depths), max(min(d, full) for d in depths)
-        if l1 == deep < full:
-            raise SystemExit(f"{model}: two different depths are needed to project to {full} layers")
-        res = {(p, l): run_trainer(model, l, p == "int8", opts) for p in ("bf16", "int8") for l in {l1, deep}}
-        row = {"model": model, "measured": ",".join(map(str, sorted({l1, deep}))), "full": full}
-        for p in ("bf16", "int8"):
-            row[f"{p}_tok_s"] = tokens / res[(p, deep)]["step_s"]
-            if deep == full:
-                row[f"{p}_full_tok_s"], row["projected"] = row[f"{p}_tok_s"], False
-            else:
-                row[f"{p}_full_tok_s"] = tokens / project(res[(p, l1)]["step_s"], res[(p, deep)]["step_s"], l1, deep, full)
-                row["projected"] = True
-            row[f"{p}_peak_gb"] = res[(p, deep)]["peak_gb"]
-            row[f"{p}_loss"] = res[(p, deep)]["loss"]
-        rows.append(row)
-    table = format_table(rows, opts)
-    print(table)
+        depths_of(model, opts)  # fail before any run
     out = opts.out or (os.path.join(os.environ["OUT"], "bench_e2e.md") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(table + "\n")
+    rows, failed = {}, []
+
+    def measure_and_publish(model, env=None):
+        """Measure one model and rewrite the table with every model finished so far (a call cut short
+        keeps them); a failed model is reported and the others go on."""
+        try:
+            row = measure_model(model, opts, env)
+        except RuntimeError as err:
+            print(f"  {model}: {err}", flush=True)
+            failed.append(model)
+            return
+        rows[model] = row
+        if out:
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(format_table([rows[m] for m in opts.models if m in rows], opts) + "\n")
+
+    if opts.gpus:
+        free = queue.Queue()
+        for gpu in opts.gpus:
+            free.put(gpu)
+
+        def on_a_free_gpu(model):
+            gpu = free.get()
+            try:
+                measure_and_publish(model, dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)))
+            finally:
+                free.put(gpu)
+
+        with ThreadPoolExecutor(len(opts.gpus)) as pool:
+            list(pool.map(on_a_free_gpu, opts.models))
+    else:
+        for model in opts.models:
+            measure_and_publish(model)
+    print(format_table([rows[m] for m in opts.models if m in rows], opts))
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 def format_table(rows, opts) -> str:
     gpus = f"{opts.nproc} GPU{'s' if opts.nproc > 1 else ''}" + (f" ({opts.layout})" if opts.layout else "")
+    if getattr(opts, "gpus", None):
+        gpus += f" per run, models run concurrently on GPUs {' '.join(map(str, opts.gpus))}"
     lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, global batch {global_batch(opts)}, {gpus}, "
              f"mock data, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "

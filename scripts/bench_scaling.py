@@ -2,9 +2,11 @@
 """Scale-out throughput, INT8 vs BF16, on several GPUs of one host (issue #7; docs/scaling.md).
 
 Every layout trains its model at full depth through the project's trainer under torchrun (NCCL), on mock
-data, once per variant: BF16 (the baseline), INT8 (`--int8-linear`), and for the sequence-parallel Llama2-7B
-layout also INT8 with the activation all-gather in BF16 (`--int8-bf16-all-gather`), which isolates the INT8
-SP all-gather. Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
+data, once per variant: BF16 (the baseline), INT8 (`--int8-linear`, the default row-wise recipe), and for
+the sequence-parallel Llama2-7B layout also the tensorwise recipe (scales with stochastic rounding of
+gradients) with its INT8 activation all-gather and with `--int8-bf16-all-gather`, which isolates the INT8 SP
+all-gather (row-wise scales always gather BF16: the wgrad operand Q(X^T) needs per-channel scales over
+all gathered tokens). Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
 iterations, loss, rank 0's peak memory, model TFLOP/s per GPU). Global batch = micro-batch x GPUs, so every
 layout trains on the same tokens per iteration (seq x micro x GPUs) and data-parallel ranks accumulate.
 
@@ -37,11 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_e2e import full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
 VARIANTS = {  # name -> (label, INT8 linears, extra trainer flags)
     "bf16": ("BF16", False, []),
-    "int8": ("INT8", True, []),
-    "int8-bf16ag": ("INT8, BF16 SP all-gather", True, ["--int8-bf16-all-gather"]),
+    "int8": ("INT8 (row-wise, the default)", True, []),
+    "int8-tensor": ("INT8 tensorwise + SR, INT8 SP all-gather", True, TENSORWISE),
+    "int8-tensor-bf16ag": ("INT8 tensorwise + SR, BF16 SP all-gather", True, TENSORWISE + ["--int8-bf16-all-gather"]),
 }
+SP_VARIANTS = ("bf16", "int8", "int8-tensor", "int8-tensor-bf16ag")
 # Tiny widths for --smoke (CPU): every model keeps its structure (GQA, MoE, untied, SwiGLU) at width 64.
 SMOKE_MODEL = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--kv-channels", "16", "--moe-ffn-hidden-size", "128",
@@ -57,14 +62,6 @@ class Layout:
     title: str
     variants: tuple = ("bf16", "int8")
     smoke_flags: str = ""  # the same parallelism kinds on 2 CPU processes
-    env: tuple = ()  # (name, value) pairs set for this layout's runs
-
-
-# The INT8 GEMM autotunes once per exact shape (M, N, K). MoE experts get a different token count almost
-# every call, so with autotuning nearly every expert GEMM would be benchmarked over all tile configs first
-# (tenths of a second each, ~100 expert GEMMs per iteration): the MoE layouts use the kernel's fixed tile
-# heuristic instead (MEGATRON_INT8_GEMM_AUTOTUNE=0: no tuning, plain kernel).
-MOE_ENV = (("MEGATRON_INT8_GEMM_AUTOTUNE", "0"),)
 
 
 def _sizes(tp=1, pp=1, ep=1):
@@ -75,7 +72,7 @@ def _sizes(tp=1, pp=1, ep=1):
 LAYOUTS = {
     "llama2_7b-tp2sp-dp2": Layout(
         "llama2_7b", 4, _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer",
-        "Llama2-7B, TP 2 + SP x DP 2, distributed optimizer", ("bf16", "int8", "int8-bf16ag"),
+        "Llama2-7B, TP 2 + SP x DP 2, distributed optimizer", SP_VARIANTS,
         _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
     "llama2_13b-tp4sp": Layout(
         "llama2_13b", 4, _sizes(tp=4) + " --sequence-parallel --use-distributed-optimizer",
@@ -83,7 +80,7 @@ LAYOUTS = {
     "mixtral_8x7b_8l-ep4": Layout(
         "mixtral_8x7b_8l", 4, _sizes(ep=4) + " --use-distributed-optimizer",
         "Mixtral-8x7B (8 layers), EP 4 x DP 4, distributed optimizer",
-        smoke_flags=_sizes(ep=2) + " --use-distributed-optimizer", env=MOE_ENV),
+        smoke_flags=_sizes(ep=2) + " --use-distributed-optimizer"),
     # alternatives named in the issue (not run by default)
     "llama2_13b-tp2pp2": Layout(
         "llama2_13b", 4, _sizes(tp=2, pp=2) + " --sequence-parallel --use-distributed-optimizer",
@@ -91,11 +88,11 @@ LAYOUTS = {
     "mixtral_8x7b_8l-ep2tp2": Layout(
         "mixtral_8x7b_8l", 4, _sizes(tp=2, ep=2) + " --sequence-parallel --use-distributed-optimizer",
         "Mixtral-8x7B (8 layers), EP 2 x TP 2 + SP, DP 2, distributed optimizer",
-        smoke_flags=_sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer", env=MOE_ENV),
+        smoke_flags=_sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
     # two GPUs (nvidia-h200-x2): the Llama2-7B SP layout and its all-gather comparison
     "llama2_7b-tp2sp": Layout(
         "llama2_7b", 2, _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer",
-        "Llama2-7B, TP 2 + SP, distributed optimizer", ("bf16", "int8", "int8-bf16ag"),
+        "Llama2-7B, TP 2 + SP, distributed optimizer", SP_VARIANTS,
         _sizes(tp=2) + " --sequence-parallel --use-distributed-optimizer"),
 }
 DEFAULT_LAYOUTS = ["llama2_7b-tp2sp-dp2", "llama2_13b-tp4sp", "mixtral_8x7b_8l-ep4"]
@@ -164,24 +161,15 @@ def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
               "precision": VARIANTS[variant][0], "gpus": ropts.nproc, "layers": layers, "flags": ropts.layout,
               "extra": ropts.extra, "iters": ropts.iters, "warmup": ropts.warmup, "seq_length": ropts.seq_length,
               "micro_batch_size": ropts.micro_batch_size, "global_batch": global_batch(ropts),
-              "tokens_per_iter": ropts.seq_length * global_batch(ropts), "env": dict(layout.env)}
-    env = " ".join(f"{k}={v}" for k, v in layout.env)
-    print(f"== {name} {variant}: {ropts.nproc} processes, {layers} layers, {ropts.layout} {' '.join(ropts.extra)}"
-          + (f" ({env})" if env else ""), flush=True)
-    saved = {k: os.environ.get(k) for k, _ in layout.env}
-    os.environ.update(dict(layout.env))
+              "tokens_per_iter": ropts.seq_length * global_batch(ropts)}
+    print(f"== {name} {variant}: {ropts.nproc} processes, {layers} layers, {ropts.layout} {' '.join(ropts.extra)}",
+          flush=True)
     try:
         result = run_trainer(layout.model, layers, VARIANTS[variant][1], ropts)
     except RuntimeError as err:
         record["error"] = str(err)
         print(f"   failed: {err}", flush=True)
         return record
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     record.update(result)
     record["tokens_per_s"] = record["tokens_per_iter"] / result["step_s"]
     return record
@@ -218,17 +206,15 @@ def format_table(records) -> str:
         base = bf16.get(r["layout"])
         speedup = "1.000x (baseline)" if r["variant"] == "bf16" else (
             f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a")
-        precision = r["precision"] + (" (GEMM tile heuristic)" if r["variant"] != "bf16" and
-                                      r.get("env", {}).get("MEGATRON_INT8_GEMM_AUTOTUNE") == "0" else "")
-        lines.append(f"| {r['title']} | {r['gpus']} | {precision} | {r['tokens_per_s']:.0f} "
+        lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {r['tokens_per_s']:.0f} "
                      f"| {_fmt(r.get('tflops_per_gpu'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} "
                      f"| {_fmt(r.get('loss'), '.4f')} | {speedup} |")
     done = {(r["layout"], r["variant"]): r for r in records if "error" not in r and "skipped" not in r}
     for (name, variant), r in done.items():
-        if variant == "int8-bf16ag" and (name, "int8") in done:
-            ratio = done[(name, "int8")]["tokens_per_s"] / r["tokens_per_s"]
-            lines += ["", f"{r['title']}: INT8 SP all-gather vs BF16 SP all-gather (both INT8 linears): "
-                          f"{ratio:.3f}x tokens/s"]
+        if variant == "int8-tensor-bf16ag" and (name, "int8-tensor") in done:
+            ratio = done[(name, "int8-tensor")]["tokens_per_s"] / r["tokens_per_s"]
+            lines += ["", f"{r['title']}: INT8 SP all-gather vs BF16 SP all-gather (both tensorwise INT8 "
+                          f"linears): {ratio:.3f}x tokens/s"]
     return "\n".join(lines)
 
 
