@@ -75,8 +75,8 @@ def global_batch(opts) -> int:
 
 
 def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
-    """One trainer run; returns median step time (s), final loss, peak memory (GB, rank 0) and model
-    TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
+    """One trainer run; returns median step time (s), final loss and every step's loss, peak memory (GB,
+    rank 0) and model TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
     `env`: the trainer's environment (default: this process's)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
@@ -108,6 +108,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
     # model TFLOP per GPU and iteration (the trainer's formula, fixed for a run) over the median step time
     tflop_per_gpu = float(tflops[-1]) * float(intervals[-1]) / 1e3 if tflops and intervals else float("nan")
     result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
+              "losses": [round(s["lm_loss"], 5) for s in steps],
               "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
     result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
     where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""

@@ -472,7 +472,7 @@ def test_int8_linear_launches_per_step(K, launch_log, granularity):
 
 
 def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
-    """Off the interpreter the first call per key (M bucketed to a power of two) autotunes; later calls
+    """Off the interpreter the first call per key (M and K bucketed to powers of two) autotunes; later calls
     launch the chosen compiled config directly. Here a stand-in autotuner (one fixed config) plays
     triton.autotune's part."""
     import triton
@@ -520,6 +520,14 @@ def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
         K.triton_gemm(_q(outliers(65, 64), granularity, False, block_size=32), qb, out_dtype=torch.float32,
                       bias=bias)  # the next bucket (128): tuned once
         assert len(calls) == n + 3
+        # K buckets too (an expert's wgrad contracts over its token count): 160 -> bucket 256, tuned; 224
+        # reuses it (both ragged for a 128-deep K step, so the same EVEN_K variant)
+        for k, tuned in ((160, n + 4), (224, n + 4)):
+            qa3 = _q(outliers(37, k), granularity, False, block_size=32)
+            qb3 = _q(outliers(29, k), granularity, True, block_size=32)
+            got = K.triton_gemm(qa3, qb3, out_dtype=torch.float32, bias=bias)
+            assert len(calls) == tuned, f"K={k}"
+            assert_close_fp32(got, REF.gemm(qa3, qb3, out_dtype=torch.float32, bias=bias), granularity)
 
 
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).

@@ -14,14 +14,15 @@ chunks of MAX_EXACT_K and sums the chunks in fp32, exactly like the reference.
 Tiles: group-M swizzled output tiles; M/N edges read wrapped rows (in bounds, never stored) and K edges
 are masked to zero, so ragged shapes are exact. Autotuned over a short list of Hopper configs.
 
-Dispatch: the first call per key (N, K, M rounded up to a power of two, scale mode, flags, output dtype,
+Dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
 MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
 cached in `_fast`, and later calls launch that compiled kernel directly (grid from their own M) instead of
 going through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant
-selection. Small linears are CPU-launch-bound, so this is measurable. The power-of-two M bucket matters for
-MoE experts, whose token count changes with every routing: tuning per exact M would benchmark all configs
-on nearly every expert GEMM, while a bucket is tuned once (the best tile moves little within 2x of M).
+selection. Small linears are CPU-launch-bound, so this is measurable. The power-of-two buckets matter for
+MoE experts, whose token count changes with every routing: it is M of their fprop and dgrad GEMMs and K
+of their wgrad GEMM, so tuning per exact shape would benchmark all configs on nearly every expert GEMM,
+while a bucket is tuned once (the best tile moves little within 2x of M or K).
 """
 from __future__ import annotations
 
@@ -245,7 +246,7 @@ def _c_tma(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 2
 
 
-_choice = {}  # (M bucket, N, K, mode, bias, accumulate, out dtype, device) -> "plain" | "tma"
+_choice = {}  # (M bucket, N, K bucket, mode, bias, accumulate, out dtype, device) -> "plain" | "tma"
 _fast = {}  # dispatch key -> launch(c, args) of the selected compiled kernel and config (see module doc)
 
 
@@ -355,8 +356,8 @@ def triton_gemm(
     else:
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
-        m_bucket = triton.next_power_of_2(M)
-        fast_key = (m_bucket, N, K, c.dtype, ad.device, tma_ok, which, *meta.values())
+        buckets = (triton.next_power_of_2(M), N, triton.next_power_of_2(K))
+        fast_key = (*buckets, c.dtype, ad.device, tma_ok, which, *meta.values())
         launch = _fast.get(fast_key)
         if launch is not None:  # hot path: the compiled kernel chosen on the first call
             launch(args, c)
@@ -366,7 +367,7 @@ def triton_gemm(
             if launch_tma is None:
                 raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
             if which == "auto":
-                key = (m_bucket, N, K, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
+                key = (*buckets, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
                 if key not in _choice:
                     _choice[key] = _pick(launch_plain, launch_tma, c)
                 which = _choice[key]
