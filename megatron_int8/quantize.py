@@ -215,12 +215,12 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 a[M,K] @ b[N,K]^T via torch._int_mm (padded where CUDA's shape rules require)."""
     M, K = a.shape
     N = b.shape[0]
+    if M == 0 or N == 0 or K == 0:  # e.g. an MoE expert that received no tokens: its wgrad has K = 0
+        return torch.zeros(M, N, dtype=torch.int32, device=a.device)
     if a.device.type == "cuda":  # cuBLASLt: M > 16, K and N multiples of 8, 8-aligned row strides
         Mp, Kp, Np = max(_ceil(M, 8) * 8, 32), _ceil(K, 8) * 8, _ceil(N, 8) * 8
         out = torch._int_mm(_pad_to(a, Mp, Kp).contiguous(), _pad_to(b, Np, Kp).contiguous().t())
         return out[:M, :N]
-    if K == 0:
-        return torch.zeros(M, N, dtype=torch.int32, device=a.device)
     return torch._int_mm(a, b.t())
 
 

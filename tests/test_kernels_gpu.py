@@ -131,7 +131,7 @@ def test_stochastic_rounding(K, REF):
         for got, n, src in ((sr[0], near[0], x), (sr[1], near[1], x.t())):
             assert torch.equal(got.scale, n.scale)
             s = qref.dequantize(qref.QTensor(torch.ones_like(n.data), n.scale, g, 128, n.tile2d))
-            v = src / s
+            v = src * (torch.ones_like(s) / s)  # the contract: x times the IEEE reciprocal of its scale
             d = got.data.float() - torch.floor(v).clamp(-127, 127)
             assert ((d == 0) | (d == 1)).all(), g
             frac = v - torch.floor(v)
@@ -324,3 +324,24 @@ def test_int8_linear_triton_vs_reference(granularity, fusion):
         assert rel < 2e-3, f"{granularity} {what}: relative error {rel}"  # bf16 output rounding only
         close = (got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-3 * want.float().abs().max()
         assert close.float().mean() > 0.9999, f"{granularity} {what}"
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_linear_with_no_tokens(K, granularity):
+    """An MoE expert that received no tokens: M = 0 in fprop and dgrad, K = 0 in wgrad (an empty
+    contraction: zero gradient, main_grad unchanged). cuBLASLt's int_mm rejects K = 0."""
+    from megatron_int8 import Int8Recipe, TPOptions, int8_linear
+
+    recipe = Int8Recipe(granularity=granularity, backend="triton")
+    x = torch.randn(0, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (outliers(256, 512) * 0.02).requires_grad_(True)
+    y = int8_linear(x, w, None, recipe)
+    y.backward(torch.randn(0, 256, device="cuda", dtype=torch.bfloat16))
+    assert y.shape == (0, 256) and x.grad.shape == (0, 512)
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    w2 = torch.nn.Parameter(outliers(256, 512) * 0.02)
+    w2.main_grad = torch.randn(256, 512, device="cuda")
+    before = w2.main_grad.clone()
+    int8_linear(x, w2, None, recipe, tp=TPOptions(gradient_accumulation_fusion=True)).backward(
+        torch.randn(0, 256, device="cuda", dtype=torch.bfloat16))
+    assert torch.equal(w2.main_grad, before)

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from int8_bounds import assert_within_int8_bound, heavy_tailed
-from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, invalidate_weight_caches, raise_if_nonfinite
+from megatron_int8 import Int8Recipe, NonFiniteError, TPOptions, int8_linear, invalidate_weight_caches, raise_if_nonfinite
 from megatron_int8.backend import ReferenceBackend
 
 RECIPES = [Int8Recipe(grad_rounding=r, **g) for r in ("nearest", "stochastic")
@@ -204,7 +204,6 @@ def test_stochastic_recipe_rounds_only_gradients_stochastically():
 
 def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
     """BF16 layers (e.g. fused main_grad accumulation without apex) must not depend on the INT8 backend."""
-    from megatron_int8 import TPOptions
     from megatron_int8.backend import ENV_BACKEND
     from megatron_int8.recipe import HIGH_PRECISION
 
@@ -226,3 +225,21 @@ def test_cached_weight_is_not_reused_across_check_finite_settings():
     assert torch.isnan(int8_linear(x, w, None, Int8Recipe(check_finite="off"))[:, 1]).all()
     with pytest.raises(NonFiniteError, match="weight"):
         int8_linear(x, w, None, Int8Recipe(check_finite="immediate"))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_no_tokens_gives_empty_output_and_zero_weight_gradient(granularity):
+    """An MoE expert that received no tokens still runs its linears: M = 0 in fprop and dgrad, and K = 0
+    in wgrad, whose product is then zero (added to main_grad: no change)."""
+    recipe = Int8Recipe(granularity=granularity, block_size=16)
+    w = torch.randn(8, 32, requires_grad=True)
+    x = torch.randn(0, 32, requires_grad=True)
+    y = int8_linear(x, w, None, recipe)
+    assert y.shape == (0, 8)
+    y.backward(torch.randn(0, 8))
+    assert x.grad.shape == (0, 32) and torch.equal(w.grad, torch.zeros(8, 32))
+    w2 = torch.nn.Parameter(torch.randn(8, 32))
+    w2.main_grad = torch.randn(8, 32)
+    before = w2.main_grad.clone()
+    int8_linear(x, w2, None, recipe, tp=TPOptions(gradient_accumulation_fusion=True)).backward(torch.randn(0, 8))
+    assert torch.equal(w2.main_grad, before)
