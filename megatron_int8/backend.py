@@ -4,7 +4,8 @@ A backend offers two calls with identical contracts (see quantize.py for convent
   quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
            amax=None) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R] or None)
       (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group)
-  gemm(a, b, *, out_dtype, bias=None, accumulate_into=None) -> dequant(a @ b^T) [+ bias]
+  gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True) -> dequant(a @ b^T) [+ bias]
+      (`autotune`: a hint for kernels with tunable tiles; the result is the same either way)
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
 a kernel may produce both in one pass (fused cast-transpose).
 """
@@ -54,7 +55,7 @@ class ReferenceBackend:
                 col = ref.quantize(x.t(), granularity, tile2d=tile2d, **kw)
         return row, col
 
-    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None):
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
         return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
 
 
@@ -72,8 +73,8 @@ class TritonBackend:
     def quantize(self, x, **kwargs):
         return self._quantize(x, **kwargs)
 
-    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None):
-        return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
+        return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, autotune=autotune)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ the wgrad GEMM accumulates into main_grad itself, so these layers accept the fla
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -54,7 +55,10 @@ class Int8LinearMixin:
         self.config = config
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.int8 = bool(int8)
-        self.int8_recipe = recipe or DEFAULT_RECIPE
+        recipe = recipe or DEFAULT_RECIPE
+        if getattr(self, "is_expert", False) and recipe.autotune:
+            recipe = dataclasses.replace(recipe, autotune=False)  # token counts change with every routing
+        self.int8_recipe = recipe
 
     def _forward_impl(
         self,

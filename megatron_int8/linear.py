@@ -121,7 +121,7 @@ class _Int8LinearFunction(torch.autograd.Function):
                                                   **_quantize_kwargs(recipe, "fprop input"))
         if recipe.fprop:
             qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
-            out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias)
+            out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
         else:
             out = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
 
@@ -170,7 +170,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         if need_dgrad:
             if dgrad_int8:
                 _, qw_col = quantized_weight(weight, backend, recipe, rowwise=False, columnwise=True)
-                dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype)
+                dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype, autotune=recipe.autotune)
             else:
                 dx = (g2d @ weight.to(g2d.dtype)).to(ctx.input_dtype)
             dx = dx.view(ctx.total_shape)
@@ -193,9 +193,10 @@ class _Int8LinearFunction(torch.autograd.Function):
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
             if wgrad_int8:
                 if main_grad is not None:
-                    backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad)
+                    backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad,
+                                 autotune=recipe.autotune)
                 else:
-                    grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype)
+                    grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype, autotune=recipe.autotune)
             else:
                 x = ctx.saved_tensors[1]
                 if tp.sequence_parallel:

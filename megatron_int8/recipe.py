@@ -43,6 +43,10 @@ class Int8Recipe:
         "immediate" raises inside the quantize call (one host sync per quantize: a debugging aid that
         cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
     cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
+    autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
+        heuristic tile with no tuning. The INT8 layers turn it off for MoE experts, whose token count
+        (M of fprop/dgrad, K of wgrad) changes with every routing: tuning kept a Mixtral run in its
+        first iterations for minutes (docs/scaling.md).
     int8_all_gather: under sequence parallelism with tensorwise INT8 fprop, quantize each rank's shard
         with the tensor-parallel group's amax and all-gather INT8 instead of BF16 (same values, half
         the bytes).
@@ -57,6 +61,7 @@ class Int8Recipe:
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True
+    autotune: bool = True
     int8_all_gather: bool = True
 
     def __post_init__(self):
@@ -70,7 +75,7 @@ class Int8Recipe:
             raise ValueError(f"Int8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        for name in ("fprop", "dgrad", "wgrad", "cache_weights", "int8_all_gather"):
+        for name in ("fprop", "dgrad", "wgrad", "cache_weights", "autotune", "int8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Int8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -520,6 +520,11 @@ def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
         K.triton_gemm(_q(outliers(65, 64), granularity, False, block_size=32), qb, out_dtype=torch.float32,
                       bias=bias)  # the next bucket (128): tuned once
         assert len(calls) == n + 3
+        launch_log.clear()  # autotune=False (MoE experts): one heuristic launch, the tuner never called
+        qa4 = _q(outliers(300, 64), granularity, False, block_size=32)
+        got = K.triton_gemm(qa4, qb, out_dtype=torch.float32, bias=bias, autotune=False)
+        assert len(calls) == n + 3 and launch_log == ["_int8_gemm_kernel"]
+        assert_close_fp32(got, REF.gemm(qa4, qb, out_dtype=torch.float32, bias=bias), granularity)
         # K buckets too (an expert's wgrad contracts over its token count): 160 -> bucket 256, tuned; 224
         # reuses it (both ragged for a 128-deep K step, so the same EVEN_K variant)
         for k, tuned in ((160, n + 4), (224, n + 4)):

@@ -292,8 +292,11 @@ def triton_gemm(
     out_dtype: torch.dtype = torch.float32,
     bias: Optional[torch.Tensor] = None,
     accumulate_into: Optional[torch.Tensor] = None,
+    autotune: bool = True,
 ) -> torch.Tensor:
-    """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned."""
+    """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned.
+
+    autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): one heuristic tile of the plain kernel, no tuning."""
     ref.check_gemm_operands(a, b)
     M, K = a.data.shape
     N = b.data.shape[0]
@@ -349,7 +352,7 @@ def triton_gemm(
         BM, BN = 16, 16
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
-    elif os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one heuristic config: no tuning, one compile per variant
+    elif not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one heuristic config, one compile per variant
         BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
