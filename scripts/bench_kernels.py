@@ -125,7 +125,8 @@ def gemm_row(M, N, K, cache):
     res = {k: flops / (t * 1e-3) / 1e12 for k, t in
            (("bf16", t_bf16), ("ours", t_ours), ("intmm", t_intmm), ("fp8", t_fp8))}
     from megatron_int8.kernels import int8_gemm as G
-    res["kernel"] = ",".join(sorted({v for k, v in G._choice.items() if k[:3] == (M, N, K)})) or "plain"
+    shape = G.dispatch_buckets(M, N, K)
+    res["kernel"] = ",".join(sorted({f.kernel for k, f in G._fast.items() if k[:3] == shape})) or "plain"
     cache[key] = res
     torch.cuda.empty_cache()
     return res

@@ -246,8 +246,12 @@ def _c_tma(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 2
 
 
-_choice = {}  # (M bucket, N, K bucket, mode, bias, accumulate, out dtype, device) -> "plain" | "tma"
-_fast = {}  # dispatch key -> launch(c, args) of the selected compiled kernel and config (see module doc)
+_fast = {}  # dispatch key -> launch(args, c) of the selected compiled kernel and config (see module doc)
+
+
+def dispatch_buckets(M: int, N: int, K: int) -> tuple:
+    """The shape part of a dispatch key: M and K rounded up to powers of two (MoE token counts vary)."""
+    return triton.next_power_of_2(M), N, triton.next_power_of_2(K)
 
 
 def _configs():
@@ -359,21 +363,16 @@ def triton_gemm(
     else:
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
-        buckets = (triton.next_power_of_2(M), N, triton.next_power_of_2(K))
-        fast_key = (*buckets, c.dtype, ad.device, tma_ok, which, *meta.values())
+        fast_key = (*dispatch_buckets(M, N, K), c.dtype, ad.device, tma_ok, which, *meta.values())
         launch = _fast.get(fast_key)
         if launch is not None:  # hot path: the compiled kernel chosen on the first call
             launch(args, c)
             return c
         launch_plain, launch_tma = _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K, tma_ok)
-        if which == "tma" or (which == "auto" and launch_tma is not None):
-            if launch_tma is None:
-                raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
-            if which == "auto":
-                key = (*buckets, mode, bias is not None, accumulate_into is not None, c.dtype, str(c.device))
-                if key not in _choice:
-                    _choice[key] = _pick(launch_plain, launch_tma, c)
-                which = _choice[key]
+        if which == "tma" and launch_tma is None:
+            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+        if which == "auto":
+            which = _pick(launch_plain, launch_tma, c) if launch_tma is not None else "plain"
         (launch_tma if which == "tma" else launch_plain)(c)
         _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
     return c
@@ -382,7 +381,8 @@ def triton_gemm(
 def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
     launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
-    (args[6]) sets the grid, as calls sharing the key may differ in M within the bucket."""
+    (args[6]) sets the grid, as calls sharing the key may differ in M within the bucket. The launcher's
+    `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
     tuner = _int8_gemm_tma_tuned if tma else _int8_gemm_tuned
     kw = dict(tuner.best_config.all_kwargs())
     BM, n_tiles = kw["BLOCK_M"], triton.cdiv(N, kw["BLOCK_N"])
@@ -392,6 +392,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
         def launch(args, c):
             _int8_gemm_kernel[(triton.cdiv(args[6], BM) * n_tiles,)](*args, **kw)
 
+        launch.kernel = "plain"
         return launch
     n_sms = _num_sms(device)
     kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
@@ -401,6 +402,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
         _ensure_allocator()
         _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(args[6], BM) * n_tiles),)](*args[:9], **kw)  # a..K
 
+    launch.kernel = "tma"
     return launch
 
 
