@@ -99,8 +99,10 @@ class _NonFiniteRecord:
         seen = []
         for flags in self._flags.values():
             values = flags[: len(names)].tolist()  # the one host sync
-            seen += [n for n, v in zip(names, values) if v != v and n not in seen]
-            flags.zero_()
+            bad = [n for n, v in zip(names, values) if v != v]
+            if bad:  # finite slots keep their running max: harmless, and no reset launch per step
+                flags.zero_()
+                seen += [n for n in bad if n not in seen]
         if seen:
             raise NonFiniteError(f"INT8 quantization: Inf or NaN in {', '.join(seen)} since the last check "
                                  "(Int8Recipe(check_finite='immediate') stops at the first occurrence)")
