@@ -38,7 +38,7 @@ timeout "${E2E_TIMEOUT:-540}" python3 scripts/bench_e2e.py --gpus ${E2E_GPUS:-0 
 status=${PIPESTATUS[0]}
 if [[ -n "${tests:-}" ]]; then
   wait "$tests"
-  tail -4 "$OUT/kernels_tests.log" "$OUT/layers_tests.log"
+  tail -n 4 "$OUT/kernels_tests.log" "$OUT/layers_tests.log"
 fi
 cat "$OUT/bench_e2e.md" 2>/dev/null
 exit "$status"
