@@ -2,8 +2,10 @@
 
 A backend offers two calls with identical contracts (see quantize.py for conventions):
   quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
-           amax=None) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R] or None)
-      (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group)
+           amax=None, columnwise_pad=1) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
+      (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
+      `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
+      a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True) -> dequant(a @ b^T) [+ bias]
       (`autotune`: a hint for kernels with tunable tiles; the result is the same either way)
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
@@ -42,7 +44,9 @@ class ReferenceBackend:
         name: str = "tensor",
         check_finite: str = "deferred",
         amax: Optional[torch.Tensor] = None,
+        columnwise_pad: int = 1,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
+        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size)
         tile2d = weight and granularity == "block"
         kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
@@ -53,6 +57,7 @@ class ReferenceBackend:
                 col = row.transposed()  # same scales: a byte transpose, identical rounding
             else:
                 col = ref.quantize(x.t(), granularity, tile2d=tile2d, **kw)
+            col = ref.pad_columns(col, columnwise_pad)
         return row, col
 
     def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):

@@ -22,10 +22,13 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backend import get_backend
-from .quantize import QTensor
+from .quantize import QTensor, pad_columns
 from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 _weight_generation = 0
+# wgrad contracts over tokens: Q(X)^T and Q(dY)^T get their token axis zero-padded to a multiple of 16, so
+# an MoE expert's arbitrary token count still gives 16-byte aligned rows (see quantize.pad_columns)
+TOKEN_PAD = 16
 
 
 def invalidate_weight_caches(*_args) -> None:
@@ -118,7 +121,7 @@ class _Int8LinearFunction(torch.autograd.Function):
             x2d = total.reshape(-1, total.shape[-1])
             if recipe.fprop or wgrad_int8:
                 qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
-                                                  **_quantize_kwargs(recipe, "fprop input"))
+                                                  columnwise_pad=TOKEN_PAD, **_quantize_kwargs(recipe, "fprop input"))
         if recipe.fprop:
             qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
             out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
@@ -155,7 +158,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         qg_row = qg_col = None
         if dgrad_int8 or wgrad_int8:
             qg_row, qg_col = backend.quantize(
-                g2d, rowwise=dgrad_int8, columnwise=wgrad_int8,
+                g2d, rowwise=dgrad_int8, columnwise=wgrad_int8, columnwise_pad=TOKEN_PAD,
                 **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
 
         gather = None
@@ -187,7 +190,8 @@ class _Int8LinearFunction(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None) if tp.gradient_accumulation_fusion else None
             if wgrad_int8 and gather is not None:
                 gather.wait()
-                qx_col = QTensor(gathered, ctx.saved_tensors[2], "tensor", recipe.block_size).transposed()
+                qx_col = pad_columns(QTensor(gathered, ctx.saved_tensors[2], "tensor", recipe.block_size).transposed(),
+                                     TOKEN_PAD)
             elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)

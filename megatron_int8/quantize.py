@@ -148,8 +148,32 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor]) -> None:
-    """Both backends' quantize contract: a 2-D operand, a known granularity, amax only when tensorwise."""
+def padded_length(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
+    return _ceil(n, multiple) * multiple
+
+
+def pad_columns(q: QTensor, multiple: int) -> QTensor:
+    """Q with its contraction axis zero-padded to a multiple of `multiple` (the scales are unchanged).
+
+    A product contracting over zeros is unchanged, and the Triton GEMM loads 16-byte vectors only from
+    rows whose length is a multiple of 16: MoE experts receive any number of tokens, and an unpadded
+    wgrad (contraction over tokens) fell back to byte-wise loads."""
+    C = q.data.shape[1]
+    Cp = padded_length(C, multiple)
+    if Cp == C:
+        return q
+    return dataclasses.replace(q, data=_pad_to(q.data, q.data.shape[0], Cp))
+
+
+def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor],
+                        columnwise_pad: int = 1, block_size: int = 128) -> None:
+    """Both backends' quantize contract: a 2-D operand, a known granularity, amax only when tensorwise,
+    a column padding that keeps block groups whole."""
+    if not isinstance(columnwise_pad, int) or columnwise_pad < 1:
+        raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
+    if granularity == "block" and block_size % columnwise_pad:
+        raise ValueError(f"columnwise_pad {columnwise_pad} must divide block_size {block_size}")
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
     if granularity not in ("tensor", "row", "block"):

@@ -6,6 +6,8 @@ plus megatron-core's stock local spec (DotProductAttention) for reference.
 Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-store process group.
     python scripts/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
     python scripts/bench_layer.py --device cpu --tiny  # CI smoke test
+    # a Mixtral-8x7B MoE layer (8 experts, top-2, SequentialMLP; one micro-batch of 4096 tokens):
+    python scripts/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set.
 """
 from __future__ import annotations
@@ -31,6 +33,10 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=11008)
     p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads (default: --heads)")
+    p.add_argument("--num-experts", type=int, default=0,
+                   help="MoE layer with this many experts of width --ffn (0: a dense SwiGLU MLP)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token (with --num-experts)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
@@ -49,6 +55,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.tiny:
         args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
+        args.num_query_groups = 2 if args.num_query_groups else None
         args.warmup, args.iters = 1, 2
     return args
 
@@ -77,17 +84,20 @@ def build_layers(args):
     from megatron_int8.spec import get_gpt_int8_layer_spec
 
     dtype = torch.bfloat16
+    moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
+               moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0) if args.num_experts else {}
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        num_query_groups=args.num_query_groups, **moe, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
         use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
                         cache_weights=args.cache_weights)
-    specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True),
-             "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False)}
+    experts = args.num_experts or None
+    specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts),
+             "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
     if not args.no_stock:
-        specs["BF16 stock local spec"] = get_gpt_layer_local_spec(normalization="RMSNorm")
+        specs["BF16 stock local spec"] = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
     return {name: build_module(spec, config=config, layer_number=1).to(device=args.device, dtype=dtype)
             for name, spec in specs.items()}
 
@@ -153,8 +163,10 @@ def main(argv=None) -> str:
         profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    mlp = f"{args.num_experts} experts (top-{args.topk}) of ffn {args.ffn}" if args.num_experts else f"ffn {args.ffn}"
+    heads = f"{args.heads} heads" + (f" ({args.num_query_groups} KV groups)" if args.num_query_groups else "")
     lines = [
-        f"Transformer layer fwd+bwd: hidden {args.hidden}, ffn {args.ffn}, {args.heads} heads, SwiGLU, RMSNorm, "
+        f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
         f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
         f"finite check {args.check_finite}",

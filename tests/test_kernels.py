@@ -106,6 +106,42 @@ def test_quantize_single_layout(K, granularity, weight, rowwise, columnwise):
         assert_same_qtensor(c1, c0, "columnwise")
 
 
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_pads_the_transposed_rows(K, granularity, weight, stochastic):
+    """columnwise_pad: Q(x^T) is [C, R'] with R' the next multiple of 16; its first R columns equal the
+    unpadded Q(x^T) (same draws when stochastic) and the rest are zero; Q(x) is unaffected."""
+    x = outliers(37, 53, zero_rows=(5,))  # 37 rows: padded to 48 (crosses a tile edge in the interpreter)
+    kw = _kw(granularity, weight, rowwise=True, columnwise=True, stochastic=stochastic)
+    torch.manual_seed(3)
+    r1, c1 = K.triton_quantize(x, columnwise_pad=16, **kw)
+    torch.manual_seed(3)
+    r0, c0 = K.triton_quantize(x, **kw)
+    assert c1.data.shape == (53, 48) and c1.data.is_contiguous()
+    assert_same_qtensor(r1, r0, "rowwise")
+    assert torch.equal(c1.scale, c0.scale)
+    assert torch.equal(c1.data[:, :37], c0.data) and not c1.data[:, 37:].any()
+    if not stochastic:
+        assert_same_qtensor(c1, REF.quantize(x, columnwise_pad=16, **kw)[1], "columnwise vs reference")
+    # the padded wgrad-shaped product equals the unpadded one exactly
+    g = outliers(37, 29)
+    kg = _kw(granularity, False, rowwise=False, columnwise=True)
+    _, gp = K.triton_quantize(g, columnwise_pad=16, **kg)
+    _, gu = K.triton_quantize(g, **kg)
+    if c1.granularity == gp.granularity and c1.tile2d == gp.tile2d:
+        assert torch.equal(K.triton_gemm(gp, c1, out_dtype=torch.float32),
+                           K.triton_gemm(gu, c0, out_dtype=torch.float32))
+
+
+def test_quantize_rejects_bad_padding(K):
+    x = outliers(8, 8)
+    for pad in (0, -16, 1.5):
+        with pytest.raises(ValueError, match="columnwise_pad"):
+            K.triton_quantize(x, columnwise_pad=pad, **_kw("row", False, rowwise=True, columnwise=True))
+    with pytest.raises(ValueError, match="must divide block_size"):
+        K.triton_quantize(x, columnwise_pad=32, **_kw("block", False, rowwise=True, columnwise=True))
+
+
 @pytest.mark.parametrize("weight", [False, True])
 @pytest.mark.parametrize("block_size", [32, 48])  # 48: not a power of two, padded register tiles
 def test_quantize_block_sizes(K, weight, block_size):

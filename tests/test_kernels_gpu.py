@@ -88,6 +88,28 @@ def test_quantize_bit_exact(K, REF, granularity, weight, shape):
                 assert_same_qtensor(g, w, f"{granularity} weight={weight} {shape} {what} ({rowwise},{columnwise})")
 
 
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+def test_quantize_padded_transpose_and_wgrad(K, REF, granularity, weight):
+    """An MoE expert's token count (1037: not a multiple of 16) padded to 1040 in Q(x^T): bit-identical to
+    the padded reference, zero pad, and the wgrad-shaped GEMM over the padded tokens equals the reference
+    product of the unpadded operands."""
+    x, g = outliers(1037, 4096), outliers(1037, 1536)
+    kw = _kw(granularity, weight, rowwise=True, columnwise=True, columnwise_pad=16)
+    got, want = K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)
+    assert got[1].data.shape == (4096, 1040) and not got[1].data[:, 1037:].any()
+    for a, b, what in zip(got, want, ("rowwise", "columnwise")):
+        assert_same_qtensor(a, b, f"{granularity} weight={weight} padded {what}")
+    kg = _kw(granularity, False, rowwise=False, columnwise=True)
+    _, qg = K.triton_quantize(g, columnwise_pad=16, **kg)
+    if qg.tile2d == got[1].tile2d:
+        _, qg0 = ref_quantize(REF, g, **kg)
+        _, qx0 = ref_quantize(REF, x, **dict(kw, rowwise=False, columnwise_pad=1))
+        out = K.triton_gemm(qg, got[1], out_dtype=torch.float32)
+        ref_out = ref_gemm(REF, qg0, qx0, out_dtype=torch.float32)
+        bound = 16 * EPS * (qg0.dequantize().abs() @ qx0.dequantize().abs().t())
+        assert ((out - ref_out).abs() <= bound).all(), granularity
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_other_dtypes_and_block_sizes(K, REF, dtype):
     x = outliers(2000, 3001, dtype)

@@ -75,8 +75,9 @@ def test_saved_activation_is_int8_not_the_input():
         y = int8_linear(x, w, None, Int8Recipe(granularity=granularity))
         saved = y.grad_fn.saved_tensors
         int8 = [t for t in saved if t.dtype == torch.int8]
-        assert len(int8) == 1 and int8[0].numel() == x.numel()
-        assert int8[0].shape == (64, 24)  # Q(X)^T, already K-major for the wgrad GEMM
+        # Q(X)^T, already K-major for the wgrad GEMM, its 24 tokens zero-padded to 32 (TOKEN_PAD)
+        assert len(int8) == 1 and int8[0].shape == (64, 32)
+        assert int8[0][:, :24].any() and not int8[0][:, 24:].any()
         floating = [t for t in saved if t.is_floating_point() and t.numel() > 1 and t is not w]
         assert [t.numel() for t in floating] == ([scales] if scales > 1 else []), \
             "only the weight (a parameter) and Q(X)^T's fp32 scales may be saved in high precision"
@@ -86,6 +87,39 @@ def test_high_precision_wgrad_saves_the_input():
     x, w = _leaf(torch.randn(4, 64), torch.float32), _leaf(torch.randn(32, 64), torch.float32)
     y = int8_linear(x, w, None, Int8Recipe(wgrad=False))
     assert any(t.dtype == torch.float32 and t.shape == x.shape for t in y.grad_fn.saved_tensors)
+
+
+class _GemmShapes(ReferenceBackend):
+    def __init__(self):
+        self.calls = []
+
+    def gemm(self, a, b, **kw):
+        self.calls.append((a, b))
+        return super().gemm(a, b, **kw)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_wgrad_contracts_over_tokens_padded_to_16(monkeypatch, granularity):
+    """An MoE expert gets any number of tokens; wgrad contracts over them, and the Triton GEMM needs
+    16-byte aligned rows for vector loads. Both Q(dY)^T and Q(X)^T come zero-padded to a multiple of 16,
+    and the gradient equals the unpadded product exactly."""
+    spy = _GemmShapes()
+    monkeypatch.setattr("megatron_int8.linear.get_backend", lambda device, recipe: spy)
+    recipe = Int8Recipe(granularity=granularity, block_size=32)
+    x, w, gy = heavy_tailed(37, 64), heavy_tailed(24, 64), heavy_tailed(37, 24)
+    xl, wl = _leaf(x, torch.float32), _leaf(w, torch.float32)
+    int8_linear(xl, wl, None, recipe).backward(gy)
+    fprop, dgrad, wgrad = spy.calls
+    assert fprop[0].shape == (37, 64) and dgrad[0].shape == (37, 24)
+    qg, qx = wgrad
+    assert qg.shape == (24, 48) and qx.shape == (64, 48)
+    assert not qg.data[:, 37:].any() and not qx.data[:, 37:].any()
+    unpadded = ReferenceBackend()
+    kw = dict(granularity=granularity, block_size=32, weight=False, rowwise=False, columnwise=True)
+    _, qg0 = unpadded.quantize(gy, **kw)
+    _, qx0 = unpadded.quantize(x, **kw)
+    assert torch.equal(qg.data[:, :37], qg0.data) and torch.equal(qx.data[:, :37], qx0.data)
+    assert torch.equal(wl.grad, unpadded.gemm(qg0, qx0, out_dtype=torch.float32))
 
 
 class _CountingBackend(ReferenceBackend):

@@ -200,3 +200,21 @@ def test_gemm_rejects_mismatched_operands():
 def test_quantize_rejects_non_2d():
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("granularity,weight", [("tensor", False), ("row", False), ("block", False), ("block", True)])
+def test_reference_backend_pads_the_transposed_rows(granularity, weight):
+    from megatron_int8.backend import ReferenceBackend
+
+    x = heavy_tailed(21, 40)
+    kw = dict(granularity=granularity, block_size=16, weight=weight, rowwise=True, columnwise=True)
+    row, col = ReferenceBackend().quantize(x, columnwise_pad=16, **kw)
+    row0, col0 = ReferenceBackend().quantize(x, **kw)
+    assert torch.equal(row.data, row0.data) and row.data.shape == (21, 40)
+    assert col.data.shape == (40, 32) and torch.equal(col.scale, col0.scale)
+    assert torch.equal(col.data[:, :21], col0.data) and not col.data[:, 21:].any()
+    for pad, match in ((0, "positive int"), (2.0, "positive int"), (32, "divide block_size")):
+        if match == "divide block_size" and granularity != "block":
+            continue
+        with pytest.raises(ValueError, match=match):
+            ReferenceBackend().quantize(x, columnwise_pad=pad, **kw)

@@ -194,8 +194,10 @@ def test_sdpa_attention_dropout_uses_model_parallel_rng():
     assert not torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
 
 
-def test_bench_layer_cpu_smoke(tmp_path):
-    """scripts/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path)."""
+@pytest.mark.parametrize("moe", [False, True])
+def test_bench_layer_cpu_smoke(tmp_path, moe):
+    """scripts/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path), dense and
+    MoE (4 experts, GQA)."""
     import os
     import subprocess
     import sys
@@ -203,9 +205,11 @@ def test_bench_layer_cpu_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OUT=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    extra = ["--num-experts", "4", "--num-query-groups", "2"] if moe else []
     result = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_layer.py"), "--device", "cpu",
-                             "--tiny"], env=env, capture_output=True, text=True, timeout=240)
+                             "--tiny", *extra], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "bench_layer.md").read_text()
+    assert ("4 experts (top-2)" in table) == moe
     for name in ("| INT8 |", "| BF16 |", "| BF16 stock local spec |"):
         assert name in table

@@ -149,7 +149,8 @@ def _amax_partials_kernel(
 @triton.jit
 def _quantize_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
-    q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, R], contiguous
+    q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, RP], contiguous
+    RP,  # row length of Q(x^T): R, or R zero-padded (rows of x past R read as 0 and store 0)
     s_ptr, st_ptr,  # scales written here: [] (tensor, both point to it) or [R] and [C] (row)
     p_ptr, n_p,  # tensor: the n_p tile partials
     prow_ptr, n_ct,  # row: prow [R, n_ct]
@@ -173,8 +174,8 @@ def _quantize_kernel(
     x = x.to(tl.float32)
     u = _tile_uniforms(seed, offs_r, offs_c, ct * TC, C, TR, TC, STOCHASTIC, FOUR)
     q_offs = offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
-    qt_offs = offs_c[:, None].to(tl.int64) * R + offs_r[None, :]
-    mask_t = mask_c[:, None] & mask_r[None, :]
+    qt_offs = offs_c[:, None].to(tl.int64) * RP + offs_r[None, :]
+    mask_t = mask_c[:, None] & (offs_r < RP)[None, :]
 
     if TENSOR:
         acc = tl.zeros((BP,), tl.float32)
@@ -220,7 +221,8 @@ def _quantize_kernel(
 @triton.jit
 def _quantize_block_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
-    q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, R], contiguous
+    q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, RP], contiguous
+    RP,  # row length of Q(x^T) (R, or R zero-padded)
     s_ptr, st_ptr,  # block scales of Q(x) and of Q(x^T), written
     ss_r, ss_c, sts_r, sts_c,  # strides of the 2-D block-scale arrays
     GR, GC,  # rows / columns covered by one program (the block size, or several rows of 1 x B groups)
@@ -244,8 +246,8 @@ def _quantize_block_kernel(
     x = x.to(tl.float32)
     u = _tile_uniforms(seed, offs_r, offs_c, ct * GC, C, TR, TC, STOCHASTIC, FOUR)
     q_offs = offs_r[:, None].to(tl.int64) * C + offs_c[None, :]
-    qt_offs = offs_c[:, None].to(tl.int64) * R + offs_r[None, :]
-    mask_t = mask_c[:, None] & mask_r[None, :]
+    qt_offs = offs_c[:, None].to(tl.int64) * RP + offs_r[None, :]
+    mask_t = mask_c[:, None] & ((ir < GR) & (offs_r < RP))[None, :]
 
     if MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
         amax = tl.max(tl.max(_abs_nonfinite_to_inf(x), axis=1), axis=0)
@@ -331,12 +333,14 @@ def triton_quantize(
     name: str = "tensor",
     check_finite: str = "deferred",
     amax: Optional[torch.Tensor] = None,
+    columnwise_pad: int = 1,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
-    """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R] or None).
+    """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R'] or None).
 
     `amax` (tensorwise only): a precomputed amax (e.g. reduced over the tensor-parallel group) replacing
-    x's own; it then stands in for the partials, so the amax launch is skipped."""
-    ref.check_quantize_args(x, granularity, amax)
+    x's own; it then stands in for the partials, so the amax launch is skipped. `columnwise_pad`: R' is R
+    rounded up to a multiple of it; the kernels store the zero columns along with the data."""
+    ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size)
     if not (rowwise or columnwise):
         return None, None
     R, C = x.shape
@@ -344,22 +348,24 @@ def triton_quantize(
         from ..backend import ReferenceBackend
         return ReferenceBackend().quantize(x, granularity=granularity, block_size=block_size, weight=weight,
                                            rowwise=rowwise, columnwise=columnwise, stochastic=stochastic,
-                                           name=name, check_finite=check_finite, amax=amax)
+                                           name=name, check_finite=check_finite, amax=amax,
+                                           columnwise_pad=columnwise_pad)
     dev = x.device
+    RP = ref.padded_length(R, columnwise_pad) if columnwise else R
     q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
-    qt = torch.empty((C, R), dtype=torch.int8, device=dev) if columnwise else None
+    qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
     dummy = q if q is not None else qt
     q = q if q is not None else dummy
     seed = _seed(stochastic)
     sx_r, sx_c = x.stride()
 
     if granularity == "block":
-        return _quantize_block(x, q, qt, rowwise, columnwise, weight, int(block_size), stochastic, seed,
+        return _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, int(block_size), stochastic, seed,
                                name, check_finite)
 
     tensor = granularity == "tensor"
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    grid_q = (_cdiv(R, TR), _cdiv(C, TC))
+    grid_q = (_cdiv(RP, TR), _cdiv(C, TC))
     common = dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
                   FOUR=_four(TC, TC, grid_q[1]), num_warps=_WARPS)
     if tensor:
@@ -377,7 +383,7 @@ def triton_quantize(
                 x, R, C, sx_r, sx_c, buf[1:], buf, buf, RB, TR=ATR, TC=ATC,
                 TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
             scale, parts = buf[0], buf[1:]
-        _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, scale, scale,
+        _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
                                  parts, n_p, parts, 1, parts, 1, seed, BP=_bp(n_p), **common)
         ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
@@ -399,7 +405,7 @@ def triton_quantize(
     s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
     sd = s_row if s_row is not None else s_col
-    _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy,
+    _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
                              sd, s_col if s_col is not None else sd,
                              parts, 0, prow, n_ct, pcol, n_rs, seed,
                              BP=min(_bp(max(n_ct if rowwise else 1, n_rs if columnwise else 1)), 64), **common)
@@ -410,7 +416,7 @@ def triton_quantize(
     return row, col
 
 
-def _quantize_block(x, q, qt, rowwise, columnwise, weight, B, stochastic, seed, name, check_finite):
+def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, seed, name, check_finite):
     """Block granularity: one launch, scales computed inside each tile. 128 x 128 tiles run 16 warps: with 8,
     the 1xB both-axes variant needs ~230 registers per thread (and spills with stochastic rounding)."""
     R, C = x.shape
@@ -432,10 +438,10 @@ def _quantize_block(x, q, qt, rowwise, columnwise, weight, B, stochastic, seed, 
         st = torch.empty((C, nbr), dtype=torch.float32, device=dev) if columnwise else None
     sd = s if s is not None else st
     std = st if st is not None else s
-    grid = (_cdiv(R, GR), _cdiv(C, GC))
+    grid = (_cdiv(RP, GR), _cdiv(C, GC))
     TR, TC = _pow2(GR), _pow2(GC)
     _quantize_block_kernel[grid](
-        x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q,
+        x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q, RP,
         sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed,
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
