@@ -44,7 +44,7 @@ class Int8Recipe:
         cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
     cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
     autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
-        heuristic tile with no tuning. The INT8 layers turn it off for MoE experts, whose token count
+        fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8 layers turn it off for MoE experts, whose token count
         (M of fprop/dgrad, K of wgrad) changes with every routing: tuning kept a Mixtral run in its
         first iterations for minutes (docs/scaling.md).
     int8_all_gather: under sequence parallelism with tensorwise INT8 fprop, quantize each rank's shard

@@ -155,6 +155,7 @@ def measure_model(model: str, opts, env=None) -> dict:
             row["projected"] = True
         row[f"{p}_peak_gb"] = res[(p, deep)]["peak_gb"]
         row[f"{p}_loss"] = res[(p, deep)]["loss"]
+    row["runs"] = {f"{p} L={l}": r for (p, l), r in res.items()}  # every step's loss, for the JSON record
     return row
 
 
@@ -176,8 +177,11 @@ def main(argv=None):
             return
         rows[model] = row
         if out:
+            done = [rows[m] for m in opts.models if m in rows]
             with open(out, "w", encoding="utf-8") as f:
-                f.write(format_table([rows[m] for m in opts.models if m in rows], opts) + "\n")
+                f.write(format_table(done, opts) + "\n")
+            with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+                json.dump(done, f, indent=1)
 
     if opts.gpus:
         free = queue.Queue()

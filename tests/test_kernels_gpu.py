@@ -226,6 +226,32 @@ def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):
     assert_gemm_close(buf, want, _mag(qa, qb, REF) + main.abs(), f"autotuned {granularity} accumulate", nkb + 1)
 
 
+@pytest.mark.parametrize("kernel", ["auto", "plain"])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("M,N,Kd", [(1037, 14336, 4096), (4096, 1536, 1040), (3, 4096, 1040)])
+def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monkeypatch):
+    """autotune=False (MoE experts): the fixed TMA tile ("auto", operands eligible) or the plain kernel's
+    fixed tile, on expert-like shapes: a ragged token count as M (fprop), a padded one as K (wgrad into
+    main_grad), and an expert with 3 tokens."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
+    mag = _mag(qa, qb, REF)
+    n = len(G._fast)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    got = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias, autotune=False)
+    assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * (mag + 1)).all()
+    main = torch.randn(M, N, device="cuda")
+    buf = main.clone()
+    K.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf, autotune=False)
+    want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(buf, want, mag + main.abs(), f"untuned {kernel} {granularity} accumulate_into", 2)
+    assert len(G._fast) == n, "an untuned call must not autotune or cache a tuned launcher"
+
+
 @pytest.mark.parametrize("kernel", ["auto", "plain", "tma"])
 def test_gemm_cached_dispatch(K, REF, kernel, monkeypatch):
     """Calls after the first (autotuned) one launch the cached kernel/config directly: same results."""

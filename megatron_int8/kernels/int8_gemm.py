@@ -210,6 +210,7 @@ _int8_gemm_tma_tuned = triton.autotune(
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
 )(_int8_gemm_tma_kernel)
 
+
 def _scratch_alloc(size, alignment, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
@@ -246,6 +247,10 @@ def _c_tma(dtype: torch.dtype) -> bool:
     return dtype.itemsize == 2
 
 
+# Untuned launches (autotune=False: MoE experts, whose shapes change with every routing) take the persistent
+# TMA kernel with this tile where the operands allow it: the plain kernel's heuristic tile ran Mixtral's
+# expert GEMMs at ~780 TOP/s, BF16's speed (docs/benchmarks.md).
+_UNTUNED_TMA_TILE = (128, 256)
 _fast = {}  # dispatch key -> launch(args, c) of the selected compiled kernel and config (see module doc)
 
 
@@ -300,7 +305,8 @@ def triton_gemm(
 ) -> torch.Tensor:
     """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned.
 
-    autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): one heuristic tile of the plain kernel, no tuning."""
+    autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning; one fixed tile of the persistent TMA kernel
+    where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel."""
     ref.check_gemm_operands(a, b)
     M, K = a.data.shape
     N = b.data.shape[0]
@@ -357,9 +363,22 @@ def triton_gemm(
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
     elif not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one heuristic config, one compile per variant
-        BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
-        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-        _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
+        which = os.environ.get(ENV_KERNEL, "auto")
+        tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
+        if which == "tma" and not tma_ok:
+            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+        if tma_ok and which != "plain":
+            _ensure_allocator()
+            BM, BN = _UNTUNED_TMA_TILE
+            n_sms = _num_sms(ad.device)
+            _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
+                *args[:9], SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+                C_TMA=_c_tma(c.dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms,
+                FLATTEN=False, num_warps=8, num_stages=3)
+        else:
+            BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
+            grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+            _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
     else:
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
