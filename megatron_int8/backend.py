@@ -5,7 +5,9 @@ A backend offers two calls with identical contracts (see quantize.py for convent
            amax=None, columnwise_pad=1) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
       (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
       `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
-      a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns)
+      a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns;
+      `columnwise_amax`: row-wise only, x's per-column amax [C] for Q(x^T)'s scales, e.g. reduced over
+      the tensor-parallel group, while Q(x) keeps its own per-row scales)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True) -> dequant(a @ b^T) [+ bias]
       (`autotune`: a hint for kernels with tunable tiles; the result is the same either way)
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
@@ -45,8 +47,9 @@ class ReferenceBackend:
         check_finite: str = "deferred",
         amax: Optional[torch.Tensor] = None,
         columnwise_pad: int = 1,
+        columnwise_amax: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
-        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size)
+        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
         tile2d = weight and granularity == "block"
         kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
@@ -56,7 +59,8 @@ class ReferenceBackend:
             if row is not None and (granularity == "tensor" or tile2d):
                 col = row.transposed()  # same scales: a byte transpose, identical rounding
             else:
-                col = ref.quantize(x.t(), granularity, tile2d=tile2d, **kw)
+                col = ref.quantize(x.t(), granularity, tile2d=tile2d,
+                                   **dict(kw, amax=columnwise_amax if columnwise_amax is not None else amax))
             col = ref.pad_columns(col, columnwise_pad)
         return row, col
 

@@ -7,7 +7,8 @@ only have to call it.
 
 Memory: for backward it keeps Q(X)^T (int8, already laid out for the wgrad GEMM) and its scale, never the
 high-precision input, unless wgrad runs in high precision. Under sequence parallelism with the INT8
-all-gather it keeps only the local shard Q(X_local) and all-gathers it again (INT8) during dgrad.
+all-gather it keeps only the local shard (tensorwise Q(X_local), row-wise Q(X_local^T) with the group's
+per-channel scales) and all-gathers it again (INT8) while dgrad runs.
 Weights: Q(W) and Q(W)^T are cached per weight tensor until the weight changes. A change is seen through
 torch's version counter, a new storage, or any optimizer step (a global torch.optim step hook), because
 Megatron's optimizers write parameters through `.data`, which the version counter does not see.
@@ -84,18 +85,50 @@ def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _gather_quantized_input(input, backend, recipe: Int8Recipe, group):
-    """(Q(X_local), Q(all-gather(X))) computed as all-gather(Q(X_local)) with one amax for the whole group:
-    identical INT8 values and scale, half the communication of gathering BF16."""
-    x_local = input.reshape(-1, input.shape[-1])
-    # one reduction pass, no |x| temporary (max |x| is exact in any order)
-    amax = (torch.linalg.vector_norm(x_local, float("inf"), dtype=torch.float32).reshape(1) if x_local.numel()
-            else x_local.new_zeros(1, dtype=torch.float32))
+def _group_amax(x: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
+    """max |x| over the tensor-parallel group: of the whole tensor ([1]) or per column (dim=0, [C]).
+    One reduction pass, no |x| temporary (max is exact in any order); Inf/NaN become inf, which every MAX
+    reduction keeps and the quantize kernels turn into NaN scales."""
+    if x.numel():
+        amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32).reshape(-1)
+    else:
+        amax = x.new_zeros(1 if dim is None else x.shape[1], dtype=torch.float32)
+    amax = torch.nan_to_num(amax, nan=float("inf"))
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    q_local, _ = backend.quantize(x_local, rowwise=True, columnwise=False, amax=amax,
-                                  **_quantize_kwargs(recipe, "fprop input"))
-    q_total = _all_gather_dim0(q_local.data, group)
-    return q_local, QTensor(q_total, q_local.scale, "tensor", recipe.block_size)
+    return amax
+
+
+def _gather_quantized_input(input, backend, recipe: Int8Recipe, group, wgrad_int8: bool):
+    """Sequence parallelism with the INT8 all-gather: (Q(all-gather(X)) for fprop, the local shard of the
+    wgrad operand for backward to all-gather, or None), with the scales of the gathered tensor, so the
+    INT8 values are identical to quantizing a BF16 gather, at half its bytes. Tensorwise: one amax
+    all-reduced over the group; the shard kept is Q(X_local). Row-wise: Q(X)'s per-token scales are local
+    (gathered with the data), Q(X^T)'s per-channel amax is all-reduced; the shard kept is Q(X_local^T)."""
+    x_local = input.reshape(-1, input.shape[-1])
+    kw = _quantize_kwargs(recipe, "fprop input")
+    if recipe.granularity == "tensor":
+        q_local, _ = backend.quantize(x_local, rowwise=True, columnwise=False,
+                                      amax=_group_amax(x_local, None, group), **kw)
+        q_total = QTensor(_all_gather_dim0(q_local.data, group), q_local.scale, "tensor", recipe.block_size)
+        return q_total, (q_local if wgrad_int8 else None)
+    col_amax = _group_amax(x_local, 0, group) if wgrad_int8 else None
+    q_local, qt_local = backend.quantize(x_local, rowwise=True, columnwise=wgrad_int8, columnwise_amax=col_amax,
+                                         **kw)
+    q_total = QTensor(_all_gather_dim0(q_local.data, group), _all_gather_dim0(q_local.scale, group), "row",
+                      recipe.block_size)
+    return q_total, qt_local
+
+
+def _wgrad_operand_from_shards(gathered, scale, granularity: str, world: int, block_size: int) -> QTensor:
+    """Q(X_total)^T [C, R] from backward's all-gather of the saved shards: tensorwise, Q(X_local) rows
+    (transposed here); row-wise, each rank's Q(X_local^T) [C, R_local] (interleaved into [C, R] here).
+    The token axis is padded to TOKEN_PAD, as the output gradient's is."""
+    if granularity == "tensor":
+        q = QTensor(gathered, scale, "tensor", block_size).transposed()
+    else:
+        C = gathered.shape[0] // world
+        q = QTensor(gathered.view(world, C, -1).permute(1, 0, 2).reshape(C, -1), scale, "row", block_size)
+    return pad_columns(q, TOKEN_PAD)
 
 
 def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False, weight: bool = False) -> dict:
@@ -109,10 +142,12 @@ class _Int8LinearFunction(torch.autograd.Function):
         backend = get_backend(input.device, recipe) if recipe.any_int8 else None
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = qx_local = None
-        if tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop and recipe.granularity == "tensor":
+        int8_gather = (tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop
+                       and recipe.granularity in ("tensor", "row"))
+        if int8_gather:
             # X is never gathered in BF16; backward re-gathers the local INT8 shard for wgrad (as megatron
             # re-gathers the BF16 input), so only 1 byte per local element stays saved
-            qx_local, qx_row = _gather_quantized_input(input, backend, recipe, tp.group)
+            qx_row, qx_local = _gather_quantized_input(input, backend, recipe, tp.group, wgrad_int8)
             world = torch.distributed.get_world_size(tp.group)
             total_shape = (input.shape[0] * world,) + tuple(input.shape[1:])
         else:
@@ -121,7 +156,8 @@ class _Int8LinearFunction(torch.autograd.Function):
             x2d = total.reshape(-1, total.shape[-1])
             if recipe.fprop or wgrad_int8:
                 qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
-                                                  columnwise_pad=TOKEN_PAD, **_quantize_kwargs(recipe, "fprop input"))
+                                                  columnwise_pad=TOKEN_PAD,
+                                                  **_quantize_kwargs(recipe, "fprop input"))
         if recipe.fprop:
             qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
             out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
@@ -134,7 +170,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.wgrad_int8 = wgrad_int8
         ctx.regather_int8 = qx_local is not None
-        if wgrad_int8 and ctx.regather_int8:
+        if ctx.regather_int8:
             ctx.save_for_backward(weight, qx_local.data, qx_local.scale)
         elif wgrad_int8:
             ctx.qx_meta = (qx_col.granularity, qx_col.block_size, qx_col.tile2d)
@@ -190,8 +226,8 @@ class _Int8LinearFunction(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None) if tp.gradient_accumulation_fusion else None
             if wgrad_int8 and gather is not None:
                 gather.wait()
-                qx_col = pad_columns(QTensor(gathered, ctx.saved_tensors[2], "tensor", recipe.block_size).transposed(),
-                                     TOKEN_PAD)
+                qx_col = _wgrad_operand_from_shards(gathered, ctx.saved_tensors[2], recipe.granularity, world,
+                                                    recipe.block_size)
             elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)

@@ -126,7 +126,8 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
     group.add_argument("--int8-bf16-all-gather", action="store_true",
                        help="With --sequence-parallel: all-gather activations in BF16. By default they are "
-                            "gathered in INT8 (tensorwise granularity only; row/block always gather BF16).")
+                            "gathered in INT8 with the group's scales (tensor and row granularity; block "
+                            "always gathers BF16).")
     return parser
 
 

@@ -166,20 +166,42 @@ def pad_columns(q: QTensor, multiple: int) -> QTensor:
     return dataclasses.replace(q, data=_pad_to(q.data, q.data.shape[0], Cp))
 
 
-def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor],
-                        columnwise_pad: int = 1, block_size: int = 128) -> None:
-    """Both backends' quantize contract: a 2-D operand, a known granularity, amax only when tensorwise,
-    a column padding that keeps block groups whole."""
-    if not isinstance(columnwise_pad, int) or columnwise_pad < 1:
-        raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
-    if granularity == "block" and block_size % columnwise_pad:
-        raise ValueError(f"columnwise_pad {columnwise_pad} must divide block_size {block_size}")
+def _check_operand(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor]) -> None:
+    """A 2-D operand, a known granularity, and a given amax of the right shape: tensorwise a scalar,
+    row-wise one per row [R]."""
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
     if granularity not in ("tensor", "row", "block"):
         raise ValueError(f"unknown granularity {granularity!r}")
+    if amax is None:
+        return
+    if granularity == "block":
+        raise ValueError("a precomputed amax is only meaningful for tensorwise or row-wise quantization")
+    shapes = ((), (1,)) if granularity == "tensor" else ((x.shape[0],),)
+    if tuple(amax.shape) not in shapes:
+        raise ValueError(f"a {granularity}-wise amax for a {tuple(x.shape)} operand must have shape "
+                         f"{shapes[0]}, got {tuple(amax.shape)}")
+
+
+def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor],
+                        columnwise_pad: int = 1, block_size: int = 128,
+                        columnwise_amax: Optional[torch.Tensor] = None) -> None:
+    """Both backends' quantize contract: a 2-D operand, a known granularity, `amax` only when tensorwise,
+    `columnwise_amax` (one per column of x) only when row-wise, a column padding that keeps block groups
+    whole."""
+    _check_operand(x, granularity, amax)
     if amax is not None and granularity != "tensor":
-        raise ValueError("a precomputed amax is only meaningful for tensorwise quantization")
+        raise ValueError("backend.quantize's amax is tensorwise only (row-wise: columnwise_amax)")
+    if columnwise_amax is not None:
+        if granularity != "row":
+            raise ValueError("columnwise_amax is only meaningful for row-wise quantization")
+        if tuple(columnwise_amax.shape) != (x.shape[1],):
+            raise ValueError(f"columnwise_amax must hold one amax per column of the {tuple(x.shape)} operand, "
+                             f"got shape {tuple(columnwise_amax.shape)}")
+    if not isinstance(columnwise_pad, int) or columnwise_pad < 1:
+        raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
+    if granularity == "block" and block_size % columnwise_pad:
+        raise ValueError(f"columnwise_pad {columnwise_pad} must divide block_size {block_size}")
 
 
 def quantize(
@@ -196,10 +218,11 @@ def quantize(
 ) -> QTensor:
     """Quantize a 2-D tensor [R, C] with scales along its last (contraction) axis; Q(x) is contiguous.
 
-    `amax` (tensorwise only) replaces the tensor's own amax, e.g. one reduced over a tensor-parallel group
-    so that every rank's shard of a gathered activation shares one scale.
+    `amax` replaces the tensor's own (tensorwise: a scalar; row-wise: one per row, [R]), e.g. one reduced
+    over a tensor-parallel group, so that every rank's shard of a gathered activation gets the scales of
+    the gathered tensor.
     """
-    check_quantize_args(x, granularity, amax)
+    _check_operand(x, granularity, amax)
     xf = x.float()
     R, C = xf.shape
     if granularity == "tensor":
@@ -208,7 +231,9 @@ def quantize(
         amax = amax.reshape(()).float()
         per_element = lambda group: group  # noqa: E731  (one scale broadcasts)
     elif granularity == "row":
-        amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
+        if amax is None:
+            amax = xf.abs().amax(dim=1) if C else torch.zeros(R, device=x.device)
+        amax = amax.float()
         per_element = lambda group: group[:, None]  # noqa: E731
     else:  # block
         B = block_size

@@ -47,9 +47,11 @@ class Int8Recipe:
         fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8 layers turn it off for MoE experts, whose token count
         (M of fprop/dgrad, K of wgrad) changes with every routing: tuning kept a Mixtral run in its
         first iterations for minutes (docs/scaling.md).
-    int8_all_gather: under sequence parallelism with tensorwise INT8 fprop, quantize each rank's shard
-        with the tensor-parallel group's amax and all-gather INT8 instead of BF16 (same values, half
-        the bytes).
+    int8_all_gather: under sequence parallelism with INT8 fprop (tensor or row granularity), quantize
+        each rank's shard with the scales of the gathered tensor and all-gather INT8 instead of BF16: the
+        same values at half the bytes, and backward keeps only the local shard (1 byte per element).
+        Tensorwise: one amax all-reduced over the tensor-parallel group. Row-wise: per-token scales are
+        local; the wgrad operand's per-channel amax is all-reduced. Block granularity gathers BF16.
     """
 
     granularity: str = "row"

@@ -133,6 +133,28 @@ def test_quantize_pads_the_transposed_rows(K, granularity, weight, stochastic):
                            K.triton_gemm(gu, c0, out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_quantize_given_column_amax(K, rowwise):
+    """Row-wise Q(x^T) with a given per-column amax (the TP group's, larger than x's own in some columns,
+    inf in one): bit-identical to the reference; Q(x) keeps its own per-row scales."""
+    x = outliers(37, 53)
+    col_amax = x.float().abs().amax(dim=0) * torch.where(torch.rand(53) < 0.5, 3.0, 1.0)
+    col_amax[4] = float("inf")
+    kw = _kw("row", False, rowwise=rowwise, columnwise=True, columnwise_pad=16, check_finite="off")
+    r1, c1 = K.triton_quantize(x, columnwise_amax=col_amax, **kw)
+    r0, c0 = REF.quantize(x, columnwise_amax=col_amax, **kw)
+    torch.testing.assert_close(c1.scale, c0.scale, rtol=0, atol=0, equal_nan=True)  # exact, NaN included
+    assert torch.equal(c1.data, c0.data) and c1.data.shape == (53, 48)
+    assert torch.isnan(c1.scale[4]) and torch.equal(c1.scale[:4], col_amax[:4] / torch.tensor(127.0))
+    if rowwise:
+        assert_same_qtensor(r1, r0, "rowwise")
+        assert_same_qtensor(r1, K.triton_quantize(x, **kw)[0], "rowwise scales are x's own")
+    with pytest.raises(ValueError, match="columnwise_amax"):
+        K.triton_quantize(x, columnwise_amax=col_amax[:10], **kw)
+    with pytest.raises(ValueError, match="columnwise_amax"):
+        K.triton_quantize(x, columnwise_amax=col_amax, **dict(kw, granularity="tensor"))
+
+
 def test_quantize_rejects_bad_padding(K):
     x = outliers(8, 8)
     for pad in (0, -16, 1.5):

@@ -110,6 +110,16 @@ def test_quantize_padded_transpose_and_wgrad(K, REF, granularity, weight):
         assert ((out - ref_out).abs() <= bound).all(), granularity
 
 
+def test_quantize_given_column_amax(K, REF):
+    """Row-wise Q(x^T) with the TP group's per-column amax (the sequence-parallel INT8 all-gather)."""
+    x = outliers(4096, 4096)
+    col_amax = x.float().abs().amax(dim=0) * torch.where(torch.rand(4096, device="cuda") < 0.5, 3.0, 1.0)
+    kw = _kw("row", False, rowwise=True, columnwise=True, columnwise_amax=col_amax)
+    for got, want, what in zip(K.triton_quantize(x, **kw), ref_quantize(REF, x, **dict(kw, columnwise_amax=col_amax.cpu())),
+                               ("rowwise", "columnwise")):
+        assert_same_qtensor(got, want, f"given column amax, {what}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quantize_other_dtypes_and_block_sizes(K, REF, dtype):
     x = outliers(2000, 3001, dtype)

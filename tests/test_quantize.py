@@ -218,3 +218,12 @@ def test_reference_backend_pads_the_transposed_rows(granularity, weight):
             continue
         with pytest.raises(ValueError, match=match):
             ReferenceBackend().quantize(x, columnwise_pad=pad, **kw)
+
+
+def test_given_amax_shapes_are_checked():
+    x = heavy_tailed(6, 10)
+    row = quantize(x, "row", amax=x.abs().amax(dim=1) * 2)
+    assert torch.equal(row.scale, quantize(x, "row").scale * 2)  # doubling is exact in fp32
+    for granularity, amax in (("row", torch.ones(10)), ("tensor", torch.ones(6)), ("block", torch.ones(6))):
+        with pytest.raises(ValueError, match="amax"):
+            quantize(x, granularity, amax=amax)

@@ -334,13 +334,16 @@ def triton_quantize(
     check_finite: str = "deferred",
     amax: Optional[torch.Tensor] = None,
     columnwise_pad: int = 1,
+    columnwise_amax: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
     """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R'] or None).
 
     `amax` (tensorwise only): a precomputed amax (e.g. reduced over the tensor-parallel group) replacing
     x's own; it then stands in for the partials, so the amax launch is skipped. `columnwise_pad`: R' is R
-    rounded up to a multiple of it; the kernels store the zero columns along with the data."""
-    ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size)
+    rounded up to a multiple of it; the kernels store the zero columns along with the data.
+    `columnwise_amax` (row-wise only): x's per-column amax [C] for Q(x^T)'s scales; it stands in for the
+    column partials, so the amax launch only computes row maxima (none when Q(x) is not requested)."""
+    ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
     if not (rowwise or columnwise):
         return None, None
     R, C = x.shape
@@ -349,7 +352,7 @@ def triton_quantize(
         return ReferenceBackend().quantize(x, granularity=granularity, block_size=block_size, weight=weight,
                                            rowwise=rowwise, columnwise=columnwise, stochastic=stochastic,
                                            name=name, check_finite=check_finite, amax=amax,
-                                           columnwise_pad=columnwise_pad)
+                                           columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax)
     dev = x.device
     RP = ref.padded_length(R, columnwise_pad) if columnwise else R
     q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
@@ -395,13 +398,17 @@ def triton_quantize(
     n_ct = _cdiv(C, ATC)
     RB = _amax_rows_per_program(R, n_ct, False)
     n_rs = _cdiv(R, RB)
+    col_partials = columnwise and columnwise_amax is None
     n_row = R * n_ct if rowwise else 0
-    n_col = n_rs * C if columnwise else 0
+    n_col = n_rs * C if col_partials else 0
     parts = torch.empty(max(1, n_row + n_col), dtype=torch.float32, device=dev)
-    prow, pcol = parts, parts[n_row:] if columnwise else parts
-    _amax_partials_kernel[(n_rs, n_ct)](
-        x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
-        TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=columnwise, num_warps=_WARPS)
+    prow, pcol = parts, parts[n_row:] if col_partials else parts
+    if rowwise or col_partials:
+        _amax_partials_kernel[(n_rs, n_ct)](
+            x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
+            TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
+    if columnwise and not col_partials:  # the given amax: one "partial" per column
+        pcol, n_rs = columnwise_amax.to(device=dev, dtype=torch.float32).contiguous(), 1
     s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
     sd = s_row if s_row is not None else s_col
