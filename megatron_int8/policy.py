@@ -124,10 +124,11 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "sync per quantize), 'off' leaves NaN outputs to the loss and grad-norm checks.")
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
-    group.add_argument("--int8-bf16-all-gather", action="store_true",
-                       help="With --sequence-parallel: all-gather activations in BF16. By default they are "
-                            "gathered in INT8 with the group's scales (tensor and row granularity; block "
-                            "always gathers BF16).")
+    group.add_argument("--int8-all-gather", action="store_true",
+                       help="With --sequence-parallel: quantize each rank's activation shard with the scales "
+                            "of the gathered tensor and all-gather INT8 instead of BF16 (tensor and row "
+                            "granularity). Half the bytes, but slower over NVLink in our runs "
+                            "(docs/scaling.md); for slow links or to save activation memory.")
     return parser
 
 
@@ -153,7 +154,7 @@ def policy_from_args(args) -> Int8Policy:
             backend=args.int8_backend,
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,
-            int8_all_gather=not getattr(args, "int8_bf16_all_gather", False),
+            int8_all_gather=getattr(args, "int8_all_gather", False),
         )
         policy = Int8Policy(
             enabled=bool(args.int8_linear),

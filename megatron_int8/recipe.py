@@ -52,6 +52,10 @@ class Int8Recipe:
         same values at half the bytes, and backward keeps only the local shard (1 byte per element).
         Tensorwise: one amax all-reduced over the tensor-parallel group. Row-wise: per-token scales are
         local; the wgrad operand's per-channel amax is all-reduced. Block granularity gathers BF16.
+        Off by default: over NVLink on 4 H200s it was slower than the BF16 gather (0.974x row-wise,
+        0.956x tensorwise, Llama2-7B TP 2 + SP x DP 2; docs/scaling.md): the blocking amax all-reduce,
+        the extra amax pass and backward's re-gather cost more than the halved bytes save. It is meant
+        for slower links, or for the activation memory it saves.
     """
 
     granularity: str = "row"
@@ -64,7 +68,7 @@ class Int8Recipe:
     check_finite: str = "deferred"
     cache_weights: bool = True
     autotune: bool = True
-    int8_all_gather: bool = True
+    int8_all_gather: bool = False
 
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:

@@ -3,9 +3,10 @@
 
 Every layout trains its model at full depth through the project's trainer under torchrun (NCCL), on mock
 data, once per variant: BF16 (the baseline), INT8 (`--int8-linear`, the default row-wise recipe), and for
-the sequence-parallel Llama2-7B layouts also INT8 with `--int8-bf16-all-gather` and the tensorwise recipe
-(scales with stochastic rounding of gradients) with and without it, which isolates the INT8 SP
-all-gather (quantize each rank's shard with the group's scales, gather INT8). Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
+the sequence-parallel Llama2-7B layouts also INT8 with `--int8-all-gather` and the tensorwise recipe
+(scales with stochastic rounding of gradients) without and with it, which isolates the INT8 SP
+all-gather (quantize each rank's shard with the group's scales, gather INT8) against the default BF16
+gather. Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
 iterations, loss, rank 0's peak memory, model TFLOP/s per GPU). Global batch = micro-batch x GPUs, so every
 layout trains on the same tokens per iteration (seq x micro x GPUs) and data-parallel ranks accumulate.
 
@@ -42,12 +43,13 @@ TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochasti
 VARIANTS = {  # name -> (label, INT8 linears, extra trainer flags)
     "bf16": ("BF16", False, []),
     "int8": ("INT8 (row-wise, the default)", True, []),
-    "int8-bf16ag": ("INT8 (row-wise), BF16 SP all-gather", True, ["--int8-bf16-all-gather"]),
-    "int8-tensor": ("INT8 tensorwise + SR, INT8 SP all-gather", True, TENSORWISE),
-    "int8-tensor-bf16ag": ("INT8 tensorwise + SR, BF16 SP all-gather", True, TENSORWISE + ["--int8-bf16-all-gather"]),
+    "int8-int8ag": ("INT8 (row-wise), INT8 SP all-gather", True, ["--int8-all-gather"]),
+    "int8-tensor": ("INT8 tensorwise + SR", True, TENSORWISE),
+    "int8-tensor-int8ag": ("INT8 tensorwise + SR, INT8 SP all-gather", True, TENSORWISE + ["--int8-all-gather"]),
 }
-SP_VARIANTS = ("bf16", "int8", "int8-bf16ag", "int8-tensor", "int8-tensor-bf16ag")
-ALL_GATHER_PAIRS = {"int8-bf16ag": ("int8", "row-wise"), "int8-tensor-bf16ag": ("int8-tensor", "tensorwise + SR")}
+SP_VARIANTS = ("bf16", "int8", "int8-int8ag", "int8-tensor", "int8-tensor-int8ag")
+# INT8-gather variant -> (the same recipe with the default BF16 gather, its name)
+ALL_GATHER_PAIRS = {"int8-int8ag": ("int8", "row-wise"), "int8-tensor-int8ag": ("int8-tensor", "tensorwise + SR")}
 # Tiny widths for --smoke (CPU): every model keeps its structure (GQA, MoE, untied, SwiGLU) at width 64.
 SMOKE_MODEL = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--kv-channels", "16", "--moe-ffn-hidden-size", "128",
@@ -214,7 +216,7 @@ def format_table(records) -> str:
     for (name, variant), r in done.items():
         pair = ALL_GATHER_PAIRS.get(variant)
         if pair and (name, pair[0]) in done:
-            ratio = done[(name, pair[0])]["tokens_per_s"] / r["tokens_per_s"]
+            ratio = r["tokens_per_s"] / done[(name, pair[0])]["tokens_per_s"]
             lines += ["", f"{r['title']}: INT8 SP all-gather vs BF16 SP all-gather (both {pair[1]} INT8 "
                           f"linears): {ratio:.3f}x tokens/s"]
     return "\n".join(lines)

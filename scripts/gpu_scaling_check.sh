@@ -7,7 +7,7 @@
 #   LAYOUTS="mixtral_8x7b_8l-ep4 llama2_13b-tp4sp" bash scripts/gpu_scaling_check.sh    # call 2 (4 runs)
 #   SMOKE=1 bash scripts/gpu_scaling_check.sh                                           # CPU plumbing check
 #
-# Environment: LAYOUTS (default: bench_scaling.py's three 4-GPU layouts), VARIANTS (bf16 int8 int8-bf16ag int8-tensor int8-tensor-bf16ag;
+# Environment: LAYOUTS (default: bench_scaling.py's three 4-GPU layouts), VARIANTS (bf16 int8 int8-int8ag int8-tensor int8-tensor-int8ag;
 # default: each layout's own), ITERS [50], WARMUP [5],
 # DEADLINE [460] seconds for all runs (a device command has 600 s; the install comes first), RUN_TIMEOUT
 # [400], EXTRA (more trainer flags for every run, e.g. "--recompute-granularity selective").

@@ -26,12 +26,12 @@ def test_every_flag_reaches_the_policy():
         "--int8-grad-rounding", "stochastic", "--int8-backend", "reference", "--int8-first-last-layers-bf16",
         "--int8-num-layers-at-start-in-bf16", "2", "--int8-num-layers-at-end-in-bf16", "3",
         "--int8-bf16-modules", "linear_proj", "experts", "--int8-check-finite", "immediate", "--int8-no-weight-cache",
-        "--int8-bf16-all-gather"]))
+        "--int8-all-gather"]))
     assert policy == Int8Policy(
         enabled=True,
         recipe=Int8Recipe(granularity="block", block_size=64, fprop=True, dgrad=False, wgrad=False,
                           grad_rounding="stochastic", backend="reference", check_finite="immediate", cache_weights=False,
-                          int8_all_gather=False),
+                          int8_all_gather=True),
         first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=3,
         bf16_modules=("linear_proj", "experts"))
 
