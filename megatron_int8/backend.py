@@ -2,7 +2,7 @@
 
 A backend offers two calls with identical contracts (see quantize.py for conventions):
   quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
-           amax=None, columnwise_pad=1) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
+           amax=None, columnwise_pad=1, columnwise_amax=None) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
       (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
       `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
       a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns;

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backend import get_backend
-from .quantize import QTensor, pad_columns
+from .quantize import QTensor, handle_nonfinite, pad_columns
 from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 _weight_generation = 0
@@ -112,10 +112,13 @@ def _gather_quantized_input(input, backend, recipe: Int8Recipe, group, wgrad_int
         q_total = QTensor(_all_gather_dim0(q_local.data, group), q_local.scale, "tensor", recipe.block_size)
         return q_total, (q_local if wgrad_int8 else None)
     col_amax = _group_amax(x_local, 0, group) if wgrad_int8 else None
+    # the per-token scales are local: check them once gathered, so that every rank raises together
+    # (a rank raising alone before the all-gather would leave the others waiting in it)
     q_local, qt_local = backend.quantize(x_local, rowwise=True, columnwise=wgrad_int8, columnwise_amax=col_amax,
-                                         **kw)
+                                         **dict(kw, check_finite="off"))
     q_total = QTensor(_all_gather_dim0(q_local.data, group), _all_gather_dim0(q_local.scale, group), "row",
                       recipe.block_size)
+    handle_nonfinite(q_total.scale, "fprop input", recipe.check_finite)
     return q_total, qt_local
 
 

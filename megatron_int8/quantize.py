@@ -198,7 +198,7 @@ def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.
         if tuple(columnwise_amax.shape) != (x.shape[1],):
             raise ValueError(f"columnwise_amax must hold one amax per column of the {tuple(x.shape)} operand, "
                              f"got shape {tuple(columnwise_amax.shape)}")
-    if not isinstance(columnwise_pad, int) or columnwise_pad < 1:
+    if not isinstance(columnwise_pad, int) or isinstance(columnwise_pad, bool) or columnwise_pad < 1:
         raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
     if granularity == "block" and block_size % columnwise_pad:
         raise ValueError(f"columnwise_pad {columnwise_pad} must divide block_size {block_size}")

@@ -185,7 +185,8 @@ def _fmt(value, spec):
 def format_table(records) -> str:
     """One markdown table: every layout's variants, speedups against the layout's BF16 run."""
     order = {name: i for i, name in enumerate(LAYOUTS)}
-    records = sorted(records, key=lambda r: (order.get(r["layout"], 99), list(VARIANTS).index(r["variant"])))
+    rank = {name: i for i, name in enumerate(VARIANTS)}  # variants of older calls (other names) go last
+    records = sorted(records, key=lambda r: (order.get(r["layout"], 99), rank.get(r["variant"], len(rank))))
     bf16 = {r["layout"]: r for r in records if r["variant"] == "bf16" and "error" not in r and "skipped" not in r}
     first = next((r for r in records if "error" not in r and "skipped" not in r), records[0] if records else {})
     smoke = any(r.get("smoke") for r in records)

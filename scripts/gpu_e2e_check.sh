@@ -21,7 +21,7 @@ python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__ver
 if [[ -n "${TEST_GPU-3}" ]]; then
   (
     export CUDA_VISIBLE_DEVICES=${TEST_GPU-3}
-    # heuristic GEMM tiles for the bulk of the kernel tests (the autotuned-path tests turn tuning on)
+    # fixed GEMM tiles (TMA where eligible) for the bulk of the kernel tests (the autotuned-path tests turn tuning on)
     MEGATRON_INT8_GEMM_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf \
       --durations=5 tests/test_kernels_gpu.py > "$OUT/kernels_tests.log" 2>&1
     echo "exit $?" >> "$OUT/kernels_tests.log"

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ -z "$SKIP_TESTS" ]; then
-  # heuristic GEMM tiles for the bulk of the tests (one compile per variant); test_gemm_autotuned_path re-enables tuning
+  # fixed GEMM tiles (TMA where eligible) for the bulk of the tests (one compile per variant); test_gemm_autotuned_path re-enables tuning
   MEGATRON_INT8_GEMM_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_kernels_gpu.py $TEST_ARGS 2>&1 | tee "$OUT/tests.log" | tail -25
 fi

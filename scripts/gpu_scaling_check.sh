@@ -3,7 +3,8 @@
 # of issue #7 through scripts/bench_scaling.py (full-depth models, mock data, NCCL). Table, per-run JSON
 # results and logs go to $OUT; docs/scaling.md says how the calls are split and merged.
 #
-#   LAYOUTS="llama2_7b-tp2sp-dp2" bash scripts/gpu_scaling_check.sh                     # call 1 (3 runs)
+#   LAYOUTS="llama2_7b-tp2sp-dp2" VARIANTS="bf16 int8 int8-int8ag" bash scripts/gpu_scaling_check.sh  # call 1
+#   LAYOUTS="llama2_7b-tp2sp-dp2" VARIANTS="int8-tensor int8-tensor-int8ag" bash ...                # call 1b
 #   LAYOUTS="mixtral_8x7b_8l-ep4 llama2_13b-tp4sp" bash scripts/gpu_scaling_check.sh    # call 2 (4 runs)
 #   SMOKE=1 bash scripts/gpu_scaling_check.sh                                           # CPU plumbing check
 #

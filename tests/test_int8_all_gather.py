@@ -70,3 +70,34 @@ def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
             int8_saved = [n for dtype, n in r["saved"] if dtype == torch.int8]
             assert int8_saved == [14 // world * 3 * 64], f"{what}: backward must keep only the local INT8 shard"
             assert r["shape"] == (14, 3, 24)
+
+
+def _nonfinite_worker(rank, world, port, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.randn(4, 2, 32)
+        if rank == 1:
+            x[1, 0, 3] = float("nan")  # only rank 1's shard holds it
+        raised = {}
+        for granularity in GRANULARITIES:
+            recipe = Int8Recipe(granularity=granularity, int8_all_gather=True, check_finite="immediate")
+            try:
+                int8_linear(x, torch.randn(8, 32), None, recipe,
+                            tp=TPOptions(group=dist.group.WORLD, sequence_parallel=True))
+                raised[granularity] = False
+            except FloatingPointError:
+                raised[granularity] = True
+        torch.save(raised, f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_int8_all_gather_immediate_check_raises_on_every_rank(tmp_path):
+    """A NaN in one rank's shard: with check_finite="immediate" every rank raises (none is left waiting in
+    a collective the raising rank never reaches)."""
+    world = 2
+    mp.spawn(_nonfinite_worker, args=(world, _free_port(), str(tmp_path / "r")), nprocs=world, join=True)
+    for rank in range(world):
+        assert torch.load(tmp_path / f"r.{rank}") == {g: True for g in GRANULARITIES}, rank

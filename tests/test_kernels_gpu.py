@@ -249,6 +249,9 @@ def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monke
     qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
     mag = _mag(qa, qb, REF)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    mode = G._SCALE_TENSOR if granularity == "tensor" else G._SCALE_ROW
+    assert G._tma_eligible(qa.data, qb.data, out, None, mode, False), "these shapes must reach the TMA kernel"
     n = len(G._fast)
     bias = torch.randn(N, device="cuda").bfloat16()
     want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)

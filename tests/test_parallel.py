@@ -83,17 +83,19 @@ def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
     assert dev.type == "cpu" or expected_backend == "triton", expected_backend
     gemm_calls = _record_gemm_backends()
     hidden, ffn, seq, batch = 32, 64, 8, 2
-    for sequence_parallel in (False, True):
+    # tensorwise: with sequence parallelism both the BF16 and the INT8 all-gather
+    for sequence_parallel, int8_gather in ((False, False), (True, False), (True, True)):
+        recipe = nearest_recipe(int8_all_gather=int8_gather)
         models = {}
         for name, int8, fusion in (("int8", True, True), ("hp", False, False)):
             config = tiny_config(hidden_size=hidden, ffn_hidden_size=ffn, tensor_model_parallel_size=2,
                                  sequence_parallel=sequence_parallel, gradient_accumulation_fusion=fusion)
             torch.manual_seed(0)  # CPU init: the same full weights on every rank, for every model
             fc1 = Int8ColumnParallelLinear(hidden, ffn, config=config, init_method=torch.nn.init.xavier_normal_,
-                                           bias=False, gather_output=False, int8=int8, recipe=nearest_recipe())
+                                           bias=False, gather_output=False, int8=int8, recipe=recipe)
             fc2 = Int8RowParallelLinear(ffn, hidden, config=config, init_method=torch.nn.init.xavier_normal_,
                                         bias=False, input_is_parallel=True, skip_bias_add=False, int8=int8,
-                                        recipe=nearest_recipe())
+                                        recipe=recipe)
             models[name] = (fc1.to(dev), fc2.to(dev))
         gen = torch.Generator().manual_seed(42)
         with torch.no_grad():  # outliers in the weights, identical on both ranks before sharding

@@ -1,10 +1,10 @@
 """Tensor and sequence parallelism on 2 GPUs (NCCL, skipped with fewer): the INT8 fc1 -> gelu -> fc2 chain
-at TP=2, with and without sequence parallelism (INT8 all-gather), against float64, the TP=1 INT8 chain and
+at TP=2, without and with sequence parallelism (BF16 and INT8 all-gather), against float64, the TP=1 INT8 chain and
 the high-precision layers, within the same float64 scale-derived bounds as the CPU test
 (tests/test_parallel.py, whose worker this runs with device="cuda"): outputs, input gradients, and weight
 gradients accumulated into main_grad over 3 micro-batches. Rank r runs on cuda:r with the default backend,
 which must be Triton there; inputs, weights and outputs are fp32 (the Triton quantize kernel reads any float
-dtype and rounds in fp32; the GEMM writes fp32 through its plain, non-TMA kernel), as in the CPU test."""
+dtype and rounds in fp32; the GEMM writes fp32), as in the CPU test."""
 import pytest
 import torch
 from mcore_helpers import run_distributed

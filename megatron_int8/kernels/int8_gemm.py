@@ -42,7 +42,7 @@ ref = importlib.import_module("megatron_int8.quantize")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
-ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, use one heuristic tile config
+ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, launch one fixed tile config
 ENV_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"  # "auto" (time both once per shape), "plain" or "tma"
 
 
@@ -362,7 +362,7 @@ def triton_gemm(
         BM, BN = 16, 16
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
-    elif not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one heuristic config, one compile per variant
+    elif not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one fixed config, one compile per variant
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
         if which == "tma" and not tma_ok:

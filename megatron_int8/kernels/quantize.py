@@ -1,14 +1,16 @@
 """Triton INT8 quantization: amax, scale, round, clamp, and the fused quantize+transpose.
 
 Contract (identical to megatron_int8.quantize, see its docstring): an operand x [R, C] has its contraction
-axis last. `rowwise` returns Q(x) [R, C], `columnwise` returns Q(x^T) [C, R], both K-major as Hopper's INT8
+axis last. `rowwise` returns Q(x) [R, C], `columnwise` returns Q(x^T) [C, R] (or [C, R'], R zero-padded up
+to a multiple of `columnwise_pad`), both K-major as Hopper's INT8
 tensor cores need. scale = amax / 127 in fp32 (IEEE division, 1.0 for an all-zero group, NaN for a group
 holding Inf/NaN), q = clamp(round_half_even(x_fp32 * (1 / scale)), -127, 127) with an IEEE-correct
 reciprocal per scale (`tl.math.div_rn`) and an fp32 multiply per element, so the int8 data and the scales
 are bit-identical to the PyTorch reference.
 
 Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so every launch counts):
-- tensor and row granularity: 2. `_amax_partials_kernel` reads x once and writes a few partial maxima
+- tensor and row granularity: 2 (1 when a given amax replaces the partials: `amax`, or `columnwise_amax`
+  without Q(x)). `_amax_partials_kernel` reads x once and writes a few partial maxima
   (no atomics, so no zero-initialised buffer and no extra memset launch); `_quantize_kernel` then reads x
   again and every program reduces the partials it needs itself, so there is no separate "finalize"
   launch. To keep that redundant reduction cheap, each amax program walks a tall strip of rows
@@ -374,7 +376,8 @@ def triton_quantize(
     if tensor:
         if amax is not None:  # the given amax is the single "partial": no amax launch
             scale = torch.empty((), dtype=torch.float32, device=dev)
-            parts = amax.reshape(1).to(device=dev, dtype=torch.float32).contiguous()
+            # NaN -> inf: the kernel's max-reduction would drop a NaN, inf gives the NaN scale
+            parts = torch.nan_to_num(amax.reshape(1).to(device=dev, dtype=torch.float32), nan=float("inf"))
             n_p = 1
         else:
             ATR, ATC = _AMAX_TILE
@@ -408,7 +411,8 @@ def triton_quantize(
             x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
     if columnwise and not col_partials:  # the given amax: one "partial" per column
-        pcol, n_rs = columnwise_amax.to(device=dev, dtype=torch.float32).contiguous(), 1
+        pcol = torch.nan_to_num(columnwise_amax.to(device=dev, dtype=torch.float32), nan=float("inf")).contiguous()
+        n_rs = 1
     s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
     sd = s_row if s_row is not None else s_col
