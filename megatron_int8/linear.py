@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backend import get_backend
-from .quantize import QTensor, handle_nonfinite, pad_columns
+from .quantize import QTensor, handle_nonfinite, nan_as_inf, pad_columns
 from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 _weight_generation = 0
@@ -93,7 +93,7 @@ def _group_amax(x: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
         amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, dtype=torch.float32).reshape(-1)
     else:
         amax = x.new_zeros(1 if dim is None else x.shape[1], dtype=torch.float32)
-    amax = torch.nan_to_num(amax, nan=float("inf"))
+    amax = nan_as_inf(amax)
     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
     return amax
 

@@ -128,6 +128,12 @@ def handle_nonfinite(scale: torch.Tensor, name: str, check_finite: str) -> None:
         raise ValueError(f"check_finite must be 'deferred', 'immediate' or 'off', got {check_finite!r}")
 
 
+def nan_as_inf(amax: torch.Tensor) -> torch.Tensor:
+    """A given amax with NaN mapped to +inf (inf kept): max-reductions (the kernels', NCCL's) may drop a
+    NaN, while inf survives them and still yields a NaN scale."""
+    return torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf"))
+
+
 def _round_clamp(v: torch.Tensor, stochastic: bool, generator: Optional[torch.Generator]) -> torch.Tensor:
     if stochastic:
         noise = torch.rand(v.shape, device=v.device, dtype=torch.float32, generator=generator)

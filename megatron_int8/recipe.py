@@ -44,9 +44,10 @@ class Int8Recipe:
         cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
     cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
     autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
-        fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8 layers turn it off for MoE experts, whose token count
-        (M of fprop/dgrad, K of wgrad) changes with every routing: tuning kept a Mixtral run in its
-        first iterations for minutes (docs/scaling.md).
+        fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8
+        layers turn it off for MoE experts, whose token count (M of fprop/dgrad, K of wgrad) changes
+        with every routing: tuning kept a Mixtral run in its first iterations for minutes
+        (docs/scaling.md).
     int8_all_gather: under sequence parallelism with INT8 fprop (tensor or row granularity), quantize
         each rank's shard with the scales of the gathered tensor and all-gather INT8 instead of BF16: the
         same values at half the bytes, and backward keeps only the local shard (1 byte per element).

@@ -377,7 +377,7 @@ def triton_quantize(
         if amax is not None:  # the given amax is the single "partial": no amax launch
             scale = torch.empty((), dtype=torch.float32, device=dev)
             # NaN -> inf: the kernel's max-reduction would drop a NaN, inf gives the NaN scale
-            parts = torch.nan_to_num(amax.reshape(1).to(device=dev, dtype=torch.float32), nan=float("inf"))
+            parts = ref.nan_as_inf(amax.reshape(1).to(device=dev, dtype=torch.float32))
             n_p = 1
         else:
             ATR, ATC = _AMAX_TILE
@@ -411,7 +411,7 @@ def triton_quantize(
             x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
     if columnwise and not col_partials:  # the given amax: one "partial" per column
-        pcol = torch.nan_to_num(columnwise_amax.to(device=dev, dtype=torch.float32), nan=float("inf")).contiguous()
+        pcol = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
         n_rs = 1
     s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
     s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
