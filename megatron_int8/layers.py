@@ -27,7 +27,6 @@ from .linear import TPOptions, int8_linear
 from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 
-
 def _config_without_apex_check(config):
     """A shallow config copy that passes megatron's apex check for gradient_accumulation_fusion."""
     if config.gradient_accumulation_fusion and not mcore_layers._grad_accum_fusion_available:

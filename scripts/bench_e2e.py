@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -165,6 +166,7 @@ def main(argv=None):
         depths_of(model, opts)  # fail before any run
     out = opts.out or (os.path.join(os.environ["OUT"], "bench_e2e.md") if os.environ.get("OUT") else None)
     rows, failed = {}, []
+    publishing = threading.Lock()  # with --gpus, models finish on several threads
 
     def measure_and_publish(model, env=None):
         """Measure one model and rewrite the table with every model finished so far (a call cut short
@@ -173,15 +175,17 @@ def main(argv=None):
             row = measure_model(model, opts, env)
         except RuntimeError as err:
             print(f"  {model}: {err}", flush=True)
-            failed.append(model)
+            with publishing:
+                failed.append(model)
             return
-        rows[model] = row
-        if out:
-            done = [rows[m] for m in opts.models if m in rows]
-            with open(out, "w", encoding="utf-8") as f:
-                f.write(format_table(done, opts) + "\n")
-            with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
-                json.dump(done, f, indent=1)
+        with publishing:
+            rows[model] = row
+            if out:
+                done = [rows[m] for m in opts.models if m in rows]
+                with open(out, "w", encoding="utf-8") as f:
+                    f.write(format_table(done, opts) + "\n")
+                with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+                    json.dump(done, f, indent=1)
 
     if opts.gpus:
         free = queue.Queue()
