@@ -9,23 +9,26 @@ reciprocal per scale (`tl.math.div_rn`) and an fp32 multiply per element, so the
 are bit-identical to the PyTorch reference.
 
 Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so every launch counts):
-- tensor and row granularity: 2 (1 when a given amax replaces the partials: `amax`, or `columnwise_amax`
-  without Q(x)). `_amax_partials_kernel` reads x once and writes a few partial maxima
-  (no atomics, so no zero-initialised buffer and no extra memset launch); `_quantize_kernel` then reads x
-  again and every program reduces the partials it needs itself, so there is no separate "finalize"
-  launch. To keep that redundant reduction cheap, each amax program walks a tall strip of rows
-  (`_amax_rows_per_program`), which bounds the partials to <= ~1024 per tensor / per column.
+- tensor and row granularity: 3 (1 when a given amax replaces the partials: `amax`, or `columnwise_amax`
+  without Q(x)). `_amax_partials_kernel` reads x once and writes partial maxima (no atomics, so no
+  zero-initialised buffer and no memset launch; each program walks a tall strip of rows,
+  `_amax_rows_per_program`, which bounds the partials to <= ~1024 per tensor / per column);
+  `_reduce_partials_kernel` reduces them to one amax per tensor / row / column (a few KB to ~1 MB); and
+  `_quantize_kernel` reads x again, turns the amax of its tile's rows and columns into scales and
+  quantizes. Reducing the partials once, instead of in every quantize tile, cut the L2 traffic of a
+  64 x 64 tile from ~12 KB of partials per 8 KB of data to 0.5 KB.
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
 - check_finite: "deferred" (default) adds one or two small torch launches that fold a scale array into
   a device-side flag (no sync); "immediate" one small reduction and the host sync that reads it; "off"
   nothing. Any Inf/NaN element makes its groups' scales NaN (a NaN amax is mapped to inf), so one scale
   array tells.
-The partials share one allocation with the tensorwise scale (a few KB, kept alive with the scale), so a
-tensorwise call allocates 3 tensors (Q(x), Q(x^T), scale + partials) and syncs nothing.
+Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
+alive with the scale; row: the row and column scales, with the partials in a second buffer freed on
+return); no host sync.
 
 Quantize+transpose: Q(x) and Q(x)^T are stored from the same registers; the transposed store goes through
-`tl.trans` (a shared-memory layout change), and the tile is 64 x 128 so that both int8 stores write whole
-32-byte sectors in 16-byte vectors (rows of 128 B for Q(x), 64 B for Q(x)^T).
+`tl.trans` (a shared-memory layout change). The tile is 64 x 64: 64 x 128 would store both outputs in
+whole 16-byte vectors but measured 25% slower on an H200.
 
 Stochastic rounding: floor(v + u), u ~ U[0, 1). One Philox call (`tl.rand4x`) yields 4 draws, used for 4
 adjacent columns (element (r, c) takes draw c % 4 of the call at counter r * ceil(C/4) + c // 4), which
@@ -149,22 +152,68 @@ def _amax_partials_kernel(
 
 
 @triton.jit
+def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_ptr,
+                        BG: tl.constexpr, BP: tl.constexpr, GROUPS_INNER: tl.constexpr):
+    """out[g] = max_j p[g * stride_g + j * stride_p] for the BG groups of block `blk`. GROUPS_INNER: groups
+    are the contiguous axis (column partials), so the tile is [BP, BG] and loads stay coalesced."""
+    offs_g = blk * BG + tl.arange(0, BG)
+    mask_g = offs_g < n_groups
+    if GROUPS_INNER:
+        acc = tl.zeros((BP, BG), tl.float32)
+        for j0 in range(0, n_parts, BP):
+            offs_p = j0 + tl.arange(0, BP)
+            m = (offs_p < n_parts)[:, None] & mask_g[None, :]
+            acc = tl.maximum(acc, tl.load(p_ptr + offs_p[:, None].to(tl.int64) * stride_p + offs_g[None, :] * stride_g,
+                                          mask=m, other=0.0))
+        tl.store(out_ptr + offs_g, tl.max(acc, axis=0), mask=mask_g)
+    else:
+        acc = tl.zeros((BG, BP), tl.float32)
+        for j0 in range(0, n_parts, BP):
+            offs_p = j0 + tl.arange(0, BP)
+            m = mask_g[:, None] & (offs_p < n_parts)[None, :]
+            acc = tl.maximum(acc, tl.load(p_ptr + offs_g[:, None].to(tl.int64) * stride_g + offs_p[None, :] * stride_p,
+                                          mask=m, other=0.0))
+        tl.store(out_ptr + offs_g, tl.max(acc, axis=1), mask=mask_g)
+
+
+@triton.jit
+def _reduce_partials_kernel(
+    prow_ptr, R, n_ct, n_row_programs,  # row maxima: prow [R, n_ct] -> out[:R]
+    pcol_ptr, C, n_rs,  # column maxima: pcol [n_rs, C] -> out[R:R + C], by the programs after the rows'
+    out_ptr,
+    BG: tl.constexpr, BP: tl.constexpr, ONE_GROUP: tl.constexpr,
+):
+    """The partial maxima of _amax_partials_kernel reduced to one amax per group, once, so each quantize
+    tile loads only the maxima of its own rows/columns. ONE_GROUP (tensorwise): one program reduces all
+    n_ct partials of prow to out[0]."""
+    pid = tl.program_id(0)
+    if ONE_GROUP:
+        acc = tl.zeros((BP,), tl.float32)
+        for j0 in range(0, n_ct, BP):
+            offs_p = j0 + tl.arange(0, BP)
+            acc = tl.maximum(acc, tl.load(prow_ptr + offs_p, mask=offs_p < n_ct, other=0.0))
+        tl.store(out_ptr, tl.max(acc, axis=0))
+    elif pid < n_row_programs:
+        _store_group_maxima(prow_ptr, pid, R, n_ct, n_ct, 1, out_ptr, BG, BP, False)
+    else:
+        _store_group_maxima(pcol_ptr, pid - n_row_programs, C, n_rs, 1, C, out_ptr + R, BG, BP, True)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, RP], contiguous
     RP,  # row length of Q(x^T): R, or R zero-padded (rows of x past R read as 0 and store 0)
     s_ptr, st_ptr,  # scales written here: [] (tensor, both point to it) or [R] and [C] (row)
-    p_ptr, n_p,  # tensor: the n_p tile partials
-    prow_ptr, n_ct,  # row: prow [R, n_ct]
-    pcol_ptr, n_rs,  # row: pcol [n_rs, C]
+    a_ptr, at_ptr,  # reduced amax: [] (tensor, both point to it) or the row maxima [R] and column maxima [C]
     seed,
-    TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; partials reduced BP at a time
+    TR: tl.constexpr, TC: tl.constexpr,
     TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
     STOCHASTIC: tl.constexpr, FOUR: tl.constexpr,
 ):
-    """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. Each program first reduces the partial maxima it needs
-    (all n_p of them for a tensorwise scale; its rows' n_ct / its columns' n_rs for row scales) and
-    program (0, *) / (*, 0) stores the scales, so the scales need no launch of their own."""
+    """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. Each program turns the amax of its tensor / rows /
+    columns into scales, and program (0, *) / (*, 0) stores them, so the scales need no launch of their
+    own."""
     rt = tl.program_id(0)
     ct = tl.program_id(1)
     offs_r = rt * TR + tl.arange(0, TR)
@@ -180,11 +229,7 @@ def _quantize_kernel(
     mask_t = mask_c[:, None] & (offs_r < RP)[None, :]
 
     if TENSOR:
-        acc = tl.zeros((BP,), tl.float32)
-        for j0 in range(0, n_p, BP):
-            offs_p = j0 + tl.arange(0, BP)
-            acc = tl.maximum(acc, tl.load(p_ptr + offs_p, mask=offs_p < n_p, other=0.0))
-        s = _scale_from_amax(tl.max(acc, axis=0))
+        s = _scale_from_amax(tl.load(a_ptr))
         if (rt == 0) & (ct == 0):
             tl.store(s_ptr, s)
         q = _round_clamp(x, s, u, STOCHASTIC)
@@ -194,25 +239,13 @@ def _quantize_kernel(
             tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
     else:
         if ROW:
-            acc_r = tl.zeros((TR, BP), tl.float32)
-            for j0 in range(0, n_ct, BP):
-                offs_p = j0 + tl.arange(0, BP)
-                m = mask_r[:, None] & (offs_p < n_ct)[None, :]
-                acc_r = tl.maximum(acc_r, tl.load(prow_ptr + offs_r[:, None].to(tl.int64) * n_ct + offs_p[None, :],
-                                                  mask=m, other=0.0))
-            s_r = _scale_from_amax(tl.max(acc_r, axis=1))
+            s_r = _scale_from_amax(tl.load(a_ptr + offs_r, mask=mask_r, other=0.0))
             if ct == 0:
                 tl.store(s_ptr + offs_r, s_r, mask=mask_r)
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
-            acc_c = tl.zeros((BP, TC), tl.float32)
-            for i0 in range(0, n_rs, BP):
-                offs_p = i0 + tl.arange(0, BP)
-                m = (offs_p < n_rs)[:, None] & mask_c[None, :]
-                acc_c = tl.maximum(acc_c, tl.load(pcol_ptr + offs_p[:, None].to(tl.int64) * C + offs_c[None, :],
-                                                  mask=m, other=0.0))
-            s_c = _scale_from_amax(tl.max(acc_c, axis=0))
+            s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
             if rt == 0:
                 tl.store(st_ptr + offs_c, s_c, mask=mask_c)
             qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
@@ -287,17 +320,18 @@ def _pow2(n: int) -> int:
 # multi-tile reductions, multi-step amax strips and ragged edges on tiny inputs.
 if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
-    _MAX_STRIPS, _BP, _WARPS, _BLOCK_ROWS = 3, 4, 4, 4
+    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 3, (4, 2), 4, 4
 else:
     # amax: 32 x 256 register tile, strips of rows; quantize: 16 x 256 (one output, 512 B bf16 rows) or
-    # 64 x 64 (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200)
+    # 64 x 64 (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200);
+    # reduce: 64 groups x 32 partials per step
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 64)
-    _MAX_STRIPS, _BP, _WARPS, _BLOCK_ROWS = 32, None, 8, 4096
-_MAX_TILE_PARTIALS = 1024  # tensorwise: partials every quantize program reduces (4 KB, from L2)
+    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 32, (64, 32), 8, 4096
+_MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
 
 
 def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
-    """Rows per amax program: enough programs to fill the GPU, few enough partials to re-reduce cheaply."""
+    """Rows per amax program: enough programs to fill the GPU, few enough partials to reduce cheaply."""
     TR = _AMAX_TILE[0]
     n_rt = _cdiv(R, TR)
     strips = _MAX_STRIPS
@@ -305,12 +339,6 @@ def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
         strips = min(strips, max(1, _MAX_TILE_PARTIALS // n_ct))
     strips = max(1, min(strips, n_rt))
     return _cdiv(n_rt, strips) * TR
-
-
-def _bp(n: int) -> int:
-    """Partials reduced per load in _quantize_kernel: all of them at once on the GPU (one L2 round trip
-    before the tile can be rounded), at most 1024 (4 KB); small chunks in the interpreter to test the loop."""
-    return _BP if _INTERPRET else min(_pow2(n), _MAX_TILE_PARTIALS)
 
 
 def _seed(stochastic: bool) -> int:
@@ -373,53 +401,61 @@ def triton_quantize(
     grid_q = (_cdiv(RP, TR), _cdiv(C, TC))
     common = dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
                   FOUR=_four(TC, TC, grid_q[1]), num_warps=_WARPS)
+    ATR, ATC = _AMAX_TILE
+    n_ct = _cdiv(C, ATC)
+    BG, BP = _REDUCE_TILE
     if tensor:
-        if amax is not None:  # the given amax is the single "partial": no amax launch
+        if amax is not None:  # the given amax replaces the amax and reduce launches
             scale = torch.empty((), dtype=torch.float32, device=dev)
-            # NaN -> inf: the kernel's max-reduction would drop a NaN, inf gives the NaN scale
-            parts = ref.nan_as_inf(amax.reshape(1).to(device=dev, dtype=torch.float32))
-            n_p = 1
+            # NaN -> inf: the amax kernel maps NaN elements to inf, and inf gives the NaN scale
+            a = ref.nan_as_inf(amax.reshape(1).to(device=dev, dtype=torch.float32))
         else:
-            ATR, ATC = _AMAX_TILE
-            n_ct = _cdiv(C, ATC)
             RB = _amax_rows_per_program(R, n_ct, True)
             n_p = _cdiv(R, RB) * n_ct
-            buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
+            buf = torch.empty(2 + n_p, dtype=torch.float32, device=dev)  # [scale, amax, partials...]
+            scale, a, parts = buf[0], buf[1:2], buf[2:]
             _amax_partials_kernel[(_cdiv(R, RB), n_ct)](
-                x, R, C, sx_r, sx_c, buf[1:], buf, buf, RB, TR=ATR, TC=ATC,
+                x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
                 TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
-            scale, parts = buf[0], buf[1:]
+            _reduce_partials_kernel[(1,)](parts, 1, n_p, 1, parts, 0, 1, a, BG=BG,
+                                          BP=_MAX_TILE_PARTIALS if not _INTERPRET else BP, ONE_GROUP=True,
+                                          num_warps=4)
         _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
-                                 parts, n_p, parts, 1, parts, 1, seed, BP=_bp(n_p), **common)
+                                 a, a, seed, **common)
         ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
         col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
         return row, col
 
-    # row granularity: scales per row of x (rowwise) and per column of x (columnwise)
-    ATR, ATC = _AMAX_TILE
-    n_ct = _cdiv(C, ATC)
-    RB = _amax_rows_per_program(R, n_ct, False)
-    n_rs = _cdiv(R, RB)
+    # row granularity: scales per row of x (rowwise) and per column of x (columnwise), in one buffer
+    scales = torch.empty(R * rowwise + C * columnwise, dtype=torch.float32, device=dev)
+    s_row = scales[:R] if rowwise else None
+    s_col = scales[R * rowwise:] if columnwise else None
     col_partials = columnwise and columnwise_amax is None
-    n_row = R * n_ct if rowwise else 0
-    n_col = n_rs * C if col_partials else 0
-    parts = torch.empty(max(1, n_row + n_col), dtype=torch.float32, device=dev)
-    prow, pcol = parts, parts[n_row:] if col_partials else parts
+    a_row = a_col = scales  # placeholders for pointers a launch does not read
     if rowwise or col_partials:
+        RB = _amax_rows_per_program(R, n_ct, False)
+        n_rs = _cdiv(R, RB)
+        n_row = R * n_ct if rowwise else 0
+        n_col = n_rs * C if col_partials else 0
+        # [row partials, column partials, row maxima, column maxima], freed when this call returns
+        work = torch.empty(n_row + n_col + R * rowwise + C * col_partials, dtype=torch.float32, device=dev)
+        prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
         _amax_partials_kernel[(n_rs, n_ct)](
-            x, R, C, sx_r, sx_c, parts, prow, pcol, RB, TR=ATR, TC=ATC,
+            x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
-    if columnwise and not col_partials:  # the given amax: one "partial" per column
-        pcol = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
-        n_rs = 1
-    s_row = torch.empty(R, dtype=torch.float32, device=dev) if rowwise else None
-    s_col = torch.empty(C, dtype=torch.float32, device=dev) if columnwise else None
-    sd = s_row if s_row is not None else s_col
+        R_red, C_red = R * rowwise, C * col_partials
+        n_row_programs = _cdiv(R_red, BG)
+        _reduce_partials_kernel[(n_row_programs + _cdiv(C_red, BG),)](
+            prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima,
+            BG=BG, BP=min(BP, _pow2(max(n_ct, n_rs))), ONE_GROUP=False, num_warps=4)
+        a_row = maxima[:R] if rowwise else scales
+        a_col = maxima[R_red:] if col_partials else scales
+    if columnwise and not col_partials:
+        a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
     _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
-                             sd, s_col if s_col is not None else sd,
-                             parts, 0, prow, n_ct, pcol, n_rs, seed,
-                             BP=min(_bp(max(n_ct if rowwise else 1, n_rs if columnwise else 1)), 64), **common)
+                             s_row if rowwise else s_col, s_col if columnwise else s_row,
+                             a_row, a_col, seed, **common)
     # the smaller scale array: a non-finite element poisons both its row's and its column's scale
     ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= C) else s_col, name, check_finite)
     row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
