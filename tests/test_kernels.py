@@ -440,7 +440,7 @@ def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma):
 # ------------------------------------------------------------------ launch counts and hot-path guards
 # The small linears are CPU-launch-bound on the GPU: these pin the number of kernel launches and torch ops
 # per call, so that a regression (an extra finalize pass, a stray reduction, a host sync) fails on the CPU.
-QUANTIZE_LAUNCHES = {"tensor": 3, "row": 3, "block": 1}  # amax partials, their reduction, quantize; block: one pass
+QUANTIZE_LAUNCHES = {"tensor": 2, "row": 3, "block": 1}  # amax partials, (row: their reduction,) quantize; block: one pass
 ALLOCS_AND_VIEWS = {"empty.memory_format", "select.int", "slice.Tensor", "view.default", "alias.default",
                     "as_strided.default", "reshape.default", "_reshape_alias.default", "t.default"}
 
