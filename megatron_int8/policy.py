@@ -15,6 +15,7 @@ import torch
 from .recipe import BACKENDS, FINITE_CHECKS, GRANULARITIES, ROUNDINGS, Int8Recipe
 
 GEMMS = ("fprop", "dgrad", "wgrad")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipes of the FP8 peer (fp8_peer.py)
 LINEAR_SUBMODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 EXPERT_GROUPS = ("experts", "shared_experts")  # every linear of the routed / shared experts
 BF16_MODULE_NAMES = LINEAR_SUBMODULES + EXPERT_GROUPS
@@ -30,6 +31,10 @@ class Int8Policy:
     bf16_modules: submodule names kept in BF16 in every layer: any of linear_qkv, linear_proj,
         linear_fc1, linear_fc2 (dense, routed and shared experts alike), or `experts` /
         `shared_experts` (all linears of the routed / shared experts).
+    fp8_peer: None, or a torchao float8 recipe ("tensorwise" or "rowwise"): the benchmarks' FP8 peer,
+        every transformer-layer linear in FP8 (`fp8_peer.py`; needs `enabled=False`; the INT8 recipe
+        and layer selection above do not apply to it). Embedding, output layer, router stay BF16.
+    fp8_compile: with fp8_peer, torch.compile each dense FP8 linear's casts + GEMM.
     """
 
     enabled: bool = True
@@ -38,9 +43,17 @@ class Int8Policy:
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
     bf16_modules: Tuple[str, ...] = ()
+    fp8_peer: Optional[str] = None
+    fp8_compile: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "bf16_modules", tuple(self.bf16_modules))
+        if self.fp8_peer is not None:
+            if self.fp8_peer not in FP8_RECIPES:
+                raise ValueError(f"Int8Policy.fp8_peer must be None or one of {FP8_RECIPES}, got {self.fp8_peer!r}")
+            if self.enabled:
+                raise ValueError("INT8 linears and the FP8 peer are mutually exclusive "
+                                 "(--int8-linear / --fp8-peer): pick one")
         if not isinstance(self.recipe, Int8Recipe):
             raise TypeError(f"Int8Policy.recipe must be an Int8Recipe, got {type(self.recipe).__name__}")
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
@@ -80,6 +93,9 @@ class Int8Policy:
         return submodule in self.bf16_modules or expert_group in self.bf16_modules
 
     def describe(self) -> str:
+        if self.fp8_peer is not None:
+            compiled = ", torch.compile" if self.fp8_compile else ", eager"
+            return f"INT8 off; FP8 peer: {describe_fp8_recipe(self.fp8_peer)}{compiled}"
         if not self.enabled:
             return "INT8 off (BF16 baseline)"
         parts = [self.recipe.describe()]
@@ -88,6 +104,12 @@ class Int8Policy:
         if self.bf16_modules:
             parts.append("BF16 modules: " + ",".join(self.bf16_modules))
         return "; ".join(parts)
+
+
+def describe_fp8_recipe(recipe: str) -> str:
+    """The FP8 peer's recipe in one line, for logs and the precision table."""
+    formats = "e4m3 x/w, e5m2 grad" if recipe == "tensorwise" else "e4m3, power-of-2 scales"
+    return f"torchao float8 {recipe} ({formats})"
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -158,6 +180,8 @@ def policy_from_args(args) -> Int8Policy:
         )
         policy = Int8Policy(
             enabled=bool(args.int8_linear),
+            fp8_peer=getattr(args, "fp8_peer", None),
+            fp8_compile=bool(getattr(args, "fp8_peer_compile", False)),
             recipe=recipe,
             first_last_layers_bf16=bool(args.int8_first_last_layers_bf16),
             num_layers_at_start_in_bf16=args.int8_num_layers_at_start_in_bf16,
@@ -180,10 +204,13 @@ TABLE_COLUMNS = ("layer", "module", "shape/rank", "precision", "recipe")
 
 
 def _precision_of(module) -> Tuple[str, str]:
+    from .fp8_peer import Fp8LinearMixin
     from .layers import Int8LinearMixin
 
     if isinstance(module, Int8LinearMixin) and module.int8:
         return "int8", module.int8_recipe.describe()
+    if isinstance(module, Fp8LinearMixin):
+        return "fp8", describe_fp8_recipe(module.fp8_recipe)
     weight = getattr(module, "weight", None)
     if weight is None:  # GPTModel's output layer with tied embeddings multiplies by the embedding weight
         return "tied to embedding", "-"

@@ -4,7 +4,8 @@ Only the four linears of a transformer layer (linear_qkv, linear_proj, linear_fc
 inside routed and shared experts) change class; the embedding, the output layer and the MoE router
 are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (SDPA, or TE's when
 Transformer Engine is installed) and the norms (SP-capable torch norms, or TENorm) are the same for
-the INT8 and the BF16 baseline spec, so the two differ only in the linears.
+the INT8, the BF16 baseline and the FP8 peer spec (torchao float8 linears, `fp8_peer.py`), so they
+differ only in the linears.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from .attention import SDPAttention
 from .compat import SequenceParallelNorm, apply_no_te_compat
+from .fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
 from .recipe import DEFAULT_RECIPE, Int8Recipe
@@ -46,20 +48,32 @@ _INT8_LINEARS = (Int8ColumnParallelLinear, Int8RowParallelLinear)
 
 class Int8SpecProvider(LocalSpecProvider):
     """megatron's local backend with INT8 linears (or, with `int8=False`, the same classes in high
-    precision), SDPA / TE attention and SP-capable norms."""
+    precision), SDPA / TE attention and SP-capable norms.
 
-    def __init__(self, recipe: Optional[Int8Recipe] = None, int8: bool = True):
+    `fp8_recipe` ("tensorwise" / "rowwise") picks the FP8 peer's linear classes (torchao float8)
+    instead, `fp8_compile` their torch.compile option; `recipe` and `int8` then do not apply.
+    Everything else is the same spec.
+    """
+
+    def __init__(self, recipe: Optional[Int8Recipe] = None, int8: bool = True, fp8_recipe: Optional[str] = None,
+                 fp8_compile: bool = False):
         self.recipe = recipe or DEFAULT_RECIPE
         self.int8 = int8
+        self.fp8_recipe = fp8_recipe
+        self.fp8_compile = fp8_compile
 
-    def _linear(self, cls) -> ModuleSpec:
+    def _linear(self, column: bool) -> ModuleSpec:
+        if self.fp8_recipe is not None:
+            cls = Fp8ColumnParallelLinear if column else Fp8RowParallelLinear
+            return ModuleSpec(module=cls, params={"fp8_recipe": self.fp8_recipe, "compile": self.fp8_compile})
+        cls = Int8ColumnParallelLinear if column else Int8RowParallelLinear
         return ModuleSpec(module=cls, params={"recipe": self.recipe, "int8": self.int8})
 
     def column_parallel_linear(self) -> ModuleSpec:
-        return self._linear(Int8ColumnParallelLinear)
+        return self._linear(column=True)
 
     def row_parallel_linear(self) -> ModuleSpec:
-        return self._linear(Int8RowParallelLinear)
+        return self._linear(column=False)
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         """TENorm with Transformer Engine, else torch RMSNorm/LayerNorm (per config.normalization)
@@ -78,8 +92,9 @@ class Int8SpecProvider(LocalSpecProvider):
         GEMM per local expert), with a warning, rather than to a BF16 GroupedMLP.
         """
         if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
-            warnings.warn("megatron-int8: moe_grouped_gemm has no INT8 grouped GEMM; "
-                          "experts run as SequentialMLP with INT8 linears")
+            kind = "FP8" if self.fp8_recipe is not None else "INT8"
+            warnings.warn(f"megatron-int8: moe_grouped_gemm has no {kind} grouped GEMM; "
+                          f"experts run as SequentialMLP with {kind} linears")
         return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
                                             linear_fc2=self.row_parallel_linear())
 
@@ -93,17 +108,21 @@ def get_gpt_int8_layer_spec(
     *,
     recipe: Optional[Int8Recipe] = None,
     int8: bool = True,
+    fp8_recipe: Optional[str] = None,
+    fp8_compile: bool = False,
 ) -> ModuleSpec:
     """A GPT TransformerLayer spec like megatron's `get_gpt_layer_local_spec`, with INT8 linears.
 
-    `int8=False` gives the BF16 baseline layer (same attention and norms). Dense MLPs keep
-    `module=MLP` (TransformerLayer passes the TP group only to exactly MLP). Norm modules follow
+    `int8=False` gives the BF16 baseline layer (same attention and norms); `fp8_recipe` the FP8
+    peer's layer (torchao float8 linears, `fp8_compile`: torch.compile them; `recipe` / `int8`
+    ignored). Dense MLPs keep `module=MLP` (TransformerLayer passes the TP group only to exactly
+    MLP). Norm modules follow
     `config.normalization` (as megatron's torch norm does); `normalization` is accepted for
     signature parity. Pass arguments by keyword.
     """
     if num_experts:
         apply_no_te_compat()
-    backend = Int8SpecProvider(recipe=recipe, int8=int8)
+    backend = Int8SpecProvider(recipe=recipe, int8=int8, fp8_recipe=fp8_recipe, fp8_compile=fp8_compile)
     norm = backend.layer_norm(rms_norm=normalization == "RMSNorm")
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
                                          if qk_layernorm else IdentityOp)
@@ -189,6 +208,8 @@ def get_gpt_int8_layer_specs(
             qk_l2_norm=qk_l2_norm,
             recipe=policy.recipe,
             int8=policy.layer_in_int8(index, config.num_layers),
+            fp8_recipe=policy.fp8_peer,
+            fp8_compile=policy.fp8_compile,
         )
         if policy.bf16_modules:
             spec = _keep_in_bf16(spec, policy)
@@ -210,7 +231,8 @@ def get_gpt_int8_block_spec(
     `get_gpt_decoder_block_spec`, with a per-layer precision policy and an explicit final norm.
 
     `normalization` / `qk_layernorm` default to the config's. With `policy.enabled=False` this is
-    the BF16 baseline (same attention and norms).
+    the BF16 baseline (same attention and norms); with `policy.fp8_peer` set, the FP8 peer
+    (`Int8Policy(enabled=False, fp8_peer="tensorwise")`).
     """
     layer_specs = get_gpt_int8_layer_specs(config, policy, normalization=normalization,
                                            qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
