@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
-from ..policy import add_int8_arguments
+from ..policy import FP8_RECIPES, add_int8_arguments
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -143,6 +143,17 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
 
 
+def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("FP8 peer (benchmarks: torchao float8 on the same model)")
+    g.add_argument("--fp8-peer", choices=FP8_RECIPES, default=None,
+                   help="Run the transformer layers' linears as torchao float8 GEMMs with this dynamic scaling "
+                        "recipe instead of INT8 or BF16 (needs torchao and a GPU of compute capability >= 8.9; "
+                        "tensor-parallel size 1; not with --int8-linear).")
+    g.add_argument("--fp8-peer-compile", action="store_true",
+                   help="With --fp8-peer: torch.compile each dense linear's casts + GEMM (torchao's fast path; "
+                        "expert linears stay eager).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-int8-pretrain",
@@ -158,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_arguments(parser)
     _add_logging_checkpoint_arguments(parser)
     add_int8_arguments(parser)
+    _add_fp8_peer_arguments(parser)
     return parser
 
 
@@ -322,6 +334,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.sequence_parallel = False
     if args.num_experts is not None and ep > 1 and tp > 1 and not args.sequence_parallel:
         raise ArgumentError("MoE with expert and tensor parallelism needs --sequence-parallel")
+    if args.fp8_peer is not None:
+        if args.int8_linear:
+            raise ArgumentError("--int8-linear and --fp8-peer are mutually exclusive: the FP8 peer replaces "
+                                "the INT8 linears; give one of them")
+        if tp > 1:
+            raise ArgumentError(f"--fp8-peer supports --tensor-model-parallel-size 1 only (a one-GPU benchmark "
+                                f"peer), got {tp}")
+    elif args.fp8_peer_compile:
+        raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
 
     # Batch.
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -113,6 +113,12 @@ def pretrain(args) -> dict:
         policy = policy_from_args(args)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
+    if policy.fp8_peer is not None:
+        from ..fp8_peer import fp8_unavailable_reason
+
+        reason = fp8_unavailable_reason()
+        if reason:
+            raise ArgumentError(f"--fp8-peer: {reason}")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

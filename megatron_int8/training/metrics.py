@@ -100,7 +100,8 @@ class TrainingLogger:
         tokens_per_s = args.global_batch_size * args.seq_length / max(step_seconds, 1e-9)
         self._write({"iteration": iteration, "consumed_samples": consumed_samples, "lm_loss": loss, "lr": lr,
                      "grad_norm": grad_norm, "skipped": skipped, "step_time_s": round(step_seconds, 6),
-                     "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear)})
+                     "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear),
+                     "fp8_peer": getattr(args, "fp8_peer", None)})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("lm loss", loss, iteration)
             self.tensorboard.add_scalar("learning-rate", lr, iteration)
