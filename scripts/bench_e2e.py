@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
-"""End-to-end training throughput, INT8 vs BF16, for the six model configs, with the project's trainer.
+"""End-to-end training throughput, INT8 vs BF16 (and the FP8 peer), for the six model configs, with the
+project's trainer.
 
 For every model and precision it runs `python -m megatron_int8.pretrain --config configs/<model>.yaml`
 on mock data (one GPU: TP=PP=EP=1) at two depths, takes the median step time after warm-up, and
 fits t(L) = a + b*L (a: embedding, output layer, optimizer overhead; b: one transformer layer). Where
 the full model does not fit, the full-depth time a + b*num_layers is reported as a *projection*, labelled
-so. Prints one markdown table (also written to --out / $OUT/bench_e2e.md).
+so. Prints one markdown table (also written to --out / $OUT/bench_e2e.md). With --fp8-peer every model
+also runs with `--fp8-peer RECIPE` (torchao float8 linears, same model; needs torchao and an FP8 GPU):
+the table gains FP8 tok/s and FP8/BF16 speedups; where FP8 fails, its columns say n/a and the reason
+is printed.
 
     python scripts/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
     # one model per GPU at a time on a several-GPU host (each run still uses one GPU):
     python scripts/bench_e2e.py --gpus 0 1 2
+    # with the FP8 peer (torchao float8 tensorwise) as a third precision
+    python scripts/bench_e2e.py --models llama2_7b qwen3_4b --fp8-peer
     # several GPUs, full depth, a parallel layout (the scale-out runs):
     python scripts/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
         --layout "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
@@ -64,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--gpus", nargs="+", default=None, metavar="INDEX",
                    help="single-GPU runs only: measure several models at once, each on its own GPU of these "
                         "(a model's runs stay on one GPU, one after another; models start in --models order)")
+    p.add_argument("--fp8-peer", nargs="?", const="tensorwise", default=None, choices=("tensorwise", "rowwise"),
+                   help="also run every model with --fp8-peer RECIPE (default recipe: tensorwise)")
+    p.add_argument("--fp8-compile", action="store_true",
+                   help="FP8 runs with --fp8-peer-compile (torch.compile'd casts + GEMMs)")
     p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
@@ -75,10 +85,10 @@ def global_batch(opts) -> int:
     return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
 
 
-def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
+def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = None) -> dict:
     """One trainer run; returns median step time (s), final loss and every step's loss, peak memory (GB,
     rank 0) and model TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
-    `env`: the trainer's environment (default: this process's)."""
+    `env`: the trainer's environment (default: this process's); `fp8`: a --fp8-peer recipe (with int8 False)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -92,13 +102,16 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
                *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
             cmd.append("--int8-linear")
+        if fp8:
+            cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
         if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
             cmd = ["timeout", "--kill-after", "30", str(int(opts.run_timeout)), *cmd]
         start = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8} (exit {proc.returncode})")
+            raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8}{f' fp8={fp8}' if fp8 else ''} "
+                               f"(exit {proc.returncode})")
         with open(log, encoding="utf-8") as f:
             steps = [json.loads(line) for line in f if '"lm_loss"' in line]
     timed = [s["step_time_s"] for s in steps[opts.warmup:]]
@@ -113,7 +126,8 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None) -> dict:
               "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
     result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
     where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""
-    print(f"  {model:16s} L={layers:2d} {'int8' if int8 else 'bf16'}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
+    label = "int8" if int8 else ("fp8" if fp8 else "bf16")
+    print(f"  {model:16s} L={layers:2d} {label}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
           f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB, run {result['wall_s']:.0f} s", flush=True)
     return result
 
@@ -141,13 +155,30 @@ def depths_of(model: str, opts):
     return l1, deep
 
 
+def precisions(opts):
+    return ("bf16", "int8", "fp8") if getattr(opts, "fp8_peer", None) else ("bf16", "int8")
+
+
 def measure_model(model: str, opts, env=None) -> dict:
-    """BF16 and INT8 at both depths; one table row (full depth projected where not measured)."""
+    """BF16 and INT8 (and FP8) at both depths; one table row (full depth projected where not measured).
+    A failed FP8 run leaves the row without FP8 numbers (`fp8_error`); BF16 or INT8 failing fails the model."""
     full, (l1, deep) = full_depth(model), depths_of(model, opts)
     tokens = opts.seq_length * global_batch(opts)
-    res = {(p, l): run_trainer(model, l, p == "int8", opts, env) for p in ("bf16", "int8") for l in {l1, deep}}
+    res = {}
     row = {"model": model, "measured": ",".join(map(str, sorted({l1, deep}))), "full": full}
-    for p in ("bf16", "int8"):
+    for p in precisions(opts):
+        for l in {l1, deep}:
+            try:
+                res[(p, l)] = run_trainer(model, l, p == "int8", opts, env, fp8=opts.fp8_peer if p == "fp8" else None)
+            except RuntimeError as err:
+                if p != "fp8":
+                    raise
+                print(f"  {model}: FP8 peer failed, its columns stay empty: {err}", flush=True)
+                row["fp8_error"] = str(err)
+                break
+    for p in precisions(opts):
+        if f"{p}_error" in row:
+            continue
         row[f"{p}_tok_s"] = tokens / res[(p, deep)]["step_s"]
         if deep == full:
             row[f"{p}_full_tok_s"], row["projected"] = row[f"{p}_tok_s"], False
@@ -217,17 +248,36 @@ def format_table(rows, opts) -> str:
              f"mock data, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "
              "depths where marked (P)",
-             "",
-             "| model | layers measured / full | BF16 tok/s | INT8 tok/s | speedup (measured) | speedup full depth "
-             "| paper | peak GB BF16 / INT8 | INT8/BF16 memory | loss BF16 / INT8 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             ""]
+    fp8 = "fp8" in precisions(opts)
+    if not fp8:
+        lines += ["| model | layers measured / full | BF16 tok/s | INT8 tok/s | speedup (measured) | speedup full depth "
+                  "| paper | peak GB BF16 / INT8 | INT8/BF16 memory | loss BF16 / INT8 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines[0] += f"; FP8: the FP8 peer (torchao float8 {opts.fp8_peer}{', compiled' if opts.fp8_compile else ''})"
+        lines += ["| model | layers measured / full | BF16 tok/s | INT8 tok/s | FP8 tok/s | INT8 speedup (measured) "
+                  "| INT8 speedup full depth | FP8/BF16 (measured) | FP8/BF16 full depth | paper (INT8) "
+                  "| peak GB BF16 / INT8 / FP8 | INT8/BF16 memory | loss BF16 / INT8 / FP8 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        projected = " (P)" if r["projected"] else ""
         full_speedup = r["int8_full_tok_s"] / r["bf16_full_tok_s"]
-        lines.append(
-            f"| {r['model']} | {r['measured']} / {r['full']} | {r['bf16_tok_s']:.0f} | {r['int8_tok_s']:.0f} "
-            f"| {r['int8_tok_s'] / r['bf16_tok_s']:.3f}x | {full_speedup:.3f}x{' (P)' if r['projected'] else ''} "
-            f"| {PAPER_SPEEDUP[r['model']]:.2f}x | {r['bf16_peak_gb']:.1f} / {r['int8_peak_gb']:.1f} "
-            f"| {r['int8_peak_gb'] / r['bf16_peak_gb']:.2f} | {r['bf16_loss']:.3f} / {r['int8_loss']:.3f} |")
+        cells = [r["model"], f"{r['measured']} / {r['full']}", f"{r['bf16_tok_s']:.0f}", f"{r['int8_tok_s']:.0f}"]
+        has_fp8 = fp8 and "fp8_tok_s" in r
+        if fp8:
+            cells.append(f"{r['fp8_tok_s']:.0f}" if has_fp8 else "n/a")
+        cells += [f"{r['int8_tok_s'] / r['bf16_tok_s']:.3f}x", f"{full_speedup:.3f}x{projected}"]
+        if fp8:
+            cells += [f"{r['fp8_tok_s'] / r['bf16_tok_s']:.3f}x" if has_fp8 else "n/a",
+                      f"{r['fp8_full_tok_s'] / r['bf16_full_tok_s']:.3f}x{projected}" if has_fp8 else "n/a"]
+        peaks = f"{r['bf16_peak_gb']:.1f} / {r['int8_peak_gb']:.1f}"
+        loss = f"{r['bf16_loss']:.3f} / {r['int8_loss']:.3f}"
+        if fp8:
+            peaks += f" / {r['fp8_peak_gb']:.1f}" if has_fp8 else " / n/a"
+            loss += f" / {r['fp8_loss']:.3f}" if has_fp8 else " / n/a"
+        cells += [f"{PAPER_SPEEDUP[r['model']]:.2f}x", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}", loss]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark one Llama2-7B-shaped megatron-core TransformerLayer, forward + backward:
-INT8 spec vs the BF16 baseline spec (same SDPA attention and norms, so only the linears differ),
-plus megatron-core's stock local spec (DotProductAttention) for reference.
+INT8 spec vs the BF16 baseline spec (same SDPA attention and norms, so only the linears differ), the FP8
+peer (torchao float8 linears in the same spec; on CUDA GPUs of compute capability >= 8.9 with torchao
+installed, else skipped with the reason printed), plus megatron-core's stock local spec
+(DotProductAttention) for reference.
 
 Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-store process group.
     python scripts/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
     python scripts/bench_layer.py --device cpu --tiny  # CI smoke test
     # a Mixtral-8x7B MoE layer (8 experts, top-2, SequentialMLP; one micro-batch of 4096 tokens):
     python scripts/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
+    # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
+    python scripts/bench_layer.py --fp8-recipe rowwise --fp8-compile
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set.
 """
 from __future__ import annotations
@@ -50,6 +54,11 @@ def parse_args(argv=None):
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
                         "sync per quantize) or off")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
+    p.add_argument("--no-fp8", action="store_true", help="skip the FP8 peer (torchao float8) row")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+                   help="torchao float8 scaling recipe of the FP8 peer")
+    p.add_argument("--fp8-compile", action="store_true",
+                   help="add a second FP8 row with each dense linear's casts + GEMM under torch.compile")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
     args = p.parse_args(argv)
@@ -75,7 +84,19 @@ def setup(device: str):
     model_parallel_seed(1234)
 
 
-def build_layers(args):
+def fp8_skip_reason(args):
+    """Why the FP8 peer cannot run in this benchmark (None if it can)."""
+    if args.no_fp8:
+        return "--no-fp8"
+    if args.device != "cuda":
+        return "FP8 GEMMs need a CUDA GPU (--device cpu)"
+    from megatron_int8.fp8_peer import fp8_unavailable_reason
+
+    return fp8_unavailable_reason()
+
+
+def build_layers(args, skipped):
+    """{row name: layer}; FP8 rows that cannot be built are left out, their reason in `skipped`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -96,10 +117,27 @@ def build_layers(args):
     experts = args.num_experts or None
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
+    fp8_specs = {}
+    reason = fp8_skip_reason(args)
+    if reason is None:
+        for compiled in (False, True) if args.fp8_compile else (False,):
+            name = f"FP8 torchao {args.fp8_recipe}" + (" compiled" if compiled else "")
+            fp8_specs[name] = get_gpt_int8_layer_spec(fp8_recipe=args.fp8_recipe, fp8_compile=compiled,
+                                                      num_experts=experts)
+    else:
+        skipped["FP8 torchao " + args.fp8_recipe] = reason
+    specs.update(fp8_specs)
     if not args.no_stock:
         specs["BF16 stock local spec"] = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
-    return {name: build_module(spec, config=config, layer_number=1).to(device=args.device, dtype=dtype)
-            for name, spec in specs.items()}
+    layers = {}
+    for name, spec in specs.items():
+        try:
+            layers[name] = build_module(spec, config=config, layer_number=1).to(device=args.device, dtype=dtype)
+        except (ImportError, RuntimeError, ValueError) as err:
+            if name not in fp8_specs:
+                raise
+            skipped[name] = f"{type(err).__name__}: {err}"
+    return layers
 
 
 def time_layer(layer, name, args) -> float:
@@ -158,8 +196,18 @@ def main(argv=None) -> str:
     from megatron_int8.backend import resolve_backend_name
     from megatron_int8.recipe import Int8Recipe
 
-    layers = build_layers(args)
-    times = {name: time_layer(layer, name, args) for name, layer in layers.items()}
+    skipped = {}
+    layers = build_layers(args, skipped)
+    times = {}
+    for name, layer in layers.items():
+        try:
+            times[name] = time_layer(layer, name, args)
+        except Exception as err:  # an FP8 row (e.g. torch.compile) must not cost the others
+            if not name.startswith("FP8"):
+                raise
+            skipped[name] = f"{type(err).__name__}: {str(err)[:300]}"
+    for name, reason in skipped.items():
+        print(f"{name}: skipped ({reason})", flush=True)
     if args.profile:
         profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
@@ -170,12 +218,15 @@ def main(argv=None) -> str:
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
         f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
-        f"finite check {args.check_finite}",
+        f"finite check {args.check_finite}" + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
+        "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
         "| spec | ms / iter | speedup vs BF16 |",
         "|---|---|---|",
     ]
     lines += [f"| {name} | {ms:.2f} | {times['BF16'] / ms:.2f}x |" for name, ms in times.items()]
+    if skipped:
+        lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]
     table = "\n".join(lines)
     print(table)
     if os.environ.get("OUT"):
