@@ -50,6 +50,85 @@ def qgemm_bound(a, b, ea=None, eb=None, granularity="tensor"):
     return bound + 8 * FP32_EPS * ((a_up + da) @ (b_up + db).T)
 
 
+# -------------------------------------------------------------------- FP8 (torchao) bounds
+
+# mantissa bits, largest finite value, spacing of the subnormals (= the smallest subnormal)
+FP8_FORMATS = {"e4m3": (3, 448.0, 2.0**-9), "e5m2": (2, 57344.0, 2.0**-16)}
+# operand formats (input, weight, output gradient) of torchao's recipes
+FP8_RECIPE_FORMATS = {"tensorwise": ("e4m3", "e4m3", "e5m2"), "rowwise": ("e4m3", "e4m3", "e4m3")}
+
+
+def fp8_scale(x, fmt: str, rowwise: bool) -> torch.Tensor:
+    """torchao's dynamic scale of a GEMM operand x [R, K] (K = contraction axis): fmax / amax in fp32, over
+    the tensor (tensorwise) or per row (rowwise, rounded down to a power of two); as float64."""
+    _, fmax, _ = FP8_FORMATS[fmt]
+    x = x.double().abs()
+    amax = x.amax(dim=1, keepdim=True) if rowwise else x.max()
+    scale = (fmax / amax.clamp(min=1e-12)).float()
+    if rowwise:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale.double()
+
+
+def fp8_operand_error(x, fmt: str, rowwise: bool) -> torch.Tensor:
+    """Elementwise bound on |Q(x) - x| (dequantized, in x's units). Round to nearest moves x*s by at most
+    half a step: 2^-(m+1) |x*s| for a normal number (m mantissa bits: 2^-4 for e4m3, 2^-3 for e5m2), half
+    the subnormal spacing below; x*s is formed in fp32 first (2^-24 relative, bounded by 2^-22 here)."""
+    m, _, subnormal = FP8_FORMATS[fmt]
+    return (2.0 ** -(m + 1) + 2.0**-22) * x.double().abs() + (subnormal / 2) / fp8_scale(x, fmt, rowwise)
+
+
+def fp8_gemm_bound(a, b, fmt_a: str, fmt_b: str, *, rowwise: bool, fast_accum: bool) -> torch.Tensor:
+    """Elementwise bound on |Q(a) Q(b)^T - a b^T| for a [R, K], b [N, K]: the quantization terms
+    da |b|^T + |a| db^T + da db^T, plus accumulation: K additions with relative error u each, u = 2^-13
+    under `use_fast_accum` (Hopper's FP8 accumulator keeps about 14 bits), else 2^-23 (fp32)."""
+    da, db = fp8_operand_error(a, fmt_a, rowwise), fp8_operand_error(b, fmt_b, rowwise)
+    A, B = a.double().abs(), b.double().abs()
+    u = 2.0**-13 if fast_accum else 2.0**-23
+    return da @ B.T + A @ db.T + da @ db.T + a.shape[1] * u * ((A + da) @ (B + db).T)
+
+
+def fp8_gemm_mean_square_error(a, b, fmt_a: str, fmt_b: str, *, rowwise: bool) -> float:
+    """Expected sum over the output of the squared error of Q(a) Q(b)^T, rounding errors independent and
+    uniform within their step (variance step^2 / 12, step <= 2^-m |x| for normals, the subnormal spacing
+    below). Gross errors (a wrong scale, a dropped operand) exceed it by orders of magnitude, while the
+    worst-case `fp8_gemm_bound` grows with K x the mean magnitude and cannot see them."""
+    def variance(x, fmt):
+        m, _, subnormal = FP8_FORMATS[fmt]
+        return (2.0**-m) ** 2 / 12 * x.double() ** 2 + (subnormal / fp8_scale(x, fmt, rowwise)) ** 2 / 12
+
+    va, vb = variance(a, fmt_a), variance(b, fmt_b)
+    a2, b2 = a.double() ** 2, b.double() ** 2
+    return (va @ b2.T + a2 @ vb.T + va @ vb.T).sum().item()
+
+
+def fp8_linear_checks(x, w, g, out, x_grad, w_grad, recipe: str, fast_accum_fprop: bool = True):
+    """(name, got, exact, elementwise bound, expected squared error) for a linear's fprop, dgrad and wgrad
+    in FP8: x [M, K] input, w [N, K] weight, g [M, N] output gradient (the exact operands, any float dtype)."""
+    f_in, f_w, f_go = FP8_RECIPE_FORMATS[recipe]
+    rowwise = recipe == "rowwise"
+    x, w, g = x.double(), w.double(), g.double()
+    gemms = [("fprop", out, x, w, f_in, f_w, fast_accum_fprop),
+             ("dgrad", x_grad, g, w.T.contiguous(), f_go, f_w, False),
+             ("wgrad", w_grad, g.T.contiguous(), x.T.contiguous(), f_go, f_in, False)]
+    return [(name, got.double(), a @ b.T, fp8_gemm_bound(a, b, fa, fb, rowwise=rowwise, fast_accum=fast),
+             fp8_gemm_mean_square_error(a, b, fa, fb, rowwise=rowwise))
+            for name, got, a, b, fa, fb, fast in gemms]
+
+
+def assert_fp8_linear_within_bounds(checks, out_rel: float):
+    """Each GEMM within its elementwise bound (plus `out_rel` relative rounding of the output), and its
+    total squared error within 4x the expected one (twice the RMS)."""
+    for name, got, exact, bound, mean_square in checks:
+        slack = bound + out_rel * (exact.abs() + bound)
+        err = (got - exact).abs()
+        worst = (err / slack).max().item()
+        assert worst <= 1.0, f"{name}: error exceeds the FP8 bound by {worst:.3f}x"
+        expected = mean_square + (out_rel**2 / 3) * exact.pow(2).sum().item()
+        ratio = err.pow(2).sum().item() / expected
+        assert ratio <= 4.0, f"{name}: squared error {ratio:.2f}x the expected FP8 rounding error"
+
+
 # ------------------------------------------------------------------------- megatron setup
 
 

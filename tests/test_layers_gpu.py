@@ -1,16 +1,33 @@
 """GPU checks of the megatron-core integration (skipped without CUDA): INT8 layers with the
 default (Triton) backend in bf16 against float64 within scale-derived bounds, a tiny INT8 GPT
-training on GPU, and the layer benchmark on tiny shapes."""
+training on GPU, and the layer benchmark on tiny shapes. The FP8 peer (torchao float8; skipped
+without torchao or below compute capability 8.9): its layers against float64 within bounds derived
+from the e4m3/e5m2 steps, its gradients reaching megatron DDP's main_grad once, a tiny GPT with the
+FP8 spec training, and its rows of the layer benchmark."""
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from mcore_helpers import nearest_recipe, outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
+from mcore_helpers import assert_fp8_linear_within_bounds, fp8_linear_checks, nearest_recipe, outlier_tensor, \
+    qgemm_bound, single_process_megatron, tiny_config
 
 pytestmark = pytest.mark.gpu
 BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
+
+
+def _fp8_unavailable():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    from megatron_int8.fp8_peer import fp8_unavailable_reason
+
+    return fp8_unavailable_reason()
+
+
+FP8_UNAVAILABLE = _fp8_unavailable()
+needs_fp8 = pytest.mark.skipif(FP8_UNAVAILABLE is not None, reason=f"FP8 peer unavailable: {FP8_UNAVAILABLE}")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,3 +91,111 @@ def test_bench_layer_tiny_on_gpu(tmp_path):
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| INT8 |" in (tmp_path / "bench_layer.md").read_text()
+
+
+# ------------------------------------------------------------------------ FP8 peer (torchao float8)
+
+
+def _fp8_layer(kind, in_f, out_f, recipe, config=None, **kw):
+    from megatron_int8.fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+
+    config = config or tiny_config(params_dtype=torch.bfloat16, bf16=True)
+    extra = {} if kind == "column" else {"input_is_parallel": True, "skip_bias_add": False}
+    cls = Fp8ColumnParallelLinear if kind == "column" else Fp8RowParallelLinear
+    return cls(in_f, out_f, config=config, init_method=torch.nn.init.xavier_normal_, bias=False,
+               fp8_recipe=recipe, **extra, **kw).cuda()
+
+
+@needs_fp8
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_fp8_layer_on_gpu_within_bound(kind, recipe, compile):
+    """bf16 operands with outliers; each GEMM within the elementwise worst case (half an e4m3/e5m2 step
+    per operand element: relative 2^-4 / 2^-3, plus the subnormal half-spacing; K x 2^-13 for fprop's
+    fast accumulation; 3 bf16 roundings of the output) and its total squared error within 4x the
+    expected rounding noise (which a wrong scale or operand would exceed)."""
+    gen = torch.Generator().manual_seed(0)
+    layer = _fp8_layer(kind, 256, 384, recipe, compile=compile)
+    with torch.no_grad():
+        layer.weight.copy_(outlier_tensor(384, 256, generator=gen, scale=8.0) * 0.05)
+    x = outlier_tensor(64, 4, 256, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    g = outlier_tensor(64, 4, 384, generator=gen).to("cuda", torch.bfloat16)
+    out, _ = layer(x)
+    out.backward(g)
+    assert out.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+    checks = fp8_linear_checks(x.detach().reshape(-1, 256), layer.weight.detach(), g.reshape(-1, 384),
+                               out.detach().reshape(-1, 384), x.grad.reshape(-1, 256), layer.weight.grad, recipe)
+    assert_fp8_linear_within_bounds(checks, out_rel=3 * BF16_HALF_ULP)
+
+
+@needs_fp8
+def test_fp8_gradients_reach_ddp_main_grad_once_on_gpu():
+    """With gradient_accumulation_fusion=True in the config: weight.grad goes to main_grad through megatron's
+    DDP hook exactly once per micro-batch (no double count, nothing dropped), including a token count that
+    needs padding to 16 (7 x 3 = 21) and an empty micro-batch (an expert without tokens)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = tiny_config(params_dtype=torch.bfloat16, bf16=True, gradient_accumulation_fusion=True)
+    gen = torch.Generator().manual_seed(5)
+    layer = _fp8_layer("column", 64, 48, "tensorwise", config=config)
+    reference = _fp8_layer("column", 64, 48, "tensorwise")
+    reference.load_state_dict(layer.state_dict())
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+    ddp.zero_grad_buffer()
+    expected = torch.zeros_like(layer.weight, dtype=torch.float32)
+    for tokens in (7, 0, 16):
+        x = torch.randn(tokens, 3, 64, generator=gen).to("cuda", torch.bfloat16)
+        g = torch.randn(tokens, 3, 48, generator=gen).to("cuda", torch.bfloat16)
+        out = ddp(x)[0]
+        assert out.shape == (tokens, 3, 48)
+        out.backward(g)
+        assert layer.weight.grad is None and not layer.weight.grad_added_to_main_grad
+        reference(x)[0].backward(g)
+        expected += reference.weight.grad.float()
+        reference.weight.grad = None
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tiny_fp8_gpt_trains_on_gpu(recipe):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_int8.fp8_peer import Fp8LinearMixin
+    from megatron_int8.policy import Int8Policy
+    from megatron_int8.spec import get_gpt_int8_block_spec
+
+    torch.manual_seed(0)
+    config = tiny_config(num_query_groups=2, params_dtype=torch.bfloat16, bf16=True)
+    spec = get_gpt_int8_block_spec(config, Int8Policy(enabled=False, fp8_peer=recipe))
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64,
+                     position_embedding_type="rope").cuda().bfloat16()
+    assert sum(isinstance(m, Fp8LinearMixin) for m in model.modules()) == 4 * config.num_layers
+    tokens = torch.randint(0, 128, (4, 65), device="cuda")
+    positions = torch.arange(64, device="cuda").expand(4, -1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(6):
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@needs_fp8
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_bench_layer_tiny_fp8_rows_on_gpu(tmp_path, moe):
+    """The layer benchmark's FP8 rows, eager and compiled (MoE: 4 experts, token counts not multiples of 16)."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
+    argv = ["--tiny", "--fp8-compile", "--no-stock"] + (["--num-experts", "4"] if moe else [])
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_layer.py"), *argv],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "bench_layer.md").read_text()
+    assert "| FP8 torchao tensorwise |" in table and "| FP8 torchao tensorwise compiled |" in table, \
+        table + result.stdout[-3000:]

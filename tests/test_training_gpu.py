@@ -1,6 +1,7 @@
-"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU; tensor plus sequence
-parallelism with the distributed optimizer resuming to the same losses on two GPUs (NCCL); and an INT8
-checkpoint saved at TP=2 + SP on two GPUs resumed at TP=1 on one."""
+"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU; the FP8 peer
+(--fp8-peer, torchao float8) on one GPU; tensor plus sequence parallelism with the distributed optimizer
+resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint saved at TP=2 + SP on two GPUs
+resumed at TP=1 on one."""
 import pytest
 import torch
 from test_training import data, losses, train  # noqa: F401  (`data` is the module's fixture)
@@ -15,6 +16,30 @@ def test_gpu_tiny_pretraining_bf16_int8(data, tmp_path):  # noqa: F811
     first, last = curve[1], sum(curve[i] for i in range(27, 31)) / 4
     assert last < first - 1.0, f"loss did not go down: {first:.3f} -> {last:.3f}"
     assert "device cuda" in out and "| int8 |" in out and "peak memory (GB)" in out
+
+
+def _fp8_unavailable():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    from megatron_int8.fp8_peer import fp8_unavailable_reason
+
+    return fp8_unavailable_reason()
+
+
+FP8_UNAVAILABLE = _fp8_unavailable()
+
+
+@pytest.mark.skipif(FP8_UNAVAILABLE is not None, reason=f"FP8 peer unavailable: {FP8_UNAVAILABLE}")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_gpu_tiny_pretraining_fp8_peer(data, tmp_path, compile):  # noqa: F811
+    flags = ["--fp8-peer-compile"] if compile else []
+    out = train(data, "--bf16", "--fp8-peer", "tensorwise", *flags, "--train-iters", "30", "--micro-batch-size", "4",
+                "--global-batch-size", "8", "--eval-interval", "15", "--save", str(tmp_path), gpu=True)
+    curve = losses(tmp_path / "train_log.jsonl")
+    first, last = curve[1], sum(curve[i] for i in range(27, 31)) / 4
+    assert last < first - 1.0, f"loss did not go down: {first:.3f} -> {last:.3f}"
+    assert "device cuda" in out and "| fp8 | torchao float8 tensorwise" in out and "| int8 |" not in out
+    assert "FP8 peer: torchao float8 tensorwise" in out
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
