@@ -46,7 +46,8 @@ PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
 # the trainer's log line: iteration time and model TFLOP/s per GPU over the same interval
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
-BENCH_OVERRIDES = ["--lr-warmup-iters", "0", "--tokenizer-type", "NullTokenizer"]
+BENCH_OVERRIDES = ["--lr-warmup-iters", "0"]
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
 PARALLEL_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                       "--expert-model-parallel-size", "1"]
 
@@ -74,10 +75,32 @@ def parse_args(argv=None):
                    help="also run every model with --fp8-peer RECIPE (default recipe: tensorwise)")
     p.add_argument("--fp8-compile", action="store_true",
                    help="FP8 runs with --fp8-peer-compile (torch.compile'd casts + GEMMs)")
+    add_data_arguments(p)
     p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     return p.parse_args(argv)
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="a tokenized corpus (PREFIX.bin/.idx, scripts/preprocess_data.py) instead of mock data")
+    p.add_argument("--tokenizer-model", default=None, help="its SentencePiece model (with --data-path)")
+
+
+def data_flags(opts) -> list:
+    """Trainer flags for the training data: mock tokens, or a corpus with its SentencePiece tokenizer."""
+    path = getattr(opts, "data_path", None)
+    if path is None:
+        return MOCK_DATA
+    if not getattr(opts, "tokenizer_model", None):
+        raise SystemExit("--data-path needs --tokenizer-model")
+    return ["--data-path", path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", opts.tokenizer_model]
+
+
+def describe_data(opts) -> str:
+    path = getattr(opts, "data_path", None)
+    return f"corpus {os.path.basename(path)}" if path else "mock data"
 
 
 def global_batch(opts) -> int:
@@ -95,7 +118,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
                     str(opts.nproc)] if opts.nproc > 1 else [sys.executable]
         layout = opts.layout.split() if opts.layout is not None else PARALLEL_OVERRIDES
         cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
-               "--mock-data", "--num-layers", str(layers), "--train-iters", str(opts.iters),
+               *data_flags(opts), "--num-layers", str(layers), "--train-iters", str(opts.iters),
                "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
                "--global-batch-size", str(global_batch(opts)), "--log-interval", "1",
                "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
@@ -245,7 +268,7 @@ def format_table(rows, opts) -> str:
     if getattr(opts, "gpus", None):
         gpus += f" per run, models run concurrently on GPUs {' '.join(map(str, opts.gpus))}"
     lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, global batch {global_batch(opts)}, {gpus}, "
-             f"mock data, {opts.iters} iterations "
+             f"{describe_data(opts)}, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "
              "depths where marked (P)",
              ""]

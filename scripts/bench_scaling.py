@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import full_depth, global_batch, run_trainer  # noqa: E402
+from bench_e2e import add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
@@ -53,7 +53,8 @@ ALL_GATHER_PAIRS = {"int8-int8ag": ("int8", "row-wise"), "int8-tensor-int8ag": (
 # Tiny widths for --smoke (CPU): every model keeps its structure (GQA, MoE, untied, SwiGLU) at width 64.
 SMOKE_MODEL = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--kv-channels", "16", "--moe-ffn-hidden-size", "128",
-               "--max-position-embeddings", "64", "--vocab-size", "512", "--num-workers", "0"]
+               "--max-position-embeddings", "64", "--num-workers", "0"]
+SMOKE_MOCK_VOCAB = ["--vocab-size", "512"]  # a corpus brings its tokenizer's vocabulary
 SMOKE_LAYERS, SMOKE_SEQ = 2, 64
 
 
@@ -120,6 +121,7 @@ def parse_args(argv=None):
     p.add_argument("--min-run-s", type=float, default=60, help="skip a run when less time than this is left")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, gloo, 2 processes, 2 layers of width 64, seq 64: checks the plumbing only")
+    add_data_arguments(p)
     p.add_argument("--out-dir", default=None, help="default: $OUT, else runs/scaling")
     p.add_argument("--report", nargs="+", default=None, metavar="DIR",
                    help="no runs: one table from the results under these directories")
@@ -148,12 +150,12 @@ def run_options(layout: Layout, variant: str, opts, timeout: float) -> argparse.
     """The options bench_e2e.run_trainer reads, for one run."""
     extra = list(VARIANTS[variant][2]) + list(opts.extra)
     if opts.smoke:
-        extra = SMOKE_MODEL + extra
+        extra = SMOKE_MODEL + (SMOKE_MOCK_VOCAB if opts.data_path is None else []) + extra
     return argparse.Namespace(
         layers=SMOKE_LAYERS if opts.smoke else full_depth(layout.model), nproc=2 if opts.smoke else layout.nproc, layout=layout.smoke_flags if opts.smoke else layout.flags,
         iters=opts.iters, warmup=opts.warmup, seq_length=SMOKE_SEQ if opts.smoke else opts.seq_length,
         micro_batch_size=opts.micro_batch_size, grad_accum=opts.grad_accum, extra=extra, run_timeout=timeout,
-        smoke=opts.smoke)
+        smoke=opts.smoke, data_path=opts.data_path, tokenizer_model=opts.tokenizer_model)
 
 
 def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
@@ -164,7 +166,7 @@ def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
               "precision": VARIANTS[variant][0], "gpus": ropts.nproc, "layers": layers, "flags": ropts.layout,
               "extra": ropts.extra, "iters": ropts.iters, "warmup": ropts.warmup, "seq_length": ropts.seq_length,
               "micro_batch_size": ropts.micro_batch_size, "global_batch": global_batch(ropts),
-              "tokens_per_iter": ropts.seq_length * global_batch(ropts)}
+              "tokens_per_iter": ropts.seq_length * global_batch(ropts), "data": describe_data(ropts)}
     print(f"== {name} {variant}: {ropts.nproc} processes, {layers} layers, {ropts.layout} {' '.join(ropts.extra)}",
           flush=True)
     try:
@@ -182,6 +184,16 @@ def _fmt(value, spec):
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+LOSS_WINDOW = 10
+
+
+def end_loss(record) -> float:
+    """Mean loss of the last LOSS_WINDOW iterations (older results: the last iteration's loss)."""
+    losses = record.get("losses") or [record.get("loss", float("nan"))]
+    tail = losses[-LOSS_WINDOW:]
+    return sum(tail) / len(tail)
+
+
 def format_table(records) -> str:
     """One markdown table: every layout's variants, speedups against the layout's BF16 run."""
     order = {name: i for i, name in enumerate(LAYOUTS)}
@@ -193,26 +205,29 @@ def format_table(records) -> str:
     lines = ["SMOKE RUN on CPU (gloo, 2 processes, 2 layers of width 64, the layouts reduced as marked): checks "
              "the plumbing, the numbers mean nothing", ""] if smoke else []
     lines += [f"seq {first.get('seq_length')}, micro-batch {first.get('micro_batch_size')}, global batch {first.get('global_batch')}, "
-             f"mock data, {first.get('iters')} iterations per run, median step time after {first.get('warmup')} "
-             "warm-up iterations; peak memory of rank 0; TFLOP/s: model FLOPs (the trainer's formula) per GPU",
+             f"{first.get('data', 'mock data')}, {first.get('iters')} iterations per run, median step time after "
+             f"{first.get('warmup')} warm-up iterations; peak memory of rank 0; TFLOP/s: model FLOPs (the trainer's "
+             f"formula) per GPU; loss: mean of the last {LOSS_WINDOW} iterations, gap relative to BF16's",
              "",
              "| layout | GPUs | precision | tokens/s | TFLOP/s/GPU | peak memory (GB) | loss at the end "
-             "| INT8/BF16 speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| loss gap | INT8/BF16 speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if "error" in r or "skipped" in r:
             code = re.search(r"\(exit (-?\d+)\)", r.get("error", ""))
             why = (f"skipped ({r['skipped']})" if "skipped" in r else
                    "failed (timed out)" if code and code.group(1) in ("124", "137") else
                    f"failed (exit {code.group(1)})" if code else "failed")
-            lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {why} | | | | |")
+            lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {why} | | | | | |")
             continue
         base = bf16.get(r["layout"])
         speedup = "1.000x (baseline)" if r["variant"] == "bf16" else (
             f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a")
+        loss, base_loss = end_loss(r), end_loss(base) if base else float("nan")
+        gap = "" if r["variant"] == "bf16" else f"{100 * (loss / base_loss - 1):+.2f}%"
         lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {r['tokens_per_s']:.0f} "
                      f"| {_fmt(r.get('tflops_per_gpu'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} "
-                     f"| {_fmt(r.get('loss'), '.4f')} | {speedup} |")
+                     f"| {_fmt(loss, '.4f')} | {gap} | {speedup} |")
     done = {(r["layout"], r["variant"]): r for r in records if "error" not in r and "skipped" not in r}
     for (name, variant), r in done.items():
         pair = ALL_GATHER_PAIRS.get(variant)

@@ -11,7 +11,8 @@
 # Environment: LAYOUTS (default: bench_scaling.py's three 4-GPU layouts), VARIANTS (bf16 int8 int8-int8ag int8-tensor int8-tensor-int8ag;
 # default: each layout's own), ITERS [50], WARMUP [5],
 # DEADLINE [460] seconds for all runs (a device command has 600 s; the install comes first), RUN_TIMEOUT
-# [400], EXTRA (more trainer flags for every run, e.g. "--recompute-granularity selective").
+# [400], EXTRA (more trainer flags for every run, e.g. "--recompute-granularity selective"), GRAD_ACCUM [1]
+# (micro-batches per step per GPU), DATA_PATH + TOKENIZER_MODEL (a tokenized corpus instead of mock data).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,6 +29,8 @@ ARGS=(--iters "${ITERS:-50}" --warmup "${WARMUP:-5}" --deadline "${DEADLINE:-460
 [[ -n "${LAYOUTS:-}" ]] && ARGS+=(--layouts $LAYOUTS)
 [[ -n "${VARIANTS:-}" ]] && ARGS+=(--variants $VARIANTS)
 [[ -n "${SMOKE:-}" ]] && ARGS+=(--smoke)
+[[ -n "${GRAD_ACCUM:-}" ]] && ARGS+=(--grad-accum "$GRAD_ACCUM")
+[[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL")
 [[ -n "${EXTRA:-}" ]] && ARGS+=(--extra $EXTRA)
 
 if [[ -z "${SMOKE:-}" ]]; then
