@@ -10,24 +10,41 @@ run killed mid-save leaves the previous checkpoint and the tracker untouched.
 
 The INT8 and BF16 specs have identical state dicts, so either can resume the other's checkpoint.
 
+The distributed optimizer (--use-distributed-optimizer) is saved in one of two megatron formats
+(`distrib_optim_sharding_type`), recorded in the checkpoint's common state as `distopt_sharding_type`
+with the parallel layout it was written at (`parallel_layout`):
+  fully_reshardable  the default: Adam state in model space (one tensor of each parameter's global
+                     shape per state), gathered over data-parallel ranks on DP rank 0 at save (gloo).
+                     Loads at any TP/PP/DP; every rank reads the whole state of its model-parallel
+                     shard (3 fp32 values per parameter) into host memory while loading.
+  dp_reshardable     MEGATRON_INT8_DISTOPT_FORMAT=dp_reshardable: each rank writes its flat bucket
+                     shards, no gather. Loads only at the same TP/PP/EP/CP layout (any DP size).
+A load that cannot read the optimizer state fails and names `--no-load-optim` (weights only); it
+never drops the state silently. Checkpoints from before the record are dp_reshardable.
+
 megatron-core's DistributedOptimizer, with torch's Adam (no Apex / Transformer Engine: on CPU, and
 on GPUs without them), cannot resume as is: a fresh optimizer has no state to describe, loading
 copies into leaf tensors that require grad, and every parameter's Adam `step` comes back as one
 shared tensor that each parameter's update then increments. `_prime_distributed_optimizers`,
-the `no_grad` load and `_restore_adam_steps` address these three.
+the `no_grad` load and `_restore_adam_steps` address these three. In the fully_reshardable format
+a fourth: megatron 0.16.1 copies every key of a parameter's torch state from the checkpoint, `step`
+included, which that format does not store per parameter (it is in the param groups), so the load
+stops with KeyError 'step'; `_steps_set_aside` hides the steps for that copy.
 """
 from __future__ import annotations
 
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-DISTOPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+DISTOPT_FORMATS = ("fully_reshardable", "dp_reshardable")
+DISTOPT_FORMAT_ENV = "MEGATRON_INT8_DISTOPT_FORMAT"  # the format of new saves; default fully_reshardable
 # Arguments that fix the parameter shapes: a mismatch on load is a user error, reported by name.
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "num_experts", "moe_ffn_hidden_size", "padded_vocab_size",
@@ -132,15 +149,155 @@ def _restore_adam_steps(optimizer, steps: list) -> None:
                 state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
-def _sharded_state_dict(model_chunks, optimizer, scheduler, *, with_optimizer: bool, is_loading: bool) -> dict:
+def _distopt_metadata(sharding_type: Optional[str]) -> dict:
+    """megatron's sharded_state_dict metadata for this distributed-optimizer format (None: no DistOpt)."""
+    if sharding_type is None:
+        return {}
+    # mem_efficient: the fully_reshardable gather runs over gloo into DP rank 0 only (the only rank that
+    # writes it here), not into every rank's memory. avoid_prefix: keys of a chain of optimizers are the
+    # model's parameter keys alone, not their index in the chain.
+    return {"distrib_optim_sharding_type": sharding_type,
+            "distrib_optim_fully_reshardable_mem_efficient": True,
+            "chained_optim_avoid_prefix": True}
+
+
+def _has_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return any(isinstance(opt, distrib_optimizer.DistributedOptimizer) for opt in _inner_optimizers(optimizer))
+
+
+def distopt_save_format() -> str:
+    """The distributed optimizer format new checkpoints are written in ($MEGATRON_INT8_DISTOPT_FORMAT)."""
+    name = os.environ.get(DISTOPT_FORMAT_ENV, "").strip() or DISTOPT_FORMATS[0]
+    if name not in DISTOPT_FORMATS:
+        raise ValueError(f"{DISTOPT_FORMAT_ENV}={name!r}: expected one of {', '.join(DISTOPT_FORMATS)}")
+    return name
+
+
+distopt_save_format()  # a wrong $MEGATRON_INT8_DISTOPT_FORMAT fails at startup, not at the first save
+
+
+def _parallel_layout(model_chunks) -> dict:
+    """What the dp_reshardable format's bucket shards depend on, besides the DP size."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "model_chunks": len(model_chunks),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def saved_distopt_format(common: dict) -> Optional[str]:
+    """The distributed-optimizer format of a checkpoint (None: saved without the distributed optimizer)."""
+    if "distopt_sharding_type" in common:
+        return common["distopt_sharding_type"]
+
+    def recorded(node):  # megatron's own record, in the optimizer's common state (older checkpoints)
+        if isinstance(node, dict):
+            if "param_state_sharding_type" in node:
+                yield node["param_state_sharding_type"]
+            for value in node.values():
+                yield from recorded(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                yield from recorded(value)
+
+    types = set(recorded(common.get("optimizer")))
+    if len(types) > 1:
+        raise RuntimeError(f"checkpoint records several distributed optimizer formats: {sorted(types)}")
+    return types.pop() if types else None
+
+
+def _saved_optimizer_count(common: dict) -> Optional[int]:
+    """How many optimizers the checkpoint's ChainedOptimizer held (its common state: one dict, or one per index)."""
+    node = common.get("optimizer")
+    if not isinstance(node, dict) or not node:
+        return None
+    return len(node) if all(isinstance(k, int) for k in node) else 1
+
+
+def check_optimizer_loadable(saved: Optional[str], common: dict, *, distributed: bool, layout: dict,
+                             optimizers: int, directory: str) -> None:
+    """Fail before any collective read when this run cannot take the checkpoint's optimizer state.
+
+    saved: the checkpoint's distributed-optimizer format (None: it has a non-distributed optimizer);
+    distributed, layout, optimizers: this run's optimizer kind, `_parallel_layout` and number of chained
+    optimizers (megatron gives expert parameters an optimizer of their own when EP > 1)."""
+    weights_only = "pass --no-load-optim to load the model weights only (fresh optimizer state)"
+    if distributed != (saved is not None):
+        was, now = ("with", "without") if saved is not None else ("without", "with")
+        raise RuntimeError(f"{directory} was saved {was} --use-distributed-optimizer and this run is {now} it: "
+                           f"its optimizer state cannot be loaded; resume {was} it, or {weights_only}")
+    if saved is None:
+        return
+    if saved not in DISTOPT_FORMATS:
+        raise RuntimeError(f"{directory}: distributed optimizer format {saved!r} is not one this trainer reads "
+                           f"({', '.join(DISTOPT_FORMATS)}); {weights_only}")
+    count = _saved_optimizer_count(common)
+    if count is not None and count != optimizers:
+        raise RuntimeError(f"{directory}: its optimizer state is split over {count} optimizer(s) and this run has "
+                           f"{optimizers} (megatron gives expert parameters their own optimizer when the expert-"
+                           f"parallel size is above 1): resume with expert parallelism on (EP > 1) or off as saved, "
+                           f"or {weights_only}")
+    saved_layout = common.get("parallel_layout")
+    if saved == "dp_reshardable" and saved_layout is not None:
+        diffs = [f"{k} {saved_layout[k]} -> {layout[k]}" for k in layout
+                 if k != "dp" and k in saved_layout and saved_layout[k] != layout[k]]
+        if diffs:
+            raise RuntimeError(_dp_reshardable_message(directory, ", ".join(diffs)))
+
+
+def _dp_reshardable_message(directory: str, what: str) -> str:
+    return (f"{directory}: its distributed optimizer state is in megatron's dp_reshardable format, which loads "
+            f"only at the layout it was saved at (any data-parallel size), and the layout changed ({what}). "
+            f"Resume at the saved layout and save again (new saves are fully_reshardable unless "
+            f"{DISTOPT_FORMAT_ENV} says otherwise), or pass --no-load-optim to load the model weights only")
+
+
+@contextmanager
+def _steps_set_aside(optimizer):
+    """While megatron copies fully_reshardable state into torch Adam: no per-parameter `step` to copy.
+
+    megatron-core 0.16.1's `_set_main_param_and_optimizer_states` copies every key of the torch state,
+    and `load_parameter_state_from_fully_reshardable` leaves `step` out of what it copies from (it comes
+    from the param groups, loaded just before): KeyError 'step'. The steps go back afterwards.
+    """
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        if not _is_distributed_over_torch_adam(opt):
+            continue
+        original = opt.load_parameter_state_from_fully_reshardable
+
+        def load(state_dict, _opt=opt, _original=original):
+            torch_state = _opt.optimizer.state
+            steps = {param: state.pop("step") for param, state in torch_state.items() if "step" in state}
+            try:
+                return _original(state_dict)
+            finally:
+                for param, step in steps.items():
+                    torch_state[param]["step"] = step
+
+        opt.load_parameter_state_from_fully_reshardable = load
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt.load_parameter_state_from_fully_reshardable  # the class's method again
+
+
+def _sharded_state_dict(model_chunks, optimizer, scheduler, *, with_optimizer: bool, is_loading: bool,
+                        sharding_type: Optional[str] = None) -> dict:
     from .model import unwrap
 
+    metadata = _distopt_metadata(sharding_type)
     models = unwrap(model_chunks)
-    state = {"model": models[0].sharded_state_dict(prefix="", metadata=DISTOPT_METADATA)}
+    state = {"model": models[0].sharded_state_dict(prefix="", metadata=metadata)}
     if with_optimizer:
         if is_loading:
             _prime_distributed_optimizers(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=DISTOPT_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
 
@@ -158,7 +315,11 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=True, is_loading=False)
+    sharding_type = distopt_save_format() if _has_distributed_optimizer(optimizer) else None
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=True, is_loading=False,
+                                sharding_type=sharding_type)
+    state["distopt_sharding_type"] = sharding_type  # how a later load reads the optimizer state
+    state["parallel_layout"] = _parallel_layout(model_chunks)
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     state["adam_steps"] = _adam_steps(optimizer)
@@ -193,6 +354,8 @@ def _check_architecture(saved: dict, args) -> None:
 def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int, int]:
     """Resume from --load; returns (iteration, consumed_samples), (0, 0) when there is no checkpoint."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from ..linear import invalidate_weight_caches
     from .model import unwrap
@@ -209,12 +372,26 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int,
     common = dist_checkpointing.load_common_state_dict(directory)
     _check_architecture(common.get("args", {}), args)
     with_optimizer = not args.no_load_optim
-    state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, is_loading=True)
+    saved_format = saved_distopt_format(common)
+    if with_optimizer:
+        check_optimizer_loadable(saved_format, common, distributed=_has_distributed_optimizer(optimizer),
+                                 layout=_parallel_layout(model_chunks),
+                                 optimizers=len(_inner_optimizers(optimizer)), directory=directory)
+    state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, is_loading=True,
+                                sharding_type=saved_format if with_optimizer else None)
     with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
-        loaded = dist_checkpointing.load(state, directory)
+        try:
+            loaded = dist_checkpointing.load(state, directory)
+        except (CheckpointingException, CheckpointException) as error:
+            # dp_reshardable, saved before `parallel_layout` was recorded: megatron finds buckets of another size
+            if with_optimizer and saved_format == "dp_reshardable" and "optimizer.distributed" in str(error):
+                raise RuntimeError(_dp_reshardable_message(
+                    directory, "its optimizer buckets do not match this run's: the error above")) from error
+            raise
         unwrap(model_chunks)[0].load_state_dict(loaded["model"], strict=True)
         if with_optimizer:
-            optimizer.load_state_dict(loaded["optimizer"])
+            with _steps_set_aside(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones
@@ -224,5 +401,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int,
             _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             log("note: checkpoint written with another world size: RNG states not restored")
+    if with_optimizer and saved_format is not None:
+        log(f"optimizer state: distributed optimizer, {saved_format} format, Adam steps {_adam_steps(optimizer)}")
     log(f"loaded checkpoint {directory} (iteration {iteration}, consumed samples {common['consumed_samples']})")
     return iteration, int(common["consumed_samples"])
