@@ -239,13 +239,15 @@ def test_emulated_gradients_reach_ddp_main_grad_once():
 
     config = tiny_config(gradient_accumulation_fusion=True)
     gen = torch.Generator().manual_seed(5)
-    layer = _column(config, emulate=True)
-    reference = _column(tiny_config(), emulate=True)
+    # megatron's DDP puts main_grad on the current CUDA device whenever CUDA exists: follow it there
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = _column(config, emulate=True).to(device)
+    reference = _column(tiny_config(), emulate=True).to(device)
     reference.load_state_dict(layer.state_dict())
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
     ddp.zero_grad_buffer()
     for tokens in (7, 0, 7):
-        x, g = torch.randn(tokens, 3, 64, generator=gen), torch.randn(tokens, 3, 48, generator=gen)
+        x, g = (torch.randn(tokens, 3, n, generator=gen).to(device) for n in (64, 48))
         out = ddp(x)[0]
         assert out.shape == (tokens, 3, 48)
         out.backward(g)
