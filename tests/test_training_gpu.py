@@ -59,7 +59,8 @@ def test_gpu_tp2_sequence_parallel_resume(data, tmp_path):  # noqa: F811
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_tp2_checkpoint_resumes_at_tp1(data, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("optimizer", ["regular", "distributed"])
+def test_gpu_tp2_checkpoint_resumes_at_tp1(data, tmp_path, optimizer):  # noqa: F811
     """INT8 at TP=2 + SP (2 GPUs) saves at iteration 3; one GPU at TP=1 loads it (dist_checkpointing
     reshards model and optimizer state) and trains on to 6. Both layouts have DP=1, so the same global
     batch (2 micro-batches of 2) reads the same samples in the same order.
@@ -73,11 +74,10 @@ def test_gpu_tp2_checkpoint_resumes_at_tp1(data, tmp_path):  # noqa: F811
     CPU (TP-invariant CPU init, BF16) this test's runs differ by 3e-4 at iterations 4-6, and an
     uninterrupted TP=1 run by < 1e-3; training moves the loss by ~0.17 over iterations 3-6.
 
-    Without --use-distributed-optimizer: the trainer saves the distributed optimizer in megatron's
-    "dp_reshardable" format, which reshards over DP only (a TP=2 -> TP=1 load fails with a global
-    shape mismatch on optimizer.distributed...bucket_idx_0.param)."""
+    Both optimizers: the distributed one is saved in megatron's fully_reshardable format (model-space Adam
+    state), which the TP=1 run reads back (tests/test_checkpoint_reshard.py checks the state itself on CPU)."""
     common = ["--bf16", "--int8-linear", "--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "4",
-              "--eval-interval", "3"]
+              "--eval-interval", "3"] + (["--use-distributed-optimizer"] if optimizer == "distributed" else [])
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     out = train(data, *common, *tp2, "--save", str(whole), nproc=2, gpu=True)
@@ -87,6 +87,8 @@ def test_gpu_tp2_checkpoint_resumes_at_tp1(data, tmp_path):  # noqa: F811
     out = train(data, *common, "--save", str(split), "--load", str(split), gpu=True)
     assert "world size 1: TP 1, PP 1, DP 1" in out and "device cuda" in out and "| int8 |" in out
     assert "loaded checkpoint" in out and "(iteration 3," in out
+    if optimizer == "distributed":
+        assert "optimizer state: distributed optimizer, fully_reshardable format, Adam steps [3" in out, out[-3000:]
     expected, resumed = losses(whole / "train_log.jsonl"), losses(split / "train_log.jsonl")
     assert sorted(resumed) == list(range(1, 7))
     # all six within 2e-2: 1-3 are the same TP=2 configuration run twice, 4-6 the TP=1 continuation
