@@ -142,11 +142,23 @@ def _check_scope(cls_name: str, config, is_expert: bool, kwargs) -> None:
 
 
 class Fp8LinearMixin:
-    """torchao float8 `_forward_impl` shared by the column- and row-parallel layers."""
+    """torchao float8 construction checks and `_forward_impl`, shared by the column- and row-parallel
+    layers (listed before the megatron base class, whose __init__ follows in the MRO)."""
 
     fp8_recipe: str
     fp8_emulate: bool
     fp8_compile: bool
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, fp8_recipe: str = "tensorwise",
+                 emulate: bool = False, compile: bool = False, **kwargs):
+        _validate_recipe(type(self).__name__, fp8_recipe)
+        _check_scope(type(self).__name__, config, kwargs.get("is_expert", False), kwargs)
+        torchao_float8()
+        if not emulate:
+            check_fp8_device()
+        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+                         init_method=init_method, **kwargs)
+        self._finish_fp8_init(config, fp8_recipe, emulate, compile)
 
     def _finish_fp8_init(self, config, fp8_recipe: str, emulate: bool, compile: bool) -> None:
         name = type(self).__name__
@@ -207,29 +219,7 @@ class Fp8ColumnParallelLinear(Fp8LinearMixin, ColumnParallelLinear):
     """ColumnParallelLinear whose GEMMs run in FP8 through torchao. Extra keywords: `fp8_recipe`
     ('tensorwise' or 'rowwise'), `emulate` (tests), `compile`."""
 
-    def __init__(self, input_size: int, output_size: int, *, config, init_method, fp8_recipe: str = "tensorwise",
-                 emulate: bool = False, compile: bool = False, **kwargs):
-        _validate_recipe(type(self).__name__, fp8_recipe)
-        _check_scope(type(self).__name__, config, kwargs.get("is_expert", False), kwargs)
-        torchao_float8()
-        if not emulate:
-            check_fp8_device()
-        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
-                         init_method=init_method, **kwargs)
-        self._finish_fp8_init(config, fp8_recipe, emulate, compile)
-
 
 class Fp8RowParallelLinear(Fp8LinearMixin, RowParallelLinear):
     """RowParallelLinear whose GEMMs run in FP8 through torchao. Extra keywords: `fp8_recipe`
     ('tensorwise' or 'rowwise'), `emulate` (tests), `compile`."""
-
-    def __init__(self, input_size: int, output_size: int, *, config, init_method, fp8_recipe: str = "tensorwise",
-                 emulate: bool = False, compile: bool = False, **kwargs):
-        _validate_recipe(type(self).__name__, fp8_recipe)
-        _check_scope(type(self).__name__, config, kwargs.get("is_expert", False), kwargs)
-        torchao_float8()
-        if not emulate:
-            check_fp8_device()
-        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
-                         init_method=init_method, **kwargs)
-        self._finish_fp8_init(config, fp8_recipe, emulate, compile)

@@ -60,16 +60,20 @@ def test_int8_column_layer_on_gpu_within_bound(granularity):
         assert ((got - exact).abs() <= bound + BF16_HALF_ULP * (exact.abs() + bound)).all()
 
 
-def test_tiny_int8_gpt_trains_on_gpu():
+def _tiny_gpt(policy):
+    """A tiny bf16 GQA GPTModel on the GPU whose transformer layers follow `policy`."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_int8.policy import Int8Policy
     from megatron_int8.spec import get_gpt_int8_block_spec
 
     torch.manual_seed(0)
     config = tiny_config(num_query_groups=2, params_dtype=torch.bfloat16, bf16=True)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, Int8Policy()),
-                     vocab_size=128, max_sequence_length=64, position_embedding_type="rope").cuda().bfloat16()
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, policy),
+                    vocab_size=128, max_sequence_length=64, position_embedding_type="rope").cuda().bfloat16()
+
+
+def _assert_trains(model):
+    """Six Adam steps on one random batch must lower the loss by more than 0.1."""
     tokens = torch.randint(0, 128, (4, 65), device="cuda")
     positions = torch.arange(64, device="cuda").expand(4, -1)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -81,6 +85,12 @@ def test_tiny_int8_gpt_trains_on_gpu():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_tiny_int8_gpt_trains_on_gpu():
+    from megatron_int8.policy import Int8Policy
+
+    _assert_trains(_tiny_gpt(Int8Policy()))
 
 
 def test_bench_layer_tiny_on_gpu(tmp_path):
@@ -161,29 +171,12 @@ def test_fp8_gradients_reach_ddp_main_grad_once_on_gpu():
 @needs_fp8
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_tiny_fp8_gpt_trains_on_gpu(recipe):
-    from megatron.core.models.gpt import GPTModel
-
     from megatron_int8.fp8_peer import Fp8LinearMixin
     from megatron_int8.policy import Int8Policy
-    from megatron_int8.spec import get_gpt_int8_block_spec
 
-    torch.manual_seed(0)
-    config = tiny_config(num_query_groups=2, params_dtype=torch.bfloat16, bf16=True)
-    spec = get_gpt_int8_block_spec(config, Int8Policy(enabled=False, fp8_peer=recipe))
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64,
-                     position_embedding_type="rope").cuda().bfloat16()
-    assert sum(isinstance(m, Fp8LinearMixin) for m in model.modules()) == 4 * config.num_layers
-    tokens = torch.randint(0, 128, (4, 65), device="cuda")
-    positions = torch.arange(64, device="cuda").expand(4, -1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(6):
-        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
+    model = _tiny_gpt(Int8Policy(enabled=False, fp8_peer=recipe))
+    assert sum(isinstance(m, Fp8LinearMixin) for m in model.modules()) == 4 * model.config.num_layers
+    _assert_trains(model)
 
 
 @needs_fp8
