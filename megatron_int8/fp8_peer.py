@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import get_pg_size
 
 from .layers import _config_without_apex_check
-from .policy import FP8_RECIPES, describe_fp8_recipe  # noqa: F401  (re-exported)
+from .policy import FP8_RECIPES
 
 MIN_COMPUTE_CAPABILITY = (8, 9)
 TORCHAO_TESTED = "0.18.0"

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_int8.policy import FP8_RECIPES  # noqa: E402
 from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def parse_args(argv=None):
                         "sync per quantize) or off")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fp8", action="store_true", help="skip the FP8 peer (torchao float8) row")
-    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise",
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise",
                    help="torchao float8 scaling recipe of the FP8 peer")
     p.add_argument("--fp8-compile", action="store_true",
                    help="add a second FP8 row with each dense linear's casts + GEMM under torch.compile")
@@ -206,8 +207,6 @@ def main(argv=None) -> str:
             if not name.startswith("FP8"):
                 raise
             skipped[name] = f"{type(err).__name__}: {str(err)[:300]}"
-    for name, reason in skipped.items():
-        print(f"{name}: skipped ({reason})", flush=True)
     if args.profile:
         profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))

@@ -36,6 +36,28 @@ def megatron_world():
         yield
 
 
+def _run_on_outliers(layer, gen):
+    """Give a 256 -> 384 layer outlier weights, run it forward and backward on a bf16 outlier batch of
+    64 x 4 tokens; returns (x with its grad, the output gradient, the output)."""
+    with torch.no_grad():
+        layer.weight.copy_(outlier_tensor(384, 256, generator=gen, scale=8.0) * 0.05)
+    x = outlier_tensor(64, 4, 256, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+    g = outlier_tensor(64, 4, 384, generator=gen).to("cuda", torch.bfloat16)
+    out, _ = layer(x)
+    out.backward(g)
+    return x, g, out
+
+
+def _run_bench_layer(tmp_path, *argv, timeout):
+    """scripts/bench_layer.py ARGV in a subprocess with OUT=tmp_path; returns (its table file, its stdout)."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_layer.py"), *argv],
+                            env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (tmp_path / "bench_layer.md").read_text(), result.stdout
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_int8_column_layer_on_gpu_within_bound(granularity):
     from megatron_int8.layers import Int8ColumnParallelLinear
@@ -44,12 +66,7 @@ def test_int8_column_layer_on_gpu_within_bound(granularity):
     config = tiny_config(params_dtype=torch.bfloat16, bf16=True)
     layer = Int8ColumnParallelLinear(256, 384, config=config, init_method=torch.nn.init.xavier_normal_, bias=False,
                                      recipe=nearest_recipe(granularity=granularity)).cuda()
-    with torch.no_grad():
-        layer.weight.copy_(outlier_tensor(384, 256, generator=gen, scale=8.0) * 0.05)
-    x = outlier_tensor(64, 4, 256, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
-    g = outlier_tensor(64, 4, 384, generator=gen).to("cuda", torch.bfloat16)
-    out, _ = layer(x)
-    out.backward(g)
+    x, g, out = _run_on_outliers(layer, gen)
     x2, g2 = x.detach().double().reshape(-1, 256), g.double().reshape(-1, 384)
     w = layer.weight.detach().double()
     checks = [(out.detach().double().reshape(-1, 384), x2 @ w.T, qgemm_bound(x2, w, granularity=granularity)),
@@ -94,13 +111,8 @@ def test_tiny_int8_gpt_trains_on_gpu():
 
 
 def test_bench_layer_tiny_on_gpu(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, OUT=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
-    result = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_layer.py"), "--tiny"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "| INT8 |" in (tmp_path / "bench_layer.md").read_text()
+    table, _ = _run_bench_layer(tmp_path, "--tiny", timeout=300)
+    assert "| INT8 |" in table
 
 
 # ------------------------------------------------------------------------ FP8 peer (torchao float8)
@@ -127,12 +139,7 @@ def test_fp8_layer_on_gpu_within_bound(kind, recipe, compile):
     expected rounding noise (which a wrong scale or operand would exceed)."""
     gen = torch.Generator().manual_seed(0)
     layer = _fp8_layer(kind, 256, 384, recipe, compile=compile)
-    with torch.no_grad():
-        layer.weight.copy_(outlier_tensor(384, 256, generator=gen, scale=8.0) * 0.05)
-    x = outlier_tensor(64, 4, 256, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
-    g = outlier_tensor(64, 4, 384, generator=gen).to("cuda", torch.bfloat16)
-    out, _ = layer(x)
-    out.backward(g)
+    x, g, out = _run_on_outliers(layer, gen)
     assert out.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
     checks = fp8_linear_checks(x.detach().reshape(-1, 256), layer.weight.detach(), g.reshape(-1, 384),
                                out.detach().reshape(-1, 384), x.grad.reshape(-1, 256), layer.weight.grad, recipe)
@@ -183,12 +190,7 @@ def test_tiny_fp8_gpt_trains_on_gpu(recipe):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_bench_layer_tiny_fp8_rows_on_gpu(tmp_path, moe):
     """The layer benchmark's FP8 rows, eager and compiled (MoE: 4 experts, token counts not multiples of 16)."""
-    env = dict(os.environ, OUT=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
     argv = ["--tiny", "--fp8-compile", "--no-stock"] + (["--num-experts", "4"] if moe else [])
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_layer.py"), *argv],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    table = (tmp_path / "bench_layer.md").read_text()
+    table, stdout = _run_bench_layer(tmp_path, *argv, timeout=600)
     assert "| FP8 torchao tensorwise |" in table and "| FP8 torchao tensorwise compiled |" in table, \
-        table + result.stdout[-3000:]
+        table + stdout[-3000:]
