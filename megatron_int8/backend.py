@@ -2,14 +2,19 @@
 
 A backend offers two calls with identical contracts (see quantize.py for conventions):
   quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
-           amax=None, columnwise_pad=1, columnwise_amax=None) -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
+           amax=None, columnwise_pad=1, columnwise_amax=None, columnwise_segments=None)
+      -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
       (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
       `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
       a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns;
       `columnwise_amax`: row-wise only, x's per-column amax [C] for Q(x^T)'s scales, e.g. reduced over
-      the tensor-parallel group, while Q(x) keeps its own per-row scales)
+      the tensor-parallel group, while Q(x) keeps its own per-row scales;
+      `columnwise_segments`: row-wise only, a quantize.Segments layout of x's rows (MoE experts): Q(x^T)
+      gets one scale per column per segment, [E, C], see quantize.quantize_segment_columns)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True) -> dequant(a @ b^T) [+ bias]
       (`autotune`: a hint for kernels with tunable tiles; the result is the same either way)
+  grouped_gemm(a, b, segments, *, out_dtype) -> per segment e, dequant(a_e @ b[e]^T) in a's rows of e
+      (MoE experts: a row-wise [R, K] in the segments' layout, b stacked [E, N, K] with scales [E, N])
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
 a kernel may produce both in one pass (fused cast-transpose).
 """
@@ -48,14 +53,19 @@ class ReferenceBackend:
         amax: Optional[torch.Tensor] = None,
         columnwise_pad: int = 1,
         columnwise_amax: Optional[torch.Tensor] = None,
+        columnwise_segments: Optional[ref.Segments] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
         ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
+        if columnwise_segments is not None:
+            ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
         tile2d = weight and granularity == "block"
         kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
         if rowwise:
             row = ref.quantize(x, granularity, tile2d=tile2d, **kw)
-        if columnwise:
+        if columnwise and columnwise_segments is not None:  # aligned rows: no padding needed
+            col = ref.quantize_segment_columns(x, columnwise_segments, **kw)
+        elif columnwise:
             if row is not None and (granularity == "tensor" or tile2d):
                 col = row.transposed()  # same scales: a byte transpose, identical rounding
             else:
@@ -66,6 +76,9 @@ class ReferenceBackend:
 
     def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
         return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+
+    def grouped_gemm(self, a, b, segments, *, out_dtype):
+        return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
 
 
 class TritonBackend:

@@ -12,7 +12,8 @@ Conventions, shared with the Triton kernels:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -20,6 +21,9 @@ from .recipe import QMAX
 
 # |acc| <= 127 * 127 * K must fit in int32: split longer contractions and sum the pieces in fp32.
 MAX_EXACT_K = (2**31 - 1) // (QMAX * QMAX) // 128 * 128
+# MoE experts' token segments start at multiples of this (see Segments): no GEMM tile (BLOCK_M <= 128) and
+# no quantize strip ever holds tokens of two experts.
+SEGMENT_ALIGN = 128
 
 
 class NonFiniteError(FloatingPointError):
@@ -57,6 +61,92 @@ class QTensor:
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return dequantize(self).to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The experts' row ranges [offsets[e], offsets[e + 1]) of a token-sorted MoE operand.
+
+    Each range starts at a multiple of SEGMENT_ALIGN (an expert's tokens are followed by zero rows up to
+    the next multiple), so the grouped kernels map every aligned strip of rows to one expert, and the
+    wgrad operands of expert e are the aligned column slice [offsets[e], offsets[e + 1]) of Q(x^T).
+    """
+
+    offsets: Tuple[int, ...]
+
+    def __post_init__(self):
+        offs = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "offsets", offs)
+        if len(offs) < 2 or offs[0] != 0:
+            raise ValueError(f"Segments.offsets must start at 0 and hold at least one segment, got {offs}")
+        if any(b < a for a, b in zip(offs, offs[1:])) or any(o % SEGMENT_ALIGN for o in offs):
+            raise ValueError(f"Segments.offsets must be non-decreasing multiples of {SEGMENT_ALIGN}, got {offs}")
+
+    @classmethod
+    def for_counts(cls, counts: Sequence[int]) -> "Segments":
+        """The aligned layout of experts receiving `counts` tokens each."""
+        offsets = [0]
+        for c in counts:
+            if c < 0:
+                raise ValueError(f"token counts must be >= 0, got {list(counts)}")
+            offsets.append(offsets[-1] + padded_length(int(c), SEGMENT_ALIGN))
+        return cls(tuple(offsets))
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def rows(self) -> int:
+        return self.offsets[-1]
+
+    def bounds(self, e: int) -> Tuple[int, int]:
+        return self.offsets[e], self.offsets[e + 1]
+
+    @functools.lru_cache(maxsize=4)
+    def strip_experts(self, device: torch.device) -> torch.Tensor:
+        """int32 [rows // SEGMENT_ALIGN]: the expert owning each aligned strip of rows (on `device`)."""
+        owner = [e for e in range(self.num_segments) for _ in range((self.offsets[e + 1] - self.offsets[e])
+                                                                  // SEGMENT_ALIGN)]
+        return torch.tensor(owner, dtype=torch.int32, device=device)
+
+
+def check_segments(x: torch.Tensor, granularity: str, segments: Segments, columnwise_amax,
+                   columnwise_pad: int = 1) -> None:
+    """A segmented column quantization: row-wise, x's rows laid out as `segments` (so already a multiple
+    of any padding that divides SEGMENT_ALIGN), no given amax."""
+    if granularity != "row":
+        raise ValueError(f"columnwise_segments needs row granularity, got {granularity!r}")
+    if not isinstance(segments, Segments):
+        raise TypeError(f"columnwise_segments must be a Segments, got {type(segments).__name__}")
+    if x.shape[0] != segments.rows:
+        raise ValueError(f"columnwise_segments cover {segments.rows} rows, the operand has {x.shape[0]}")
+    if columnwise_amax is not None:
+        raise ValueError("columnwise_segments and columnwise_amax are mutually exclusive")
+    if SEGMENT_ALIGN % columnwise_pad:
+        raise ValueError(f"columnwise_pad {columnwise_pad} must divide SEGMENT_ALIGN {SEGMENT_ALIGN} with segments")
+
+
+def quantize_segment_columns(x: torch.Tensor, segments: Segments, **kw) -> QTensor:
+    """Q(x^T) [C, R] with one scale per column of x per segment (scale [E, C]): expert e's slice
+    [:, offsets[e]:offsets[e + 1]] is Q(x_e^T), quantized over that expert's rows only. Empty segments
+    get scale 1."""
+    R, C = x.shape
+    data = torch.empty((C, R), dtype=torch.int8, device=x.device)
+    scale = torch.ones((segments.num_segments, C), dtype=torch.float32, device=x.device)
+    for e in range(segments.num_segments):
+        lo, hi = segments.bounds(e)
+        if hi > lo:
+            q = quantize(x[lo:hi].t(), "row", **kw)
+            data[:, lo:hi] = q.data
+            scale[e] = q.scale
+    return QTensor(data, scale, "row", kw.get("block_size", 128))
+
+
+def segment_operand(q: QTensor, segments: Segments, e: int) -> QTensor:
+    """Expert e's wgrad operand from a segmented Q(x^T): the aligned column slice and its scales."""
+    lo, hi = segments.bounds(e)
+    return QTensor(q.data[:, lo:hi], q.scale[e], "row", q.block_size)
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -329,3 +419,32 @@ def gemm(
     if accumulate_into is not None:
         return accumulate_into.add_(out)
     return out.to(out_dtype)
+
+
+def grouped_gemm(a: QTensor, b: QTensor, segments: Segments, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per expert e: rows [offsets[e], offsets[e + 1]) of the output are dequant(a_e @ b[e]^T).
+
+    a: row-wise [R, K] (rows laid out as `segments`); b: the experts' stacked operands, data [E, N, K] and
+    row-wise scales [E, N]. Returns [R, N]."""
+    check_grouped_operands(a, b, segments)
+    out = torch.zeros((a.data.shape[0], b.data.shape[1]), dtype=out_dtype, device=a.data.device)
+    for e in range(segments.num_segments):
+        lo, hi = segments.bounds(e)
+        if hi > lo:
+            out[lo:hi] = gemm(QTensor(a.data[lo:hi], a.scale[lo:hi], "row"), QTensor(b.data[e], b.scale[e], "row"),
+                              out_dtype=out_dtype)
+    return out
+
+
+def check_grouped_operands(a: QTensor, b: QTensor, segments: Segments) -> None:
+    """Both backends' grouped GEMM contract: row-wise operands, one stacked b per segment."""
+    if a.granularity != "row" or b.granularity != "row":
+        raise ValueError(f"grouped_gemm needs row-wise operands, got {a.granularity} and {b.granularity}")
+    if b.data.dim() != 3 or b.scale.shape != b.data.shape[:2]:
+        raise ValueError(f"grouped_gemm: b must be stacked [E, N, K] with scales [E, N], got data "
+                         f"{tuple(b.data.shape)} and scales {tuple(b.scale.shape)}")
+    if b.data.shape[0] != segments.num_segments:
+        raise ValueError(f"grouped_gemm: {b.data.shape[0]} stacked operands for {segments.num_segments} segments")
+    if a.data.shape[0] != segments.rows or a.data.shape[1] != b.data.shape[2]:
+        raise ValueError(f"grouped_gemm: a {tuple(a.data.shape)} does not match {segments.rows} segment rows "
+                         f"and b {tuple(b.data.shape)}")
