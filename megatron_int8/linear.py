@@ -51,13 +51,19 @@ class _CachedWeight:
 _CACHE_ATTR = "_megatron_int8_quantized"  # stored on the weight tensor itself, so it dies with it
 
 
+def weight_cache_key(weight: torch.Tensor, recipe: Int8Recipe, backend) -> tuple:
+    """What a cached quantization of `weight` depends on: its storage and version, the optimizer-step
+    generation, and the recipe's quantization settings."""
+    return (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
+            recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
+
+
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
     """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged."""
     kw = _quantize_kwargs(recipe, "weight", weight=True)
     if not recipe.cache_weights:
         return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)
-    key = (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
-           recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
+    key = weight_cache_key(weight, recipe, backend)
     entry = getattr(weight, _CACHE_ATTR, None)
     if entry is None or entry.key != key or (rowwise and entry.row is None) or (columnwise and entry.col is None):
         # Quantize every form this recipe will use, in one pass, so later micro-batches only read.

@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from .attention import SDPAttention
 from .compat import SequenceParallelNorm, apply_no_te_compat
+from .experts import Int8GroupedMLP
 from .fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
@@ -86,17 +87,21 @@ class Int8SpecProvider(LocalSpecProvider):
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
     ) -> Tuple[type, Optional[MLPSubmodules]]:
-        """Experts as SequentialMLP over this backend's linears (LocalSpecProvider hard-codes BF16 ones).
+        """Experts over this backend's linears (LocalSpecProvider hard-codes BF16 ones).
 
-        There is no grouped INT8 GEMM: `moe_grouped_gemm` falls back to SequentialMLP (one INT8
-        GEMM per local expert), with a warning, rather than to a BF16 GroupedMLP.
+        `moe_grouped_gemm` with INT8 experts: `Int8GroupedMLP` (SequentialMLP's modules and checkpoints,
+        grouped INT8 quantization and GEMMs). Otherwise SequentialMLP, one GEMM per local expert: BF16
+        and FP8 experts have no grouped GEMM here, and say so.
         """
-        if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
-            kind = "FP8" if self.fp8_recipe is not None else "INT8"
-            warnings.warn(f"megatron-int8: moe_grouped_gemm has no {kind} grouped GEMM; "
-                          f"experts run as SequentialMLP with {kind} linears")
-        return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
-                                            linear_fc2=self.row_parallel_linear())
+        submodules = MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear())
+        if not (moe_use_grouped_gemm or moe_use_legacy_grouped_gemm):
+            return SequentialMLP, submodules
+        if self.fp8_recipe is None and self.int8:
+            return Int8GroupedMLP, submodules
+        kind = "FP8" if self.fp8_recipe is not None else "BF16"
+        warnings.warn(f"megatron-int8: moe_grouped_gemm has no {kind} grouped GEMM here; "
+                      f"experts run as SequentialMLP with {kind} linears")
+        return SequentialMLP, submodules
 
 
 def get_gpt_int8_layer_spec(

@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--num-experts", type=int, default=0,
                    help="MoE layer with this many experts of width --ffn (0: a dense SwiGLU MLP)")
     p.add_argument("--topk", type=int, default=2, help="experts per token (with --num-experts)")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="INT8 experts grouped (Int8GroupedMLP), with an 'INT8 per-expert' row for comparison")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
@@ -116,8 +118,11 @@ def build_layers(args, skipped):
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
                         cache_weights=args.cache_weights)
     experts = args.num_experts or None
-    specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts),
+    grouped = bool(experts and args.moe_grouped_gemm)
+    specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
+    if grouped:
+        specs["INT8 per-expert"] = get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts)
     fp8_specs = {}
     reason = fp8_skip_reason(args)
     if reason is None:
@@ -211,7 +216,8 @@ def main(argv=None) -> str:
         profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    mlp = f"{args.num_experts} experts (top-{args.topk}) of ffn {args.ffn}" if args.num_experts else f"ffn {args.ffn}"
+    mlp = (f"{args.num_experts} experts (top-{args.topk}) of ffn {args.ffn}"
+           + (", INT8 experts grouped" if args.moe_grouped_gemm else "") if args.num_experts else f"ffn {args.ffn}")
     heads = f"{args.heads} heads" + (f" ({args.num_query_groups} KV groups)" if args.num_query_groups else "")
     lines = [
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "

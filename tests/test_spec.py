@@ -197,7 +197,7 @@ def test_sdpa_attention_dropout_uses_model_parallel_rng():
 @pytest.mark.parametrize("moe", [False, True])
 def test_bench_layer_cpu_smoke(tmp_path, moe):
     """scripts/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path), dense and
-    MoE (4 experts, GQA)."""
+    MoE (4 experts, GQA, grouped INT8 experts next to per-expert ones)."""
     import os
     import subprocess
     import sys
@@ -205,7 +205,7 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OUT=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
-    extra = ["--num-experts", "4", "--num-query-groups", "2"] if moe else []
+    extra = ["--num-experts", "4", "--num-query-groups", "2", "--moe-grouped-gemm", "--granularity", "row"] if moe else []
     result = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_layer.py"), "--device", "cpu",
                              "--tiny", *extra], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -213,3 +213,4 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
     assert ("4 experts (top-2)" in table) == moe
     for name in ("| INT8 |", "| BF16 |", "| BF16 stock local spec |"):
         assert name in table
+    assert ("| INT8 per-expert |" in table) == moe

@@ -1,0 +1,107 @@
+"""MoE experts whose INT8 linears run grouped: one quantization and one GEMM launch for all local experts.
+
+`Int8GroupedMLP` is megatron's SequentialMLP (same `local_experts.{i}` MLPs, same parameters, state dicts
+and sharded checkpoints, so checkpoints interchange with the per-expert layers and with BF16) with a
+grouped forward: the token-sorted input is laid out with each expert's rows at a multiple of 128, both
+expert linears run through `grouped_int8_linear`, and the activation (with the router probabilities)
+is megatron's own MLP code applied once to all experts' rows. Per expert, this trades ~4 quantize
+launches and 6 short GEMMs for a share of 4 quantizes and 2 grouped GEMMs (wgrad stays one GEMM per
+expert, on aligned slices).
+
+Where the grouped op does not apply (BF16 or FP8 experts, a tensorwise/block or partly high-precision
+recipe, biases), it is SequentialMLP, and says why once at construction.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from .grouped_linear import grouped_int8_linear, grouped_recipe_problem
+from .layers import Int8LinearMixin
+from .quantize import Segments
+
+
+class _ExpertLinears:
+    """Stands in for one expert's linear: calls the grouped op over every local expert's weight."""
+
+    def __init__(self, linears: List[Int8LinearMixin], segments: Segments):
+        self.linears, self.segments = linears, segments
+
+    def __call__(self, x: torch.Tensor):
+        weights = [lin.weight for lin in self.linears]
+        first = self.linears[0]
+        fuse = bool(first.gradient_accumulation_fusion)
+        return grouped_int8_linear(x, self.segments, weights, first.int8_recipe, fuse_wgrad=fuse), None
+
+
+class _GroupedExperts:
+    """What megatron's `MLP.forward` reads from its MLP (config, activation, the two linears), with the
+    linears grouped over all local experts: megatron's activation code then runs once for all of them."""
+
+    def __init__(self, experts: torch.nn.ModuleList, segments: Segments):
+        first = experts[0]
+        self.config = first.config
+        self.activation_func = first.activation_func
+        self.linear_fc1 = _ExpertLinears([e.linear_fc1 for e in experts], segments)
+        self.linear_fc2 = _ExpertLinears([e.linear_fc2 for e in experts], segments)
+
+
+class Int8GroupedMLP(SequentialMLP):
+    """SequentialMLP with its INT8 expert linears run grouped (see the module docstring)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        self.grouped_problem = self._grouped_problem()
+        if self.grouped_problem is not None:
+            warnings.warn(f"megatron-int8: experts run one by one (SequentialMLP): {self.grouped_problem}")
+
+    def _grouped_problem(self) -> Optional[str]:
+        linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
+        if not all(isinstance(lin, Int8LinearMixin) and lin.int8 for lin in linears):
+            return "the expert linears are not INT8"
+        recipes = {lin.int8_recipe for lin in linears}
+        if len(recipes) != 1:
+            return "the expert linears use different recipes"
+        problem = grouped_recipe_problem(recipes.pop())
+        if problem:
+            return problem
+        if any(lin.bias is not None for lin in linears):
+            return "expert linears with biases"
+        return None
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        if self.grouped_problem is not None:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        hidden, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input needs moe_router_topk = 1")
+            hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
+            probs = torch.ones_like(probs)  # already applied
+        counts = [int(c) for c in tokens_per_expert.tolist()]
+        if len(counts) != self.num_local_experts or sum(counts) != hidden.shape[0]:
+            raise ValueError(f"Int8GroupedMLP: tokens_per_expert {counts} does not match "
+                             f"{self.num_local_experts} experts and {hidden.shape[0]} tokens")
+        segments = Segments.for_counts(counts)
+        rows = _aligned_rows(counts, segments, hidden.device)
+        x = hidden.new_zeros((segments.rows, hidden.shape[-1])).index_copy(0, rows, hidden)
+        p = probs.new_zeros(segments.rows).index_copy(0, rows, probs)
+        out, _ = MLP.forward(_GroupedExperts(self.local_experts, segments), x, per_token_scale=p)
+        return out.index_select(0, rows), None
+
+
+def _aligned_rows(counts: List[int], segments: Segments, device: torch.device) -> torch.Tensor:
+    """Row of each token in the aligned layout: expert e's i-th token goes to offsets[e] + i."""
+    shift, start = [], 0
+    for e, c in enumerate(counts):
+        shift.append(segments.offsets[e] - start)
+        start += c
+    total = start
+    shift = torch.tensor(shift, dtype=torch.int64, device=device)
+    reps = torch.tensor(counts, dtype=torch.int64, device=device)
+    return torch.arange(total, device=device) + torch.repeat_interleave(shift, reps, output_size=total)

@@ -1,0 +1,145 @@
+"""The INT8 linear of all local MoE experts at once: one autograd op instead of one per expert.
+
+The input holds every expert's tokens, sorted by expert, each expert's rows starting at a multiple of
+`SEGMENT_ALIGN` (zero rows between them), as described by a `Segments`:
+- fprop: Q(X) row-wise once for all experts (per-token scales do not depend on the grouping), then one
+  grouped GEMM against the experts' stacked Q(W) [E, N, K];
+- dgrad: Q(dY) row-wise once, one grouped GEMM against the stacked Q(W)^T [E, K, N];
+- wgrad: Q(dY^T) and Q(X^T) once each, with per-expert column scales (each expert's operands are
+  quantized over its own tokens, exactly as a per-expert linear would), then one GEMM per expert on
+  aligned column slices, accumulated into `main_grad` when gradient-accumulation fusion is on.
+Every value equals what the per-expert INT8 linears compute: the zero rows change no amax and add
+nothing to a contraction. Row granularity only: a tensorwise scale over all experts' tokens would not
+be a per-expert one (`grouped_recipe_problem`).
+
+Weights: the stacked Q(W) and Q(W)^T are cached on the first expert's weight until any expert weight
+changes (the key of `linear.weight_cache_key`, per weight), in place of the per-expert caches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from .backend import get_backend
+from .linear import _main_grad_placeholder, _quantize_kwargs, weight_cache_key
+from .quantize import QTensor, Segments, segment_operand
+from .recipe import Int8Recipe
+
+_STACK_ATTR = "_megatron_int8_stacked"
+
+
+def grouped_recipe_problem(recipe: Int8Recipe) -> Optional[str]:
+    """Why `recipe` cannot run grouped (None if it can)."""
+    if recipe.granularity != "row":
+        return f"granularity {recipe.granularity!r} (grouped experts need 'row')"
+    if not (recipe.fprop and recipe.dgrad and recipe.wgrad):
+        return "a GEMM in high precision (grouped experts run all three in INT8)"
+    return None
+
+
+@dataclasses.dataclass
+class _StackedWeights:
+    key: tuple
+    row: QTensor  # Q(W_e) stacked: data [E, N, K], scales [E, N]
+    col: QTensor  # Q(W_e^T) stacked: data [E, K, N], scales [E, K]
+
+
+def stacked_quantized_weights(weights: Sequence[torch.Tensor], backend, recipe: Int8Recipe):
+    """(stacked Q(W), stacked Q(W)^T) of the experts' weights [N, K]; cached while none changes."""
+    key = tuple(weight_cache_key(w, recipe, backend) for w in weights)
+    entry = getattr(weights[0], _STACK_ATTR, None)
+    if recipe.cache_weights and entry is not None and entry.key == key:
+        return entry.row, entry.col
+    E, (N, K) = len(weights), weights[0].shape
+    dev = weights[0].device
+    row = QTensor(torch.empty((E, N, K), dtype=torch.int8, device=dev),
+                  torch.empty((E, N), dtype=torch.float32, device=dev), "row", recipe.block_size)
+    col = QTensor(torch.empty((E, K, N), dtype=torch.int8, device=dev),
+                  torch.empty((E, K), dtype=torch.float32, device=dev), "row", recipe.block_size)
+    kw = _quantize_kwargs(recipe, "weight", weight=True)
+    for e, w in enumerate(weights):  # one expert's temporaries at a time
+        r, c = backend.quantize(w.detach(), rowwise=True, columnwise=True, **kw)
+        row.data[e], row.scale[e], col.data[e], col.scale[e] = r.data, r.scale, c.data, c.scale
+    if recipe.cache_weights:
+        setattr(weights[0], _STACK_ATTR, _StackedWeights(key, row, col))
+    return row, col
+
+
+class _GroupedInt8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, segments: Segments, recipe: Int8Recipe, fuse_wgrad: bool, *weights):
+        backend = get_backend(x.device, recipe)
+        wgrad = any(w.requires_grad for w in weights)
+        qx_row, qx_col = backend.quantize(x, rowwise=True, columnwise=wgrad,
+                                          columnwise_segments=segments if wgrad else None,
+                                          **_quantize_kwargs(recipe, "fprop input"))
+        qw_row, _ = stacked_quantized_weights(weights, backend, recipe)
+        out = backend.grouped_gemm(qx_row, qw_row, segments, out_dtype=x.dtype)
+        ctx.segments, ctx.recipe, ctx.backend, ctx.fuse_wgrad = segments, recipe, backend, fuse_wgrad
+        ctx.input_dtype = x.dtype
+        ctx.qx_block_size = qx_row.block_size
+        saved = (qx_col.data, qx_col.scale) if wgrad else ()
+        ctx.save_for_backward(*weights, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        segments, recipe, backend = ctx.segments, ctx.recipe, ctx.backend
+        E = segments.num_segments
+        weights, saved = ctx.saved_tensors[:E], ctx.saved_tensors[E:]
+        need_dgrad = ctx.needs_input_grad[0]
+        need_wgrad = [ctx.needs_input_grad[4 + e] for e in range(E)]
+        g = grad_output.contiguous()
+        qg_row, qg_col = backend.quantize(
+            g, rowwise=need_dgrad, columnwise=any(need_wgrad),
+            columnwise_segments=segments if any(need_wgrad) else None,
+            **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
+        grad_input = None
+        if need_dgrad:
+            _, qw_col = stacked_quantized_weights(weights, backend, recipe)
+            grad_input = backend.grouped_gemm(qg_row, qw_col, segments, out_dtype=ctx.input_dtype)
+        grad_weights = []
+        if any(need_wgrad):
+            qx_col = QTensor(saved[0], saved[1], "row", ctx.qx_block_size)
+        for e, (w, need) in enumerate(zip(weights, need_wgrad)):
+            if not need:
+                grad_weights.append(None)
+                continue
+            lo, hi = segments.bounds(e)
+            main_grad = getattr(w, "main_grad", None) if ctx.fuse_wgrad else None
+            if main_grad is not None:
+                if hi > lo:
+                    backend.gemm(segment_operand(qg_col, segments, e), segment_operand(qx_col, segments, e),
+                                 out_dtype=torch.float32, accumulate_into=main_grad, autotune=recipe.autotune)
+                grad_weights.append(_main_grad_placeholder(w))
+            elif hi > lo:
+                grad_weights.append(backend.gemm(segment_operand(qg_col, segments, e),
+                                                 segment_operand(qx_col, segments, e), out_dtype=w.dtype,
+                                                 autotune=recipe.autotune))
+            else:
+                grad_weights.append(torch.zeros_like(w))  # an expert that received no tokens
+        return (grad_input, None, None, None, *grad_weights)
+
+
+def grouped_int8_linear(x: torch.Tensor, segments: Segments, weights: Sequence[torch.Tensor], recipe: Int8Recipe,
+                        *, fuse_wgrad: bool = False) -> torch.Tensor:
+    """x [R, K] in the layout of `segments` -> [R, N]: rows of expert e times weights[e]^T ([N, K]), INT8.
+
+    `fuse_wgrad`: add each weight gradient into `weight.main_grad` (Megatron's gradient-accumulation
+    fusion) and return megatron's placeholder gradient."""
+    problem = grouped_recipe_problem(recipe)
+    if problem:
+        raise ValueError(f"grouped_int8_linear: {problem}")
+    if len(weights) != segments.num_segments:
+        raise ValueError(f"grouped_int8_linear: {len(weights)} weights for {segments.num_segments} segments")
+    if x.dim() != 2 or x.shape[0] != segments.rows:
+        raise ValueError(f"grouped_int8_linear: input {tuple(x.shape)} does not hold the segments' {segments.rows} rows")
+    shape = tuple(weights[0].shape)
+    if any(tuple(w.shape) != shape for w in weights) or len(shape) != 2 or shape[1] != x.shape[1]:
+        raise ValueError(f"grouped_int8_linear: expert weights must all be [N, {x.shape[1]}], got "
+                         f"{[tuple(w.shape) for w in weights]}")
+    if not x.is_floating_point():
+        raise TypeError(f"grouped_int8_linear: input must be floating point, got {x.dtype}")
+    return _GroupedInt8LinearFunction.apply(x, segments, recipe, fuse_wgrad, *weights)
