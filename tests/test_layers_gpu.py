@@ -115,6 +115,50 @@ def test_bench_layer_tiny_on_gpu(tmp_path):
     assert "| INT8 |" in table
 
 
+def _moe_mlp_on_gpu(grouped: bool, config):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped,
+                                   recipe=nearest_recipe(granularity="row"))
+    return build_module(spec.submodules.mlp, config=config).cuda()
+
+
+def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():
+    """Int8GroupedMLP (Triton grouped GEMM, segmented quantize, strided wgrad operands) against
+    SequentialMLP's per-expert INT8 linears (whose bounds against float64 the tests above check): same
+    int32 products and epilogues, so bit-identical outputs and gradients."""
+    from megatron_int8.experts import Int8GroupedMLP
+
+    gen = torch.Generator().manual_seed(21)
+    config = tiny_config(hidden_size=256, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=384,
+                         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                         moe_aux_loss_coeff=0.0, params_dtype=torch.bfloat16, bf16=True)
+    torch.manual_seed(0)
+    seq = _moe_mlp_on_gpu(False, config)
+    grp = _moe_mlp_on_gpu(True, config)
+    assert isinstance(grp.experts, Int8GroupedMLP) and grp.experts.grouped_problem is None
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.copy_(outlier_tensor(*p.shape, generator=gen, scale=8.0) * 0.05)
+    grp.load_state_dict(seq.state_dict())
+    x0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
+    g0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
+    results = []
+    for layer in (seq, grp):
+        x = x0.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.backward(g0)
+        results.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (out_s, dx_s, grads_s), (out_g, dx_g, grads_g) = results
+    assert torch.isfinite(out_s).all() and out_s.abs().sum() > 0
+    assert torch.equal(out_s, out_g) and torch.equal(dx_s, dx_g)
+    for name, grad in grads_s.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(grad, grads_g[name]), name
+
+
 # ------------------------------------------------------------------------ FP8 peer (torchao float8)
 
 

@@ -162,16 +162,20 @@ def test_tensor_and_sequence_parallel_match_tp1_and_fp64():
     run_distributed(_tp_chain_worker, 2)
 
 
-def _moe_layer(config):
+def _moe_layer(config, grouped=False):
+    """Tensorwise per-expert INT8 experts, or (grouped) row-wise ones run by Int8GroupedMLP."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_int8.spec import get_gpt_int8_layer_spec
 
-    spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, recipe=nearest_recipe())
-    return build_module(spec.submodules.mlp, config=config)
+    recipe = nearest_recipe(granularity="row") if grouped else nearest_recipe()
+    spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, recipe=recipe, moe_grouped_gemm=grouped)
+    layer = build_module(spec.submodules.mlp, config=config)
+    assert (getattr(layer.experts, "grouped_problem", "absent") is None) == grouped
+    return layer
 
 
-def _moe_worker(rank, world_size, init_file):
+def _moe_worker(rank, world_size, init_file, grouped):
     from megatron.core import parallel_state
 
     from megatron_int8.layers import Int8ColumnParallelLinear
@@ -185,7 +189,7 @@ def _moe_worker(rank, world_size, init_file):
 
     # EP=1 reference on all ranks' tokens at once (each expert sees the same token set as with EP=2).
     init_megatron(world_size, rank, init_file, ep=1)
-    ref = _moe_layer(tiny_config(**moe))
+    ref = _moe_layer(tiny_config(**moe), grouped)
     assert all(isinstance(m, Int8ColumnParallelLinear) and m.int8 for n, m in ref.named_modules() if n.endswith("fc1"))
     x = torch.cat(xs, 0).requires_grad_(True)
     out_ref, _ = ref(x)
@@ -195,7 +199,7 @@ def _moe_worker(rank, world_size, init_file):
 
     parallel_state.destroy_model_parallel()
     init_megatron(world_size, rank, init_file, ep=2)
-    layer = _moe_layer(tiny_config(expert_model_parallel_size=2, **moe))
+    layer = _moe_layer(tiny_config(expert_model_parallel_size=2, **moe), grouped)
     local_experts = 4 // world_size
 
     def global_name(name):
@@ -218,8 +222,9 @@ def _moe_worker(rank, world_size, init_file):
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
-def test_moe_expert_parallel_matches_ep1():
-    run_distributed(_moe_worker, 2)
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-expert", "grouped"])
+def test_moe_expert_parallel_matches_ep1(grouped):
+    run_distributed(_moe_worker, 2, grouped)
 
 
 def _pp_table_worker(rank, world_size, init_file):
