@@ -608,6 +608,115 @@ def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
             assert_close_fp32(got, REF.gemm(qa3, qb3, out_dtype=torch.float32, bias=bias), granularity)
 
 
+# ----------------------------------------------------------------------- MoE experts: grouped operands
+# Interpreter calls cost ~1-2 s per 128 rows x 3 launches: few, small calls (4 segments over 384 rows).
+COUNTS = [130, 0, 7, 0]  # a segment over 2 strips (130 tokens + 126 zero rows), empty ones inside and last
+
+
+def moe_input(counts, C, dtype=torch.bfloat16):
+    """Tokens sorted by expert in the Segments layout: each expert's rows at a multiple of 128, zero rows
+    between them."""
+    segments = qref.Segments.for_counts(counts)
+    x = torch.zeros(segments.rows, C, dtype=dtype)
+    for e, n in enumerate(counts):
+        lo = segments.offsets[e]
+        x[lo:lo + n] = outliers(n, C, dtype)
+    return x, segments
+
+
+def _seg_kw(segments, rowwise=True, **kw):
+    return _kw("row", False, rowwise=rowwise, columnwise=True, columnwise_segments=segments, **kw)
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_segmented_quantize_bit_exact(K, rowwise):
+    """Q(x^T) with per-segment column scales [E, C] (empty segments: 1) and Q(x) in the same call,
+    bit-identical to the reference; ragged C; the padding keeps [C, R] (R is already 128-aligned)."""
+    x, seg = moe_input(COUNTS, 21)
+    x[3, 2], x[262, 20] = 900.0, -700.0  # outliers in the first and the last non-empty segment
+    kw = _seg_kw(seg, rowwise, columnwise_pad=16)
+    r1, c1 = K.triton_quantize(x, **kw)
+    r0, c0 = REF.quantize(x, **kw)
+    assert_same_qtensor(c1, c0, "segmented columnwise")
+    assert c1.data.shape == (21, 384) and c1.scale.shape == (4, 21)
+    assert torch.all(c1.scale[[1, 3]] == 1) and c1.scale[0, 2] == torch.tensor(900.0) / torch.tensor(127.0)
+    assert (r1 is None) == (not rowwise)
+    if rowwise:
+        assert_same_qtensor(r1, r0, "rowwise")
+
+
+def test_segmented_quantize_non_finite(K):
+    """An Inf poisons exactly its row's scale and its segment's scale of its column; check_finite acts as
+    for any quantization (immediate: raise; deferred: recorded; off: nothing)."""
+    x, seg = moe_input(COUNTS, 16)
+    x[260, 5] = float("inf")  # segment 2, column 5
+    with pytest.raises(NonFiniteError, match="expert input"):
+        K.triton_quantize(x, **_seg_kw(seg, False, name="expert input", check_finite="immediate"))
+    K.triton_quantize(x, **_seg_kw(seg, False, name="expert input"))
+    with pytest.raises(NonFiniteError, match="expert input"):
+        raise_if_nonfinite()
+    r1, c1 = K.triton_quantize(x, **_seg_kw(seg, check_finite="off"))
+    r0, c0 = REF.quantize(x, **_seg_kw(seg, check_finite="off"))
+    nan = torch.zeros(4, 16, dtype=torch.bool)
+    nan[2, 5] = True
+    assert torch.equal(torch.isnan(c1.scale), nan) and torch.equal(torch.isnan(c0.scale), nan)
+    assert torch.equal(c1.scale[~nan], c0.scale[~nan])
+    assert torch.equal(torch.isnan(r1.scale), torch.isnan(r0.scale)) and torch.isnan(r1.scale[260])
+    fin = torch.ones(16, 384, dtype=torch.bool)
+    fin[5, 256:] = False  # Q(x^T)'s elements under the NaN scale
+    assert torch.equal(c1.data[fin], c0.data[fin]) and torch.equal(r1.data[:260], r0.data[:260])
+
+
+def test_segmented_quantize_stochastic(K):
+    """Stochastic rounding keys each draw by the element's position in x, as without segments: where every
+    segment has the same column maxima as the whole of x, the segmented Q(x^T) equals the unsegmented one
+    draw for draw (and Q(x) equals too); every q is floor(v) or floor(v) + 1 and the rounding is unbiased."""
+    counts = [130, 0, 70]
+    x, seg = moe_input(counts, 20, torch.float32)
+    peak = outliers(1, 20, torch.float32).abs() * 10 + 1000
+    x[0], x[256] = peak, -peak  # each segment's column maxima = x's
+    torch.manual_seed(11)
+    rs, cs = K.triton_quantize(x, stochastic=True, **_seg_kw(seg))
+    torch.manual_seed(11)
+    ru, cu = K.triton_quantize(x, stochastic=True, **_kw("row", False, rowwise=True, columnwise=True))
+    assert torch.equal(cs.scale[0], cu.scale) and torch.equal(cs.scale[2], cu.scale) and torch.all(cs.scale[1] == 1)
+    assert torch.equal(cs.data, cu.data) and torch.equal(rs.data, ru.data) and torch.equal(rs.scale, ru.scale)
+    v = x.t() * (1 / cu.scale)[:, None]
+    d = cs.data.float() - torch.floor(v)
+    assert ((d == 0) | (d == 1)).all()
+    err = (cs.data.float() - v)[v != torch.floor(v)]
+    assert abs(err.mean().item()) < 0.05 and (err.abs() > 0.5).any()  # unbiased, and not round-to-nearest
+
+
+def test_segmented_quantize_rejects_bad_arguments(K):
+    x, seg = moe_input([5, 0, 7], 16)
+    bad = [(dict(granularity="tensor"), ValueError, "row granularity"),
+           (dict(columnwise_segments=qref.Segments((0, 128))), ValueError, "cover 128 rows"),
+           (dict(columnwise_amax=torch.ones(16)), ValueError, "mutually exclusive"),
+           (dict(columnwise_pad=256), ValueError, "must divide SEGMENT_ALIGN"),
+           (dict(columnwise_segments=(0, 128, 128, 256)), TypeError, "must be a Segments")]
+    for change, err, match in bad:
+        for backend in (K.triton_quantize, REF.quantize):
+            with pytest.raises(err, match=match):
+                backend(x, **dict(_seg_kw(seg), **change))
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_segmented_quantize_launch_count_and_no_extra_ops(K, launch_log, rowwise):
+    """Segments keep the row-wise launches (3) and allocations: no pass over x and no torch op of their own
+    (the strip tables are made once per routing)."""
+    x, seg = moe_input([0, 130], 16)
+    kw = _seg_kw(seg, rowwise, check_finite="off")
+    K.triton_quantize(x, **kw)  # makes this routing's strip tables
+    launch_log.clear()
+    with _OpLog() as ops:
+        r, c = K.triton_quantize(x, **kw)
+    assert len(launch_log) == QUANTIZE_LAUNCHES["row"], launch_log
+    assert not [op for op in ops.ops if op not in ALLOCS_AND_VIEWS], ops.ops
+    assert ops.ops.count("empty.memory_format") == int(rowwise) + 1 + 2, ops.ops  # int8 outputs, scales, partials
+    assert_same_qtensor(c, REF.quantize(x, **kw)[1])
+
+
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).
 for _name, _fn in list(globals().items()):
     if _name.startswith("test_") and callable(_fn) and _name != "test_kernels_under_triton_interpreter":

@@ -17,7 +17,9 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   column partial maxima; `_reduce_partials_kernel` reduces them to one amax per row and per column (up
   to ~1 MB of partials for 8192 x 4096), once, where each 64 x 64 quantize tile used to reduce ~12 KB of
   partials for its 8 KB of data: Q(x) and Q(x^T) of 8192 x 4096 went from 131 to 91 us on an H200
-  (8192 x 22016: 891 to 430 us).
+  (8192 x 22016: 891 to 430 us). With `columnwise_segments` (MoE experts) still 3: the amax programs
+  take strips of exactly SEGMENT_ALIGN rows (one segment each), and the reduce launch turns each
+  segment's column partials into its column scales [E, C].
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
 - check_finite: "deferred" (default) adds one or two small torch launches that fold a scale array into
   a device-side flag (no sync); "immediate" one small reduction and the host sync that reads it; "off"
@@ -25,7 +27,8 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   array tells.
 Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
 alive with the scale; row: the row and column scales, with the partials in a second buffer freed on
-return); no host sync.
+return); no host sync (segments: their two small strip tables are copied to the device once per routing,
+see `_segment_strips`).
 
 Quantize+transpose: Q(x) and Q(x)^T are stored from the same registers; the transposed store goes through
 `tl.trans` (a shared-memory layout change). The tile is 64 x 64: 64 x 128 would store both outputs in
@@ -39,6 +42,7 @@ Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -52,6 +56,7 @@ import importlib
 ref = importlib.import_module("megatron_int8.quantize")
 
 QMAX = float(ref.QMAX)
+_SEGMENT_ALIGN = tl.constexpr(ref.SEGMENT_ALIGN)  # MoE segments' row alignment, for the kernels
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # modes of _quantize_block_kernel
@@ -154,9 +159,10 @@ def _amax_partials_kernel(
 
 @triton.jit
 def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_ptr,
-                        BG: tl.constexpr, BP: tl.constexpr, GROUPS_INNER: tl.constexpr):
+                        BG: tl.constexpr, BP: tl.constexpr, GROUPS_INNER: tl.constexpr, AS_SCALE: tl.constexpr):
     """out[g] = max_j p[g * stride_g + j * stride_p] for the BG groups of block `blk`. GROUPS_INNER: groups
-    are the contiguous axis (column partials), so the tile is [BP, BG] and loads stay coalesced."""
+    are the contiguous axis (column partials), so the tile is [BP, BG] and loads stay coalesced. AS_SCALE
+    (column groups only): store the scale of that amax instead."""
     offs_g = blk * BG + tl.arange(0, BG)
     mask_g = offs_g < n_groups
     if GROUPS_INNER:
@@ -166,7 +172,11 @@ def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_p
             m = (offs_p < n_parts)[:, None] & mask_g[None, :]
             acc = tl.maximum(acc, tl.load(p_ptr + offs_p[:, None].to(tl.int64) * stride_p + offs_g[None, :] * stride_g,
                                           mask=m, other=0.0))
-        tl.store(out_ptr + offs_g, tl.max(acc, axis=0), mask=mask_g)
+        amax = tl.max(acc, axis=0)
+        if AS_SCALE:
+            tl.store(out_ptr + offs_g, _scale_from_amax(amax), mask=mask_g)
+        else:
+            tl.store(out_ptr + offs_g, amax, mask=mask_g)
     else:
         acc = tl.zeros((BG, BP), tl.float32)
         for j0 in range(0, n_parts, BP):
@@ -180,17 +190,28 @@ def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_p
 @triton.jit
 def _reduce_partials_kernel(
     prow_ptr, R, n_ct, n_row_programs,  # row maxima: prow [R, n_ct] -> out[:R]
-    pcol_ptr, C, n_rs,  # column maxima: pcol [n_rs, C] -> out[R:R + C], by the programs after the rows'
-    out_ptr,
-    BG: tl.constexpr, BP: tl.constexpr,
+    pcol_ptr, C, n_rs,  # column maxima: pcol [n_rs, C] -> out_col, by the programs after the rows'
+    out_ptr, out_col_ptr,
+    seg_ptr, n_cb,  # SEG: the segments' first strips [E + 1]; column blocks per segment
+    BG: tl.constexpr, BP: tl.constexpr, SEG: tl.constexpr,
 ):
     """Row granularity: the partial maxima of _amax_partials_kernel reduced to one amax per row and per
-    column, once, so each quantize tile loads only the maxima of its own rows and columns."""
+    column, once, so each quantize tile loads only the maxima of its own rows and columns.
+    SEG (columnwise_segments): pcol holds one row per SEGMENT_ALIGN strip, and program (e, column block)
+    reduces segment e's strips straight to its column scales out_col[e, :] (scale 1 for an empty segment,
+    which no quantize tile visits)."""
     pid = tl.program_id(0)
     if pid < n_row_programs:
-        _store_group_maxima(prow_ptr, pid, R, n_ct, n_ct, 1, out_ptr, BG, BP, False)
+        _store_group_maxima(prow_ptr, pid, R, n_ct, n_ct, 1, out_ptr, BG, BP, False, False)
+    elif SEG:
+        j = pid - n_row_programs
+        e = j // n_cb
+        s0 = tl.load(seg_ptr + e)
+        s1 = tl.load(seg_ptr + e + 1)
+        _store_group_maxima(pcol_ptr + s0.to(tl.int64) * C, j % n_cb, C, s1 - s0, 1, C,
+                            out_col_ptr + e.to(tl.int64) * C, BG, BP, True, True)
     else:
-        _store_group_maxima(pcol_ptr, pid - n_row_programs, C, n_rs, 1, C, out_ptr + R, BG, BP, True)
+        _store_group_maxima(pcol_ptr, pid - n_row_programs, C, n_rs, 1, C, out_col_ptr, BG, BP, True, False)
 
 
 @triton.jit
@@ -201,14 +222,17 @@ def _quantize_kernel(
     s_ptr, st_ptr,  # scales written here: [] (tensor, both point to it) or [R] and [C] (row)
     a_ptr, at_ptr,  # tensor: n_a partial maxima (both point to them); row: row maxima [R], column maxima [C]
     n_a, seed,
+    strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows
     TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; tensorwise partials BP at a time
     TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-    STOCHASTIC: tl.constexpr, FOUR: tl.constexpr,
+    STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr,
 ):
     """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. Each program turns the amax of its tensor / rows /
     columns into scales, and program (0, *) / (*, 0) stores them, so the scales need no launch of their
     own. Tensorwise, each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than
-    a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200)."""
+    a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
+    SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
+    (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them."""
     rt = tl.program_id(0)
     ct = tl.program_id(1)
     offs_r = rt * TR + tl.arange(0, TR)
@@ -244,9 +268,13 @@ def _quantize_kernel(
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
-            s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
-            if rt == 0:
-                tl.store(st_ptr + offs_c, s_c, mask=mask_c)
+            if SEG:
+                e = tl.load(strip_ptr + (rt * TR) // _SEGMENT_ALIGN)
+                s_c = tl.load(st_ptr + e.to(tl.int64) * C + offs_c, mask=mask_c, other=1.0)
+            else:
+                s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
+                if rt == 0:
+                    tl.store(st_ptr + offs_c, s_c, mask=mask_c)
             qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
             tl.store(qt_ptr + qt_offs, tl.trans(qc), mask=mask_t)
 
@@ -340,6 +368,14 @@ def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
     return _cdiv(n_rt, strips) * TR
 
 
+@functools.lru_cache(maxsize=8)
+def _segment_strips(segments: ref.Segments, device: torch.device) -> torch.Tensor:
+    """int32 [E + 1]: the segments' offsets in SEGMENT_ALIGN strips (the reduce launch's strip ranges), made
+    once per routing and device like Segments.strip_experts (a blocking host-to-device copy, right after
+    the host read the routing's token counts anyway)."""
+    return torch.tensor([o // ref.SEGMENT_ALIGN for o in segments.offsets], dtype=torch.int32, device=device)
+
+
 def _seed(stochastic: bool) -> int:
     # drawn from torch's CPU generator: reproducible under torch.manual_seed, and no device sync
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
@@ -364,6 +400,7 @@ def triton_quantize(
     amax: Optional[torch.Tensor] = None,
     columnwise_pad: int = 1,
     columnwise_amax: Optional[torch.Tensor] = None,
+    columnwise_segments: Optional[ref.Segments] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
     """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R'] or None).
 
@@ -371,8 +408,14 @@ def triton_quantize(
     x's own; it then stands in for the partials, so the amax launch is skipped. `columnwise_pad`: R' is R
     rounded up to a multiple of it; the kernels store the zero columns along with the data.
     `columnwise_amax` (row-wise only): x's per-column amax [C] for Q(x^T)'s scales; it stands in for the
-    column partials, so the amax launch only computes row maxima (none when Q(x) is not requested)."""
+    column partials, so the amax launch only computes row maxima (none when Q(x) is not requested).
+    `columnwise_segments` (row-wise only, MoE experts): Q(x^T) gets scales [E, C], each over one segment's
+    rows, in the same 3 launches and passes over x: the amax launch writes its column partials per
+    SEGMENT_ALIGN strip of rows, the reduce launch turns each segment's strips into its column scales,
+    and each quantize tile (inside one strip) uses its segment's scales."""
     ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
+    if columnwise_segments is not None:
+        ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
     if not (rowwise or columnwise):
         return None, None
     R, C = x.shape
@@ -381,7 +424,8 @@ def triton_quantize(
         return ReferenceBackend().quantize(x, granularity=granularity, block_size=block_size, weight=weight,
                                            rowwise=rowwise, columnwise=columnwise, stochastic=stochastic,
                                            name=name, check_finite=check_finite, amax=amax,
-                                           columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax)
+                                           columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax,
+                                           columnwise_segments=columnwise_segments)
     dev = x.device
     RP = ref.padded_length(R, columnwise_pad) if columnwise else R
     q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
@@ -418,44 +462,53 @@ def triton_quantize(
                 x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
                 TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
         _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
-                                 parts, parts, n_p, seed, BP=BP if _INTERPRET else min(_pow2(n_p), _MAX_TILE_PARTIALS),
-                                 **common)
+                                 parts, parts, n_p, seed, parts,
+                                 BP=BP if _INTERPRET else min(_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, **common)
         ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
         col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
         return row, col
 
-    # row granularity: scales per row of x (rowwise) and per column of x (columnwise), in one buffer
-    scales = torch.empty(R * rowwise + C * columnwise, dtype=torch.float32, device=dev)
+    # row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
+    # segments: [E, C]), in one buffer
+    segs = columnwise_segments if columnwise else None
+    n_seg = segs.num_segments if segs is not None else 1
+    scales = torch.empty(R * rowwise + n_seg * C * columnwise, dtype=torch.float32, device=dev)
     s_row = scales[:R] if rowwise else None
     s_col = scales[R * rowwise:] if columnwise else None
+    if segs is not None:
+        s_col = s_col.view(n_seg, C)
     col_partials = columnwise and columnwise_amax is None
-    a_row = a_col = scales  # placeholders for pointers a launch does not read
+    col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
+    a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
+    if segs is not None:
+        strips, seg_strips = segs.strip_experts(dev), _segment_strips(segs, dev)
     if rowwise or col_partials:
-        RB = _amax_rows_per_program(R, n_ct, False)
+        RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
         n_rs = _cdiv(R, RB)
         n_row = R * n_ct if rowwise else 0
         n_col = n_rs * C if col_partials else 0
         # [row partials, column partials, row maxima, column maxima], freed when this call returns
-        work = torch.empty(n_row + n_col + R * rowwise + C * col_partials, dtype=torch.float32, device=dev)
+        work = torch.empty(n_row + n_col + R * rowwise + C * col_maxima, dtype=torch.float32, device=dev)
         prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
         _amax_partials_kernel[(n_rs, n_ct)](
             x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
         R_red, C_red = R * rowwise, C * col_partials
-        n_row_programs = _cdiv(R_red, BG)
-        _reduce_partials_kernel[(n_row_programs + _cdiv(C_red, BG),)](
-            prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima,
-            BG=BG, BP=min(BP, _pow2(max(n_ct, n_rs))), num_warps=4)
+        n_row_programs, n_cb = _cdiv(R_red, BG), _cdiv(C_red, BG)
         a_row = maxima[:R] if rowwise else scales
-        a_col = maxima[R_red:] if col_partials else scales
+        a_col = maxima[R_red:] if col_maxima else scales
+        _reduce_partials_kernel[(n_row_programs + n_seg * n_cb,)](
+            prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima, s_col if segs is not None else a_col,
+            seg_strips, n_cb, BG=BG, BP=min(BP, _pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
     if columnwise and not col_partials:
         a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
     _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
                              s_row if rowwise else s_col, s_col if columnwise else s_row,
-                             a_row, a_col, 1, seed, BP=1, **common)
+                             a_row, a_col, 1, seed, strips, BP=1, SEG=segs is not None, **common)
     # the smaller scale array: a non-finite element poisons both its row's and its column's scale
-    ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= C) else s_col, name, check_finite)
+    ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
+                         name, check_finite)
     row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
     col = ref.QTensor(qt, s_col, "row", block_size) if columnwise else None
     return row, col
