@@ -91,12 +91,16 @@ class TritonBackend:
 
         self._quantize = kernels.triton_quantize
         self._gemm = kernels.triton_gemm
+        self._grouped_gemm = kernels.triton_grouped_gemm
 
     def quantize(self, x, **kwargs):
         return self._quantize(x, **kwargs)
 
     def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
         return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, autotune=autotune)
+
+    def grouped_gemm(self, a, b, segments, *, out_dtype):
+        return self._grouped_gemm(a, b, segments, out_dtype=out_dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -421,20 +421,32 @@ def test_int8_linear_triton_matches_reference(K, granularity):
 def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma):
     """The persistent TMA-descriptor variant (chosen on Hopper when faster): ragged M and N, bias, accumulate,
     through the TMA-store epilogue and the pointer epilogue (the one fp32 outputs use on the GPU)."""
-    from megatron_int8.kernels import int8_gemm as G
-
     M, N, Kd = 37, 36, 96  # more tiles than programs: the persistent loop visits several
     qa = _q(outliers(M, Kd), granularity, False)
     qb = _q(outliers(N, Kd), granularity, True)
     bias = torch.randn(N)
     main = torch.randn(M, N)
     out = main.clone() if accumulate else torch.full((M, N), float("nan"))
-    G._int8_gemm_tma_kernel[(3,)](qa.data, qb.data, out, qa.scale, qb.scale, bias, M, N, Kd,
-                                  SCALE_MODE=0 if granularity == "tensor" else 1, HAS_BIAS=True,
-                                  ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
-                                  NUM_SMS=3, FLATTEN=True)
+    tma_kernel(qa, qb, out, bias, ACCUMULATE=accumulate, C_TMA=c_tma)
     want = REF.gemm(qa, qb, out_dtype=torch.float32, bias=bias, accumulate_into=main.clone() if accumulate else None)
     assert_close_fp32(out, want, f"tma {granularity}")
+
+
+def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=True):
+    """One launch of the persistent TMA kernel with interpreter-sized tiles on 3 programs (each walks several
+    tiles). `strips`: grouped, qb stacked [E, N, K] and read as [E * N, K]."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    bd, sb = qb.data, qb.scale
+    if strips is not None:
+        bd, sb = bd.reshape(-1, bd.shape[-1]), sb.reshape(-1)
+    M, Kd = qa.data.shape
+    N = out.shape[1]
+    G._int8_gemm_tma_kernel[(3,)](qa.data, bd, out, qa.scale, sb, bias if bias is not None else out, M, N, Kd,
+                                  qa.data.stride(0), bd.stride(0), strips if strips is not None else sb, bd.shape[0],
+                                  SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=bias is not None,
+                                  ACCUMULATE=ACCUMULATE, C_TMA=C_TMA, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
+                                  NUM_SMS=3, FLATTEN=True, GROUPED=strips is not None)
 
 
 # ------------------------------------------------------------------ launch counts and hot-path guards
@@ -715,6 +727,89 @@ def test_segmented_quantize_launch_count_and_no_extra_ops(K, launch_log, rowwise
     assert not [op for op in ops.ops if op not in ALLOCS_AND_VIEWS], ops.ops
     assert ops.ops.count("empty.memory_format") == int(rowwise) + 1 + 2, ops.ops  # int8 outputs, scales, partials
     assert_same_qtensor(c, REF.quantize(x, **kw)[1])
+
+
+def stacked_weights(E, N, Kd):
+    """The experts' row-wise Q(W_e) [N, K] stacked as [E, N, K] with scales [E, N]."""
+    qs = [_q(outliers(N, Kd), "row", True) for _ in range(E)]
+    return qref.QTensor(torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs]), "row", 16)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_matches_reference(K, out_dtype):
+    """One launch for all experts: each 16-row tile finds its expert, ragged N (36) and K (53), empty
+    segments first and last. fp32: bit-identical ((acc * sa) * sb, as the reference); bf16: at most one
+    bf16 ulp (the interpreter's fp32 -> bf16 cast is not round-to-nearest)."""
+    x, seg = moe_input([0, 20, 150, 0], 53)
+    qa = _q(x, "row", False)
+    qb = stacked_weights(4, 36, 53)
+    got = K.triton_grouped_gemm(qa, qb, seg, out_dtype=out_dtype)
+    want = REF.grouped_gemm(qa, qb, seg, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (384, 36)
+    if out_dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all()
+    assert torch.equal(K.triton_grouped_gemm(_q(x[:0], "row", False), qb, qref.Segments((0,) * 5),
+                                             out_dtype=out_dtype), torch.zeros(0, 36, dtype=out_dtype))
+    with pytest.raises(ValueError, match="stacked operands"):
+        K.triton_grouped_gemm(qa, stacked_weights(3, 36, 53), seg, out_dtype=out_dtype)
+
+
+def test_grouped_gemm_splits_long_contractions(K, monkeypatch):
+    """K > MAX_EXACT_K: the plain kernel's int32 chunks summed in fp32, as the reference (limit 64 here)."""
+    x, seg = moe_input([40, 0, 3], 100)
+    qa, qb = _q(x, "row", False), stacked_weights(3, 20, 100)
+    monkeypatch.setattr(qref, "MAX_EXACT_K", 64)
+    assert torch.equal(K.triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32),
+                       REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("c_tma", [True, False])
+def test_grouped_gemm_tma_kernel(K, c_tma):
+    """The persistent TMA kernel's grouped mode (Hopper's path): b read as [E * N, K], a tile's box past
+    its expert's N = 36 rows reads the next expert's, into columns that are never stored; ragged K (80)."""
+    x, seg = moe_input([20, 0, 150], 80)
+    qa, qb = _q(x, "row", False), stacked_weights(3, 36, 80)
+    out = torch.full((384, 36), float("nan"))
+    tma_kernel(qa, qb, out, strips=seg.strip_experts(out.device), C_TMA=c_tma)
+    assert torch.equal(out, REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
+
+
+def test_grouped_kernels_use_each_tiles_segment(K, monkeypatch):
+    """The comparisons above catch a tile that reads another segment's weights or scales: with the strip
+    owners shifted by one strip, the grouped GEMM and the segmented Q(x^T) differ from the reference."""
+    x, seg = moe_input([20, 150], 32)
+    qa, qb = _q(x, "row", False), stacked_weights(2, 16, 32)
+    right = seg.strip_experts(x.device)
+    monkeypatch.setattr(qref.Segments, "strip_experts", lambda self, device: torch.roll(right, 1))
+    assert not torch.equal(K.triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32),
+                           REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
+    kw = _seg_kw(seg, False)
+    assert not torch.equal(K.triton_quantize(x, **kw)[1].data, REF.quantize(x, **kw)[1].data)
+
+
+def test_gemm_strided_column_slice_operands(K):
+    """An expert's wgrad operands are column slices of the segmented Q(dY^T) and Q(X^T) (row stride R):
+    triton_gemm and the TMA kernel (strided descriptors) equal the product of contiguous copies, into
+    main_grad."""
+    dy, seg = moe_input([20, 0, 150], 24)
+    x = torch.zeros(seg.rows, 40, dtype=torch.bfloat16)
+    x[dy.abs().sum(1) > 0] = outliers(170, 40)
+    qg = REF.quantize(dy, **_seg_kw(seg, False))[1]
+    qx = REF.quantize(x, **_seg_kw(seg, False))[1]
+    for e in (0, 2):
+        ga, xa = qref.segment_operand(qg, seg, e), qref.segment_operand(qx, seg, e)
+        assert not ga.data.is_contiguous() and ga.data.stride() == (384, 1)
+        gc, xc = (qref.QTensor(q.data.contiguous(), q.scale, "row", 16) for q in (ga, xa))
+        main = torch.randn(24, 40)
+        want = K.triton_gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone())
+        assert_close_fp32(want, REF.gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone()), "wgrad")
+        assert torch.equal(K.triton_gemm(ga, xa, out_dtype=torch.float32, accumulate_into=main.clone()), want)
+        out = main.clone()
+        tma_kernel(ga, xa, out, ACCUMULATE=True, C_TMA=False)
+        tma_kernel(gc, xc, want := main.clone(), ACCUMULATE=True, C_TMA=False)
+        assert torch.equal(out, want)
 
 
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).

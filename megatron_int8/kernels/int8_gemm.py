@@ -37,6 +37,8 @@ import triton.testing
 
 import importlib
 
+from .quantize import _SEGMENT_ALIGN
+
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
 
@@ -54,11 +56,13 @@ def _int8_gemm_kernel(
     stride_sam, stride_sak, stride_sbn, stride_sbk,
     K_CHUNK,  # int32-exact contraction length (multiple of BLOCK_K), used when SPLIT_K_EXACT
     SB_ROWS_PER_SCALE,  # rows of b sharing one block-scale row (block_size for BxB tiles, else 1)
+    strip_ptr,  # GROUPED: the expert owning each SEGMENT_ALIGN strip of a's rows
     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     SPLIT_K_EXACT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SUB_K: tl.constexpr,  # block recipe: block_size // BLOCK_K dot steps per scale block
     GROUP_M: tl.constexpr,
+    GROUPED: tl.constexpr = False,  # b and sb: the experts' stacked [E * N, K] and [E * N] (grouped_gemm)
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -72,7 +76,11 @@ def _int8_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_am = offs_m % M  # wrapped rows: in bounds, computed but never stored
-    offs_bn = offs_n % N
+    if GROUPED:  # the tile's expert (BLOCK_M divides SEGMENT_ALIGN) picks its N rows of b and of sb
+        expert = tl.load(strip_ptr + (pid_m * BLOCK_M) // _SEGMENT_ALIGN)
+        offs_bn = expert.to(tl.int64) * N + offs_n % N
+    else:
+        offs_bn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
@@ -143,22 +151,28 @@ def _int8_gemm_kernel(
 @triton.jit
 def _int8_gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+    stride_am, stride_bn,  # row strides of a and b (16-byte multiples; their last stride is 1)
+    strip_ptr,  # GROUPED: the expert owning each SEGMENT_ALIGN strip of a's rows
+    NB,  # rows of b: N, or E * N when GROUPED
     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, GROUPED: tl.constexpr = False,
 ):
-    """Persistent variant (tensor and row scales, contiguous operands): TMA tensor-descriptor loads
-    (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, so one
+    """Persistent variant (tensor and row scales, operands with unit last stride): TMA tensor-descriptor
+    loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, so one
     tile's epilogue overlaps the next tile's loads. C_TMA: 16-bit outputs leave through a TMA store
     (clipped at the edges); fp32 outputs and `accumulate_into` (the wgrad into main_grad) use masked
-    pointer loads/stores, since an fp32 tile staged in shared memory does not fit beside the pipeline."""
+    pointer loads/stores, since an fp32 tile staged in shared memory does not fit beside the pipeline.
+    GROUPED (grouped_gemm, row scales): b and sb are the experts' stacked [E * N, K] and [E * N]; a tile
+    reads the N rows of its expert (BLOCK_M divides SEGMENT_ALIGN); a box past them reads the next
+    expert's rows into columns >= N, which are never stored."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NB, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     group = GROUP_M * num_pid_n
@@ -169,10 +183,14 @@ def _int8_gemm_tma_kernel(
         pid_n = (tile_id % group) // size_m
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
+        if GROUPED:
+            bn = tl.load(strip_ptr + om // _SEGMENT_ALIGN) * N + on  # b's first row for this tile
+        else:
+            bn = on
         iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for ki in range(k_tiles):
             a = a_desc.load([om, ki * BLOCK_K])
-            b = b_desc.load([on, ki * BLOCK_K])
+            b = b_desc.load([bn, ki * BLOCK_K])
             iacc = tl.dot(a, b.T, iacc, out_dtype=tl.int32)
         out = iacc.to(tl.float32)
         offs_m = om + tl.arange(0, BLOCK_M)
@@ -181,7 +199,7 @@ def _int8_gemm_tma_kernel(
             out = (out * tl.load(sa_ptr)) * tl.load(sb_ptr)
         else:
             sa = tl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
-            sb = tl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+            sb = tl.load(sb_ptr + (bn + tl.arange(0, BLOCK_N)), mask=offs_n < N, other=0.0)
             out = (out * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -232,15 +250,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
+    """Hopper, tensor or row scales, no split contraction, and what TMA descriptors need: 16-byte aligned
+    base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
+    expert's wgrad operands are column slices of Q(x^T)); the output c is contiguous."""
     if mode == _SCALE_BLOCK or split or not ad.is_cuda:
         return False
     if _capability(ad.device)[0] < 9:
         return False
-    if not (ad.is_contiguous() and bd.is_contiguous() and c.is_contiguous()):
+    if not c.is_contiguous() or (c.shape[1] * c.element_size()) % 16:
         return False
-    K, N = ad.shape[1], bd.shape[0]
-    ok = K % 16 == 0 and (N * c.element_size()) % 16 == 0  # TMA: 16-byte aligned row strides
-    return ok and all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
+    if any(t.stride(1) != 1 or t.stride(0) % 16 for t in (ad, bd)):  # int8: strides in bytes
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
 
 
 def _c_tma(dtype: torch.dtype) -> bool:
@@ -353,47 +374,92 @@ def triton_gemm(
     max_k = ref.MAX_EXACT_K  # read at call time (tests shrink it)
     split = mode != _SCALE_BLOCK and K > max_k
     k_chunk = max(block_k, max_k // block_k * block_k)
-    args = (ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K,
-            ad.stride(0), ad.stride(1), bd.stride(0), bd.stride(1), c.stride(0), c.stride(1), *s_strides,
-            k_chunk, sb_rows)
+    args = _plain_args(ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K, s_strides, k_chunk, sb_rows, sa)
     meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
-    if _INTERPRET:
-        BM, BN = 16, 16
-        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-        _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=2)
-    elif not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":  # one fixed config, one compile per variant
-        which = os.environ.get(ENV_KERNEL, "auto")
-        tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
-        if which == "tma" and not tma_ok:
-            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
-        if tma_ok and which != "plain":
-            _ensure_allocator()
-            BM, BN = _UNTUNED_TMA_TILE
-            n_sms = _num_sms(ad.device)
-            _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
-                *args[:9], SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-                C_TMA=_c_tma(c.dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms,
-                FLATTEN=False, num_warps=8, num_stages=3)
-        else:
-            BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
-            grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-            _int8_gemm_kernel[grid](*args, **meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8, num_warps=8, num_stages=3)
+    if _INTERPRET or not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":
+        _launch_untuned(args, meta, _tma_eligible(ad, bd, c, bias, mode, split), N)
     else:
         which = os.environ.get(ENV_KERNEL, "auto")
         tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
+        # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
         fast_key = (*dispatch_buckets(M, N, K), c.dtype, ad.device, tma_ok, which, *meta.values())
         launch = _fast.get(fast_key)
         if launch is not None:  # hot path: the compiled kernel chosen on the first call
             launch(args, c)
             return c
-        launch_plain, launch_tma = _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K, tma_ok)
+        launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
         if which == "tma" and launch_tma is None:
             raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
         if which == "auto":
             which = _pick(launch_plain, launch_tma, c) if launch_tma is not None else "plain"
         (launch_tma if which == "tma" else launch_plain)(c)
         _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
+    return c
+
+
+def _plain_args(ad, bd, c, sa, sb, bias, M, N, K, s_strides, k_chunk, sb_rows, strips) -> tuple:
+    """The plain kernel's runtime arguments (the TMA kernel's are derived by _tma_args)."""
+    return (ad, bd, c, sa, sb, bias, M, N, K, ad.stride(0), ad.stride(1), bd.stride(0), bd.stride(1),
+            c.stride(0), c.stride(1), *s_strides, k_chunk, sb_rows, strips)
+
+
+def _tma_args(args, nb: int) -> tuple:
+    """The TMA kernel's runtime arguments from the plain kernel's: a..K, the row strides of a and b, the
+    strip owners and b's row count `nb`."""
+    return (*args[:9], args[9], args[11], args[-1], nb)
+
+
+def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
+    """One fixed tile, no tuning (one compile per variant): the persistent TMA kernel where the operands
+    allow it (MEGATRON_INT8_GEMM_KERNEL=plain: never), else the plain kernel; 16 x 16 tiles in the
+    interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
+    M, N = args[6], args[7]
+    if _INTERPRET:
+        _int8_gemm_kernel[(triton.cdiv(M, 16) * triton.cdiv(N, 16),)](*args, **meta, BLOCK_M=16, BLOCK_N=16,
+                                                                        GROUP_M=2)
+        return
+    which = os.environ.get(ENV_KERNEL, "auto")
+    if which == "tma" and not tma_ok:
+        raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+    if tma_ok and which != "plain":
+        _ensure_allocator()
+        BM, BN = _UNTUNED_TMA_TILE
+        n_sms = _num_sms(args[0].device)
+        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
+            *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
+            ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(args[2].dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
+            GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False), num_warps=8, num_stages=3)
+    else:
+        BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
+        _int8_gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](*args, **meta, BLOCK_M=BM, BLOCK_N=BN,
+                                                                        GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Same contract as quantize.grouped_gemm: rows of segment e of the output = dequant(a_e @ b[e]^T), [R, N].
+
+    One launch for all experts (MoE fprop/dgrad): b's stacked [E, N, K] is read as [E * N, K], and each
+    BLOCK_M-row tile (BLOCK_M divides SEGMENT_ALIGN) looks up its expert in Segments.strip_experts and
+    uses that expert's N rows of b and of its scales; rows of empty segments do not exist. A fixed tile,
+    no autotuning (the token counts change with every routing): on Hopper the persistent TMA kernel where
+    the operands allow it, else the plain kernel. K > MAX_EXACT_K: the plain kernel's exact split
+    contraction (int32 chunks summed in fp32), as triton_gemm."""
+    ref.check_grouped_operands(a, b, segments)
+    R, K = a.data.shape
+    E, N, _ = b.data.shape
+    if R == 0 or N == 0 or K == 0:
+        return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
+    c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
+    ad, bd, sb = a.data, b.data.reshape(E * N, K), b.scale.reshape(E * N)
+    block_k = 32 if _INTERPRET else 128
+    split = K > ref.MAX_EXACT_K
+    args = _plain_args(ad, bd, c, a.scale, sb, c, R, N, K, (a.scale.stride(0), 0, sb.stride(0), 0),
+                       max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))
+    meta = dict(SCALE_MODE=_SCALE_ROW, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=split,
+                EVEN_K=K % block_k == 0, BLOCK_K=block_k, SUB_K=1, GROUPED=True)
+    _launch_untuned(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split), E * N)
     return c
 
 
@@ -419,25 +485,25 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
 
     def launch(args, c):
         _ensure_allocator()
-        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(args[6], BM) * n_tiles),)](*args[:9], **kw)  # a..K
+        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(args[6], BM) * n_tiles),)](*_tma_args(args, N), **kw)
 
     launch.kernel = "tma"
     return launch
 
 
-def _launchers(args, meta, ad, bd, c, sa, sb, bias, M, N, K, tma_ok):
+def _launchers(args, meta, M, N, tma_ok):
     def plain(out):
         grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
         _int8_gemm_tuned[grid](*(args[:2] + (out,) + args[3:]), **meta)
 
     if not tma_ok:
         return plain, None
-    n_sms = _num_sms(ad.device)
+    n_sms = _num_sms(args[0].device)
 
     def tma(out):
         _ensure_allocator()
         grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
-        _int8_gemm_tma_tuned[grid](ad, bd, out, sa, sb, bias if bias is not None else out, M, N, K,
+        _int8_gemm_tma_tuned[grid](*_tma_args(args[:2] + (out,) + args[3:], N),
                                    SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
                                    ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(out.dtype), NUM_SMS=n_sms)
 
