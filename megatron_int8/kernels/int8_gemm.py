@@ -13,6 +13,13 @@ chunks of MAX_EXACT_K and sums the chunks in fp32, exactly like the reference.
 
 Tiles: group-M swizzled output tiles; M/N edges read wrapped rows (in bounds, never stored) and K edges
 are masked to zero, so ragged shapes are exact. Autotuned over a short list of Hopper configs.
+Operands may be strided (unit last stride): an MoE expert's wgrad operands are column slices of the
+segmented Q(x^T); the TMA kernel takes them where their row strides and pointers are 16-byte aligned.
+
+Grouped mode (`triton_grouped_gemm`, MoE fprop/dgrad): a's rows hold every expert's tokens, each expert's
+starting at a multiple of SEGMENT_ALIGN, and b the experts' stacked operands; each tile (BLOCK_M divides
+SEGMENT_ALIGN) reads its expert from a per-strip table and offsets b's rows and scales by expert * N. One
+launch for all experts, a fixed tile (token counts change with every routing, so nothing is tuned).
 
 Dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
