@@ -438,7 +438,9 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
             ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(args[2].dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
             GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False), num_warps=8, num_stages=3)
     else:
-        BM, BN = (128, 256) if N >= 256 and M >= 128 else (128, 128)
+        # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
+        wide = N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
+        BM, BN = (128, 256) if wide else (128, 128)
         _int8_gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](*args, **meta, BLOCK_M=BM, BLOCK_N=BN,
                                                                         GROUP_M=8, num_warps=8, num_stages=3)
 
