@@ -178,11 +178,13 @@ def test_stochastic_rounding(K, REF):
     assert torch.equal(c.data, r.data.t())
 
 
+def _abs(q):
+    return qref.QTensor(q.data.abs(), q.scale.abs(), q.granularity, q.block_size, q.tile2d)
+
+
 def _mag(qa, qb, REF):
     """|a| @ |b| with the same scales: bounds the sum of magnitudes the fp32 epilogue adds up."""
-    aa = qref.QTensor(qa.data.abs(), qa.scale.abs(), qa.granularity, qa.block_size, qa.tile2d)
-    bb = qref.QTensor(qb.data.abs(), qb.scale.abs(), qb.granularity, qb.block_size, qb.tile2d)
-    return ref_gemm(REF, aa, bb, out_dtype=torch.float32)
+    return ref_gemm(REF, _abs(qa), _abs(qb), out_dtype=torch.float32)
 
 
 def assert_gemm_close(got, want, mag, what, n_terms=1):
@@ -406,3 +408,180 @@ def test_linear_with_no_tokens(K, granularity):
     int8_linear(x, w2, None, recipe, tp=TPOptions(gradient_accumulation_fusion=True)).backward(
         torch.randn(0, 256, device="cuda", dtype=torch.bfloat16))
     assert torch.equal(w2.main_grad, before)
+
+
+# ----------------------------------------------------------------------- MoE experts: grouped operands
+def mixtral_counts(total=8192, experts=8, seed=0):
+    """Mildly skewed token counts of Mixtral's 8 experts (8192 routed tokens; a fixed-seed multinomial)."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(experts, generator=g) * 0.5, 0)
+    picks = torch.multinomial(probs, total, replacement=True, generator=g)
+    return torch.bincount(picks, minlength=experts).tolist()
+
+
+RAGGED_COUNTS = [0, 5, 300, 0, 129, 1000, 0, 3]  # empty experts first, inside and last; 1-strip to 8-strip
+
+
+def moe_input(counts, C, dtype=torch.bfloat16):
+    """Tokens sorted by expert in the Segments layout (each expert's rows at a multiple of 128, zero rows
+    between them)."""
+    seg = qref.Segments.for_counts(counts)
+    x = torch.zeros(seg.rows, C, dtype=dtype, device="cuda")
+    for e, n in enumerate(counts):
+        x[seg.offsets[e]:seg.offsets[e] + n] = outliers(n, C, dtype)
+    return x, seg
+
+
+def _seg_kw(seg, rowwise=True, **kw):
+    return _kw("row", False, rowwise=rowwise, columnwise=True, columnwise_segments=seg, **kw)
+
+
+@pytest.mark.parametrize("counts,C", [(mixtral_counts(), 4096), (mixtral_counts(), 14336), (RAGGED_COUNTS, 1537)])
+def test_segmented_quantize_bit_exact(K, REF, counts, C):
+    """Q(x^T) with per-expert column scales [E, C] (and Q(x) in the same call): bit-identical to the
+    reference, empty experts' scales 1, Q(x^T) [C, R] (R is already a multiple of the 16-token pad)."""
+    x, seg = moe_input(counts, C)
+    for rowwise in (True, False):
+        kw = _seg_kw(seg, rowwise, columnwise_pad=16)
+        got, want = K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)
+        assert_same_qtensor(got[1], want[1], f"segmented {counts} C={C} rowwise={rowwise}")
+        assert got[1].data.shape == (C, seg.rows) and got[1].scale.shape == (len(counts), C)
+        assert torch.all(got[1].scale[[e for e, n in enumerate(counts) if n == 0]] == 1)
+        if rowwise:
+            assert_same_qtensor(got[0], want[0], f"rowwise {counts} C={C}")
+
+
+def test_segmented_quantize_non_finite(K, REF):
+    from megatron_int8 import NonFiniteError, raise_if_nonfinite
+
+    x, seg = moe_input(mixtral_counts(), 4096)
+    row = seg.offsets[3] + 7
+    x[row, 1000] = float("inf")
+    kw = _seg_kw(seg, name="expert fc1 input")
+    with pytest.raises(NonFiniteError, match="expert fc1 input"):
+        K.triton_quantize(x, **dict(kw, check_finite="immediate"))
+    K.triton_quantize(x, **kw)
+    with pytest.raises(NonFiniteError, match="expert fc1 input"):
+        raise_if_nonfinite()
+    kw["check_finite"] = "off"
+    (r, c), (r0, c0) = K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)
+    nan = torch.zeros_like(c.scale, dtype=torch.bool)
+    nan[3, 1000] = True
+    assert torch.equal(torch.isnan(c.scale), nan) and torch.equal(c.scale[~nan], c0.scale[~nan])
+    assert torch.isnan(r.scale[row]) and torch.equal(torch.isnan(r.scale), torch.isnan(r0.scale))
+    lo, hi = seg.bounds(3)
+    fin = torch.ones_like(c.data, dtype=torch.bool)
+    fin[1000, lo:hi] = False
+    assert torch.equal(c.data[fin], c0.data[fin])
+
+
+def test_segmented_quantize_stochastic(K):
+    """The draws are keyed by the element's position in x, as without segments (equal where every segment
+    has x's column maxima), and the rounding is unbiased."""
+    counts = mixtral_counts()
+    x, seg = moe_input(counts, 4096, torch.float32)
+    peak = x.abs().amax(0) + 1
+    for e, n in enumerate(counts):
+        if n:
+            x[seg.offsets[e]] = peak if e % 2 else -peak
+    torch.manual_seed(5)
+    rs, cs = K.triton_quantize(x, stochastic=True, **_seg_kw(seg))
+    torch.manual_seed(5)
+    ru, cu = K.triton_quantize(x, stochastic=True, **_kw("row", False, rowwise=True, columnwise=True))
+    assert torch.equal(cs.scale, cu.scale.expand(len(counts), -1)) and torch.equal(cs.data, cu.data)
+    assert torch.equal(rs.data, ru.data)
+    v = x.t() * (torch.ones_like(cu.scale) / cu.scale)[:, None]
+    d = cs.data.float() - torch.floor(v)
+    assert ((d == 0) | (d == 1)).all()
+    err = (cs.data.float() - v)[v != torch.floor(v)]
+    assert abs(err.mean().item()) < 2e-3 and (err.abs() > 0.5).any()
+
+
+def stacked_weights(REF, E, N, Kd):
+    """The experts' row-wise Q(W_e) [N, K] stacked as [E, N, K] with scales [E, N] (one expert's bf16 weight
+    at a time)."""
+    data = torch.empty(E, N, Kd, dtype=torch.int8, device="cuda")
+    scale = torch.empty(E, N, device="cuda")
+    for e in range(E):
+        q, _ = REF.quantize(outliers(N, Kd) * 0.02, **_kw("row", True, rowwise=True, columnwise=False))
+        data[e], scale[e] = q.data, q.scale
+    return qref.QTensor(data, scale, "row")
+
+
+def check_grouped_gemm(K, REF, qa, qb, seg, what):
+    """fp32 and bf16 outputs against the reference, within the fp32 rounding bound of the existing GEMM tests."""
+    mag = REF.grouped_gemm(_abs(qa), _abs(qb), seg, out_dtype=torch.float32)
+    want = REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
+    assert_gemm_close(K.triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32), want, mag, f"{what} fp32")
+    want = REF.grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16)
+    got = K.triton_grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * mag).all(), what
+
+
+@pytest.mark.parametrize("kernel", ["auto", "plain"])
+@pytest.mark.parametrize("N,Kd", [(28672, 4096), (4096, 14336), (14336, 4096), (4096, 28672)])
+def test_grouped_gemm_mixtral_shapes(K, REF, kernel, N, Kd, monkeypatch):
+    """Mixtral's expert GEMMs (fc1/fc2 fprop and dgrad, 8 experts, 8192 skewed routed tokens) in one launch:
+    the persistent TMA kernel ("auto": the operands are eligible) and the plain kernel."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    x, seg = moe_input(mixtral_counts(), Kd)
+    qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
+    del x
+    qb = stacked_weights(REF, 8, N, Kd)
+    out = torch.empty(seg.rows, N, device="cuda", dtype=torch.bfloat16)
+    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, None, G._SCALE_ROW, False)
+    check_grouped_gemm(K, REF, qa, qb, seg, f"{kernel} N={N} K={Kd}")
+
+
+@pytest.mark.parametrize("N,Kd,tma", [(1000, 784, True), (1537, 777, False)])
+def test_grouped_gemm_ragged_and_empty_experts(K, REF, N, Kd, tma, monkeypatch):
+    """Ragged N and K (TMA eligible, or not: the plain kernel), empty experts, no tokens at all, and a
+    contraction split into int32-exact chunks (limit shrunk to 512 here: the plain kernel)."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    x, seg = moe_input(RAGGED_COUNTS, Kd)
+    qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
+    qb = stacked_weights(REF, 8, N, Kd)
+    out = torch.empty(seg.rows, N, device="cuda", dtype=torch.bfloat16)
+    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, None, G._SCALE_ROW, False) == tma
+    check_grouped_gemm(K, REF, qa, qb, seg, f"N={N} K={Kd}")
+    empty = qref.Segments((0,) * 9)
+    qa0 = qref.QTensor(qa.data[:0], qa.scale[:0], "row")
+    assert K.triton_grouped_gemm(qa0, qb, empty, out_dtype=torch.bfloat16).shape == (0, N)
+    monkeypatch.setattr(qref, "MAX_EXACT_K", 512)
+    check_grouped_gemm(K, REF, qa, qb, seg, f"split N={N} K={Kd}")
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_wgrad_on_column_slices(K, REF, autotune, monkeypatch):
+    """An expert's wgrad operands are column slices of the segmented Q(dY^T) and Q(X^T) (row stride R): they
+    reach the TMA kernel (strided descriptors) untuned and through the autotuned dispatch (TMA forced),
+    accumulated into main_grad, equal to the reference product of contiguous copies."""
+    from megatron_int8.kernels import int8_gemm as G
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "auto" if not autotune else "tma")
+    counts = mixtral_counts() if not autotune else [700, 0, 1300]
+    n_out, n_in = (4096, 14336) if not autotune else (1536, 1024)
+    dy, seg = moe_input(counts, n_out)
+    x = torch.zeros(seg.rows, n_in, dtype=torch.bfloat16, device="cuda")
+    for e, n in enumerate(counts):
+        x[seg.offsets[e]:seg.offsets[e] + n] = outliers(n, n_in)
+    _, qg = K.triton_quantize(dy, **_seg_kw(seg, False, columnwise_pad=16))
+    _, qx = K.triton_quantize(x, **_seg_kw(seg, False, columnwise_pad=16))
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        ga, xa = qref.segment_operand(qg, seg, e), qref.segment_operand(qx, seg, e)
+        assert not xa.data.is_contiguous() and ga.data.stride() == (seg.rows, 1)
+        main = torch.randn(n_out, n_in, device="cuda")
+        assert G._tma_eligible(ga.data, xa.data, main, None, G._SCALE_ROW, False)
+        buf = main.clone()
+        got = K.triton_gemm(ga, xa, out_dtype=torch.float32, accumulate_into=buf, autotune=autotune)
+        assert got is buf
+        gc, xc = (qref.QTensor(q.data.contiguous(), q.scale, "row") for q in (ga, xa))
+        want = REF.gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone())
+        assert_gemm_close(buf, want, _mag(gc, xc, REF) + main.abs(), f"expert {e} wgrad", 2)
