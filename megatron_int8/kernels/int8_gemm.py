@@ -429,9 +429,12 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
     which = os.environ.get(ENV_KERNEL, "auto")
     if which == "tma" and not tma_ok:
         raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+    # fp32 outputs (wgrad into main_grad) leave through registers: beside a 128 x 256 accumulator, the
+    # loaded fp32 tile would double the registers per thread, so they take 128 x 128 tiles
+    wide_ok = _c_tma(args[2].dtype)
     if tma_ok and which != "plain":
         _ensure_allocator()
-        BM, BN = _UNTUNED_TMA_TILE
+        BM, BN = _UNTUNED_TMA_TILE if wide_ok else (128, 128)
         n_sms = _num_sms(args[0].device)
         _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
             *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
@@ -439,7 +442,7 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
             GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False), num_warps=8, num_stages=3)
     else:
         # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
-        wide = N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
+        wide = wide_ok and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
         BM, BN = (128, 256) if wide else (128, 128)
         _int8_gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](*args, **meta, BLOCK_M=BM, BLOCK_N=BN,
                                                                         GROUP_M=8, num_warps=8, num_stages=3)
