@@ -88,7 +88,10 @@ def test_builds_at_tiny_width(name, megatron_world):
         assert torch.allclose(inv_freq, plain)
     mlp = model.decoder.layers[0].mlp
     if experts:
+        from megatron_int8.experts import Int8GroupedMLP
+
         assert isinstance(mlp, MoELayer) and mlp.router.topk == topk and len(mlp.experts.local_experts) == experts
+        assert isinstance(mlp.experts, Int8GroupedMLP) and mlp.experts.grouped_problem is None  # the YAML's grouped GEMM
     linears = [m for m in model.modules() if isinstance(m, Int8LinearMixin)]
     assert linears and all(m.int8 for m in linears)
     device = model.embedding.word_embeddings.weight.device  # the GPU where there is one
