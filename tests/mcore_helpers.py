@@ -249,3 +249,21 @@ def outlier_tensor(*shape, generator=None, outliers=4, scale=20.0, dtype=torch.f
     idx = torch.randint(0, flat.numel(), (outliers,), generator=generator)
     flat[idx] = flat[idx].sign() * scale
     return x
+
+
+def assert_layers_bit_identical(first, second, x0, g0):
+    """Two megatron layers returning (output, bias) give bit-identical outputs, input gradients and
+    parameter gradients (same names) for input x0 and output gradient g0; every gradient is non-zero."""
+    results = []
+    for layer in (first, second):
+        x = x0.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.backward(g0)
+        results.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = results
+    assert torch.isfinite(out_a).all() and out_a.abs().sum() > 0
+    assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name, grad in grads_a.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(grad, grads_b[name]), name

@@ -17,7 +17,8 @@ from megatron_int8.grouped_linear import grouped_int8_linear, stacked_quantized_
 from megatron_int8.linear import int8_linear
 from megatron_int8.quantize import Segments
 from megatron_int8.recipe import Int8Recipe
-from mcore_helpers import outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
+from mcore_helpers import assert_layers_bit_identical, outlier_tensor, qgemm_bound, single_process_megatron, \
+    tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
 COUNTS = [37, 0, 130, 5]  # an empty expert, one spanning two aligned strips, ragged counts
@@ -170,18 +171,8 @@ def test_grouped_moe_layer_equals_sequential_experts():
         assert isinstance(grp.experts, Int8GroupedMLP) and grp.experts.grouped_problem is None
         assert list(seq.state_dict()) == list(grp.state_dict())  # checkpoints interchange
         grp.load_state_dict(seq.state_dict())
-        results = []
-        for layer in (seq, grp):
-            x = x0.clone().requires_grad_(True)
-            out, _ = layer(x)
-            out.backward(g0)
-            results.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
-    (out_s, dx_s, grads_s), (out_g, dx_g, grads_g) = results
-    assert torch.equal(out_s, out_g) and torch.equal(dx_s, dx_g)
-    assert grads_s.keys() == grads_g.keys()
-    for name in grads_s:  # expert weights and the router (through the probabilities)
-        assert torch.equal(grads_s[name], grads_g[name]), name
-        assert grads_s[name].abs().sum() > 0, name
+        # expert weights and the router (through the probabilities)
+        assert_layers_bit_identical(seq, grp, x0, g0)
 
 
 def test_grouped_moe_falls_back_with_a_reason():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-from mcore_helpers import assert_fp8_linear_within_bounds, fp8_linear_checks, nearest_recipe, outlier_tensor, \
-    qgemm_bound, single_process_megatron, tiny_config
+from mcore_helpers import assert_fp8_linear_within_bounds, assert_layers_bit_identical, fp8_linear_checks, \
+    nearest_recipe, outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
 
 pytestmark = pytest.mark.gpu
 BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
@@ -145,18 +145,7 @@ def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():
     grp.load_state_dict(seq.state_dict())
     x0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
     g0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
-    results = []
-    for layer in (seq, grp):
-        x = x0.clone().requires_grad_(True)
-        out, _ = layer(x)
-        out.backward(g0)
-        results.append((out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}))
-    (out_s, dx_s, grads_s), (out_g, dx_g, grads_g) = results
-    assert torch.isfinite(out_s).all() and out_s.abs().sum() > 0
-    assert torch.equal(out_s, out_g) and torch.equal(dx_s, dx_g)
-    for name, grad in grads_s.items():
-        assert grad.abs().sum() > 0, name
-        assert torch.equal(grad, grads_g[name]), name
+    assert_layers_bit_identical(seq, grp, x0, g0)
 
 
 # ------------------------------------------------------------------------ FP8 peer (torchao float8)
