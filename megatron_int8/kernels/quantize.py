@@ -27,8 +27,8 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   array tells.
 Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
 alive with the scale; row: the row and column scales, with the partials in a second buffer freed on
-return); no host sync (segments: their two small strip tables are copied to the device once per routing,
-see `_segment_strips`).
+return); no host sync (segments: their two small strip tables, `Segments.strip_experts` and `strip_offsets`, are copied
+to the device once per routing).
 
 Quantize+transpose: Q(x) and Q(x)^T are stored from the same registers; the transposed store goes through
 `tl.trans` (a shared-memory layout change). The tile is 64 x 64: 64 x 128 would store both outputs in
@@ -42,7 +42,6 @@ Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional, Tuple
 
@@ -368,14 +367,6 @@ def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
     return _cdiv(n_rt, strips) * TR
 
 
-@functools.lru_cache(maxsize=8)
-def _segment_strips(segments: ref.Segments, device: torch.device) -> torch.Tensor:
-    """int32 [E + 1]: the segments' offsets in SEGMENT_ALIGN strips (the reduce launch's strip ranges), made
-    once per routing and device like Segments.strip_experts (a blocking host-to-device copy, right after
-    the host read the routing's token counts anyway)."""
-    return torch.tensor([o // ref.SEGMENT_ALIGN for o in segments.offsets], dtype=torch.int32, device=device)
-
-
 def _seed(stochastic: bool) -> int:
     # drawn from torch's CPU generator: reproducible under torch.manual_seed, and no device sync
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
@@ -482,7 +473,7 @@ def triton_quantize(
     col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
     a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
     if segs is not None:
-        strips, seg_strips = segs.strip_experts(dev), _segment_strips(segs, dev)
+        strips, seg_strips = segs.strip_experts(dev), segs.strip_offsets(dev)
     if rowwise or col_partials:
         RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
         n_rs = _cdiv(R, RB)
