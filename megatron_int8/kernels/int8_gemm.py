@@ -155,6 +155,22 @@ def _int8_gemm_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+# Triton's interpreter has no TMA reduce (create_descriptor_reduce); there the epilogue adds through a load
+_TMA_REDUCE = tl.constexpr(not _INTERPRET)
+
+
+@triton.jit
+def _tma_write(c_desc, om, on, tile, ACCUMULATE: tl.constexpr):
+    """One output (sub-)tile through TMA: a reduce-add into the fp32 buffer, or a store."""
+    if ACCUMULATE:
+        if _TMA_REDUCE:
+            c_desc.atomic_add([om, on], tile)
+        else:
+            c_desc.store([om, on], c_desc.load([om, on]) + tile)
+    else:
+        c_desc.store([om, on], tile.to(c_desc.dtype))
+
+
 @triton.jit
 def _int8_gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
@@ -163,13 +179,17 @@ def _int8_gemm_tma_kernel(
     NB,  # rows of b: N, or E * N when GROUPED
     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, GROUPED: tl.constexpr = False,
+    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, GROUPED: tl.constexpr = False, EPI_SPLIT: tl.constexpr = 1,
 ):
     """Persistent variant (tensor and row scales, operands with unit last stride): TMA tensor-descriptor
     loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, so one
-    tile's epilogue overlaps the next tile's loads. C_TMA: 16-bit outputs leave through a TMA store
-    (clipped at the edges); fp32 outputs and `accumulate_into` (the wgrad into main_grad) use masked
-    pointer loads/stores, since an fp32 tile staged in shared memory does not fit beside the pipeline.
+    tile's epilogue overlaps the next tile's loads.
+    C_TMA: the output tile leaves through TMA (clipped at the edges), in EPI_SPLIT column sub-tiles so that
+    the shared-memory staging buffer fits beside the pipeline (an fp32 128 x 256 tile is 128 KB). With
+    ACCUMULATE (fp32 `accumulate_into`, the wgrad into main_grad) it is a TMA reduce-add: L2 adds the tile
+    into main_grad asynchronously, so the old values never pass through registers and the next tile's
+    mainloop does not wait for them. (The add is IEEE fp32 round-to-nearest; like every PTX fp32 reduction
+    it flushes subnormal operands and results to zero.) C_TMA False: masked pointer loads/stores.
     GROUPED (grouped_gemm, row scales): b and sb are the experts' stacked [E * N, K] and [E * N]; a tile
     reads the N rows of its expert (BLOCK_M divides SEGMENT_ALIGN); a box past them reads the next
     expert's rows into columns >= N, which are never stored."""
@@ -181,7 +201,8 @@ def _int8_gemm_tma_kernel(
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NB, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
     if C_TMA:
-        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // EPI_SPLIT])
     group = GROUP_M * num_pid_n
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
         first_m = (tile_id // group) * GROUP_M
@@ -211,9 +232,12 @@ def _int8_gemm_tma_kernel(
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         if C_TMA:
-            if ACCUMULATE:
-                out = c_desc.load([om, on]) + out
-            c_desc.store([om, on], out.to(c_desc.dtype))
+            if EPI_SPLIT == 2:
+                left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                _tma_write(c_desc, om, on, left, ACCUMULATE)
+                _tma_write(c_desc, om, on + BLOCK_N // 2, right, ACCUMULATE)
+            else:
+                _tma_write(c_desc, om, on, out, ACCUMULATE)
         else:
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -222,18 +246,32 @@ def _int8_gemm_tma_kernel(
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _tma_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl},
-                          num_warps=8, num_stages=st)
+_EPI_TILE_BYTES = 64 * 1024  # the TMA epilogue's shared-memory staging (sub-)tile, beside 3-4 pipeline stages
+
+
+def epi_split(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
+    """Column sub-tiles for the TMA epilogue: 2 where the whole output tile would stage in more than 64 KB
+    (fp32 outputs on 128 x 256 or 256 x 128 tiles)."""
+    return 2 if block_m * block_n * out_dtype.itemsize > _EPI_TILE_BYTES else 1
+
+
+def _tma_configs(out_dtype: torch.dtype):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl,
+                           "EPI_SPLIT": epi_split(bm, bn, out_dtype)}, num_warps=8, num_stages=st)
             for bm, bn in ((128, 256), (256, 128), (128, 128)) for st in (3, 4) for fl in (True, False)]
 
 
-_int8_gemm_tma_tuned = triton.autotune(
-    configs=_tma_configs(),
-    key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "C_TMA"],
-    restore_value=["c_ptr"],
-    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
-)(_int8_gemm_tma_kernel)
+def _tma_tuner(out_dtype: torch.dtype):
+    return triton.autotune(
+        configs=_tma_configs(out_dtype),
+        key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "C_TMA"],
+        restore_value=["c_ptr"],
+        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
+    )(_int8_gemm_tma_kernel)
+
+
+# the tile lists differ only in the epilogue split, which depends on the output's element size
+_int8_gemm_tma_tuned = {2: _tma_tuner(torch.bfloat16), 4: _tma_tuner(torch.float32)}
 
 
 def _scratch_alloc(size, alignment, stream):
@@ -269,10 +307,6 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
     if any(t.stride(1) != 1 or t.stride(0) % 16 for t in (ad, bd)):  # int8: strides in bytes
         return False
     return all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
-
-
-def _c_tma(dtype: torch.dtype) -> bool:
-    return dtype.itemsize == 2
 
 
 # Untuned launches (autotune=False: MoE experts, whose shapes change with every routing) take the persistent
@@ -429,20 +463,21 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
     which = os.environ.get(ENV_KERNEL, "auto")
     if which == "tma" and not tma_ok:
         raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
-    # fp32 outputs (wgrad into main_grad) leave through registers: beside a 128 x 256 accumulator, the
-    # loaded fp32 tile would double the registers per thread, so they take 128 x 128 tiles
-    wide_ok = _c_tma(args[2].dtype)
+    c_dtype = args[2].dtype
     if tma_ok and which != "plain":
         _ensure_allocator()
-        BM, BN = _UNTUNED_TMA_TILE if wide_ok else (128, 128)
+        BM, BN = _UNTUNED_TMA_TILE
         n_sms = _num_sms(args[0].device)
         _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
             *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
-            ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(args[2].dtype), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
-            GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False), num_warps=8, num_stages=3)
+            ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
+            GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False),
+            EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
     else:
+        # fp32 outputs leave the plain kernel through registers: beside a 128 x 256 accumulator, the loaded
+        # fp32 tile of `accumulate_into` doubles the registers per thread (Mixtral fc1 wgrad: 198 TOP/s);
         # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
-        wide = wide_ok and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
+        wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
         BM, BN = (128, 256) if wide else (128, 128)
         _int8_gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](*args, **meta, BLOCK_M=BM, BLOCK_N=BN,
                                                                         GROUP_M=8, num_warps=8, num_stages=3)
@@ -480,7 +515,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
     (args[6]) sets the grid, as calls sharing the key may differ in M within the bucket. The launcher's
     `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
-    tuner = _int8_gemm_tma_tuned if tma else _int8_gemm_tuned
+    tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
     kw = dict(tuner.best_config.all_kwargs())
     BM, n_tiles = kw["BLOCK_M"], triton.cdiv(N, kw["BLOCK_N"])
     if not tma:
@@ -493,7 +528,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
         return launch
     n_sms = _num_sms(device)
     kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
-              C_TMA=_c_tma(c_dtype), NUM_SMS=n_sms)
+              C_TMA=True, NUM_SMS=n_sms)
 
     def launch(args, c):
         _ensure_allocator()
@@ -515,9 +550,9 @@ def _launchers(args, meta, M, N, tma_ok):
     def tma(out):
         _ensure_allocator()
         grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
-        _int8_gemm_tma_tuned[grid](*_tma_args(args[:2] + (out,) + args[3:], N),
-                                   SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
-                                   ACCUMULATE=meta["ACCUMULATE"], C_TMA=_c_tma(out.dtype), NUM_SMS=n_sms)
+        _int8_gemm_tma_tuned[out.element_size()][grid](
+            *_tma_args(args[:2] + (out,) + args[3:], N), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
+            ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, NUM_SMS=n_sms)
 
     return plain, tma
 
