@@ -98,6 +98,12 @@ def test_builds_at_tiny_width(name, megatron_world):
     tokens = torch.randint(0, 200, (1, 32), device=device)
     loss = model(tokens, torch.arange(32, device=device)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
+    # no APEX here: the INT8 linears alone fuse their wgrad into main_grad (training/model.py)
+    assert all(m.gradient_accumulation_fusion for m in linears)
+    assert not model.output_layer.gradient_accumulation_fusion
+    loss.float().mean().backward()
+    qkv = attention.linear_qkv.weight
+    assert qkv.grad_added_to_main_grad and qkv.main_grad.abs().sum() > 0
     _check_flops_formula(model, args, experts, topk)
 
 

@@ -67,14 +67,33 @@ def fused_wgrad_available() -> bool:
 
 
 def build_config(args, log):
-    """TransformerConfig for this run; disables gradient accumulation fusion where it cannot run."""
+    """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
+    Without APEX the config turns it off, and `build_model` turns it back on for the INT8 linears alone
+    (`args.fuse_int8_wgrad`), whose wgrad epilogue adds into main_grad itself."""
+    args.fuse_int8_wgrad = False
     if args.gradient_accumulation_fusion and not fused_wgrad_available():
-        log("note: gradient accumulation fusion off (APEX fused_weight_gradient_mlp_cuda not available)")
+        args.fuse_int8_wgrad = bool(args.int8_linear)
+        log("note: gradient accumulation fusion "
+            + ("on for the INT8 linears (their wgrad GEMM adds into main_grad); off for BF16 linears"
+               if args.fuse_int8_wgrad else "off")
+            + " (APEX fused_weight_gradient_mlp_cuda not available)")
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
     return transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                         bias_activation_fusion=args.swiglu and on_gpu)
+
+
+def fuse_int8_wgrad(model: torch.nn.Module) -> int:
+    """Gradient-accumulation fusion on every INT8 linear of `model` (megatron reads the layer's flag at each
+    forward); returns how many. BF16 linears (policy-kept, output layer) keep weight.grad and megatron's
+    DDP adds it into main_grad."""
+    from ..layers import Int8LinearMixin
+
+    linears = [m for m in model.modules() if isinstance(m, Int8LinearMixin) and m.int8]
+    for linear in linears:
+        linear.gradient_accumulation_fusion = True
+    return len(linears)
 
 
 def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.Module]:
@@ -105,6 +124,8 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
     )
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if getattr(args, "fuse_int8_wgrad", False):
+        fuse_int8_wgrad(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.bf16:
