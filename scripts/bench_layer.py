@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=11008)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads (default: --heads)")
+    p.add_argument("--kv-channels", type=int, default=None,
+                   help="head dimension (default: hidden / heads); e.g. one TP-4 rank of Llama2-13B: "
+                        "--hidden 5120 --heads 10 --kv-channels 128 --ffn 3456")
     p.add_argument("--num-experts", type=int, default=0,
                    help="MoE layer with this many experts of width --ffn (0: a dense SwiGLU MLP)")
     p.add_argument("--topk", type=int, default=2, help="experts per token (with --num-experts)")
@@ -112,7 +115,7 @@ def build_layers(args, skipped):
                moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0) if args.num_experts else {}
     config = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-        num_query_groups=args.num_query_groups, **moe, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, **moe, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
         use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
@@ -218,7 +221,8 @@ def main(argv=None) -> str:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     mlp = (f"{args.num_experts} experts (top-{args.topk}) of ffn {args.ffn}"
            + (", INT8 experts grouped" if args.moe_grouped_gemm else "") if args.num_experts else f"ffn {args.ffn}")
-    heads = f"{args.heads} heads" + (f" ({args.num_query_groups} KV groups)" if args.num_query_groups else "")
+    heads = (f"{args.heads} heads" + (f" ({args.num_query_groups} KV groups)" if args.num_query_groups else "")
+             + (f" of dim {args.kv_channels}" if args.kv_channels else ""))
     lines = [
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
