@@ -65,16 +65,7 @@ def quantized_pair(M: int, N: int, K: int):
 
 
 def launch_tma(qa, qb, main, BM: int, BN: int, c_tma: bool):
-    """One launch of the persistent TMA kernel accumulating into main at a fixed tile."""
-    M, K = qa.data.shape
-    N = qb.data.shape[0]
-    n_sms = G._num_sms(main.device)
-    G._ensure_allocator()
-    G._int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
-        qa.data, qb.data, main, qa.scale, qb.scale, main, M, N, K, qa.data.stride(0), qb.data.stride(0),
-        qb.scale, N, SCALE_MODE=1, HAS_BIAS=False, ACCUMULATE=True, C_TMA=c_tma, BLOCK_M=BM, BLOCK_N=BN,
-        BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=G.epi_split(BM, BN, main.dtype) if c_tma else 1,
-        num_warps=8, num_stages=3)
+    G.launch_tma_tile(qa, qb, main, block_m=BM, block_n=BN, accumulate=True, c_tma=c_tma)
 
 
 def bf16_addmm_fp32(gt, x, main):

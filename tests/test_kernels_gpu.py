@@ -316,30 +316,21 @@ def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
     assert_gemm_close(buf, want, mag + main.abs(), f"tma {granularity} accumulate_into", 2)
 
 
-
 @pytest.mark.parametrize("BM,BN", [(128, 128), (128, 256), (256, 128)])
 @pytest.mark.parametrize("M,N,Kd", [(4096, 4096, 8192), (1000, 1544, 784)])
 def test_tma_reduce_add_epilogue(K, REF, BM, BN, M, N, Kd):
     """The wgrad's TMA reduce-add into main_grad at the real tiles (fp32 128 x 256 and 256 x 128 tiles leave
     in two column halves): within fp32 rounding of the reference and of the pointer epilogue (which may
     contract the last multiply-add), bit-identical when repeated, and twice the product when run twice."""
-    import triton
-
     from megatron_int8.kernels import int8_gemm as G
 
     qa, _ = REF.quantize(outliers(M, Kd), **_kw("row", False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw("row", True, rowwise=True, columnwise=False))
     mag = _mag(qa, qb, REF)
     main = torch.randn(M, N, device="cuda") * mag.mean()
-    n_sms = G._num_sms(main.device)
-    G._ensure_allocator()
 
     def launch(buf, c_tma):
-        G._int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
-            qa.data, qb.data, buf, qa.scale, qb.scale, buf, M, N, Kd, qa.data.stride(0), qb.data.stride(0),
-            qb.scale, N, SCALE_MODE=1, HAS_BIAS=False, ACCUMULATE=True, C_TMA=c_tma, BLOCK_M=BM, BLOCK_N=BN,
-            BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=G.epi_split(BM, BN, buf.dtype) if c_tma else 1,
-            num_warps=8, num_stages=3)
+        G.launch_tma_tile(qa, qb, buf, block_m=BM, block_n=BN, accumulate=True, c_tma=c_tma)
         return buf
 
     want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())

@@ -189,7 +189,9 @@ def _int8_gemm_tma_kernel(
     ACCUMULATE (fp32 `accumulate_into`, the wgrad into main_grad) it is a TMA reduce-add: L2 adds the tile
     into main_grad asynchronously, so the old values never pass through registers and the next tile's
     mainloop does not wait for them. (The add is IEEE fp32 round-to-nearest; like every PTX fp32 reduction
-    it flushes subnormal operands and results to zero.) C_TMA False: masked pointer loads/stores.
+    it flushes subnormal operands and results to zero.) Every launch of the package takes C_TMA; C_TMA False
+    (masked pointer loads/stores, the epilogue before the TMA one) stays as the reference that the tests and
+    scripts/bench_wgrad_epilogue.py compare it with.
     GROUPED (grouped_gemm, row scales): b and sb are the experts' stacked [E * N, K] and [E * N]; a tile
     reads the N rows of its expert (BLOCK_M divides SEGMENT_ALIGN); a box past them reads the next
     expert's rows into columns >= N, which are never stored."""
@@ -246,7 +248,7 @@ def _int8_gemm_tma_kernel(
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-_EPI_TILE_BYTES = 64 * 1024  # the TMA epilogue's shared-memory staging (sub-)tile, beside 3-4 pipeline stages
+_EPI_TILE_BYTES = 64 * 1024  # the TMA epilogue's shared-memory staging (sub-)tile
 
 
 def epi_split(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
@@ -256,16 +258,20 @@ def epi_split(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
 
 
 def _tma_configs(out_dtype: torch.dtype):
+    """128 x 256 and 256 x 128 tiles take 3 stages: a 4th (48 KB) beside the 64 KB epilogue staging needs
+    ~262 KB of shared memory, over Hopper's 227 KB, so such configs never compile."""
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl,
                            "EPI_SPLIT": epi_split(bm, bn, out_dtype)}, num_warps=8, num_stages=st)
-            for bm, bn in ((128, 256), (256, 128), (128, 128)) for st in (3, 4) for fl in (True, False)]
+            for bm, bn, stages in ((128, 256, (3,)), (256, 128, (3,)), (128, 128, (3, 4)))
+            for st in stages for fl in (True, False)]
 
 
 def _tma_tuner(out_dtype: torch.dtype):
+    # no restore_value: accumulating calls are tuned on a scratch copy of their buffer (triton_gemm), so
+    # the timed trials do not include a save and restore of the whole fp32 output
     return triton.autotune(
         configs=_tma_configs(out_dtype),
         key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "C_TMA"],
-        restore_value=["c_ptr"],
         do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
     )(_int8_gemm_tma_kernel)
 
@@ -343,8 +349,7 @@ _int8_gemm_tuned = triton.autotune(
     configs=_configs(),
     key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "SPLIT_K_EXACT", "EVEN_K", "BLOCK_K", "SUB_K"],
     prune_configs_by={"early_config_prune": _prune},
-    # accumulate_into is read-modify-write: restore it between autotuning trials
-    restore_value=["c_ptr"],
+    # no restore_value: accumulating calls are tuned on a scratch copy of their buffer (triton_gemm)
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
 )(_int8_gemm_kernel)
 
@@ -432,10 +437,15 @@ def triton_gemm(
         launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
         if which == "tma" and launch_tma is None:
             raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
-        if which == "auto":
-            which = _pick(launch_plain, launch_tma, c) if launch_tma is not None else "plain"
-        (launch_tma if which == "tma" else launch_plain)(c)
-        _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
+        # autotuning runs every trial on a scratch copy (accumulate_into must be added into exactly once);
+        # then c gets one launch of the chosen compiled config, as every later call with this key
+        if which == "auto" and launch_tma is not None:
+            which = _pick(launch_plain, launch_tma, c)
+        else:
+            which = "tma" if which == "tma" else "plain"
+            (launch_tma if which == "tma" else launch_plain)(c.clone() if meta["ACCUMULATE"] else torch.empty_like(c))
+        fast = _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
+        fast(args, c)
     return c
 
 
@@ -510,6 +520,22 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     return c
 
 
+def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m: int, block_n: int,
+                    accumulate: bool, c_tma: bool = True) -> None:
+    """One launch of the persistent TMA kernel at a given tile (tensor or row scales, no bias), writing or
+    adding (`accumulate`) into c: for the benchmark and tests that compare tiles and epilogues; the
+    package's own launches pick their tile themselves."""
+    M, K = a.data.shape
+    N = b.data.shape[0]
+    n_sms = _num_sms(c.device)
+    _ensure_allocator()
+    _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, block_m) * triton.cdiv(N, block_n)),)](
+        a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,
+        SCALE_MODE=_SCALE_TENSOR if a.granularity == "tensor" else _SCALE_ROW, HAS_BIAS=False,
+        ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8,
+        NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=epi_split(block_m, block_n, c.dtype) if c_tma else 1,
+        num_warps=8, num_stages=3)
+
 def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
     launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
@@ -558,7 +584,7 @@ def _launchers(args, meta, M, N, tma_ok):
 
 
 def _pick(launch_plain, launch_tma, c) -> str:
-    """Time both tuned kernels once per shape on a scratch output; keep the faster."""
+    """Autotune and time both kernels once per shape on a scratch copy of the output; keep the faster."""
     scratch = c.clone()
     times = {}
     for name, fn in (("plain", launch_plain), ("tma", launch_tma)):
