@@ -68,7 +68,7 @@ def test_builds_at_tiny_width(name, megatron_world):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from megatron_int8.layers import Int8LinearMixin
-    from megatron_int8.training.model import build_config, build_model, unwrap
+    from megatron_int8.training.model import build_config, build_model, fused_wgrad_available, unwrap
 
     args = validate_args(parse_args(["--config", _yaml(name)] + TINY), world_size=1)
     args.padded_vocab_size = 256
@@ -98,12 +98,15 @@ def test_builds_at_tiny_width(name, megatron_world):
     tokens = torch.randint(0, 200, (1, 32), device=device)
     loss = model(tokens, torch.arange(32, device=device)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
-    # no APEX here: the INT8 linears alone fuse their wgrad into main_grad (training/model.py)
+    # gradient-accumulation fusion: the INT8 linears always; megatron's output layer only with APEX
     assert all(m.gradient_accumulation_fusion for m in linears)
-    assert not model.output_layer.gradient_accumulation_fusion
+    assert model.output_layer.gradient_accumulation_fusion == fused_wgrad_available()
     loss.float().mean().backward()
     qkv = attention.linear_qkv.weight
     assert qkv.grad_added_to_main_grad and qkv.main_grad.abs().sum() > 0
+    if experts:  # the grouped experts' wgrads too (an expert without tokens adds nothing, but is marked)
+        fc1 = [e.linear_fc1.weight for e in mlp.experts.local_experts]
+        assert all(w.grad_added_to_main_grad for w in fc1) and any(w.main_grad.abs().sum() > 0 for w in fc1)
     _check_flops_formula(model, args, experts, topk)
 
 

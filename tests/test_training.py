@@ -76,7 +76,6 @@ def test_tiny_pretraining_loss_decreases(data, tmp_path, precision):
     assert "lm loss:" in out and "TFLOP/s/GPU" in out and "validation loss at iteration 15" in out
 
 
-
 def test_int8_wgrad_fusion_without_apex_equals_unfused(data, tmp_path):
     """Without APEX the trainer fuses the wgrad into main_grad for the INT8 linears alone (their GEMM adds
     into it) and leaves megatron's BF16 linears to DDP. On CPU in fp32 both routes add the same fp32

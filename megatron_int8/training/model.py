@@ -70,8 +70,9 @@ def build_config(args, log):
     """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
     Without APEX the config turns it off, and `build_model` turns it back on for the INT8 linears alone
     (`args.fuse_int8_wgrad`), whose wgrad epilogue adds into main_grad itself."""
+    requested = args.gradient_accumulation_fusion or getattr(args, "fuse_int8_wgrad", False)  # idempotent
     args.fuse_int8_wgrad = False
-    if args.gradient_accumulation_fusion and not fused_wgrad_available():
+    if requested and not fused_wgrad_available():
         args.fuse_int8_wgrad = bool(args.int8_linear)
         log("note: gradient accumulation fusion "
             + ("on for the INT8 linears (their wgrad GEMM adds into main_grad); off for BF16 linears"
@@ -84,16 +85,15 @@ def build_config(args, log):
                                         bias_activation_fusion=args.swiglu and on_gpu)
 
 
-def fuse_int8_wgrad(model: torch.nn.Module) -> int:
+def fuse_int8_wgrad(model: torch.nn.Module) -> None:
     """Gradient-accumulation fusion on every INT8 linear of `model` (megatron reads the layer's flag at each
-    forward); returns how many. BF16 linears (policy-kept, output layer) keep weight.grad and megatron's
-    DDP adds it into main_grad."""
+    forward). BF16 linears (policy-kept, output layer) keep weight.grad and megatron's DDP adds it into
+    main_grad."""
     from ..layers import Int8LinearMixin
 
-    linears = [m for m in model.modules() if isinstance(m, Int8LinearMixin) and m.int8]
-    for linear in linears:
-        linear.gradient_accumulation_fusion = True
-    return len(linears)
+    for module in model.modules():
+        if isinstance(module, Int8LinearMixin) and module.int8:
+            module.gradient_accumulation_fusion = True
 
 
 def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.Module]:
