@@ -536,6 +536,7 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m:
         NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=epi_split(block_m, block_n, c.dtype) if c_tma else 1,
         num_warps=8, num_stages=3)
 
+
 def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
     launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
