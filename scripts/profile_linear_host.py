@@ -4,13 +4,15 @@
 
 Under tensor parallelism each rank's GEMMs shrink, while the Python work per linear call (quantize and
 GEMM launches, argument checks, the autograd Function) stays: once it exceeds the GPU time, the GPU waits
-for the host. Shapes: Llama2-13B's four linears per rank at TP 4 and TP 1. Per shape and precision:
+for the host. Shapes: Llama2-13B's four linears per rank at TP 4 and TP 2, two at TP 1. Per shape and
+precision:
 - host ms: the Python loop of N fwd+bwd calls while the GPU is kept busy by a long sleep kernel queued
   first, so the host never waits for the device: pure enqueue time per call;
 - GPU ms: CUDA events around the same loop once the host runs ahead (sleep queued first);
 - wall ms: the loop synchronized, nothing queued ahead: what a training step sees, max(host, GPU).
 INT8 is int8_linear with the default recipe (weights cached, deferred finite check); BF16 is F.linear
-under autograd. Then cProfile of INT8 calls on the TP 4 fc1 shape: the top functions by own time.
+under autograd. Then the host time of the pieces (one both-axes quantize, one GEMM launch) and cProfile
+of INT8 calls on the TP 4 fc1 shape: the top functions by own time.
 """
 from __future__ import annotations
 
@@ -28,10 +30,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_int8 import DEFAULT_RECIPE, int8_linear  # noqa: E402
+from megatron_int8.kernels import triton_gemm, triton_quantize  # noqa: E402
 
 # (label, in features, out features) of Llama2-13B (hidden 5120, ffn 13824, 40 heads) per tensor-parallel rank
 SHAPES = [
     ("TP4 qkv", 5120, 3840), ("TP4 proj", 1280, 5120), ("TP4 fc1", 5120, 6912), ("TP4 fc2", 3456, 5120),
+    ("TP2 qkv", 5120, 7680), ("TP2 proj", 2560, 5120), ("TP2 fc1", 5120, 13824), ("TP2 fc2", 6912, 5120),
     ("TP1 qkv", 5120, 15360), ("TP1 fc1", 5120, 27648),
 ]
 
@@ -93,6 +97,21 @@ def main(argv=None):
     x, w, dy = make(args.tokens, 5120, 6912)
     for _ in range(3):
         step(True, x, w, dy)
+    qkw = dict(granularity="row", block_size=128, weight=False, rowwise=True, columnwise=True, columnwise_pad=16,
+               check_finite=DEFAULT_RECIPE.check_finite)
+    qx = triton_quantize(x.detach(), **qkw)[0]
+    qw = triton_quantize(w.detach(), **dict(qkw, weight=True, columnwise=False))[0]
+    pieces = {"quantize (both axes, 3 launches)": lambda: triton_quantize(x.detach(), **qkw),
+              "GEMM (1 launch, tuned dispatch)": lambda: triton_gemm(qx, qw, out_dtype=torch.bfloat16)}
+    for label, fn in pieces.items():
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        print(f"host time of one {label}: {(time.perf_counter() - t0) / args.iters * 1e3:.3f} ms")
+        torch.cuda.synchronize()
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9))
     prof = cProfile.Profile()
