@@ -64,10 +64,6 @@ def quantized_pair(M: int, N: int, K: int):
     return triton_quantize(g.bfloat16(), **kw)[0], triton_quantize(x.bfloat16(), **kw)[0], g.bfloat16(), x.bfloat16()
 
 
-def launch_tma(qa, qb, main, BM: int, BN: int, c_tma: bool):
-    G.launch_tma_tile(qa, qb, main, block_m=BM, block_n=BN, accumulate=True, c_tma=c_tma)
-
-
 def bf16_addmm_fp32(gt, x, main):
     torch.addmm(main, gt, x, out_dtype=torch.float32, out=main)
 
@@ -79,7 +75,9 @@ def row(label, M, N, K, notes) -> str:
     fns = {
         "bf16 mm + add_": lambda: main.add_(torch.mm(gt, xt)),
         "bf16 addmm fp32": lambda: bf16_addmm_fp32(gt, xt, main),
-        **{f"int8 {name}": (lambda bm=bm, bn=bn, c=c: launch_tma(qa, qb, main, bm, bn, c)) for name, bm, bn, c in INT8_TILES},
+        **{f"int8 {name}": (lambda bm=bm, bn=bn, c=c: G.launch_tma_tile(qa, qb, main, block_m=bm, block_n=bn,
+                                                                        accumulate=True, c_tma=c))
+           for name, bm, bn, c in INT8_TILES},
         "int8 tuned": lambda: triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main),
         "int8 untuned": lambda: triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main, autotune=False),
     }
@@ -95,7 +93,7 @@ def row(label, M, N, K, notes) -> str:
     want = qref.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=torch.ones(M, N, device="cuda"))
     for name, bm, bn, c in INT8_TILES:
         got = torch.ones(M, N, device="cuda")
-        launch_tma(qa, qb, got, bm, bn, c)
+        G.launch_tma_tile(qa, qb, got, block_m=bm, block_n=bn, accumulate=True, c_tma=c)
         err = ((got - want).abs() / (want.abs() + 1)).max().item()
         if not torch.equal(got, want):
             notes.append(f"{label}, int8 {name}: not bit-identical to the reference, max relative error {err:.2g}"
