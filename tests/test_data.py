@@ -122,6 +122,10 @@ def test_empty_validation_split_is_fine_without_evaluation(dataset):
     (["--hidden-size", "250"], 1, "set --kv-channels"),
     (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3, "--expert-model-parallel-size 3 must divide"),
     (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be below --lr-decay-iters 4"),
+    (["--profile", "--profile-step-start", "3", "--profile-step-end", "7"], 1, "need 1 <= start < end <= --train-iters + 1 (5)"),
+    (["--profile", "--profile-step-start", "2", "--profile-step-end", "2"], 1, "need 1 <= start < end"),
+    (["--profile", "--profile-step-start", "1", "--profile-step-end", "3", "--profile-ranks", "0", "2"], 2,
+     "--profile-ranks [2]: not ranks of this 2-process run"),
 ])
 def test_bad_layout_fails_with_message(dataset, extra, world, message):
     args = _trainer_args(dataset, *extra)

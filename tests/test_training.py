@@ -91,6 +91,24 @@ def test_int8_wgrad_fusion_without_apex_equals_unfused(data, tmp_path):
     assert losses(fused / "train_log.jsonl") == losses(unfused / "train_log.jsonl")
 
 
+def test_profile_writes_a_trace_and_leaves_training_unchanged(data, tmp_path):
+    """--profile records iterations 2-3 on rank 0 of a 2-process run: a trace and a summary appear, the log
+    names the window (on CPU there is no GPU activity to report), and the losses equal an unprofiled run's."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0",
+              "--int8-linear"]
+    plain, profiled, traces = tmp_path / "plain", tmp_path / "profiled", tmp_path / "traces"
+    train(data, *common, "--save", str(plain), nproc=2)
+    out = train(data, *common, "--save", str(profiled), "--profile", "--profile-step-start", "2",
+                "--profile-step-end", "4", "--profile-dir", str(traces), nproc=2)
+    assert "profile, rank 0, iterations 2-3: " in out and "no GPU activity recorded" in out
+    assert "profile, rank 1" not in out
+    summary = (traces / "rank0_iters2-3.summary.txt").read_text()
+    assert "By own host (CPU) time" in summary and "_Int8LinearFunction" in summary
+    assert (traces / "rank0_iters2-3.trace.json").stat().st_size > 0
+    assert sorted(os.listdir(traces)) == ["rank0_iters2-3.summary.txt", "rank0_iters2-3.trace.json"]
+    assert losses(profiled / "train_log.jsonl") == losses(plain / "train_log.jsonl")
+
+
 def test_resume_matches_uninterrupted_and_switches_precision(data, tmp_path):
     common = ["--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "3",
               "--use-distributed-optimizer", "--int8-linear"]

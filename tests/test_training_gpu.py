@@ -1,4 +1,5 @@
-"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU; the FP8 peer
+"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU, and its `--profile`
+report; the FP8 peer
 (--fp8-peer, torchao float8) on one GPU; tensor plus sequence parallelism with the distributed optimizer
 resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint saved at TP=2 + SP on two GPUs
 resumed at TP=1 on one."""
@@ -21,6 +22,17 @@ def test_gpu_tiny_pretraining_bf16_int8(data, tmp_path):  # noqa: F811
     assert "device cuda" in out and "| int8 |" in out and "peak memory (GB)" in out
     if not APEX_FUSED_WGRAD:  # the lent machines: the INT8 wgrads add into main_grad in the GEMM (TMA reduce-add)
         assert "gradient accumulation fusion on for the INT8 linears" in out
+
+
+def test_gpu_profile_reports_the_gpu_busy_share(data, tmp_path):  # noqa: F811
+    out = train(data, "--bf16", "--int8-linear", "--train-iters", "4", "--micro-batch-size", "4",
+                "--global-batch-size", "8", "--eval-iters", "0", "--profile", "--profile-step-start", "3",
+                "--profile-step-end", "5", "--profile-dir", str(tmp_path), gpu=True)
+    line = next(l for l in out.splitlines() if l.startswith("profile, rank 0, iterations 3-4: "))
+    share = float(line.split("% of the wall time")[0].rsplit("(", 1)[1])
+    assert 0 < share <= 100, line
+    summary = (tmp_path / "rank0_iters3-4.summary.txt").read_text()
+    assert "By GPU time" in summary and "int8_gemm" in summary
 
 
 def _fp8_unavailable():

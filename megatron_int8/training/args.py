@@ -135,6 +135,13 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-jsonl", default=None,
                    help="JSON-lines log of every iteration (default: SAVE/train_log.jsonl when --save is set).")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler over iterations --profile-step-start .. --profile-step-end - 1 on "
+                        "--profile-ranks: a chrome trace, a summary, and the GPU busy share in the log.")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default="profile", help="Where --profile writes (default: ./profile).")
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -373,6 +380,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.eval_iters < 0:
         raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.profile:
+        if not 1 <= args.profile_step_start < args.profile_step_end <= args.train_iters + 1:
+            raise ArgumentError(f"--profile-step-start {args.profile_step_start} / --profile-step-end "
+                                f"{args.profile_step_end}: need 1 <= start < end <= --train-iters + 1 "
+                                f"({args.train_iters + 1}); iterations start .. end - 1 are profiled")
+        bad = [r for r in args.profile_ranks if not 0 <= r < world_size]
+        if bad:
+            raise ArgumentError(f"--profile-ranks {bad}: not ranks of this {world_size}-process run")
 
     # Data and tokenizer presence (contents are checked once the tokenizer is built).
     if args.mock_data:

@@ -14,6 +14,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .metrics import TrainingLogger
 from .model import build_config, build_model, build_optimizer, initialize_distributed, set_random_seed, unwrap
+from .profiling import StepProfiler
 
 
 def _log(message: str) -> None:
@@ -156,8 +157,14 @@ def pretrain(args) -> dict:
     for chunk in model:
         chunk.train()
     loss = valid_loss = None
+    profiler = StepProfiler.from_args(args, torch.distributed.get_rank(), partial(print, flush=True))
+    if profiler is not None and args.profile_step_start <= iteration:
+        _log(f"--profile: iterations {args.profile_step_start}-{args.profile_step_end - 1} ran before this "
+             f"resumed run (from iteration {iteration}); nothing is profiled")
     _log(f"training from iteration {iteration} to {args.train_iters}")
     while iteration < args.train_iters:
+        if profiler is not None:
+            profiler.before_iteration(iteration + 1)
         start = time.time()
         loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args)
         iteration += 1
@@ -166,7 +173,9 @@ def pretrain(args) -> dict:
             torch.cuda.synchronize()
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
                              grad_norm, skipped, time.time() - start)
-        paused = time.time()
+        paused = time.time()  # profiler reports, evaluation and saves: outside the step time
+        if profiler is not None:
+            profiler.after_iteration(iteration)
         if valid_ds is not None and args.eval_iters > 0 and (
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, valid_iterator, model, args)
