@@ -7,7 +7,10 @@ GEMM launches, argument checks, the autograd Function) stays: once it exceeds th
 for the host. Shapes: Llama2-13B's four linears per rank at TP 4 and TP 2, two at TP 1. Per shape and
 precision:
 - host ms: the Python loop of N fwd+bwd calls while the GPU is kept busy by a long sleep kernel queued
-  first, so the host never waits for the device: pure enqueue time per call;
+  first, so the host never waits for the device: enqueue time per call. On the lent H100 it has read
+  above the synchronized wall time (up to 2x), so enqueueing behind a sleeping GPU costs extra there:
+  for shapes whose GPU time is short, the wall time is the better measure of the host cost, and
+  `pretrain --profile` the one for a whole training step;
 - GPU ms: CUDA events around the same loop once the host runs ahead (sleep queued first);
 - wall ms: the loop synchronized, nothing queued ahead: what a training step sees, max(host, GPU).
 INT8 is int8_linear with the default recipe (weights cached, deferred finite check); BF16 is F.linear
