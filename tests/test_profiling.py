@@ -29,3 +29,32 @@ def test_device_intervals_keep_gpu_activities_only():
     events = [event(DeviceType.CPU, 0, 100), event(DeviceType.CUDA, 5, 8), event(DeviceType.CUDA, 0, 90, True),
               event(DeviceType.CUDA, 20, 30)]
     assert device_intervals(events) == [(5, 8), (20, 30)]
+
+
+def test_a_failed_report_does_not_stop_training(tmp_path):
+    """The profiled window ends, the report cannot be written (its directory is a file): a log line says so
+    and no exception reaches the training loop."""
+    from megatron_int8.training.profiling import StepProfiler
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    lines = []
+    profiler = StepProfiler(start=1, end=2, ranks=[0], directory=str(blocker), rank=0, log=lines.append)
+    profiler.before_iteration(1)
+    sum(range(1000))
+    profiler.after_iteration(1)
+    assert len(lines) == 1 and "writing the report into" in lines[0] and "training goes on" in lines[0]
+
+
+def test_only_the_chosen_ranks_and_window_are_profiled(tmp_path):
+    from megatron_int8.training.profiling import StepProfiler
+
+    lines = []
+    other_rank = StepProfiler(start=2, end=3, ranks=[0], directory=str(tmp_path), rank=1, log=lines.append)
+    profiler = StepProfiler(start=2, end=3, ranks=[0], directory=str(tmp_path), rank=0, log=lines.append)
+    for iteration in (1, 2, 3):
+        for p in (other_rank, profiler):
+            p.before_iteration(iteration)
+            p.after_iteration(iteration)
+    assert len(lines) == 1 and lines[0].startswith("profile, rank 0, iterations 2-2: ")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0_iters2-2.summary.txt", "rank0_iters2-2.trace.json"]

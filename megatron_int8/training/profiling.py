@@ -76,7 +76,11 @@ class StepProfiler:
         wall_ms = (time.perf_counter() - self._t0) * 1e3
         prof, self._prof = self._prof, None
         prof.stop()
-        self._report(prof, wall_ms)
+        try:
+            self._report(prof, wall_ms)
+        except (OSError, RuntimeError) as err:  # a full disk must not end the training run
+            self.log(f"profile, rank {self.rank}: writing the report into {self.directory} failed ({err}); "
+                     "training goes on")
 
     def _report(self, prof, wall_ms: float) -> None:
         iters = self.end - self.start
