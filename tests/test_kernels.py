@@ -477,11 +477,15 @@ def launch_log(monkeypatch):
                     return self.kernel[grid](*args, **kwargs)
             return launch
 
+    from megatron_int8.kernels.launch import LaunchCache
+
     for mod in ("megatron_int8.kernels.quantize", "megatron_int8.kernels.int8_gemm"):
         m = importlib.import_module(mod)
         for name, obj in list(vars(m).items()):
             if name.endswith("_kernel") and hasattr(obj, "__getitem__"):
                 monkeypatch.setattr(m, name, Counting(name, obj))
+            elif isinstance(obj, LaunchCache):  # launches through a cache hold the kernel themselves
+                monkeypatch.setattr(obj, "kernel", Counting(obj.kernel.fn.__name__, obj.kernel))
     return log
 
 

@@ -24,9 +24,10 @@ launch for all experts, a fixed tile (token counts change with every routing, so
 Dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
 MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
-cached in `_fast`, and later calls launch that compiled kernel directly (grid from their own M) instead of
-going through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant
-selection. Small linears are CPU-launch-bound, so this is measurable. The power-of-two buckets matter for
+cached in `_fast`, and later calls launch that kernel and config (grid from their own M) instead of going
+through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant selection;
+the launch itself calls the compiled kernel through a `launch.LaunchCache`, past `JITFunction.run`.
+Small linears are CPU-launch-bound, so this is measurable. The power-of-two buckets matter for
 MoE experts, whose token count changes with every routing: it is M of their fprop and dgrad GEMMs and K
 of their wgrad GEMM, so tuning per exact shape would benchmark all configs on nearly every expert GEMM,
 while a bucket is tuned once (the best tile moves little within 2x of M or K).
@@ -44,6 +45,7 @@ import triton.testing
 
 import importlib
 
+from .launch import LaunchCache
 from .quantize import _SEGMENT_ALIGN
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
@@ -319,6 +321,7 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
 # TMA kernel with this tile where the operands allow it: the plain kernel's heuristic tile ran Mixtral's
 # expert GEMMs at ~780 TOP/s, BF16's speed (docs/benchmarks.md).
 _UNTUNED_TMA_TILE = (128, 256)
+_GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
 _fast = {}  # dispatch key -> launch(args, c) of the selected compiled kernel and config (see module doc)
 
 
@@ -478,8 +481,8 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
         _ensure_allocator()
         BM, BN = _UNTUNED_TMA_TILE
         n_sms = _num_sms(args[0].device)
-        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)](
-            *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
+        _GEMM_TMA.launch(
+            (min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),), *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
             ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
             GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False),
             EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
@@ -489,8 +492,8 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
         # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
         wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
         BM, BN = (128, 256) if wide else (128, 128)
-        _int8_gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN),)](*args, **meta, BLOCK_M=BM, BLOCK_N=BN,
-                                                                        GROUP_M=8, num_warps=8, num_stages=3)
+        _GEMM_PLAIN.launch((triton.cdiv(M, BM) * triton.cdiv(N, BN),), *args, **meta, BLOCK_M=BM, BLOCK_N=BN,
+                           GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
@@ -549,7 +552,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
         kw.update(meta)
 
         def launch(args, c):
-            _int8_gemm_kernel[(triton.cdiv(args[6], BM) * n_tiles,)](*args, **kw)
+            _GEMM_PLAIN.launch((triton.cdiv(args[6], BM) * n_tiles,), *args, **kw)
 
         launch.kernel = "plain"
         return launch
@@ -559,7 +562,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
 
     def launch(args, c):
         _ensure_allocator()
-        _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(args[6], BM) * n_tiles),)](*_tma_args(args, N), **kw)
+        _GEMM_TMA.launch((min(n_sms, triton.cdiv(args[6], BM) * n_tiles),), *_tma_args(args, N), **kw)
 
     launch.kernel = "tma"
     return launch

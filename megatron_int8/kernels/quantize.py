@@ -51,6 +51,8 @@ import triton.language as tl
 
 import importlib
 
+from .launch import LaunchCache
+
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
 
@@ -334,6 +336,10 @@ def _quantize_block_kernel(
 
 
 # ------------------------------------------------------------------------------------------- host side
+_AMAX, _REDUCE, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (
+    _amax_partials_kernel, _reduce_partials_kernel, _quantize_kernel, _quantize_block_kernel))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -449,12 +455,12 @@ def triton_quantize(
             n_p = _cdiv(R, RB) * n_ct
             buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
             scale, parts = buf[0], buf[1:]
-            _amax_partials_kernel[(_cdiv(R, RB), n_ct)](
-                x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
+            _AMAX.launch(
+                (_cdiv(R, RB), n_ct), x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
                 TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
-        _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
-                                 parts, parts, n_p, seed, parts,
-                                 BP=BP if _INTERPRET else min(_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, **common)
+        _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
+                         parts, parts, n_p, seed, parts,
+                         BP=BP if _INTERPRET else min(_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, **common)
         ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
         col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
@@ -482,21 +488,21 @@ def triton_quantize(
         # [row partials, column partials, row maxima, column maxima], freed when this call returns
         work = torch.empty(n_row + n_col + R * rowwise + C * col_maxima, dtype=torch.float32, device=dev)
         prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
-        _amax_partials_kernel[(n_rs, n_ct)](
-            x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
+        _AMAX.launch(
+            (n_rs, n_ct), x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
         R_red, C_red = R * rowwise, C * col_partials
         n_row_programs, n_cb = _cdiv(R_red, BG), _cdiv(C_red, BG)
         a_row = maxima[:R] if rowwise else scales
         a_col = maxima[R_red:] if col_maxima else scales
-        _reduce_partials_kernel[(n_row_programs + n_seg * n_cb,)](
-            prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima, s_col if segs is not None else a_col,
+        _REDUCE.launch(
+            (n_row_programs + n_seg * n_cb,), prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima, s_col if segs is not None else a_col,
             seg_strips, n_cb, BG=BG, BP=min(BP, _pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
     if columnwise and not col_partials:
         a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
-    _quantize_kernel[grid_q](x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
-                             s_row if rowwise else s_col, s_col if columnwise else s_row,
-                             a_row, a_col, 1, seed, strips, BP=1, SEG=segs is not None, **common)
+    _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
+                     s_row if rowwise else s_col, s_col if columnwise else s_row,
+                     a_row, a_col, 1, seed, strips, BP=1, SEG=segs is not None, **common)
     # the smaller scale array: a non-finite element poisons both its row's and its column's scale
     ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
                          name, check_finite)
@@ -529,8 +535,8 @@ def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, se
     std = st if st is not None else s
     grid = (_cdiv(RP, GR), _cdiv(C, GC))
     TR, TC = _pow2(GR), _pow2(GC)
-    _quantize_block_kernel[grid](
-        x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q, RP,
+    _QUANTIZE_BLOCK.launch(
+        grid, x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q, RP,
         sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed,
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)

@@ -1,0 +1,81 @@
+"""Launching compiled Triton kernels without `JITFunction.run`'s per-call work.
+
+On every launch `JITFunction.run` binds the arguments, specializes each one (integer divisibility, pointer
+alignment), formats a cache key string and checks the kernel's globals: tens of microseconds of Python,
+nine times per INT8 linear fwd+bwd. Under tensor parallelism 4 the GPU waits for exactly that host time
+(docs/scaling.md, "Fifth session"). A `LaunchCache` keeps the CompiledKernel that `JITFunction.run`
+returned for one launch signature, and later launches with the same signature call it directly.
+
+The signature is everything compilation depends on, or finer: the current device; what Triton
+specializes each runtime argument on (`_arg_signature`: a tensor's dtype and 16-byte alignment, an
+integer's being 1, its divisibility by 16 and its width); the keyword arguments (constexprs and launch
+options) with their values. tests/test_launch.py checks `_arg_signature` against Triton's own
+specialization on the installed version. A launch whose signature was not
+seen yet goes through `JITFunction.run`, which compiles or finds the kernel as usual.
+
+`DIRECT = False` (or MEGATRON_INT8_DIRECT_LAUNCH=0) sends every launch through `JITFunction.run`: for
+A/B timing, and as an escape hatch should a Triton version change its CompiledKernel launch interface.
+Under TRITON_INTERPRET=1 there is nothing compiled to call, so every launch goes through the interpreter.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+import torch
+
+DIRECT = os.environ.get("MEGATRON_INT8_DIRECT_LAUNCH", "1") != "0"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# MoE experts launch with a new token count nearly every routing: keep the table bounded
+MAX_SIGNATURES = 4096
+
+
+def _arg_signature(value) -> Any:
+    """What Triton (3.6) specializes a runtime argument on, or finer: a tensor's dtype and 16-byte
+    alignment; an integer's being 1, its divisibility by 16 and its width (i32 / i64 / u64)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool, value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63
+    if isinstance(value, float) or value is None:
+        return type(value)
+    raise TypeError(f"LaunchCache: unsupported kernel argument of type {type(value).__name__}")
+
+
+class LaunchCache:
+    """`cache.launch(grid, *args, **kwargs)` launches `kernel[grid](*args, **kwargs)`.
+
+    `args` are the kernel's leading runtime arguments, positionally; `kwargs` name its constexprs and
+    launch options (num_warps, num_stages). One cache per call site keeps the keyword order fixed."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: Dict[tuple, Tuple[Any, tuple]] = {}
+
+    def launch(self, grid: tuple, *args, **kwargs) -> None:
+        if not DIRECT or _INTERPRET:
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (torch.cuda.current_device(), tuple(map(_arg_signature, args)), tuple(kwargs.items()))
+        entry = self._compiled.get(key)
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if len(self._compiled) >= MAX_SIGNATURES:
+                self._compiled.clear()
+            self._compiled[key] = (compiled, self._trailing_values(len(args), kwargs))
+            return
+        compiled, trailing = entry
+        compiled[grid3](*args, *trailing)
+
+    def _trailing_values(self, n_args: int, kwargs: dict) -> tuple:
+        """The kernel's parameters after the positional ones, in order (keyword or default), as the
+        compiled launcher takes every parameter, constexprs included. Called after the JIT launch with
+        the same arguments succeeded, so none is missing."""
+        return tuple(kwargs[p.name] if p.name in kwargs else p.default for p in self.kernel.params[n_args:])
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+

@@ -1,0 +1,140 @@
+"""kernels/launch.py: a cached CompiledKernel is reused only for launches Triton would specialize
+identically, and the direct launch passes every parameter in the kernel's order."""
+import itertools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from megatron_int8.kernels import launch  # noqa: E402
+
+INTS = [0, 1, 2, 15, 16, 17, 32, 48, -1, -16, 4096, 4097, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**32,
+        2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+OTHERS = [True, False, 0.5, 1.0, -3.25, None]
+
+
+def _triton_specialization(value):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return native_specialize_impl(BaseBackend, value, False, True, True)
+
+
+@pytest.mark.parametrize("a, b", list(itertools.combinations(INTS + OTHERS, 2)))
+def test_equal_signatures_mean_equal_triton_specializations(a, b):
+    if launch._arg_signature(a) == launch._arg_signature(b):
+        assert _triton_specialization(a) == _triton_specialization(b), (a, b)
+
+
+def test_tensor_signature_is_dtype_and_16_byte_alignment():
+    base = torch.zeros(256, dtype=torch.int8)
+    views = [base, base[1:], base[8:], base[16:], base.view(torch.float32), base.view(torch.float32)[1:],
+             base.view(torch.float32)[4:], base.view(torch.bfloat16)[8:]]
+    for a, b in itertools.combinations(views, 2):
+        same = launch._arg_signature(a) == launch._arg_signature(b)
+        assert same == (_triton_specialization(a) == _triton_specialization(b)), (a.dtype, a.data_ptr() % 16,
+                                                                                  b.dtype, b.data_ptr() % 16)
+
+
+def test_unsupported_argument_is_an_error():
+    with pytest.raises(TypeError, match="unsupported kernel argument of type list"):
+        launch._arg_signature([1, 2])
+
+
+class _Param:
+    def __init__(self, name, default):
+        self.name, self.default = name, default
+
+
+class _FakeCompiled:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        return lambda *args: self.calls.append(("direct", grid, args))
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: kernel(x_ptr, n, BLOCK: constexpr, EVEN: constexpr = True)."""
+
+    def __init__(self):
+        import inspect
+
+        self.calls = []
+        self.params = [_Param("x_ptr", inspect.Parameter.empty), _Param("n", inspect.Parameter.empty),
+                       _Param("BLOCK", inspect.Parameter.empty), _Param("EVEN", True)]
+        self.compiled = _FakeCompiled(self.calls)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append(("jit", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_first_launch_compiles_then_identical_signatures_go_direct(direct):
+    kernel = _FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.float32)
+    cache.launch((4,), x, 32, BLOCK=16, num_warps=4)
+    cache.launch((5, 2), x, 48, BLOCK=16, num_warps=4)  # 48: also divisible by 16, not 1, i32
+    assert kernel.calls[0] == ("jit", (4,), (x, 32), {"BLOCK": 16, "num_warps": 4})
+    # the direct launch takes a 3-D grid and every parameter in order, the default of EVEN included
+    assert kernel.calls[1] == ("direct", (5, 2, 1), (x, 48, 16, True))
+    assert len(cache) == 1
+
+
+@pytest.mark.parametrize("change", ["int not divisible by 16", "int 1", "misaligned pointer", "dtype",
+                                    "constexpr", "launch option"])
+def test_a_different_signature_goes_through_jit(direct, change):
+    kernel = _FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    x = torch.zeros(64, dtype=torch.float32)
+    cache.launch((1,), x, 32, BLOCK=16, num_warps=4)
+    args, kwargs = [x, 32], {"BLOCK": 16, "num_warps": 4}
+    if change == "int not divisible by 16":
+        args[1] = 33
+    elif change == "int 1":
+        args[1] = 1
+    elif change == "misaligned pointer":
+        args[0] = x[1:]
+    elif change == "dtype":
+        args[0] = x.view(torch.int32)
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    else:
+        kwargs["num_warps"] = 8
+    cache.launch((1,), *args, **kwargs)
+    assert [c[0] for c in kernel.calls] == ["jit", "jit"] and len(cache) == 2
+
+
+def test_switched_off_or_interpreted_every_launch_goes_through_jit(direct, monkeypatch):
+    kernel = _FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    x = torch.zeros(64)
+    monkeypatch.setattr(launch, "DIRECT", False)
+    cache.launch((1,), x, 32, BLOCK=16)
+    cache.launch((1,), x, 32, BLOCK=16)
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch, "_INTERPRET", True)
+    cache.launch((1,), x, 32, BLOCK=16)
+    assert [c[0] for c in kernel.calls] == ["jit"] * 3 and len(cache) == 0
+
+
+def test_the_table_stays_bounded(direct, monkeypatch):
+    monkeypatch.setattr(launch, "MAX_SIGNATURES", 3)
+    kernel = _FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    x = torch.zeros(64)
+    for block in range(10):
+        cache.launch((1,), x, 32, BLOCK=block)
+    assert len(cache) <= 3
+
