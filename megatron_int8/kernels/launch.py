@@ -10,8 +10,8 @@ The signature is everything compilation depends on, or finer: the current device
 specializes each runtime argument on (`_arg_signature`: a tensor's dtype and 16-byte alignment, an
 integer's being 1, its divisibility by 16 and its width); the keyword arguments (constexprs and launch
 options) with their values. tests/test_launch.py checks `_arg_signature` against Triton's own
-specialization on the installed version. A launch whose signature was not
-seen yet goes through `JITFunction.run`, which compiles or finds the kernel as usual.
+specialization on the installed version. A launch whose signature was not seen yet goes through
+`JITFunction.run`, which compiles or finds the kernel as usual.
 
 `DIRECT = False` (or MEGATRON_INT8_DIRECT_LAUNCH=0) sends every launch through `JITFunction.run`: for
 A/B timing, and as an escape hatch should a Triton version change its CompiledKernel launch interface.
@@ -26,7 +26,7 @@ import torch
 
 DIRECT = os.environ.get("MEGATRON_INT8_DIRECT_LAUNCH", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# MoE experts launch with a new token count nearly every routing: keep the table bounded
+# a safety net: integers are keyed by class, not value, so signatures are few, but nothing else bounds them
 MAX_SIGNATURES = 4096
 
 
