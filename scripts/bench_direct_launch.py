@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_int8 import DEFAULT_RECIPE, Int8Recipe, int8_linear  # noqa: E402
 from megatron_int8.kernels import launch  # noqa: E402
 from megatron_int8.linear import TPOptions  # noqa: E402
+from profile_linear_host import SHAPES  # noqa: E402  (this script's directory is on sys.path)
 
-TP4_SHAPES = [("TP4 qkv", 5120, 3840), ("TP4 proj", 1280, 5120), ("TP4 fc1", 5120, 6912), ("TP4 fc2", 3456, 5120)]
+TP4_SHAPES = [s for s in SHAPES if s[0].startswith("TP4")]
 
 
 def fwd_bwd(x, w, dy, recipe, fused: bool):

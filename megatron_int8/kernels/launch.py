@@ -48,7 +48,8 @@ class LaunchCache:
     """`cache.launch(grid, *args, **kwargs)` launches `kernel[grid](*args, **kwargs)`.
 
     `args` are the kernel's leading runtime arguments, positionally; `kwargs` name its constexprs and
-    launch options (num_warps, num_stages). One cache per call site keeps the keyword order fixed."""
+    launch options (num_warps, num_stages). The keywords' order is part of the signature: call sites that
+    order them differently get entries of their own, each correct."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -60,7 +61,6 @@ class LaunchCache:
             return
         key = (torch.cuda.current_device(), tuple(map(_arg_signature, args)), tuple(kwargs.items()))
         entry = self._compiled.get(key)
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
             if len(self._compiled) >= MAX_SIGNATURES:
@@ -68,7 +68,7 @@ class LaunchCache:
             self._compiled[key] = (compiled, self._trailing_values(len(args), kwargs))
             return
         compiled, trailing = entry
-        compiled[grid3](*args, *trailing)
+        compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*args, *trailing)
 
     def _trailing_values(self, n_args: int, kwargs: dict) -> tuple:
         """The kernel's parameters after the positional ones, in order (keyword or default), as the
