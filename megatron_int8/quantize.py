@@ -166,26 +166,32 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 class _NonFiniteRecord:
     """Which named tensors were quantized with a NaN scale (= held Inf/NaN), kept on their device.
 
-    One fp32 slot per name and device holds the running max of the scales, which a NaN scale turns NaN;
-    recording adds one or two small launches and no host sync, and `raise_if_nonfinite` reads all slots
-    with one sync. Names are few and fixed (e.g. "fprop input", "weight"), so the slots never grow
-    with the number of steps, even where nothing ever reads them.
+    One fp32 slot per name and device turns NaN once a NaN scale was recorded into it, with no host
+    sync: the Triton quantize kernels store the NaN themselves (`slot`), other paths keep the running
+    max of their scales (`record`, one or two small launches). `raise_if_nonfinite` reads all slots with
+    one sync. Names are few and fixed (e.g. "fprop input", "weight"), so the slots never grow with the
+    number of steps, even where nothing ever reads them.
     """
 
     def __init__(self):
         self._slot = {}  # name -> index, in order of first use (forward order)
         self._flags = {}  # device -> fp32 tensor of slots
 
+    def slot(self, device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
+        """(the device's slot tensor, the index of `name`'s slot) for a kernel to write NaN into."""
+        index = self._slot.setdefault(name, len(self._slot))
+        flags = self._flags.get(device)
+        if flags is None or flags.numel() <= index:
+            grown = torch.zeros(max(16, 2 * (index + 1)), dtype=torch.float32, device=device)
+            if flags is not None:
+                grown[: flags.numel()] = flags
+            self._flags[device] = flags = grown
+        return flags, index
+
     def record(self, scale: torch.Tensor, name: str) -> None:
         if scale.numel() == 0:
             return
-        index = self._slot.setdefault(name, len(self._slot))
-        flags = self._flags.get(scale.device)
-        if flags is None or flags.numel() <= index:
-            grown = torch.zeros(2 * (index + 1), dtype=torch.float32, device=scale.device)
-            if flags is not None:
-                grown[: flags.numel()] = flags
-            self._flags[scale.device] = flags = grown
+        flags, index = self.slot(scale.device, name)
         slot = flags[index]
         torch.maximum(slot, scale if scale.dim() == 0 else scale.amax(), out=slot)  # NaN propagates
 
@@ -210,6 +216,12 @@ def raise_if_nonfinite() -> None:
     """Raise NonFiniteError naming every tensor quantized with Inf/NaN (check_finite="deferred") since
     the last call, and reset the record. One host sync; the trainer calls it once per step."""
     _NONFINITE.raise_if_nonfinite()
+
+
+def nonfinite_slot(device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
+    """(slot tensor, index) where a kernel quantizing `name` with check_finite="deferred" stores NaN
+    when one of its scales is NaN; raise_if_nonfinite reads it."""
+    return _NONFINITE.slot(device, name)
 
 
 def handle_nonfinite(scale: torch.Tensor, name: str, check_finite: str) -> None:

@@ -12,7 +12,7 @@
 # default: each layout's own), ITERS [50], WARMUP [5],
 # DEADLINE [460] seconds for all runs (a device command has 600 s; the install comes first), RUN_TIMEOUT
 # [400], EXTRA (more trainer flags for every run, e.g. "--recompute-granularity selective"), GRAD_ACCUM [1]
-# (micro-batches per step per GPU), DATA_PATH + TOKENIZER_MODEL (a tokenized corpus instead of mock data).
+# (micro-batches per step per GPU), MICRO_BATCH [1] (sequences per micro-batch), DATA_PATH + TOKENIZER_MODEL (a tokenized corpus instead of mock data).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -30,6 +30,7 @@ ARGS=(--iters "${ITERS:-50}" --warmup "${WARMUP:-5}" --deadline "${DEADLINE:-460
 [[ -n "${VARIANTS:-}" ]] && ARGS+=(--variants $VARIANTS)
 [[ -n "${SMOKE:-}" ]] && ARGS+=(--smoke)
 [[ -n "${GRAD_ACCUM:-}" ]] && ARGS+=(--grad-accum "$GRAD_ACCUM")
+[[ -n "${MICRO_BATCH:-}" ]] && ARGS+=(--micro-batch-size "$MICRO_BATCH")
 [[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH" --tokenizer-model "$TOKENIZER_MODEL")
 [[ -n "${EXTRA:-}" ]] && ARGS+=(--extra $EXTRA)
 

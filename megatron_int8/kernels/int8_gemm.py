@@ -45,7 +45,7 @@ import triton.testing
 
 import importlib
 
-from .launch import LaunchCache
+from .launch import LaunchCache, cdiv, next_pow2
 from .quantize import _SEGMENT_ALIGN
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
@@ -327,7 +327,7 @@ _fast = {}  # dispatch key -> launch(args, c) of the selected compiled kernel an
 
 def dispatch_buckets(M: int, N: int, K: int) -> tuple:
     """The shape part of a dispatch key: M and K rounded up to powers of two (MoE token counts vary)."""
-    return triton.next_power_of_2(M), N, triton.next_power_of_2(K)
+    return next_pow2(M), N, next_pow2(K)
 
 
 def _configs():
@@ -343,8 +343,8 @@ def _configs():
 def _prune(configs, named_args, **kwargs):
     """Drop tiles far larger than the problem (tiny or ragged GEMMs)."""
     M, N = named_args["M"], named_args["N"]
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(128, triton.next_power_of_2(M))
-            and c.kwargs["BLOCK_N"] <= max(128, triton.next_power_of_2(N))]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(128, next_pow2(M))
+            and c.kwargs["BLOCK_N"] <= max(128, next_pow2(N))]
     return keep or configs[:1]
 
 
@@ -470,7 +470,7 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
     interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
     M, N = args[6], args[7]
     if _INTERPRET:
-        _int8_gemm_kernel[(triton.cdiv(M, 16) * triton.cdiv(N, 16),)](*args, **meta, BLOCK_M=16, BLOCK_N=16,
+        _int8_gemm_kernel[(cdiv(M, 16) * cdiv(N, 16),)](*args, **meta, BLOCK_M=16, BLOCK_N=16,
                                                                         GROUP_M=2)
         return
     which = os.environ.get(ENV_KERNEL, "auto")
@@ -482,7 +482,7 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
         BM, BN = _UNTUNED_TMA_TILE
         n_sms = _num_sms(args[0].device)
         _GEMM_TMA.launch(
-            (min(n_sms, triton.cdiv(M, BM) * triton.cdiv(N, BN)),), *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
+            (min(n_sms, cdiv(M, BM) * cdiv(N, BN)),), *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
             ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
             GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False),
             EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
@@ -492,7 +492,7 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
         # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
         wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
         BM, BN = (128, 256) if wide else (128, 128)
-        _GEMM_PLAIN.launch((triton.cdiv(M, BM) * triton.cdiv(N, BN),), *args, **meta, BLOCK_M=BM, BLOCK_N=BN,
+        _GEMM_PLAIN.launch((cdiv(M, BM) * cdiv(N, BN),), *args, **meta, BLOCK_M=BM, BLOCK_N=BN,
                            GROUP_M=8, num_warps=8, num_stages=3)
 
 
@@ -532,7 +532,7 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m:
     N = b.data.shape[0]
     n_sms = _num_sms(c.device)
     _ensure_allocator()
-    _int8_gemm_tma_kernel[(min(n_sms, triton.cdiv(M, block_m) * triton.cdiv(N, block_n)),)](
+    _int8_gemm_tma_kernel[(min(n_sms, cdiv(M, block_m) * cdiv(N, block_n)),)](
         a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,
         SCALE_MODE=_SCALE_TENSOR if a.granularity == "tensor" else _SCALE_ROW, HAS_BIAS=False,
         ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8,
@@ -547,12 +547,12 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
     `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
     tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
     kw = dict(tuner.best_config.all_kwargs())
-    BM, n_tiles = kw["BLOCK_M"], triton.cdiv(N, kw["BLOCK_N"])
+    BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
     if not tma:
         kw.update(meta)
 
         def launch(args, c):
-            _GEMM_PLAIN.launch((triton.cdiv(args[6], BM) * n_tiles,), *args, **kw)
+            _GEMM_PLAIN.launch((cdiv(args[6], BM) * n_tiles,), *args, **kw)
 
         launch.kernel = "plain"
         return launch
@@ -562,7 +562,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
 
     def launch(args, c):
         _ensure_allocator()
-        _GEMM_TMA.launch((min(n_sms, triton.cdiv(args[6], BM) * n_tiles),), *_tma_args(args, N), **kw)
+        _GEMM_TMA.launch((min(n_sms, cdiv(args[6], BM) * n_tiles),), *_tma_args(args, N), **kw)
 
     launch.kernel = "tma"
     return launch
@@ -570,7 +570,7 @@ def _direct_launcher(tma: bool, meta, N, device, c_dtype):
 
 def _launchers(args, meta, M, N, tma_ok):
     def plain(out):
-        grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
+        grid = lambda m: (cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"]),)  # noqa: E731
         _int8_gemm_tuned[grid](*(args[:2] + (out,) + args[3:]), **meta)
 
     if not tma_ok:
@@ -579,7 +579,7 @@ def _launchers(args, meta, M, N, tma_ok):
 
     def tma(out):
         _ensure_allocator()
-        grid = lambda m: (min(n_sms, triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"])),)  # noqa: E731
+        grid = lambda m: (min(n_sms, cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"])),)  # noqa: E731
         _int8_gemm_tma_tuned[out.element_size()][grid](
             *_tma_args(args[:2] + (out,) + args[3:], N), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
             ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, NUM_SMS=n_sms)

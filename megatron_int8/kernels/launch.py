@@ -33,15 +33,28 @@ MAX_SIGNATURES = 4096
 def _arg_signature(value) -> Any:
     """What Triton (3.6) specializes a runtime argument on, or finer: a tensor's dtype and 16-byte
     alignment; an integer's being 1, its divisibility by 16 and its width (i32 / i64 / u64)."""
+    kind = type(value)
+    if kind is int:
+        return value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63
+    if kind is bool:
+        return bool, value
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool):
-        return bool, value
-    if isinstance(value, int):
-        return value == 1, value % 16 == 0, -2**31 <= value < 2**31, value < 2**63
+    if isinstance(value, int):  # an int subclass (bool cannot be subclassed)
+        return _arg_signature(int(value))
     if isinstance(value, float) or value is None:
         return type(value)
     raise TypeError(f"LaunchCache: unsupported kernel argument of type {type(value).__name__}")
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function: microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1) (triton.next_power_of_2 without its call overhead)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 class LaunchCache:

@@ -51,7 +51,7 @@ import triton.language as tl
 
 import importlib
 
-from .launch import LaunchCache
+from .launch import LaunchCache, cdiv, next_pow2
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
@@ -78,6 +78,15 @@ def _scale_from_amax(amax):
     s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     s = tl.where(amax > 0, s, 1.0)
     return tl.where(amax < float("inf"), s, float("nan"))
+
+
+@triton.jit
+def _flag_nonfinite(flag_ptr, flag_idx, scales):
+    """Deferred finite check of a vector of scales: NaN into the slot when any is NaN (its group held
+    Inf/NaN). Nothing is stored otherwise, so a slot stays NaN until the host reads and resets it.
+    (A scalar scale s does the same with tl.store(flag_ptr + flag_idx, s, mask=s != s).)"""
+    n_bad = tl.sum((scales != scales).to(tl.int32), axis=0)
+    tl.store(flag_ptr + flag_idx, float("nan"), mask=n_bad > 0)
 
 
 @triton.jit
@@ -224,16 +233,19 @@ def _quantize_kernel(
     a_ptr, at_ptr,  # tensor: n_a partial maxima (both point to them); row: row maxima [R], column maxima [C]
     n_a, seed,
     strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows
+    flag_ptr, flag_idx,  # FLAG: the deferred finite check's slot, set to NaN when a scale is NaN
     TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; tensorwise partials BP at a time
     TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-    STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr,
+    STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr, FLAG: tl.constexpr,
 ):
     """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. Each program turns the amax of its tensor / rows /
     columns into scales, and program (0, *) / (*, 0) stores them, so the scales need no launch of their
     own. Tensorwise, each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than
     a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
     SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
-    (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them."""
+    (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
+    FLAG: the programs that store the scales also flag a NaN among them: the row scales if computed here,
+    else the column scales (each covers every element; not with SEG, whose scales come from the reduce)."""
     rt = tl.program_id(0)
     ct = tl.program_id(1)
     offs_r = rt * TR + tl.arange(0, TR)
@@ -256,6 +268,8 @@ def _quantize_kernel(
         s = _scale_from_amax(tl.max(acc, axis=0))
         if (rt == 0) & (ct == 0):
             tl.store(s_ptr, s)
+            if FLAG:
+                tl.store(flag_ptr + flag_idx, s, mask=s != s)
         q = _round_clamp(x, s, u, STOCHASTIC)
         if ROW:
             tl.store(q_ptr + q_offs, q, mask=mask)
@@ -266,6 +280,8 @@ def _quantize_kernel(
             s_r = _scale_from_amax(tl.load(a_ptr + offs_r, mask=mask_r, other=0.0))
             if ct == 0:
                 tl.store(s_ptr + offs_r, s_r, mask=mask_r)
+                if FLAG:
+                    _flag_nonfinite(flag_ptr, flag_idx, s_r)
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
@@ -276,6 +292,8 @@ def _quantize_kernel(
                 s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
                 if rt == 0:
                     tl.store(st_ptr + offs_c, s_c, mask=mask_c)
+                    if FLAG and not ROW:
+                        _flag_nonfinite(flag_ptr, flag_idx, s_c)
             qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
             tl.store(qt_ptr + qt_offs, tl.trans(qc), mask=mask_t)
 
@@ -290,8 +308,10 @@ def _quantize_block_kernel(
     ss_r, ss_c, sts_r, sts_c,  # strides of the 2-D block-scale arrays
     GR, GC,  # rows / columns covered by one program (the block size, or several rows of 1 x B groups)
     seed,
+    flag_ptr, flag_idx,  # FLAG: the deferred finite check's slot, set to NaN when a scale is NaN
     TR: tl.constexpr, TC: tl.constexpr,  # power-of-two register tile >= (GR, GC)
     MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR: tl.constexpr,
+    FLAG: tl.constexpr,
 ):
     """Single pass: scales computed inside the tile. MODE 2: one scale per BxB weight tile, stored for Q(x)
     and transposed for Q(x^T). MODE 3: 1xB groups, row maxima for Q(x) and column maxima for Q(x^T),
@@ -315,6 +335,8 @@ def _quantize_block_kernel(
     if MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
         amax = tl.max(tl.max(_abs_nonfinite_to_inf(x), axis=1), axis=0)
         s = _scale_from_amax(amax)
+        if FLAG:
+            tl.store(flag_ptr + flag_idx, s, mask=s != s)
         q = _round_clamp(x, s, u, STOCHASTIC)
         if ROW:
             tl.store(s_ptr + rt * ss_r + ct * ss_c, s)
@@ -326,11 +348,15 @@ def _quantize_block_kernel(
         if ROW:  # 1 x GC groups: row maxima inside the tile
             s_r = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=1))
             tl.store(s_ptr + offs_r.to(tl.int64) * ss_r + ct * ss_c, s_r, mask=mask_r)
+            if FLAG:
+                _flag_nonfinite(flag_ptr, flag_idx, s_r)
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:  # GR x 1 groups of x = 1 x GR groups of x^T: column maxima inside the tile
             s_c = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=0))
             tl.store(st_ptr + offs_c.to(tl.int64) * sts_r + rt * sts_c, s_c, mask=mask_c)
+            if FLAG and not ROW:
+                _flag_nonfinite(flag_ptr, flag_idx, s_c)
             qc = _round_clamp(x, s_c[None, :], u, STOCHASTIC)
             tl.store(qt_ptr + qt_offs, tl.trans(qc), mask=mask_t)
 
@@ -338,14 +364,6 @@ def _quantize_block_kernel(
 # ------------------------------------------------------------------------------------------- host side
 _AMAX, _REDUCE, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (
     _amax_partials_kernel, _reduce_partials_kernel, _quantize_kernel, _quantize_block_kernel))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
 
 
 # Tile shapes. The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise
@@ -365,12 +383,12 @@ _MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce p
 def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
     """Rows per amax program: enough programs to fill the GPU, few enough partials to reduce cheaply."""
     TR = _AMAX_TILE[0]
-    n_rt = _cdiv(R, TR)
+    n_rt = cdiv(R, TR)
     strips = _MAX_STRIPS
     if tensor:
         strips = min(strips, max(1, _MAX_TILE_PARTIALS // n_ct))
     strips = max(1, min(strips, n_rt))
-    return _cdiv(n_rt, strips) * TR
+    return cdiv(n_rt, strips) * TR
 
 
 def _seed(stochastic: bool) -> int:
@@ -381,6 +399,15 @@ def _seed(stochastic: bool) -> int:
 def _four(TC: int, GC: int, n_ct: int) -> bool:
     """4 draws per Philox call need tile columns in whole groups of 4 starting at multiples of 4."""
     return TC % 4 == 0 and (GC % 4 == 0 or n_ct == 1)
+
+
+def _finite_slot(check_finite: str, device, name: str, in_kernel: bool, dummy: torch.Tensor):
+    """(slot tensor, slot index, FLAG) for a quantize launch. With check_finite="deferred" the kernel
+    records a NaN scale itself when its scales cover every element (`in_kernel`): no launches of its own.
+    Otherwise FLAG is off (`dummy` stands in for the pointer) and the caller calls ref.handle_nonfinite."""
+    if check_finite == "deferred" and in_kernel:
+        return (*ref.nonfinite_slot(device, name), True)
+    return dummy, 0, False
 
 
 def triton_quantize(
@@ -438,11 +465,11 @@ def triton_quantize(
 
     tensor = granularity == "tensor"
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    grid_q = (_cdiv(RP, TR), _cdiv(C, TC))
+    grid_q = (cdiv(RP, TR), cdiv(C, TC))
     common = dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
                   FOUR=_four(TC, TC, grid_q[1]), num_warps=_WARPS)
     ATR, ATC = _AMAX_TILE
-    n_ct = _cdiv(C, ATC)
+    n_ct = cdiv(C, ATC)
     BG, BP = _REDUCE_TILE
     if tensor:
         if amax is not None:  # the given amax is the single "partial": no amax launch
@@ -452,16 +479,19 @@ def triton_quantize(
             n_p = 1
         else:
             RB = _amax_rows_per_program(R, n_ct, True)
-            n_p = _cdiv(R, RB) * n_ct
+            n_p = cdiv(R, RB) * n_ct
             buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
             scale, parts = buf[0], buf[1:]
             _AMAX.launch(
-                (_cdiv(R, RB), n_ct), x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
+                (cdiv(R, RB), n_ct), x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
                 TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
+        slots, slot, flag = _finite_slot(check_finite, dev, name, True, parts)
         _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
-                         parts, parts, n_p, seed, parts,
-                         BP=BP if _INTERPRET else min(_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, **common)
-        ref.handle_nonfinite(scale, name, check_finite)
+                         parts, parts, n_p, seed, parts, slots, slot,
+                         BP=BP if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, FLAG=flag,
+                         **common)
+        if not flag:
+            ref.handle_nonfinite(scale, name, check_finite)
         row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
         col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
         return row, col
@@ -482,7 +512,7 @@ def triton_quantize(
         strips, seg_strips = segs.strip_experts(dev), segs.strip_offsets(dev)
     if rowwise or col_partials:
         RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
-        n_rs = _cdiv(R, RB)
+        n_rs = cdiv(R, RB)
         n_row = R * n_ct if rowwise else 0
         n_col = n_rs * C if col_partials else 0
         # [row partials, column partials, row maxima, column maxima], freed when this call returns
@@ -492,20 +522,22 @@ def triton_quantize(
             (n_rs, n_ct), x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
             TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
         R_red, C_red = R * rowwise, C * col_partials
-        n_row_programs, n_cb = _cdiv(R_red, BG), _cdiv(C_red, BG)
+        n_row_programs, n_cb = cdiv(R_red, BG), cdiv(C_red, BG)
         a_row = maxima[:R] if rowwise else scales
         a_col = maxima[R_red:] if col_maxima else scales
         _REDUCE.launch(
             (n_row_programs + n_seg * n_cb,), prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima, s_col if segs is not None else a_col,
-            seg_strips, n_cb, BG=BG, BP=min(BP, _pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
+            seg_strips, n_cb, BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
     if columnwise and not col_partials:
         a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
+    # the row scales, or the column scales when computed here, cover every element
+    slots, slot, flag = _finite_slot(check_finite, dev, name, rowwise or segs is None, scales)
     _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
                      s_row if rowwise else s_col, s_col if columnwise else s_row,
-                     a_row, a_col, 1, seed, strips, BP=1, SEG=segs is not None, **common)
-    # the smaller scale array: a non-finite element poisons both its row's and its column's scale
-    ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
-                         name, check_finite)
+                     a_row, a_col, 1, seed, strips, slots, slot, BP=1, SEG=segs is not None, FLAG=flag, **common)
+    if not flag:  # the smaller scale array: a non-finite element poisons both its row's and its column's scale
+        ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
+                             name, check_finite)
     row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
     col = ref.QTensor(qt, s_col, "row", block_size) if columnwise else None
     return row, col
@@ -516,7 +548,7 @@ def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, se
     the 1xB both-axes variant needs ~230 registers per thread (and spills with stochastic rounding)."""
     R, C = x.shape
     dev = x.device
-    nbr, nbc = _cdiv(R, B), _cdiv(C, B)
+    nbr, nbc = cdiv(R, B), cdiv(C, B)
     if weight:
         GR, GC, mode = B, B, _MODE_TILE2D
         s = torch.empty((nbr, nbc), dtype=torch.float32, device=dev) if rowwise else None
@@ -526,22 +558,23 @@ def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, se
         if rowwise and columnwise:
             GR, GC = B, B
         elif rowwise:
-            GR, GC = max(1, min(R, _BLOCK_ROWS // _pow2(B))), B
+            GR, GC = max(1, min(R, _BLOCK_ROWS // next_pow2(B))), B
         else:
-            GR, GC = B, max(1, min(C, _BLOCK_ROWS // _pow2(B)))
+            GR, GC = B, max(1, min(C, _BLOCK_ROWS // next_pow2(B)))
         s = torch.empty((R, nbc), dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty((C, nbr), dtype=torch.float32, device=dev) if columnwise else None
     sd = s if s is not None else st
     std = st if st is not None else s
-    grid = (_cdiv(RP, GR), _cdiv(C, GC))
-    TR, TC = _pow2(GR), _pow2(GC)
+    grid = (cdiv(RP, GR), cdiv(C, GC))
+    TR, TC = next_pow2(GR), next_pow2(GC)
+    slots, slot, flag = _finite_slot(check_finite, dev, name, True, sd)
     _QUANTIZE_BLOCK.launch(
         grid, x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q, RP,
-        sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed,
+        sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed, slots, slot,
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
-        FOUR=_four(TC, GC, grid[1]), num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
-    # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
-    ref.handle_nonfinite(sd, name, check_finite)
+        FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
+    if not flag:  # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
+        ref.handle_nonfinite(sd, name, check_finite)
     row = ref.QTensor(q, s, "block", B, weight) if rowwise else None
     col = ref.QTensor(qt, st, "block", B, weight) if columnwise else None
     return row, col
