@@ -547,6 +547,22 @@ def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weig
     assert not extra, ops.ops
 
 
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_non_finite_given_column_amax(K, rowwise):
+    """A given column amax (reduced over the tensor-parallel group) may hold an Inf/NaN that x does not:
+    the deferred check records it, as the reference backend does."""
+    x = outliers(40, 8)  # R > C: the check cannot rely on the smaller scale array
+    col_amax = x.float().abs().amax(dim=0)
+    kw = _kw("row", False, rowwise=rowwise, columnwise=True, name="fc1 input")
+    K.triton_quantize(x, **dict(kw, columnwise_amax=col_amax))
+    raise_if_nonfinite()
+    col_amax[3] = float("inf")
+    for quantize in (K.triton_quantize, REF.quantize):
+        quantize(x, **dict(kw, columnwise_amax=col_amax))
+        with pytest.raises(NonFiniteError, match="fc1 input"):
+            raise_if_nonfinite()
+
+
 def test_quantize_given_amax_skips_the_amax_pass(K, launch_log):
     x = outliers(37, 53)
     amax = x.float().abs().amax().reshape(1) * 2  # e.g. reduced over a tensor-parallel group

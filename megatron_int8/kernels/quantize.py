@@ -530,12 +530,19 @@ def triton_quantize(
             seg_strips, n_cb, BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
     if columnwise and not col_partials:
         a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
-    # the row scales, or the column scales when computed here, cover every element
-    slots, slot, flag = _finite_slot(check_finite, dev, name, rowwise or segs is None, scales)
+    # the kernel flags the row scales, else the column scales when computed here: each covers every element.
+    # A given column amax may hold an Inf/NaN that x does not (another rank's rows): with row scales
+    # beside it, both arrays are checked on the host.
+    given_col = columnwise and columnwise_amax is not None
+    slots, slot, flag = _finite_slot(check_finite, dev, name,
+                                     (rowwise and not given_col) or (not rowwise and segs is None), scales)
     _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
                      s_row if rowwise else s_col, s_col if columnwise else s_row,
                      a_row, a_col, 1, seed, strips, slots, slot, BP=1, SEG=segs is not None, FLAG=flag, **common)
-    if not flag:  # the smaller scale array: a non-finite element poisons both its row's and its column's scale
+    if not flag and rowwise and given_col:
+        ref.handle_nonfinite(s_row, name, check_finite)
+        ref.handle_nonfinite(s_col, name, check_finite)
+    elif not flag:  # the smaller scale array: a non-finite element poisons both its row's and its column's scale
         ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
                              name, check_finite)
     row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
