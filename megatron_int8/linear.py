@@ -16,6 +16,7 @@ Megatron's optimizers write parameters through `.data`, which the version counte
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -140,6 +141,7 @@ def _wgrad_operand_from_shards(gathered, scale, granularity: str, world: int, bl
     return pad_columns(q, TOKEN_PAD)
 
 
+@functools.lru_cache(maxsize=None)  # recipes are frozen and few: one dict each, shared (callers never mutate it)
 def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False, weight: bool = False) -> dict:
     return dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=weight,
                 stochastic=stochastic, name=name, check_finite=recipe.check_finite)

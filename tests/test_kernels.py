@@ -471,7 +471,8 @@ ALLOCS_AND_VIEWS = {"empty.memory_format", "select.int", "slice.Tensor", "view.d
 
 @pytest.fixture
 def launch_log(monkeypatch):
-    """Records the name of every Triton kernel launched (kernels wrapped where the modules look them up);
+    """Records the name of every Triton kernel launched (kernels wrapped where the modules look them up,
+    with no plan bound before);
     torch ops inside a launch (the interpreter's host copies) are hidden from any dispatch mode."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -497,6 +498,8 @@ def launch_log(monkeypatch):
                 monkeypatch.setattr(m, name, Counting(name, obj))
             elif isinstance(obj, LaunchCache):  # launches through a cache hold the kernel themselves
                 monkeypatch.setattr(obj, "kernel", Counting(obj.kernel.fn.__name__, obj.kernel))
+        if hasattr(m, "_PLANS"):  # plans bound earlier hold the unwrapped kernels: start without any
+            monkeypatch.setattr(m, "_PLANS", {})
     return log
 
 

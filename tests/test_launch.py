@@ -138,3 +138,34 @@ def test_the_table_stays_bounded(direct, monkeypatch):
         cache.launch((1,), x, 32, BLOCK=block)
     assert len(cache) <= 3
 
+
+
+def test_bound_launch_fills_its_per_call_arguments_and_goes_direct_after_the_first(direct):
+    kernel = _FakeKernel()
+    cache = launch.LaunchCache(kernel)
+    bound = cache.prepare((3,), (launch.ARG, 32), BLOCK=16, num_warps=4)
+    x, y = torch.zeros(64), torch.ones(64)
+    bound(x)
+    bound(y)
+    assert kernel.calls[0] == ("jit", (3,), (x, 32), {"BLOCK": 16, "num_warps": 4})
+    # the fixed integer, the constexpr and the default follow the per-call tensor, on the 3-D grid
+    assert kernel.calls[1][:2] == ("direct", (3, 1, 1)) and kernel.calls[1][2][1:] == (32, 16, True)
+    assert kernel.calls[1][2][0] is y
+    assert len(cache) == 1
+
+
+def test_bound_launch_checks_the_number_of_per_call_arguments(direct):
+    bound = launch.LaunchCache(_FakeKernel()).prepare((1,), (launch.ARG, 32), BLOCK=16)
+    with pytest.raises(TypeError, match="1 per-call arguments expected, got 2"):
+        bound(torch.zeros(4), torch.zeros(4))
+
+
+def test_bound_launch_switched_off_or_interpreted_goes_through_jit(direct, monkeypatch):
+    monkeypatch.setattr(launch, "DIRECT", False)
+    kernel = _FakeKernel()
+    bound = launch.LaunchCache(kernel).prepare((2,), (launch.ARG, 32), BLOCK=16)
+    x = torch.zeros(8)
+    for _ in range(3):
+        bound(x)
+    assert [c[0] for c in kernel.calls] == ["jit"] * 3
+    assert all(c[2] == (x, 32) and c[3] == {"BLOCK": 16} for c in kernel.calls)

@@ -25,9 +25,11 @@ Dispatch: the first call per key (N; M and K rounded up to powers of two; scale 
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
 MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
 cached in `_fast`, and later calls launch that kernel and config (grid from their own M) instead of going
-through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant selection;
-the launch itself calls the compiled kernel through a `launch.LaunchCache`, past `JITFunction.run`.
-Small linears are CPU-launch-bound, so this is measurable. The power-of-two buckets matter for
+through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant selection.
+On top of that, each exact call signature (shapes, strides, dtypes, alignments, options) gets a plan
+(`_PLANS`): its checks, arguments and launch are worked out once, and later calls only allocate the output
+and call the compiled kernel (`launch.BoundLaunch`, past `JITFunction.run`). Small linears are
+CPU-launch-bound, so this is measurable. The power-of-two buckets matter for
 MoE experts, whose token count changes with every routing: it is M of their fprop and dgrad GEMMs and K
 of their wgrad GEMM, so tuning per exact shape would benchmark all configs on nearly every expert GEMM,
 while a bucket is tuned once (the best tile moves little within 2x of M or K).
@@ -45,7 +47,7 @@ import triton.testing
 
 import importlib
 
-from .launch import LaunchCache, cdiv, next_pow2
+from .launch import ARG, LaunchCache, cdiv, next_pow2
 from .quantize import _SEGMENT_ALIGN
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
@@ -322,7 +324,9 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
 # expert GEMMs at ~780 TOP/s, BF16's speed (docs/benchmarks.md).
 _UNTUNED_TMA_TILE = (128, 256)
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
-_fast = {}  # dispatch key -> launch(args, c) of the selected compiled kernel and config (see module doc)
+_fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
+_PLANS = {}  # plan key -> run(a, b, bias, accumulate_into) (triton_gemm)
+MAX_PLANS = 1024  # a safety net: a training run multiplies a few dozen shapes
 
 
 def dispatch_buckets(M: int, N: int, K: int) -> tuple:
@@ -376,26 +380,46 @@ def triton_gemm(
     """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned.
 
     autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning; one fixed tile of the persistent TMA kernel
-    where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel."""
+    where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel.
+    Host cost: checks, kernel choice and launch arguments are worked out once per plan key (every tensor's
+    shape, strides, dtype and 16-byte alignment, the options); later calls with that key allocate the
+    output and call the bound launch (launch.BoundLaunch)."""
+    ad, bd, sa, sb = a.data, b.data, a.scale, b.scale
+    tuned = autotune and not _INTERPRET and os.environ.get(ENV_AUTOTUNE, "1") != "0"
+    key = (ad.device, ad.shape, ad.stride(), ad.dtype, ad.data_ptr() % 16, bd.shape, bd.stride(), bd.dtype,
+           bd.data_ptr() % 16, a.granularity, a.block_size, a.tile2d, b.granularity, b.block_size, b.tile2d,
+           sa.shape, sa.stride(), sa.dtype, sa.data_ptr() % 16, sb.shape, sb.stride(), sb.dtype, sb.data_ptr() % 16,
+           out_dtype, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16),
+           None if accumulate_into is None else (accumulate_into.shape, accumulate_into.stride(),
+                                                 accumulate_into.dtype, accumulate_into.data_ptr() % 16),
+           tuned, os.environ.get(ENV_KERNEL, "auto"), ref.MAX_EXACT_K)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan(a, b, bias, accumulate_into)
+
+
+def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned):
+    """`run(a, b, bias, accumulate_into) -> c` for every call of this plan key (triton_gemm)."""
     ref.check_gemm_operands(a, b)
     M, K = a.data.shape
     N = b.data.shape[0]
     if M == 0 or N == 0 or K == 0:
-        return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
-    if a.granularity == "block" and a.block_size != b.block_size:
-        raise ValueError(f"block sizes differ: {a.block_size} vs {b.block_size}")
-    if accumulate_into is not None:
-        if accumulate_into.shape != (M, N) or accumulate_into.dtype != torch.float32:
-            raise ValueError(f"accumulate_into must be fp32 [{M}, {N}], got {accumulate_into.dtype} "
-                             f"{tuple(accumulate_into.shape)}")
-        c = accumulate_into
-    else:
-        c = torch.empty((M, N), dtype=out_dtype, device=a.data.device)
+        return lambda a, b, bias, acc: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc)
+    if accumulate_into is not None and (accumulate_into.shape != (M, N) or accumulate_into.dtype != torch.float32):
+        raise ValueError(f"accumulate_into must be fp32 [{M}, {N}], got {accumulate_into.dtype} "
+                         f"{tuple(accumulate_into.shape)}")
+    dev = a.data.device
+    # a stand-in output with the real one's properties, for the plan's checks and the autotuner's trials
+    c = accumulate_into if accumulate_into is not None else torch.empty((M, N), dtype=out_dtype, device=dev)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     ad, bd = a.data, b.data
-
     sub_k, sb_rows = 1, 1
+    row_block_scales = False
     if a.granularity == "tensor":
         mode, sa, sb = _SCALE_TENSOR, a.scale, b.scale
         s_strides = (0, 0, 0, 0)
@@ -409,6 +433,7 @@ def triton_gemm(
         B = a.block_size
         block_k = _block_k_for(B)
         sub_k = B // block_k
+        row_block_scales = a.tile2d
         sa = a.scale_per_row_block() if a.tile2d else a.scale  # activations: [M, nkb]
         sb = b.scale
         sb_rows = B if b.tile2d else 1
@@ -420,36 +445,33 @@ def triton_gemm(
         if mode == _SCALE_BLOCK:
             block_k = 32 if a.block_size % 32 == 0 else 16
             sub_k = a.block_size // block_k
-    max_k = ref.MAX_EXACT_K  # read at call time (tests shrink it)
+    max_k = ref.MAX_EXACT_K  # read at plan time (tests shrink it; it is part of the plan key)
     split = mode != _SCALE_BLOCK and K > max_k
     k_chunk = max(block_k, max_k // block_k * block_k)
     args = _plain_args(ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K, s_strides, k_chunk, sb_rows, sa)
     meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
-    if _INTERPRET or not autotune or os.environ.get(ENV_AUTOTUNE, "1") == "0":
-        _launch_untuned(args, meta, _tma_eligible(ad, bd, c, bias, mode, split), N)
+    tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
+    if tuned:
+        cache, grid, launch_args, kw = _tuned_launch(args, meta, M, N, K, c, tma_ok)
     else:
-        which = os.environ.get(ENV_KERNEL, "auto")
-        tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
-        # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
-        fast_key = (*dispatch_buckets(M, N, K), c.dtype, ad.device, tma_ok, which, *meta.values())
-        launch = _fast.get(fast_key)
-        if launch is not None:  # hot path: the compiled kernel chosen on the first call
-            launch(args, c)
-            return c
-        launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
-        if which == "tma" and launch_tma is None:
-            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
-        # autotuning runs every trial on a scratch copy (accumulate_into must be added into exactly once);
-        # then c gets one launch of the chosen compiled config, as every later call with this key
-        if which == "auto" and launch_tma is not None:
-            which = _pick(launch_plain, launch_tma, c)
-        else:
-            which = "tma" if which == "tma" else "plain"
-            (launch_tma if which == "tma" else launch_plain)(c.clone() if meta["ACCUMULATE"] else torch.empty_like(c))
-        fast = _fast[fast_key] = _direct_launcher(which == "tma", meta, N, ad.device, c.dtype)
-        fast(args, c)
-    return c
+        cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, N)
+    launch = cache.prepare(grid, tuple(ARG if isinstance(v, torch.Tensor) else v for v in launch_args), **kw)
+    tma = cache is _GEMM_TMA
+
+    def run(a, b, bias, accumulate_into):
+        if tma:  # the scratch allocator is per thread, and backward runs on autograd's own
+            _ensure_allocator()
+        c = accumulate_into if accumulate_into is not None else torch.empty((M, N), dtype=out_dtype, device=dev)
+        sa = a.scale_per_row_block() if row_block_scales else a.scale
+        if bias is None:
+            bias = c
+        elif not bias.is_contiguous():
+            bias = bias.contiguous()
+        # the tensors in the kernels' argument order (_plain_args; _tma_args keeps it)
+        launch(a.data, b.data, c, sa, b.scale, bias, sa)
+        return c
+    return run
 
 
 def _plain_args(ad, bd, c, sa, sb, bias, M, N, K, s_strides, k_chunk, sb_rows, strips) -> tuple:
@@ -464,15 +486,13 @@ def _tma_args(args, nb: int) -> tuple:
     return (*args[:9], args[9], args[11], args[-1], nb)
 
 
-def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
-    """One fixed tile, no tuning (one compile per variant): the persistent TMA kernel where the operands
-    allow it (MEGATRON_INT8_GEMM_KERNEL=plain: never), else the plain kernel; 16 x 16 tiles in the
-    interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
+def _untuned_launch(args, meta, tma_ok: bool, nb: int):
+    """(cache, grid, arguments, keywords) of one fixed tile, no tuning (one compile per variant): the
+    persistent TMA kernel where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: never), else the
+    plain kernel; 16 x 16 tiles in the interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
     M, N = args[6], args[7]
     if _INTERPRET:
-        _int8_gemm_kernel[(cdiv(M, 16) * cdiv(N, 16),)](*args, **meta, BLOCK_M=16, BLOCK_N=16,
-                                                                        GROUP_M=2)
-        return
+        return _GEMM_PLAIN, (cdiv(M, 16) * cdiv(N, 16),), args, dict(meta, BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
     which = os.environ.get(ENV_KERNEL, "auto")
     if which == "tma" and not tma_ok:
         raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
@@ -481,19 +501,66 @@ def _launch_untuned(args, meta, tma_ok: bool, nb: int) -> None:
         _ensure_allocator()
         BM, BN = _UNTUNED_TMA_TILE
         n_sms = _num_sms(args[0].device)
-        _GEMM_TMA.launch(
-            (min(n_sms, cdiv(M, BM) * cdiv(N, BN)),), *_tma_args(args, nb), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
-            ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128,
-            GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False, GROUPED=meta.get("GROUPED", False),
-            EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
-    else:
-        # fp32 outputs leave the plain kernel through registers: beside a 128 x 256 accumulator, the loaded
-        # fp32 tile of `accumulate_into` doubles the registers per thread (Mixtral fc1 wgrad: 198 TOP/s);
-        # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
-        wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
-        BM, BN = (128, 256) if wide else (128, 128)
-        _GEMM_PLAIN.launch((cdiv(M, BM) * cdiv(N, BN),), *args, **meta, BLOCK_M=BM, BLOCK_N=BN,
-                           GROUP_M=8, num_warps=8, num_stages=3)
+        return _GEMM_TMA, (min(n_sms, cdiv(M, BM) * cdiv(N, BN)),), _tma_args(args, nb), dict(
+            SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
+            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False,
+            GROUPED=meta.get("GROUPED", False), EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
+    # fp32 outputs leave the plain kernel through registers: beside a 128 x 256 accumulator, the loaded
+    # fp32 tile of `accumulate_into` doubles the registers per thread (Mixtral fc1 wgrad: 198 TOP/s);
+    # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
+    wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
+    BM, BN = (128, 256) if wide else (128, 128)
+    return _GEMM_PLAIN, (cdiv(M, BM) * cdiv(N, BN),), args, dict(meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8,
+                                                                  num_warps=8, num_stages=3)
+
+
+def _tuned_launch(args, meta, M, N, K, c, tma_ok):
+    """(cache, grid, arguments, keywords) of the kernel and config selected for this dispatch key: the
+    first call per key autotunes (on a scratch copy of c) and, with MEGATRON_INT8_GEMM_KERNEL=auto, times
+    the plain and the TMA kernel."""
+    which = os.environ.get(ENV_KERNEL, "auto")
+    # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
+    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, *meta.values())
+    selected = _fast.get(fast_key)
+    if selected is None:
+        launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
+        if which == "tma" and launch_tma is None:
+            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+        # autotuning runs every trial on a scratch copy (accumulate_into must be added into exactly once)
+        if which == "auto" and launch_tma is not None:
+            which = _pick(launch_plain, launch_tma, c)
+        else:
+            which = "tma" if which == "tma" else "plain"
+            (launch_tma if which == "tma" else launch_plain)(c.clone() if meta["ACCUMULATE"] else torch.empty_like(c))
+        selected = _fast[fast_key] = _selected_config(which == "tma", meta, N, args[0].device, c.dtype)
+    return selected(args)
+
+
+def _selected_config(tma: bool, meta, N, device, c_dtype):
+    """select(args) -> (cache, grid, arguments, keywords) of the config the autotuner just used for this
+    key (its `best_config`), for calls that may differ in M within the bucket (args[6] sets the grid).
+    Its `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
+    tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
+    kw = dict(tuner.best_config.all_kwargs())
+    BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
+    if not tma:
+        kw.update(meta)
+
+        def select(args):
+            return _GEMM_PLAIN, (cdiv(args[6], BM) * n_tiles,), args, kw
+
+        select.kernel = "plain"
+        return select
+    n_sms = _num_sms(device)
+    kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
+              C_TMA=True, NUM_SMS=n_sms)
+
+    def select(args):
+        _ensure_allocator()
+        return _GEMM_TMA, (min(n_sms, cdiv(args[6], BM) * n_tiles),), _tma_args(args, N), kw
+
+    select.kernel = "tma"
+    return select
 
 
 def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
@@ -519,7 +586,8 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
                        max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))
     meta = dict(SCALE_MODE=_SCALE_ROW, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=split,
                 EVEN_K=K % block_k == 0, BLOCK_K=block_k, SUB_K=1, GROUPED=True)
-    _launch_untuned(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split), E * N)
+    cache, grid, launch_args, kw = _untuned_launch(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split), E * N)
+    cache.launch(grid, *launch_args, **kw)
     return c
 
 
@@ -538,34 +606,6 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m:
         ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8,
         NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=epi_split(block_m, block_n, c.dtype) if c_tma else 1,
         num_warps=8, num_stages=3)
-
-
-def _direct_launcher(tma: bool, meta, N, device, c_dtype):
-    """launch(args, c) of the config the autotuner just used for this key (its `best_config`): one JIT
-    launch, no autotuner dispatch. `args` is triton_gemm's argument tuple for the plain kernel; its M
-    (args[6]) sets the grid, as calls sharing the key may differ in M within the bucket. The launcher's
-    `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
-    tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
-    kw = dict(tuner.best_config.all_kwargs())
-    BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
-    if not tma:
-        kw.update(meta)
-
-        def launch(args, c):
-            _GEMM_PLAIN.launch((cdiv(args[6], BM) * n_tiles,), *args, **kw)
-
-        launch.kernel = "plain"
-        return launch
-    n_sms = _num_sms(device)
-    kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
-              C_TMA=True, NUM_SMS=n_sms)
-
-    def launch(args, c):
-        _ensure_allocator()
-        _GEMM_TMA.launch((min(n_sms, cdiv(args[6], BM) * n_tiles),), *_tma_args(args, N), **kw)
-
-    launch.kernel = "tma"
-    return launch
 
 
 def _launchers(args, meta, M, N, tma_ok):

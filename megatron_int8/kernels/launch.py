@@ -16,6 +16,11 @@ specialization on the installed version. A launch whose signature was not seen y
 `DIRECT = False` (or MEGATRON_INT8_DIRECT_LAUNCH=0) sends every launch through `JITFunction.run`: for
 A/B timing, and as an escape hatch should a Triton version change its CompiledKernel launch interface.
 Under TRITON_INTERPRET=1 there is nothing compiled to call, so every launch goes through the interpreter.
+
+`LaunchCache.prepare` goes one step further for call sites that repeat one launch many times (a quantize
+or GEMM of one shape, every micro-batch): a `BoundLaunch` fixes the grid, the keywords and every argument
+but the per-call ones (the tensors, marked `ARG`), so after its first launch a call builds no key at all.
+Its owner's plan key must then fix what the signature holds for those tensors (dtype, 16-byte alignment).
 """
 from __future__ import annotations
 
@@ -57,6 +62,18 @@ def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def _grid3(grid: tuple) -> tuple:
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
+
+
+class _PerCall:
+    def __repr__(self) -> str:
+        return "ARG"
+
+
+ARG = _PerCall()  # marks a BoundLaunch argument that is passed on every call
+
+
 class LaunchCache:
     """`cache.launch(grid, *args, **kwargs)` launches `kernel[grid](*args, **kwargs)`.
 
@@ -72,7 +89,7 @@ class LaunchCache:
         if not DIRECT or _INTERPRET:
             self.kernel[grid](*args, **kwargs)
             return
-        key = (torch.cuda.current_device(), tuple(map(_arg_signature, args)), tuple(kwargs.items()))
+        key = self._key(args, kwargs)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
@@ -81,7 +98,24 @@ class LaunchCache:
             self._compiled[key] = (compiled, self._trailing_values(len(args), kwargs))
             return
         compiled, trailing = entry
-        compiled[(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)](*args, *trailing)
+        compiled[_grid3(grid)](*args, *trailing)
+
+    def prepare(self, grid: tuple, template: tuple, **kwargs) -> "BoundLaunch":
+        """A BoundLaunch of `kernel[grid](*template, **kwargs)` whose ARG entries are given per call."""
+        return BoundLaunch(self, grid, template, kwargs)
+
+    def _bind(self, grid: tuple, args: list, kwargs: dict):
+        """Launch once; return (run, trailing): `run(*args, *trailing)` repeats this launch's signature."""
+        self.launch(grid, *args, **kwargs)
+        if not DIRECT or _INTERPRET:
+            jit = self.kernel[grid]
+            return (lambda *a: jit(*a, **kwargs)), ()
+        compiled, trailing = self._compiled[self._key(args, kwargs)]
+        return compiled[_grid3(grid)], trailing
+
+    @staticmethod
+    def _key(args, kwargs: dict) -> tuple:
+        return torch.cuda.current_device(), tuple(map(_arg_signature, args)), tuple(kwargs.items())
 
     def _trailing_values(self, n_args: int, kwargs: dict) -> tuple:
         """The kernel's parameters after the positional ones, in order (keyword or default), as the
@@ -92,3 +126,32 @@ class LaunchCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
+
+class BoundLaunch:
+    """`bound(*values)`: the prepared launch with its ARG entries replaced by `values`, in order.
+
+    The first call launches through LaunchCache.launch (compiling, or finding the kernel of this
+    signature); later calls go to that compiled kernel with no signature check. So every call must pass
+    values that Triton specializes like the first call's: tensors of the same dtypes and 16-byte
+    alignment, integers that are `do_not_specialize` parameters (a random seed). Call sites hold one per
+    plan key, and the key fixes exactly that."""
+
+    __slots__ = ("_cache", "_grid", "_template", "_slots", "_kwargs", "_run")
+
+    def __init__(self, cache: LaunchCache, grid: tuple, template: tuple, kwargs: dict):
+        self._cache, self._grid, self._kwargs = cache, grid, kwargs
+        self._template = list(template)
+        self._slots = tuple(i for i, v in enumerate(template) if v is ARG)
+        self._run = None
+
+    def __call__(self, *values) -> None:
+        if len(values) != len(self._slots):
+            raise TypeError(f"BoundLaunch: {len(self._slots)} per-call arguments expected, got {len(values)}")
+        args = self._template.copy()
+        for i, v in zip(self._slots, values):
+            args[i] = v
+        if self._run is None:
+            self._run, trailing = self._cache._bind(self._grid, args, self._kwargs)
+            self._template += trailing
+            return
+        self._run(*args)

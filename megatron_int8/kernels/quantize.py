@@ -21,10 +21,10 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   take strips of exactly SEGMENT_ALIGN rows (one segment each), and the reduce launch turns each
   segment's column partials into its column scales [E, C].
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
-- check_finite: "deferred" (default) adds one or two small torch launches that fold a scale array into
-  a device-side flag (no sync); "immediate" one small reduction and the host sync that reads it; "off"
-  nothing. Any Inf/NaN element makes its groups' scales NaN (a NaN amax is mapped to inf), so one scale
-  array tells.
+- check_finite: "deferred" (default): the quantize programs that store the scales also store NaN into the
+  name's device slot when a scale is NaN (no launch of its own); "immediate": one small reduction and the
+  host sync that reads it; "off": nothing. Any Inf/NaN element makes its groups' scales NaN (a NaN amax
+  is mapped to inf), so one scale array tells.
 Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
 alive with the scale; row: the row and column scales, with the partials in a second buffer freed on
 return); no host sync (segments: their two small strip tables, `Segments.strip_experts` and `strip_offsets`, are copied
@@ -43,7 +43,7 @@ Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import triton
@@ -51,7 +51,7 @@ import triton.language as tl
 
 import importlib
 
-from .launch import LaunchCache, cdiv, next_pow2
+from .launch import ARG, LaunchCache, cdiv, next_pow2
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
@@ -224,7 +224,7 @@ def _reduce_partials_kernel(
         _store_group_maxima(pcol_ptr, pid - n_row_programs, C, n_rs, 1, C, out_col_ptr, BG, BP, True, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed per call: no recompiles, and BoundLaunch needs it
 def _quantize_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, RP], contiguous
@@ -299,7 +299,7 @@ def _quantize_kernel(
 
 
 # ----------------------------------------------------------------------------------- block granularity
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed per call: no recompiles, and BoundLaunch needs it
 def _quantize_block_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     q_ptr, qt_ptr,  # Q(x) [R, C] and Q(x^T) [C, RP], contiguous
@@ -401,13 +401,8 @@ def _four(TC: int, GC: int, n_ct: int) -> bool:
     return TC % 4 == 0 and (GC % 4 == 0 or n_ct == 1)
 
 
-def _finite_slot(check_finite: str, device, name: str, in_kernel: bool, dummy: torch.Tensor):
-    """(slot tensor, slot index, FLAG) for a quantize launch. With check_finite="deferred" the kernel
-    records a NaN scale itself when its scales cover every element (`in_kernel`): no launches of its own.
-    Otherwise FLAG is off (`dummy` stands in for the pointer) and the caller calls ref.handle_nonfinite."""
-    if check_finite == "deferred" and in_kernel:
-        return (*ref.nonfinite_slot(device, name), True)
-    return dummy, 0, False
+_PLANS: Dict[tuple, Callable] = {}
+MAX_PLANS = 1024  # a safety net: a training run quantizes a few dozen shapes
 
 
 def triton_quantize(
@@ -436,130 +431,202 @@ def triton_quantize(
     `columnwise_segments` (row-wise only, MoE experts): Q(x^T) gets scales [E, C], each over one segment's
     rows, in the same 3 launches and passes over x: the amax launch writes its column partials per
     SEGMENT_ALIGN strip of rows, the reduce launch turns each segment's strips into its column scales,
-    and each quantize tile (inside one strip) uses its segment's scales."""
-    ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
-    if columnwise_segments is not None:
-        ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
-    if not (rowwise or columnwise):
-        return None, None
+    and each quantize tile (inside one strip) uses its segment's scales.
+
+    Host cost: the arguments are checked, and the grids, buffer sizes and launches worked out, once per
+    plan key (x's shape, strides, dtype and 16-byte alignment, the options, the given amaxes' shapes); a
+    call with a known key allocates the outputs and calls the bound launches (launch.BoundLaunch).
+    Segments change with every routing, so their plans are not kept."""
+    key = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0, granularity, block_size, weight,
+           rowwise, columnwise, stochastic, name, check_finite, None if amax is None else amax.shape,
+           columnwise_pad, None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments)
+    plan = _PLANS.get(key)
+    if plan is None:
+        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
+        if columnwise_segments is not None:
+            ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
+        plan = _plan(x, granularity, int(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
+                     amax is not None, columnwise_pad, columnwise_amax is not None, columnwise_segments)
+        if columnwise_segments is None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan(x, amax, columnwise_amax, columnwise_segments)
+
+
+def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, given_amax,
+          columnwise_pad, given_col, segs) -> Callable:
+    """`run(x, amax, columnwise_amax, segments) -> (row, col)` for every x of this plan key."""
     R, C = x.shape
+    if not (rowwise or columnwise):
+        return lambda *_: (None, None)
     if R == 0 or C == 0 or not x.is_floating_point():  # degenerate: nothing for a kernel to do
         from ..backend import ReferenceBackend
-        return ReferenceBackend().quantize(x, granularity=granularity, block_size=block_size, weight=weight,
-                                           rowwise=rowwise, columnwise=columnwise, stochastic=stochastic,
-                                           name=name, check_finite=check_finite, amax=amax,
-                                           columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax,
-                                           columnwise_segments=columnwise_segments)
-    dev = x.device
-    RP = ref.padded_length(R, columnwise_pad) if columnwise else R
-    q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
-    qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
-    dummy = q if q is not None else qt
-    q = q if q is not None else dummy
-    seed = _seed(stochastic)
-    sx_r, sx_c = x.stride()
 
+        def reference(x, amax, columnwise_amax, segments):
+            return ReferenceBackend().quantize(
+                x, granularity=granularity, block_size=block_size, weight=weight, rowwise=rowwise,
+                columnwise=columnwise, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax,
+                columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax, columnwise_segments=segments)
+        return reference
     if granularity == "block":
-        return _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, int(block_size), stochastic, seed,
-                               name, check_finite)
+        return _block_plan(x, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
+                           columnwise_pad)
+    if granularity == "tensor":
+        return _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax,
+                            columnwise_pad)
+    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, columnwise_pad,
+                     given_col, segs)
 
-    tensor = granularity == "tensor"
+
+def _finite_slot(check_finite: str, device, name: str, in_kernel: bool) -> Tuple[bool, int]:
+    """(FLAG, slot index) of a quantize launch. With check_finite="deferred" the kernel records a NaN
+    scale itself (FLAG) when its scales cover every element (`in_kernel`): no launches of its own.
+    Otherwise the caller calls ref.handle_nonfinite. The slot tensor itself is fetched per call
+    (`_slots`): it is reallocated when a new name needs a slot."""
+    if check_finite == "deferred" and in_kernel:
+        return True, ref.nonfinite_slot(device, name)[1]
+    return False, 0
+
+
+def _slots(flag: bool, device, name: str, dummy: torch.Tensor) -> torch.Tensor:
+    return ref.nonfinite_slot(device, name)[0] if flag else dummy
+
+
+def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool):
+    """(grid, constexprs) of _quantize_kernel for tensor / row granularity."""
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    grid_q = (cdiv(RP, TR), cdiv(C, TC))
-    common = dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
-                  FOUR=_four(TC, TC, grid_q[1]), num_warps=_WARPS)
+    grid = (cdiv(RP, TR), cdiv(C, TC))
+    return grid, dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
+                      FOUR=_four(TC, TC, grid[1]), num_warps=_WARPS)
+
+
+def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, pad):
+    R, C = x.shape
+    dev = x.device
+    sx_r, sx_c = x.stride()
+    RP = ref.padded_length(R, pad) if columnwise else R
+    grid_q, common = _common_meta(R, C, RP, True, rowwise, columnwise, stochastic)
     ATR, ATC = _AMAX_TILE
     n_ct = cdiv(C, ATC)
-    BG, BP = _REDUCE_TILE
-    if tensor:
-        if amax is not None:  # the given amax is the single "partial": no amax launch
+    if given_amax:  # the given amax is the single "partial": no amax launch
+        n_p = 1
+    else:
+        RB = _amax_rows_per_program(R, n_ct, True)
+        n_p = cdiv(R, RB) * n_ct
+        amax_launch = _AMAX.prepare((cdiv(R, RB), n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
+                                    TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
+    flag, slot = _finite_slot(check_finite, dev, name, True)
+    BP = _REDUCE_TILE[1] if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS)
+    quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
+                                          ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
+
+    def run(x, amax, columnwise_amax, segments):
+        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
+        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        if given_amax:
             scale = torch.empty((), dtype=torch.float32, device=dev)
             # NaN -> inf: the kernel's max-reduction would drop a NaN, inf gives the NaN scale
             parts = ref.nan_as_inf(amax.reshape(1).to(device=dev, dtype=torch.float32))
-            n_p = 1
         else:
-            RB = _amax_rows_per_program(R, n_ct, True)
-            n_p = cdiv(R, RB) * n_ct
             buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
             scale, parts = buf[0], buf[1:]
-            _AMAX.launch(
-                (cdiv(R, RB), n_ct), x, R, C, sx_r, sx_c, parts, parts, parts, RB, TR=ATR, TC=ATC,
-                TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
-        slots, slot, flag = _finite_slot(check_finite, dev, name, True, parts)
-        _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP, scale, scale,
-                         parts, parts, n_p, seed, parts, slots, slot,
-                         BP=BP if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS), SEG=False, FLAG=flag,
-                         **common)
+            amax_launch(x, parts, parts, parts)
+        dummy = q if q is not None else qt
+        quantize(x, dummy, qt if qt is not None else dummy, scale, scale, parts, parts, _seed(stochastic), parts,
+                 _slots(flag, dev, name, parts))
         if not flag:
             ref.handle_nonfinite(scale, name, check_finite)
-        row = ref.QTensor(q, scale, "tensor", block_size) if rowwise else None
-        col = ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None
-        return row, col
+        return (ref.QTensor(q, scale, "tensor", block_size) if rowwise else None,
+                ref.QTensor(qt, scale, "tensor", block_size) if columnwise else None)
+    return run
 
-    # row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
-    # segments: [E, C]), in one buffer
-    segs = columnwise_segments if columnwise else None
-    n_seg = segs.num_segments if segs is not None else 1
-    scales = torch.empty(R * rowwise + n_seg * C * columnwise, dtype=torch.float32, device=dev)
-    s_row = scales[:R] if rowwise else None
-    s_col = scales[R * rowwise:] if columnwise else None
-    if segs is not None:
-        s_col = s_col.view(n_seg, C)
-    col_partials = columnwise and columnwise_amax is None
+
+def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, pad, given_col, segs):
+    """Row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
+    segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns."""
+    R, C = x.shape
+    dev = x.device
+    sx_r, sx_c = x.stride()
+    RP = ref.padded_length(R, pad) if columnwise else R
+    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic)
+    n_seg = segs.num_segments if segs is not None and columnwise else 1
+    n_scales = R * rowwise + n_seg * C * columnwise
+    col_partials = columnwise and not given_col
     col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
-    a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
-    if segs is not None:
-        strips, seg_strips = segs.strip_experts(dev), segs.strip_offsets(dev)
-    if rowwise or col_partials:
+    reduce_first = rowwise or col_partials
+    if reduce_first:
+        ATR, ATC = _AMAX_TILE
+        BG, BP = _REDUCE_TILE
+        n_ct = cdiv(C, ATC)
         RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
         n_rs = cdiv(R, RB)
         n_row = R * n_ct if rowwise else 0
         n_col = n_rs * C if col_partials else 0
-        # [row partials, column partials, row maxima, column maxima], freed when this call returns
-        work = torch.empty(n_row + n_col + R * rowwise + C * col_maxima, dtype=torch.float32, device=dev)
-        prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
-        _AMAX.launch(
-            (n_rs, n_ct), x, R, C, sx_r, sx_c, work, prow, pcol, RB, TR=ATR, TC=ATC,
-            TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
+        # [row partials, column partials, row maxima, column maxima]
+        n_work = n_row + n_col + R * rowwise + C * col_maxima
         R_red, C_red = R * rowwise, C * col_partials
         n_row_programs, n_cb = cdiv(R_red, BG), cdiv(C_red, BG)
-        a_row = maxima[:R] if rowwise else scales
-        a_col = maxima[R_red:] if col_maxima else scales
-        _REDUCE.launch(
-            (n_row_programs + n_seg * n_cb,), prow, R_red, n_ct, n_row_programs, pcol, C_red, n_rs, maxima, s_col if segs is not None else a_col,
-            seg_strips, n_cb, BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
-    if columnwise and not col_partials:
-        a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
+        amax_launch = _AMAX.prepare((n_rs, n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
+                                    TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
+        reduce = _REDUCE.prepare((n_row_programs + n_seg * n_cb,),
+                                 (ARG, R_red, n_ct, n_row_programs, ARG, C_red, n_rs, ARG, ARG, ARG, n_cb),
+                                 BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
     # the kernel flags the row scales, else the column scales when computed here: each covers every element.
     # A given column amax may hold an Inf/NaN that x does not (another rank's rows): with row scales
     # beside it, both arrays are checked on the host.
-    given_col = columnwise and columnwise_amax is not None
-    slots, slot, flag = _finite_slot(check_finite, dev, name,
-                                     (rowwise and not given_col) or (not rowwise and segs is None), scales)
-    _QUANTIZE.launch(grid_q, x, R, C, sx_r, sx_c, q, qt if qt is not None else dummy, RP,
-                     s_row if rowwise else s_col, s_col if columnwise else s_row,
-                     a_row, a_col, 1, seed, strips, slots, slot, BP=1, SEG=segs is not None, FLAG=flag, **common)
-    if not flag and rowwise and given_col:
-        ref.handle_nonfinite(s_row, name, check_finite)
-        ref.handle_nonfinite(s_col, name, check_finite)
-    elif not flag:  # the smaller scale array: a non-finite element poisons both its row's and its column's scale
-        ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
-                             name, check_finite)
-    row = ref.QTensor(q, s_row, "row", block_size) if rowwise else None
-    col = ref.QTensor(qt, s_col, "row", block_size) if columnwise else None
-    return row, col
+    flag, slot = _finite_slot(check_finite, dev, name,
+                              (rowwise and not given_col) or (not rowwise and segs is None))
+    quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, 1, ARG, ARG,
+                                          ARG, slot), BP=1, SEG=segs is not None, FLAG=flag, **common)
+
+    def run(x, amax, columnwise_amax, segments):
+        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
+        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        scales = torch.empty(n_scales, dtype=torch.float32, device=dev)
+        s_row = scales[:R] if rowwise else None
+        s_col = scales[R * rowwise:] if columnwise else None
+        if segs is not None and columnwise:
+            s_col = s_col.view(n_seg, C)
+        a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
+        if segments is not None:
+            strips, seg_strips = segments.strip_experts(dev), segments.strip_offsets(dev)
+        if reduce_first:
+            work = torch.empty(n_work, dtype=torch.float32, device=dev)
+            prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
+            amax_launch(x, work, prow, pcol)
+            if rowwise:
+                a_row = maxima[:R]
+            if col_maxima:
+                a_col = maxima[R_red:]
+            reduce(prow, pcol, maxima, s_col if segments is not None else a_col, seg_strips)
+        if given_col:
+            a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
+        dummy = q if q is not None else qt
+        quantize(x, dummy, qt if qt is not None else dummy, s_row if rowwise else s_col,
+                 s_col if columnwise else s_row, a_row, a_col, _seed(stochastic), strips,
+                 _slots(flag, dev, name, scales))
+        if not flag and rowwise and given_col:
+            ref.handle_nonfinite(s_row, name, check_finite)
+            ref.handle_nonfinite(s_col, name, check_finite)
+        elif not flag:  # the smaller scale array: a non-finite element poisons its row's and its column's scale
+            ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
+                                 name, check_finite)
+        return (ref.QTensor(q, s_row, "row", block_size) if rowwise else None,
+                ref.QTensor(qt, s_col, "row", block_size) if columnwise else None)
+    return run
 
 
-def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, seed, name, check_finite):
+def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finite, pad):
     """Block granularity: one launch, scales computed inside each tile. 128 x 128 tiles run 16 warps: with 8,
     the 1xB both-axes variant needs ~230 registers per thread (and spills with stochastic rounding)."""
     R, C = x.shape
     dev = x.device
+    RP = ref.padded_length(R, pad) if columnwise else R
     nbr, nbc = cdiv(R, B), cdiv(C, B)
     if weight:
         GR, GC, mode = B, B, _MODE_TILE2D
-        s = torch.empty((nbr, nbc), dtype=torch.float32, device=dev) if rowwise else None
-        st = torch.empty((nbc, nbr), dtype=torch.float32, device=dev) if columnwise else None
+        s_shape, st_shape = (nbr, nbc), (nbc, nbr)
     else:
         mode = _MODE_1XB
         if rowwise and columnwise:
@@ -568,20 +635,30 @@ def _quantize_block(x, q, qt, RP, rowwise, columnwise, weight, B, stochastic, se
             GR, GC = max(1, min(R, _BLOCK_ROWS // next_pow2(B))), B
         else:
             GR, GC = B, max(1, min(C, _BLOCK_ROWS // next_pow2(B)))
-        s = torch.empty((R, nbc), dtype=torch.float32, device=dev) if rowwise else None
-        st = torch.empty((C, nbr), dtype=torch.float32, device=dev) if columnwise else None
-    sd = s if s is not None else st
-    std = st if st is not None else s
+        s_shape, st_shape = (R, nbc), (C, nbr)
+    # the scale strides are those of the contiguous arrays allocated per call
+    sd_shape = s_shape if rowwise else st_shape
+    std_shape = st_shape if columnwise else s_shape
     grid = (cdiv(RP, GR), cdiv(C, GC))
     TR, TC = next_pow2(GR), next_pow2(GC)
-    slots, slot, flag = _finite_slot(check_finite, dev, name, True, sd)
-    _QUANTIZE_BLOCK.launch(
-        grid, x, R, C, x.stride(0), x.stride(1), q, qt if qt is not None else q, RP,
-        sd, std, sd.stride(0), sd.stride(1), std.stride(0), std.stride(1), GR, GC, seed, slots, slot,
+    flag, slot = _finite_slot(check_finite, dev, name, True)
+    quantize = _QUANTIZE_BLOCK.prepare(
+        grid, (ARG, R, C, x.stride(0), x.stride(1), ARG, ARG, RP, ARG, ARG, sd_shape[1], 1, std_shape[1], 1, GR,
+               GC, ARG, ARG, slot),
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
-    if not flag:  # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
-        ref.handle_nonfinite(sd, name, check_finite)
-    row = ref.QTensor(q, s, "block", B, weight) if rowwise else None
-    col = ref.QTensor(qt, st, "block", B, weight) if columnwise else None
-    return row, col
+
+    def run(x, amax, columnwise_amax, segments):
+        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
+        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        s = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
+        st = torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise else None
+        sd = s if s is not None else st
+        dummy = q if q is not None else qt
+        quantize(x, dummy, qt if qt is not None else dummy, sd, st if st is not None else sd, _seed(stochastic),
+                 _slots(flag, dev, name, sd))
+        if not flag:  # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
+            ref.handle_nonfinite(sd, name, check_finite)
+        return (ref.QTensor(q, s, "block", B, weight) if rowwise else None,
+                ref.QTensor(qt, st, "block", B, weight) if columnwise else None)
+    return run
