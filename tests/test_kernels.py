@@ -461,6 +461,33 @@ def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=T
                                   NUM_SMS=3, FLATTEN=True, GROUPED=strips is not None, EPI_SPLIT=EPI_SPLIT)
 
 
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
+def test_plans_are_per_call_signature(K, monkeypatch, granularity, weight):
+    """Quantize and GEMM plans (checks, grids and launch arguments worked out once per call signature):
+    a second call with new tensors of the same signature reuses the plan with its own data; a misaligned
+    view or other strides of the same shape get plans of their own; every result equals the reference's."""
+    from megatron_int8.kernels import int8_gemm as G, quantize as Q
+
+    monkeypatch.setattr(Q, "_PLANS", {})
+    monkeypatch.setattr(G, "_PLANS", {})
+    R, C = 48, 64
+    kw = _kw(granularity, weight, rowwise=True, columnwise=True, columnwise_pad=16, name="plan test")
+    qb = _q(outliers(40, C), granularity, True)
+    flat = outliers(R * C + 8, 1).reshape(-1)
+    inputs = [("first", outliers(R, C), 1), ("same signature", outliers(R, C), 1),
+              ("misaligned view", flat[1:1 + R * C].view(R, C), 2),  # 2 bytes off a 16-byte boundary
+              ("transposed strides", outliers(C, R).t(), 3)]
+    for what, x, n_plans in inputs:
+        got, want = K.triton_quantize(x, **kw), REF.quantize(x, **kw)
+        for g, w in zip(got, want):
+            assert_same_qtensor(g, w, what)
+        assert len(Q._PLANS) == n_plans, what
+        qa = want[0]
+        out = K.triton_gemm(qa, qb, out_dtype=torch.float32, autotune=False)
+        assert_close_fp32(out, REF.gemm(qa, qb, out_dtype=torch.float32), f"{what} gemm")
+    assert len(G._PLANS) == 1  # the reference's Q(x) is contiguous and aligned every time: one GEMM signature
+
+
 # ------------------------------------------------------------------ launch counts and hot-path guards
 # The small linears are CPU-launch-bound on the GPU: these pin the number of kernel launches and torch ops
 # per call, so that a regression (an extra finalize pass, a stray reduction, a host sync) fails on the CPU.

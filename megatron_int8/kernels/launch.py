@@ -136,22 +136,25 @@ class BoundLaunch:
     alignment, integers that are `do_not_specialize` parameters (a random seed). Call sites hold one per
     plan key, and the key fixes exactly that."""
 
-    __slots__ = ("_cache", "_grid", "_template", "_slots", "_kwargs", "_run")
+    __slots__ = ("_cache", "_grid", "_head", "_template", "_slots", "_kwargs", "_run")
 
     def __init__(self, cache: LaunchCache, grid: tuple, template: tuple, kwargs: dict):
         self._cache, self._grid, self._kwargs = cache, grid, kwargs
-        self._template = list(template)
+        self._head = tuple(template)
+        self._template = list(template)  # + the kernel's trailing parameters once bound
         self._slots = tuple(i for i, v in enumerate(template) if v is ARG)
         self._run = None
 
     def __call__(self, *values) -> None:
         if len(values) != len(self._slots):
             raise TypeError(f"BoundLaunch: {len(self._slots)} per-call arguments expected, got {len(values)}")
-        args = self._template.copy()
+        run = self._run  # read first: binding sets the template before the runner (autograd's thread)
+        args = self._template.copy() if run is not None else list(self._head)
         for i, v in zip(self._slots, values):
             args[i] = v
-        if self._run is None:
-            self._run, trailing = self._cache._bind(self._grid, args, self._kwargs)
-            self._template += trailing
+        if run is None:
+            run, trailing = self._cache._bind(self._grid, args, self._kwargs)
+            self._template = [*self._head, *trailing]
+            self._run = run
             return
-        self._run(*args)
+        run(*args)
