@@ -467,9 +467,10 @@ def test_plans_are_per_call_signature(K, monkeypatch, granularity, weight):
     a second call with new tensors of the same signature reuses the plan with its own data; a misaligned
     view or other strides of the same shape get plans of their own; every result equals the reference's."""
     from megatron_int8.kernels import int8_gemm as G, quantize as Q
+    from megatron_int8.kernels.launch import PlanCache
 
-    monkeypatch.setattr(Q, "_PLANS", {})
-    monkeypatch.setattr(G, "_PLANS", {})
+    monkeypatch.setattr(Q, "_PLANS", PlanCache(64))
+    monkeypatch.setattr(G, "_PLANS", PlanCache(64))
     R, C = 48, 64
     kw = _kw(granularity, weight, rowwise=True, columnwise=True, columnwise_pad=16, name="plan test")
     qb = _q(outliers(40, C), granularity, True)
@@ -486,6 +487,30 @@ def test_plans_are_per_call_signature(K, monkeypatch, granularity, weight):
         out = K.triton_gemm(qa, qb, out_dtype=torch.float32, autotune=False)
         assert_close_fp32(out, REF.gemm(qa, qb, out_dtype=torch.float32), f"{what} gemm")
     assert len(G._PLANS) == 1  # the reference's Q(x) is contiguous and aligned every time: one GEMM signature
+
+
+def test_columnwise_only_arguments_without_columnwise_output(K):
+    """A column amax or segments given with columnwise=False are checked but unused, as in the reference
+    backend: Q(x) alone, the same as without them."""
+    x = outliers(256, 64)
+    kw = _kw("row", False, rowwise=True, columnwise=False, name="rows only")
+    want, _ = REF.quantize(x, **kw)
+    for extra in (dict(columnwise_amax=x.float().abs().amax(dim=0)),
+                  dict(columnwise_segments=qref.Segments.for_counts([100, 120]))):
+        got, none = K.triton_quantize(x, **dict(kw, **extra))
+        assert none is None
+        assert_same_qtensor(got, want, str(extra))
+    with pytest.raises(ValueError, match="one amax per column"):
+        K.triton_quantize(x, **dict(kw, columnwise_amax=torch.ones(3)))
+
+
+def test_a_known_plan_still_rejects_bad_argument_types(K):
+    x = outliers(32, 48)
+    kw = _kw("row", False, rowwise=True, columnwise=True)
+    K.triton_quantize(x, **dict(kw, columnwise_pad=1))  # a plan for pad 1 exists from here on
+    for bad in (True, 1.0):  # equal to 1, so a plan key without the type would take them
+        with pytest.raises(ValueError, match="columnwise_pad must be a positive int"):
+            K.triton_quantize(x, **dict(kw, columnwise_pad=bad))
 
 
 # ------------------------------------------------------------------ launch counts and hot-path guards
@@ -516,7 +541,7 @@ def launch_log(monkeypatch):
                     return self.kernel[grid](*args, **kwargs)
             return launch
 
-    from megatron_int8.kernels.launch import LaunchCache
+    from megatron_int8.kernels.launch import LaunchCache, PlanCache
 
     for mod in ("megatron_int8.kernels.quantize", "megatron_int8.kernels.int8_gemm"):
         m = importlib.import_module(mod)
@@ -526,7 +551,7 @@ def launch_log(monkeypatch):
             elif isinstance(obj, LaunchCache):  # launches through a cache hold the kernel themselves
                 monkeypatch.setattr(obj, "kernel", Counting(obj.kernel.fn.__name__, obj.kernel))
         if hasattr(m, "_PLANS"):  # plans bound earlier hold the unwrapped kernels: start without any
-            monkeypatch.setattr(m, "_PLANS", {})
+            monkeypatch.setattr(m, "_PLANS", PlanCache(64))
     return log
 
 

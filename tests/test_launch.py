@@ -161,11 +161,26 @@ def test_bound_launch_checks_the_number_of_per_call_arguments(direct):
 
 
 def test_bound_launch_switched_off_or_interpreted_goes_through_jit(direct, monkeypatch):
-    monkeypatch.setattr(launch, "DIRECT", False)
     kernel = _FakeKernel()
     bound = launch.LaunchCache(kernel).prepare((2,), (launch.ARG, 32), BLOCK=16)
     x = torch.zeros(8)
-    for _ in range(3):
-        bound(x)
-    assert [c[0] for c in kernel.calls] == ["jit"] * 3
-    assert all(c[2] == (x, 32) and c[3] == {"BLOCK": 16} for c in kernel.calls)
+    bound(x)  # bound to the compiled kernel
+    monkeypatch.setattr(launch, "DIRECT", False)  # switched off at runtime (A/B timing): JIT from here on
+    bound(x)
+    bound(x)
+    monkeypatch.setattr(launch, "DIRECT", True)
+    bound(x)
+    monkeypatch.setattr(launch, "_INTERPRET", True)
+    fresh = launch.LaunchCache(kernel).prepare((2,), (launch.ARG, 32), BLOCK=16)
+    fresh(x)
+    fresh(x)
+    assert [c[0] for c in kernel.calls] == ["jit", "jit", "jit", "direct", "jit", "jit"]
+
+
+def test_plan_cache_drops_the_least_recently_used():
+    cache = launch.PlanCache(2)
+    cache.put("a", 1)
+    cache.put("b", 2)
+    assert cache.get("a") == 1  # "b" is now the least recently used
+    cache.put("c", 3)
+    assert cache.get("b") is None and cache.get("a") == 1 and cache.get("c") == 3 and len(cache) == 2

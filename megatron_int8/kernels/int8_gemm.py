@@ -47,7 +47,7 @@ import triton.testing
 
 import importlib
 
-from .launch import ARG, LaunchCache, cdiv, next_pow2
+from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
 from .quantize import _SEGMENT_ALIGN
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
@@ -304,11 +304,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
+def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
     """Hopper, tensor or row scales, no split contraction, and what TMA descriptors need: 16-byte aligned
     base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
-    expert's wgrad operands are column slices of Q(x^T)); the output c is contiguous."""
+    expert's wgrad operands are column slices of Q(x^T)); the output c is contiguous. The TMA kernel
+    reads row scales at unit stride: strided `scales` go to the plain kernel, which takes their strides."""
     if mode == _SCALE_BLOCK or split or not ad.is_cuda:
+        return False
+    if any(s.dim() and s.stride(-1) != 1 for s in scales):
         return False
     if _capability(ad.device)[0] < 9:
         return False
@@ -325,8 +328,7 @@ def _tma_eligible(ad, bd, c, bias, mode, split) -> bool:
 _UNTUNED_TMA_TILE = (128, 256)
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
-_PLANS = {}  # plan key -> run(a, b, bias, accumulate_into) (triton_gemm)
-MAX_PLANS = 1024  # a safety net: a training run multiplies a few dozen shapes
+_PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
 
 
 def dispatch_buckets(M: int, N: int, K: int) -> tuple:
@@ -396,9 +398,7 @@ def triton_gemm(
     plan = _PLANS.get(key)
     if plan is None:
         plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS.put(key, plan)
     return plan(a, b, bias, accumulate_into)
 
 
@@ -451,7 +451,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned):
     args = _plain_args(ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K, s_strides, k_chunk, sb_rows, sa)
     meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
-    tma_ok = _tma_eligible(ad, bd, c, bias, mode, split)
+    tma_ok = _tma_eligible(ad, bd, c, bias, mode, split, (sa, sb))
     if tuned:
         cache, grid, launch_args, kw = _tuned_launch(args, meta, M, N, K, c, tma_ok)
     else:
@@ -586,7 +586,8 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
                        max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))
     meta = dict(SCALE_MODE=_SCALE_ROW, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=split,
                 EVEN_K=K % block_k == 0, BLOCK_K=block_k, SUB_K=1, GROUPED=True)
-    cache, grid, launch_args, kw = _untuned_launch(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split), E * N)
+    cache, grid, launch_args, kw = _untuned_launch(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split, (a.scale, sb)),
+                                                  E * N)
     cache.launch(grid, *launch_args, **kw)
     return c
 

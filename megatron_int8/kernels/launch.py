@@ -24,6 +24,7 @@ Its owner's plan key must then fix what the signature holds for those tensors (d
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Dict, Tuple
 
@@ -89,29 +90,26 @@ class LaunchCache:
         if not DIRECT or _INTERPRET:
             self.kernel[grid](*args, **kwargs)
             return
+        (compiled, trailing), launched = self._entry(grid, args, kwargs)
+        if not launched:
+            compiled[_grid3(grid)](*args, *trailing)
+
+    def _entry(self, grid: tuple, args, kwargs: dict) -> Tuple[Tuple[Any, tuple], bool]:
+        """((compiled kernel, trailing parameter values) of this signature, launched): a new signature is
+        launched here, once, through JITFunction.run (which compiles or finds the kernel)."""
         key = self._key(args, kwargs)
         entry = self._compiled.get(key)
-        if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)
-            if len(self._compiled) >= MAX_SIGNATURES:
-                self._compiled.clear()
-            self._compiled[key] = (compiled, self._trailing_values(len(args), kwargs))
-            return
-        compiled, trailing = entry
-        compiled[_grid3(grid)](*args, *trailing)
+        if entry is not None:
+            return entry, False
+        compiled = self.kernel[grid](*args, **kwargs)
+        if len(self._compiled) >= MAX_SIGNATURES:
+            self._compiled.clear()
+        entry = self._compiled[key] = (compiled, self._trailing_values(len(args), kwargs))
+        return entry, True
 
     def prepare(self, grid: tuple, template: tuple, **kwargs) -> "BoundLaunch":
         """A BoundLaunch of `kernel[grid](*template, **kwargs)` whose ARG entries are given per call."""
         return BoundLaunch(self, grid, template, kwargs)
-
-    def _bind(self, grid: tuple, args: list, kwargs: dict):
-        """Launch once; return (run, trailing): `run(*args, *trailing)` repeats this launch's signature."""
-        self.launch(grid, *args, **kwargs)
-        if not DIRECT or _INTERPRET:
-            jit = self.kernel[grid]
-            return (lambda *a: jit(*a, **kwargs)), ()
-        compiled, trailing = self._compiled[self._key(args, kwargs)]
-        return compiled[_grid3(grid)], trailing
 
     @staticmethod
     def _key(args, kwargs: dict) -> tuple:
@@ -130,9 +128,9 @@ class LaunchCache:
 class BoundLaunch:
     """`bound(*values)`: the prepared launch with its ARG entries replaced by `values`, in order.
 
-    The first call launches through LaunchCache.launch (compiling, or finding the kernel of this
-    signature); later calls go to that compiled kernel with no signature check. So every call must pass
-    values that Triton specializes like the first call's: tensors of the same dtypes and 16-byte
+    The first call launches through the LaunchCache (compiling, or finding the kernel of this signature);
+    later calls go to that compiled kernel with no signature check (while DIRECT is on). So every call must
+    pass values that Triton specializes like the first call's: tensors of the same dtypes and 16-byte
     alignment, integers that are `do_not_specialize` parameters (a random seed). Call sites hold one per
     plan key, and the key fixes exactly that."""
 
@@ -149,12 +147,47 @@ class BoundLaunch:
         if len(values) != len(self._slots):
             raise TypeError(f"BoundLaunch: {len(self._slots)} per-call arguments expected, got {len(values)}")
         run = self._run  # read first: binding sets the template before the runner (autograd's thread)
-        args = self._template.copy() if run is not None else list(self._head)
+        if run is not None and DIRECT:
+            args = self._template.copy()
+            for i, v in zip(self._slots, values):
+                args[i] = v
+            run(*args)
+            return
+        args = list(self._head)
         for i, v in zip(self._slots, values):
             args[i] = v
-        if run is None:
-            run, trailing = self._cache._bind(self._grid, args, self._kwargs)
-            self._template = [*self._head, *trailing]
-            self._run = run
+        if not DIRECT or _INTERPRET:  # switched off (also at runtime, for A/B timing) or interpreted
+            self._cache.launch(self._grid, *args, **self._kwargs)
             return
-        run(*args)
+        (compiled, trailing), launched = self._cache._entry(self._grid, args, self._kwargs)
+        run = compiled[_grid3(self._grid)]
+        if not launched:
+            run(*args, *trailing)
+        self._template = [*self._head, *trailing]
+        self._run = run
+
+
+class PlanCache:
+    """Call plans by signature, the least recently used dropped beyond `size`: MoE experts make a new
+    signature with almost every routing, while the dense layers' plans are used every micro-batch."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._plans: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+
+    def get(self, key: tuple):
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: tuple, plan) -> None:
+        self._plans[key] = plan
+        if len(self._plans) > self.size:
+            self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -43,7 +43,7 @@ Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
@@ -51,7 +51,7 @@ import triton.language as tl
 
 import importlib
 
-from .launch import ARG, LaunchCache, cdiv, next_pow2
+from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
 ref = importlib.import_module("megatron_int8.quantize")
@@ -401,8 +401,7 @@ def _four(TC: int, GC: int, n_ct: int) -> bool:
     return TC % 4 == 0 and (GC % 4 == 0 or n_ct == 1)
 
 
-_PLANS: Dict[tuple, Callable] = {}
-MAX_PLANS = 1024  # a safety net: a training run quantizes a few dozen shapes
+_PLANS = PlanCache(1024)  # call signature -> run(x, amax, columnwise_amax, segments); see triton_quantize
 
 
 def triton_quantize(
@@ -437,20 +436,23 @@ def triton_quantize(
     plan key (x's shape, strides, dtype and 16-byte alignment, the options, the given amaxes' shapes); a
     call with a known key allocates the outputs and calls the bound launches (launch.BoundLaunch).
     Segments change with every routing, so their plans are not kept."""
-    key = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0, granularity, block_size, weight,
-           rowwise, columnwise, stochastic, name, check_finite, None if amax is None else amax.shape,
-           columnwise_pad, None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments)
+    # the argument types too: the checks reject e.g. a bool or float pad, and a known plan skips them
+    key = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0, granularity, block_size,
+           type(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
+           None if amax is None else amax.shape, columnwise_pad, type(columnwise_pad),
+           None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments)
     plan = _PLANS.get(key)
     if plan is None:
         ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
         if columnwise_segments is not None:
             ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
         plan = _plan(x, granularity, int(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
-                     amax is not None, columnwise_pad, columnwise_amax is not None, columnwise_segments)
+                     amax is not None, columnwise_pad, columnwise and columnwise_amax is not None,
+                     columnwise_segments if columnwise else None)
         if columnwise_segments is None:
-            if len(_PLANS) >= MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
+    if not columnwise:  # checked above; only Q(x^T) uses them
+        columnwise_amax = columnwise_segments = None
     return plan(x, amax, columnwise_amax, columnwise_segments)
 
 
