@@ -6,9 +6,10 @@ lent GPUs varied by up to 0.45 ms per call, more than the changes measured (docs
     python3 scripts/ab_revision.py run DIR [--tokens 4096] [--rounds 7] [--out FILE.json]   # on the GPU
 
 `run`:
-1. Bit-exactness: y, dX and dW (or main_grad, with gradient-accumulation fusion) of both revisions compared
-   with torch.equal, for the tensor, row and block recipes on two shapes, three calls each on fresh
-   inputs with outliers (so cached plans and weight quantizations are reused); failures exit non-zero.
+1. Bit-exactness: y, dX and dW (or main_grad, with gradient-accumulation fusion) of both revisions
+   (bench_direct_launch.fwd_bwd) compared with torch.equal, for the tensor, row and block recipes on two
+   shapes, three calls each on fresh inputs with outliers (so cached plans and weight quantizations are
+   reused); failures exit non-zero.
 2. Timing: Llama2-13B's per-rank linears at TP 4 and TP 2 (scripts/profile_linear_host.py), the default
    recipe, base / working tree / BF16 F.linear alternating over `--rounds` rounds (the first variant
    rotates). Wall: the median of 40 synchronized calls per round. Host: 20 calls enqueued behind a
@@ -51,35 +52,27 @@ def prepare(rev: str, out_dir: str) -> None:
     print(f"{rev} -> {target}")
 
 
-def _fwd_bwd(mod, x0, w, dy, recipe, fused: bool):
-    x = x0.detach().requires_grad_(True)
-    w.grad = None
-    y = mod.int8_linear(x, w, None, recipe, tp=mod.TPOptions(gradient_accumulation_fusion=fused))
-    y.backward(dy)
-    return y.detach(), x.grad, (w.main_grad.clone() if fused else w.grad)
-
-
 def check_exact(new, base, torch, dev: str) -> int:
     shapes = [(4096, 1280, 5120), (1000, 768, 2304)] if dev == "cuda" else [(37, 32, 53)]
     # the Triton kernels: on the GPU, or under TRITON_INTERPRET=1 on the CPU ("auto" would pick the reference there)
     backend = "triton" if dev == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+    sys.path.insert(0, HERE)
+    from bench_direct_launch import fwd_bwd
+
     failures = 0
     for granularity in ("tensor", "row", "block"):
         for tokens, n_in, n_out in shapes:
             for fused in (False, True):
                 w0 = (torch.randn(n_out, n_in, device=dev) * 0.02).bfloat16()
-                weights = {}
-                for mod in (new, base):
-                    weights[mod] = w0.clone().requires_grad_(True)
-                    if fused:
-                        weights[mod].main_grad = torch.zeros(n_out, n_in, device=dev)
+                weights = {mod: w0.clone().requires_grad_(True) for mod in (new, base)}
                 for call in range(3):
                     x0 = torch.randn(tokens, n_in, device=dev).bfloat16()
                     x0[3 % tokens, 5 % n_in] = 40.0
                     dy = torch.randn(tokens, n_out, device=dev).bfloat16()
                     dy[7 % tokens, 1] = -30.0
-                    got = {mod: _fwd_bwd(mod, x0, weights[mod], dy, mod.Int8Recipe(granularity=granularity, backend=backend),
-                                         fused) for mod in (new, base)}
+                    got = {mod: fwd_bwd(x0, weights[mod], dy, mod.Int8Recipe(granularity=granularity,
+                                                                            backend=backend), fused, package=mod)
+                           for mod in (new, base)}
                     for what, a, b in zip(("y", "dX", "dW"), got[new], got[base]):
                         if not torch.equal(a, b):
                             failures += 1

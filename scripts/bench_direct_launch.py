@@ -22,20 +22,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_int8 import DEFAULT_RECIPE, Int8Recipe, int8_linear  # noqa: E402
+import megatron_int8  # noqa: E402
+from megatron_int8 import DEFAULT_RECIPE, Int8Recipe  # noqa: E402
 from megatron_int8.kernels import launch  # noqa: E402
-from megatron_int8.linear import TPOptions  # noqa: E402
 from profile_linear_host import SHAPES  # noqa: E402  (this script's directory is on sys.path)
 
 TP4_SHAPES = [s for s in SHAPES if s[0].startswith("TP4")]
 
 
-def fwd_bwd(x, w, dy, recipe, fused: bool):
+def fwd_bwd(x, w, dy, recipe, fused: bool, package=None):
+    """y, dX and dW (or main_grad, zeroed first, with gradient-accumulation fusion) of one int8_linear call;
+    `package`: another import of the package to call instead (scripts/ab_revision.py's base revision)."""
+    pkg = package or megatron_int8
     x = x.detach().requires_grad_(True)
     if fused:
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     w.grad = None
-    y = int8_linear(x, w, None, recipe, tp=TPOptions(gradient_accumulation_fusion=fused))
+    y = pkg.int8_linear(x, w, None, recipe, tp=pkg.TPOptions(gradient_accumulation_fusion=fused))
     y.backward(dy)
     return y, x.grad, (w.main_grad if fused else w.grad)
 

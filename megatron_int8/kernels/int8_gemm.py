@@ -586,8 +586,8 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
                        max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))
     meta = dict(SCALE_MODE=_SCALE_ROW, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=split,
                 EVEN_K=K % block_k == 0, BLOCK_K=block_k, SUB_K=1, GROUPED=True)
-    cache, grid, launch_args, kw = _untuned_launch(args, meta, _tma_eligible(ad, bd, c, None, _SCALE_ROW, split, (a.scale, sb)),
-                                                  E * N)
+    tma_ok = _tma_eligible(ad, bd, c, None, _SCALE_ROW, split, (a.scale, sb))
+    cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, E * N)
     cache.launch(grid, *launch_args, **kw)
     return c
 

@@ -186,8 +186,5 @@ class PlanCache:
         if len(self._plans) > self.size:
             self._plans.popitem(last=False)
 
-    def clear(self) -> None:
-        self._plans.clear()
-
     def __len__(self) -> int:
         return len(self._plans)

@@ -471,14 +471,12 @@ def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, n
                 columnwise=columnwise, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax,
                 columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax, columnwise_segments=segments)
         return reference
+    RP = ref.padded_length(R, columnwise_pad) if columnwise else R  # Q(x^T)'s row length
     if granularity == "block":
-        return _block_plan(x, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
-                           columnwise_pad)
+        return _block_plan(x, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, RP)
     if granularity == "tensor":
-        return _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax,
-                            columnwise_pad)
-    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, columnwise_pad,
-                     given_col, segs)
+        return _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP)
+    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs)
 
 
 def _finite_slot(check_finite: str, device, name: str, in_kernel: bool) -> Tuple[bool, int]:
@@ -495,6 +493,15 @@ def _slots(flag: bool, device, name: str, dummy: torch.Tensor) -> torch.Tensor:
     return ref.nonfinite_slot(device, name)[0] if flag else dummy
 
 
+def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, device):
+    """(Q(x) or None, Q(x^T) or None, and the two pointers for the kernels: an output not requested is
+    stood in for by the other, which the kernel then does not store to)."""
+    q = torch.empty((R, C), dtype=torch.int8, device=device) if rowwise else None
+    qt = torch.empty((C, RP), dtype=torch.int8, device=device) if columnwise else None
+    q_arg = q if q is not None else qt
+    return q, qt, q_arg, qt if qt is not None else q_arg
+
+
 def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool):
     """(grid, constexprs) of _quantize_kernel for tensor / row granularity."""
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
@@ -503,11 +510,10 @@ def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwis
                       FOUR=_four(TC, TC, grid[1]), num_warps=_WARPS)
 
 
-def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, pad):
+def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP):
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
-    RP = ref.padded_length(R, pad) if columnwise else R
     grid_q, common = _common_meta(R, C, RP, True, rowwise, columnwise, stochastic)
     ATR, ATC = _AMAX_TILE
     n_ct = cdiv(C, ATC)
@@ -524,8 +530,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
 
     def run(x, amax, columnwise_amax, segments):
-        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
-        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         if given_amax:
             scale = torch.empty((), dtype=torch.float32, device=dev)
             # NaN -> inf: the kernel's max-reduction would drop a NaN, inf gives the NaN scale
@@ -534,8 +539,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
             buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
             scale, parts = buf[0], buf[1:]
             amax_launch(x, parts, parts, parts)
-        dummy = q if q is not None else qt
-        quantize(x, dummy, qt if qt is not None else dummy, scale, scale, parts, parts, _seed(stochastic), parts,
+        quantize(x, q_arg, qt_arg, scale, scale, parts, parts, _seed(stochastic), parts,
                  _slots(flag, dev, name, parts))
         if not flag:
             ref.handle_nonfinite(scale, name, check_finite)
@@ -544,15 +548,14 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     return run
 
 
-def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, pad, given_col, segs):
+def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs):
     """Row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
     segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns."""
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
-    RP = ref.padded_length(R, pad) if columnwise else R
     grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic)
-    n_seg = segs.num_segments if segs is not None and columnwise else 1
+    n_seg = segs.num_segments if segs is not None else 1  # segments come with Q(x^T) only (triton_quantize)
     n_scales = R * rowwise + n_seg * C * columnwise
     col_partials = columnwise and not given_col
     col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
@@ -583,12 +586,11 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
                                           ARG, slot), BP=1, SEG=segs is not None, FLAG=flag, **common)
 
     def run(x, amax, columnwise_amax, segments):
-        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
-        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         scales = torch.empty(n_scales, dtype=torch.float32, device=dev)
         s_row = scales[:R] if rowwise else None
         s_col = scales[R * rowwise:] if columnwise else None
-        if segs is not None and columnwise:
+        if segs is not None:
             s_col = s_col.view(n_seg, C)
         a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
         if segments is not None:
@@ -604,8 +606,7 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
             reduce(prow, pcol, maxima, s_col if segments is not None else a_col, seg_strips)
         if given_col:
             a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
-        dummy = q if q is not None else qt
-        quantize(x, dummy, qt if qt is not None else dummy, s_row if rowwise else s_col,
+        quantize(x, q_arg, qt_arg, s_row if rowwise else s_col,
                  s_col if columnwise else s_row, a_row, a_col, _seed(stochastic), strips,
                  _slots(flag, dev, name, scales))
         if not flag and rowwise and given_col:
@@ -619,12 +620,11 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
     return run
 
 
-def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finite, pad):
+def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finite, RP):
     """Block granularity: one launch, scales computed inside each tile. 128 x 128 tiles run 16 warps: with 8,
     the 1xB both-axes variant needs ~230 registers per thread (and spills with stochastic rounding)."""
     R, C = x.shape
     dev = x.device
-    RP = ref.padded_length(R, pad) if columnwise else R
     nbr, nbc = cdiv(R, B), cdiv(C, B)
     if weight:
         GR, GC, mode = B, B, _MODE_TILE2D
@@ -651,13 +651,11 @@ def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finit
         FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
 
     def run(x, amax, columnwise_amax, segments):
-        q = torch.empty((R, C), dtype=torch.int8, device=dev) if rowwise else None
-        qt = torch.empty((C, RP), dtype=torch.int8, device=dev) if columnwise else None
+        q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         s = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise else None
         sd = s if s is not None else st
-        dummy = q if q is not None else qt
-        quantize(x, dummy, qt if qt is not None else dummy, sd, st if st is not None else sd, _seed(stochastic),
+        quantize(x, q_arg, qt_arg, sd, st if st is not None else sd, _seed(stochastic),
                  _slots(flag, dev, name, sd))
         if not flag:  # one array suffices: a non-finite element poisons a group of Q(x) and one of Q(x^T) alike
             ref.handle_nonfinite(sd, name, check_finite)
