@@ -1,6 +1,7 @@
 """End-to-end pretraining on CPU through the real entry point (subprocesses, as a user runs it):
 loss goes down with INT8 and BF16, an interrupted-and-resumed run equals the uninterrupted one
 (distributed optimizer, 2 data-parallel ranks), and an INT8 checkpoint resumes with INT8 off."""
+import gc
 import json
 import os
 import shutil
@@ -107,6 +108,53 @@ def test_profile_writes_a_trace_and_leaves_training_unchanged(data, tmp_path):
     assert (traces / "rank0_iters2-3.trace.json").stat().st_size > 0
     assert sorted(os.listdir(traces)) == ["rank0_iters2-3.summary.txt", "rank0_iters2-3.trace.json"]
     assert losses(profiled / "train_log.jsonl") == losses(plain / "train_log.jsonl")
+
+
+def test_gc_pauses_count_collections():
+    from megatron_int8.training.metrics import GcPauses
+
+    pauses = GcPauses()
+    try:
+        pauses.take()
+        gc.collect()
+        gc.collect()
+        count, seconds = pauses.take()
+        assert count >= 2 and seconds > 0  # automatic collections may add to the two
+        gc.disable()
+        try:
+            assert pauses.take() == (0, 0.0)
+        finally:
+            gc.enable()
+    finally:
+        pauses.close()
+    assert pauses._callback not in gc.callbacks
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--manual-gc-interval", "2"], "--manual-gc-interval needs --manual-gc"),
+    (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0, got -1"),
+])
+def test_manual_gc_arguments_are_checked(flags, message):
+    from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+
+    args = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mock-data", "--tokenizer-type",
+                       "NullTokenizer", *flags])
+    with pytest.raises(ArgumentError, match=message):
+        validate_args(args, world_size=1)
+
+
+def test_manual_gc_collects_only_when_asked_and_leaves_training_unchanged(data, tmp_path):
+    """--manual-gc --manual-gc-interval 2: the collector runs at the start (counted with iteration 1) and
+    after iterations 2 and 4, never on its own, and the losses equal a run with automatic collection."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0",
+              "--int8-linear"]
+    auto, manual = tmp_path / "auto", tmp_path / "manual"
+    train(data, *common, "--save", str(auto))
+    out = train(data, *common, "--save", str(manual), "--manual-gc", "--manual-gc-interval", "2")
+    assert "gc: " in out and "collections" in out
+    collections = losses(manual / "train_log.jsonl", "gc_collections")
+    assert collections[1] >= 1 and collections[2] >= 1 and collections[3] == 0 and collections[4] >= 1
+    assert losses(manual / "train_log.jsonl") == losses(auto / "train_log.jsonl")
 
 
 def test_resume_matches_uninterrupted_and_switches_precision(data, tmp_path):

@@ -142,6 +142,14 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
     g.add_argument("--profile-dir", default="profile", help="Where --profile writes (default: ./profile).")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Turn Python's automatic garbage collection off during training (as Megatron-LM's flag "
+                        "does): its pauses stall every rank of a tensor-parallel group at the next collective. "
+                        "The objects alive after setup are frozen out of later collections (gc.freeze), and "
+                        "unreachable reference cycles are freed only by --manual-gc-interval collections and at "
+                        "the end.")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="With --manual-gc: a full collection every N iterations (0: none until training ends).")
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -283,6 +291,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                  "expert_model_parallel_size"):
         if getattr(args, name) <= 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ArgumentError("--manual-gc-interval needs --manual-gc")
 
     # Model shape.
     if args.max_position_embeddings is None:

@@ -1,6 +1,7 @@
 """The pretraining loop: setup, train steps through megatron's pipeline schedules, evaluation, saves."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 from functools import partial
@@ -156,12 +157,33 @@ def pretrain(args) -> dict:
     forward_backward = get_forward_backward_func()
     for chunk in model:
         chunk.train()
-    loss = valid_loss = None
     profiler = StepProfiler.from_args(args, torch.distributed.get_rank(), partial(print, flush=True))
     if profiler is not None and args.profile_step_start <= iteration:
         _log(f"--profile: iterations {args.profile_step_start}-{args.profile_step_end - 1} ran before this "
              f"resumed run (from iteration {iteration}); nothing is profiled")
     _log(f"training from iteration {iteration} to {args.train_iters}")
+    if args.manual_gc:  # collect setup's garbage, freeze its survivors out of later scans, then only collect on request
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    try:
+        loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model,
+                                             optimizer, scheduler, logger, profiler, iteration, consumed_samples)
+    finally:
+        if args.manual_gc:
+            gc.unfreeze()
+            gc.enable()
+            gc.collect()
+    logger.close()
+    if parallel_state.model_parallel_is_initialized():
+        torch.distributed.barrier()
+    return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
+
+
+def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model, optimizer, scheduler, logger,
+           profiler, iteration, consumed_samples):
+    """The iterations; returns (last loss, last validation loss, iteration)."""
+    loss = valid_loss = None
     while iteration < args.train_iters:
         if profiler is not None:
             profiler.before_iteration(iteration + 1)
@@ -169,6 +191,8 @@ def pretrain(args) -> dict:
         loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args)
         iteration += 1
         consumed_samples += args.global_batch_size
+        if args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()  # in the step time: it is part of what training costs
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
@@ -188,7 +212,4 @@ def pretrain(args) -> dict:
         if exiting and iteration < args.train_iters:
             _log(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
             break
-    logger.close()
-    if parallel_state.model_parallel_is_initialized():
-        torch.distributed.barrier()
-    return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
+    return loss, valid_loss, iteration

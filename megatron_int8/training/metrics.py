@@ -1,12 +1,13 @@
 """Training metrics: model FLOPs, the per-interval log line, the JSONL log and TensorBoard scalars."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import resource
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -44,6 +45,33 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+class GcPauses:
+    """Python's cyclic garbage collections in this process (their number and wall time since the last
+    `take`), from `gc.callbacks`. A collection pauses the host, and under tensor parallelism one rank's
+    pause stalls the others at the next collective, so the log line reports them (see --manual-gc)."""
+
+    def __init__(self):
+        self.count, self.seconds, self._start = 0, 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+
+    def take(self) -> Tuple[int, float]:
+        taken = (self.count, self.seconds)
+        self.count, self.seconds = 0, 0.0
+        return taken
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 class TrainingLogger:
     """Writes the log line (rank 0), the JSONL log and TensorBoard scalars.
 
@@ -60,6 +88,8 @@ class TrainingLogger:
         self.world_size = torch.distributed.get_world_size()
         self.interval_start = time.time()
         self.interval_iterations = 0
+        self.gc_pauses = GcPauses()
+        self.interval_gc = [0, 0.0]  # collections and their seconds since the last log line
         self.jsonl = None
         self.tensorboard = None
         if not is_writer:
@@ -98,8 +128,12 @@ class TrainingLogger:
         if not self.is_writer:
             return
         tokens_per_s = args.global_batch_size * args.seq_length / max(step_seconds, 1e-9)
+        gc_count, gc_seconds = self.gc_pauses.take()
+        self.interval_gc[0] += gc_count
+        self.interval_gc[1] += gc_seconds
         self._write({"iteration": iteration, "consumed_samples": consumed_samples, "lm_loss": loss, "lr": lr,
                      "grad_norm": grad_norm, "skipped": skipped, "step_time_s": round(step_seconds, 6),
+                     "gc_collections": gc_count, "gc_ms": round(gc_seconds * 1000, 3),
                      "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear),
                      "fp8_peer": getattr(args, "fp8_peer", None)})
         if self.tensorboard is not None:
@@ -121,12 +155,15 @@ class TrainingLogger:
             f"throughput per GPU (TFLOP/s/GPU): {tflops:.2f} | learning rate: {lr:.6E} | "
             f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm} | "
             f"peak memory (GB): {peak_memory_gb():.2f} | "
+            f"gc: {self.interval_gc[0]} collections, {self.interval_gc[1] * 1000 / max(self.interval_iterations, 1):.1f} ms "
+            f"per iteration | "
             f"ETA: {format_duration(per_iteration * (args.train_iters - iteration))}"
             + (" | skipped (non-finite gradients)" if skipped else ""))
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("throughput-tflops-per-gpu", tflops, iteration)
         self.interval_start = time.time()
         self.interval_iterations = 0
+        self.interval_gc = [0, 0.0]
 
     def validation(self, iteration: int, loss: float) -> None:
         if not self.is_writer:
@@ -142,6 +179,7 @@ class TrainingLogger:
         self.interval_start += seconds
 
     def close(self) -> None:
+        self.gc_pauses.close()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.tensorboard is not None:
