@@ -126,9 +126,9 @@ def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
 def _round_clamp_transposed(x_in, x, s_x, s_t, u, STOCHASTIC: tl.constexpr):
     """Q(x^T)'s tile, [TC, TR], of a [TR, TC] tile of x (x_in as loaded, x in fp32): s_x / s_t are its
     scales broadcast in x's / x^T's layout. Rounding to nearest transposes the 16-bit source tile and
-    rounds in Q(x^T)'s layout: measured 10-15% faster for the whole quantize+transpose pass on an H100
-    than transposing the int8 result (scripts/time_quantize.py). Stochastic rounding rounds in x's
-    layout, where its draws are, and transposes the int8 result."""
+    rounds in Q(x^T)'s layout: the quantize pass ran 10-15% faster on an H100 than with the int8 result
+    transposed (docs/benchmarks.md, eighth session). Stochastic rounding rounds in x's layout, where its
+    draws are, and transposes the int8 result."""
     if STOCHASTIC:
         return tl.trans(_round_clamp(x, s_x, u, True))
     else:
@@ -256,8 +256,8 @@ def _quantize_kernel(
     """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. A 1-D grid, column tiles fastest: a wave of programs
     reads whole bands of rows (measured 1-3% faster than row tiles fastest). Each program turns the amax
     of its tensor / rows / columns into scales, and program (0, *) / (*, 0) stores them, so the scales
-    need no launch of their own. Tensorwise, each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than
-    a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
+    need no launch of their own. Tensorwise, each program first reduces the <= 1024 partials itself
+    (4 KB from L2): cheaper than a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
     SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
     (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
     FLAG: the programs that store the scales also flag a NaN among them: the row scales if computed here,
