@@ -147,15 +147,13 @@ class BoundLaunch:
         if len(values) != len(self._slots):
             raise TypeError(f"BoundLaunch: {len(self._slots)} per-call arguments expected, got {len(values)}")
         run = self._run  # read first: binding sets the template before the runner (autograd's thread)
-        if run is not None and DIRECT:
-            args = self._template.copy()
-            for i, v in zip(self._slots, values):
-                args[i] = v
-            run(*args)
-            return
-        args = list(self._head)
+        bound = run is not None and DIRECT
+        args = list(self._template if bound else self._head)
         for i, v in zip(self._slots, values):
             args[i] = v
+        if bound:
+            run(*args)
+            return
         if not DIRECT or _INTERPRET:  # switched off (also at runtime, for A/B timing) or interpreted
             self._cache.launch(self._grid, *args, **self._kwargs)
             return
