@@ -72,6 +72,44 @@ class GcPauses:
             gc.callbacks.remove(self._callback)
 
 
+class StepPhases:
+    """Wall time of one training step's parts, and the CUDA allocator's slow paths in it.
+
+    A step is host-bound when its GPU waits for the host: then the phases that wait for the GPU (the
+    non-finite check and the loss reduction hold the step's first host syncs) are near zero. (Process CPU
+    time would not tell: CUDA's host syncs spin by default.) `cudaMalloc` calls and allocator retries (a
+    retry frees every cached block, with a device synchronize) are counted because they make single steps
+    slow once memory fragments.
+    """
+
+    _ALLOCATOR_COUNTERS = {"num_device_alloc": "device_mallocs", "num_alloc_retries": "alloc_retries"}
+
+    def __init__(self):
+        self.wall_ms = {}
+        self._last = time.perf_counter()
+        self._allocator_start = self._allocator()
+
+    @classmethod
+    def _allocator(cls) -> dict:
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {name: stats.get(key, 0) for key, name in cls._ALLOCATOR_COUNTERS.items()}
+
+    def mark(self, phase: str) -> None:
+        """Close `phase`: the wall time since the previous mark (or the start)."""
+        now = time.perf_counter()
+        self.wall_ms[phase] = round(self.wall_ms.get(phase, 0.0) + (now - self._last) * 1000, 3)
+        self._last = now
+
+    def record(self) -> dict:
+        """The JSONL fields: phase wall times and allocator counts."""
+        fields = {"phase_ms": dict(self.wall_ms)}
+        end = self._allocator()
+        fields.update({name: end[name] - self._allocator_start[name] for name in end})
+        return fields
+
+
 class TrainingLogger:
     """Writes the log line (rank 0), the JSONL log and TensorBoard scalars.
 
@@ -122,7 +160,8 @@ class TrainingLogger:
             self.jsonl.flush()
 
     def training_step(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                      grad_norm: Optional[float], skipped: bool, step_seconds: float) -> None:
+                      grad_norm: Optional[float], skipped: bool, step_seconds: float,
+                      phases: Optional[StepPhases] = None) -> None:
         args = self.args
         self.interval_iterations += 1
         if not self.is_writer:
@@ -135,7 +174,7 @@ class TrainingLogger:
                      "grad_norm": grad_norm, "skipped": skipped, "step_time_s": round(step_seconds, 6),
                      "gc_collections": gc_count, "gc_ms": round(gc_seconds * 1000, 3),
                      "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear),
-                     "fp8_peer": getattr(args, "fp8_peer", None)})
+                     "fp8_peer": getattr(args, "fp8_peer", None), **(phases.record() if phases else {})})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("lm loss", loss, iteration)
             self.tensorboard.add_scalar("learning-rate", lr, iteration)
