@@ -148,16 +148,17 @@ def apply_cpu_compat() -> None:
     setattr(torch.cuda, _APPLIED_FLAG, True)
 
 
-def model_parallel_seed(seed: int) -> None:
+def model_parallel_seed(seed: int, cuda_graph_safe: bool = False) -> None:
     """Seed torch and megatron's model-parallel RNG streams (megatron's offsets), on CPU or GPU.
 
-    Call after `parallel_state.initialize_model_parallel`.
+    Call after `parallel_state.initialize_model_parallel`. `cuda_graph_safe`: the streams are generators
+    that a captured CUDA graph can register (GPU only).
     """
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     apply_cpu_compat()
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graph_safe)
 
 
 class SequenceParallelNorm:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,6 +136,35 @@ def test_gc_pauses_count_collections():
     (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0, got -1"),
 ])
 def test_manual_gc_arguments_are_checked(flags, message):
+    _expect_argument_error(flags, message)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cuda-graph-warmup-steps", "0"], "--cuda-graph-warmup-steps must be >= 1"),
+    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
+    (["--num-experts", "4"], "MoE layers"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce is not supported; turn it off with --no-overlap-grad-reduce"),
+    (["--int8-linear", "--int8-grad-rounding", "stochastic"], "stochastic draws its seeds on the host"),
+    (["--int8-linear", "--int8-check-finite", "immediate"], "immediate synchronizes with the host"),
+])
+def test_cuda_graph_arguments_reject_what_a_replayed_step_cannot_do(flags, message):
+    _expect_argument_error(["--cuda-graph-impl", "local", *flags], message)
+
+
+def test_no_overlap_grad_reduce_turns_off_the_yaml_setting():
+    from megatron_int8.training.args import parse_args
+
+    config = os.path.join(ROOT, "configs", "llama2_13b.yaml")
+    assert parse_args(["--config", config]).overlap_grad_reduce is True
+    assert parse_args(["--config", config, "--no-overlap-grad-reduce"]).overlap_grad_reduce is False
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_graph_needs_a_gpu():
+    _expect_argument_error(["--cuda-graph-impl", "local"], "it needs a CUDA GPU")
+
+
+def _expect_argument_error(flags, message):
     from megatron_int8.training.args import ArgumentError, parse_args, validate_args
 
     args = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mock-data", "--tokenizer-type",
@@ -155,6 +185,27 @@ def test_manual_gc_collects_only_when_asked_and_leaves_training_unchanged(data, 
     collections = losses(manual / "train_log.jsonl", "gc_collections")
     assert collections[1] >= 1 and collections[2] >= 1 and collections[3] == 0 and collections[4] >= 1
     assert losses(manual / "train_log.jsonl") == losses(auto / "train_log.jsonl")
+    phases = losses(manual / "train_log.jsonl", "phase_ms")
+    assert [i for i in sorted(phases) if "manual_gc" in phases[i]] == [2, 4]
+    for i, step_s in losses(manual / "train_log.jsonl", "step_time_s").items():
+        # the phases partition the step: together they are its time, less the logger's own bookkeeping
+        assert set(phases[i]) >= {"forward_backward", "nonfinite_check", "optimizer", "loss_reduce", "final_sync"}
+        assert 0.5 * step_s * 1000 <= sum(phases[i].values()) <= step_s * 1000 + 1.0
+
+
+def test_step_phases_accumulate_per_phase():
+    from megatron_int8.training.metrics import StepPhases
+
+    phases = StepPhases()
+    time.sleep(0.05)
+    phases.mark("first")
+    time.sleep(0.03)
+    phases.mark("second")
+    time.sleep(0.01)
+    phases.mark("first")  # a phase marked twice adds up
+    record = phases.record()
+    assert set(record["phase_ms"]) == {"first", "second"}
+    assert 60 <= record["phase_ms"]["first"] < 1000 and 30 <= record["phase_ms"]["second"] < 1000
 
 
 def test_resume_matches_uninterrupted_and_switches_precision(data, tmp_path):
@@ -274,6 +325,28 @@ def test_train_step_stops_before_the_update_on_a_nonfinite_int8_input():
         quantize(x, "row", name="fc1 input")  # as an INT8 linear of the model would
         return []
 
-    args = SimpleNamespace(num_micro_batches=1, seq_length=8, micro_batch_size=1)
+    args = SimpleNamespace(num_micro_batches=1, seq_length=8, micro_batch_size=1, cuda_graph_impl="none")
     with pytest.raises(NonFiniteError, match="fc1 input"):
         train_step(forward_backward, None, [], Optimizer(), None, args)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_graphed_step_gradient_check_finds_nonfinite_values_in_any_buffer(monkeypatch, bad):
+    """With --cuda-graph-impl local, DDP's in-step NaN check is off; this check replaces it after the replay."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_int8.training import loop
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)  # one rank
+    grads = [torch.randn(1000) * 1e30, torch.randn(10), torch.randn(500)]  # large but finite
+    if bad is not None:
+        grads[2][123] = bad  # in an expert-parallel buffer
+    chunk = SimpleNamespace(buffers=[SimpleNamespace(grad_data=grads[0]), SimpleNamespace(grad_data=grads[1])],
+                            expert_parallel_buffers=[SimpleNamespace(grad_data=grads[2])])
+    if bad is None:
+        loop._raise_if_grads_nonfinite([chunk])
+    else:
+        with pytest.raises(FloatingPointError, match="Inf or NaN in the gradients"):
+            loop._raise_if_grads_nonfinite([chunk])

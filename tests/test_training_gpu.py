@@ -1,5 +1,5 @@
-"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU, and its `--profile`
-report; the FP8 peer
+"""The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU, its `--profile`
+report and its CUDA-graph steps; the FP8 peer
 (--fp8-peer, torchao float8) on one GPU; tensor plus sequence parallelism with the distributed optimizer
 resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint saved at TP=2 + SP on two GPUs
 resumed at TP=1 on one."""
@@ -33,6 +33,33 @@ def test_gpu_profile_reports_the_gpu_busy_share(data, tmp_path):  # noqa: F811
     assert 0 < share <= 100, line
     summary = (tmp_path / "rank0_iters3-4.summary.txt").read_text()
     assert "By GPU time" in summary and "int8_gemm" in summary
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_gpu_cuda_graph_steps_train_like_eager_steps(data, tmp_path, precision):  # noqa: F811
+    """--cuda-graph-impl local: 2 eager steps, then each step's forward/backward is one replayed graph. The
+    replays must see every update (weights re-quantized inside the graph, not a stale INT8 copy) and the
+    validation pass in between: the losses follow the eager run's to within run-to-run kernel noise (a
+    graph replaying stale INT8 weights stays near the loss of its capture, about 10% off by the end), and
+    the loss keeps going down."""
+    common = ["--bf16", "--train-iters", "20", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--eval-interval", "5", "--eval-iters", "2"] + (["--int8-linear"] if precision == "int8" else [])
+    eager, graphed = tmp_path / "eager", tmp_path / "graphed"
+    train(data, *common, "--save", str(eager), gpu=True)
+    out = train(data, *common, "--save", str(graphed), "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2",
+                gpu=True)
+    assert "CUDA graph: each step's forward and backward captured after 2 eager steps" in out
+    reference, replayed = losses(eager / "train_log.jsonl"), losses(graphed / "train_log.jsonl")
+    assert sorted(replayed) == list(range(1, 21))
+    assert replayed[1] == reference[1] and replayed[2] == reference[2]  # eager in both runs
+    for i in range(3, 21):
+        assert abs(replayed[i] - reference[i]) <= 0.02 * reference[i], (i, replayed[i], reference[i])
+    assert sum(replayed[i] for i in range(17, 21)) / 4 < replayed[1] - 0.5  # 6.24 -> 5.39 (eager: the same)
+    valid_ref, valid = losses(eager / "train_log.jsonl", "valid_lm_loss"), losses(graphed / "train_log.jsonl",
+                                                                                   "valid_lm_loss")
+    assert sorted(valid) == [5, 10, 15, 20]
+    for i in valid:
+        assert abs(valid[i] - valid_ref[i]) <= 0.02 * valid_ref[i], (i, valid[i], valid_ref[i])
 
 
 def _fp8_unavailable():

@@ -74,6 +74,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
+                   help="Turn off an overlap_grad_reduce set in the YAML (--cuda-graph-impl local needs it off).")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="Default: nccl with CUDA, gloo without.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -91,6 +93,18 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
+                   help="local: after --cuda-graph-warmup-steps eager steps, capture a training step's forward and "
+                        "backward over all its micro-batches as one CUDA graph (megatron-core's "
+                        "FullCudaGraphWrapper) and replay it on every later step, so the host no longer launches "
+                        "kernels one by one. For host-bound layouts (INT8 at TP 4, micro-batch 1). GPU only; "
+                        "pipeline-parallel size 1, dense models, deferred finite check, nearest rounding.")
+    g.add_argument("--cuda-graph-scope", default="full_iteration", choices=["full_iteration"],
+                   help="What --cuda-graph-impl local captures: the whole forward/backward of a step (the only scope "
+                        "this trainer supports).")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="Eager training steps (and validation passes) before the graph is captured: Triton "
+                        "autotuning and compilation must happen outside it.")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="Without APEX's fused_weight_gradient_mlp_cuda it is disabled automatically.")
     g = parser.add_argument_group("optimizer and learning rate")
@@ -279,6 +293,33 @@ def _require(args, names: List[str]) -> None:
         raise ArgumentError(f"missing required argument(s): {', '.join(missing)}")
 
 
+def _validate_cuda_graph(args: argparse.Namespace) -> None:
+    """--cuda-graph-impl local replays one captured step: nothing in it may depend on the host at run time."""
+    if args.cuda_graph_impl == "none":
+        return
+    import torch
+
+    if args.cuda_graph_warmup_steps < 1:
+        raise ArgumentError(f"--cuda-graph-warmup-steps must be >= 1 (autotuning and compilation run eagerly), "
+                            f"got {args.cuda_graph_warmup_steps}")
+    reasons = {
+        "pipeline parallelism (--pipeline-model-parallel-size > 1) is not supported":
+            args.pipeline_model_parallel_size > 1,
+        "MoE layers (--num-experts) route a different number of tokens to each expert every step":
+            args.num_experts is not None,
+        "--overlap-grad-reduce is not supported; turn it off with --no-overlap-grad-reduce": args.overlap_grad_reduce,
+        "--int8-grad-rounding stochastic draws its seeds on the host at every call":
+            getattr(args, "int8_grad_rounding", "nearest") == "stochastic",
+        "--int8-check-finite immediate synchronizes with the host inside the step":
+            getattr(args, "int8_check_finite", "deferred") == "immediate",
+        "--fp8-peer is not supported": getattr(args, "fp8_peer", None) is not None,
+        "it needs a CUDA GPU": not torch.cuda.is_available(),
+    }
+    for reason, applies in reasons.items():
+        if applies:
+            raise ArgumentError(f"--cuda-graph-impl local: {reason}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
 
@@ -295,6 +336,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.manual_gc_interval and not args.manual_gc:
         raise ArgumentError("--manual-gc-interval needs --manual-gc")
+    _validate_cuda_graph(args)
 
     # Model shape.
     if args.max_position_embeddings is None:

@@ -5,15 +5,18 @@ import gc
 import os
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 
 from ..policy import policy_from_args, print_precision_table
+from ..linear import invalidate_weight_caches
 from ..quantize import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import load_checkpoint, save_checkpoint
+from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
-from .metrics import TrainingLogger
+from .metrics import StepPhases, TrainingLogger
 from .model import build_config, build_model, build_optimizer, initialize_distributed, set_random_seed, unwrap
 from .profiling import StepProfiler
 
@@ -66,7 +69,24 @@ def _reduce_loss(losses_reduced) -> float:
     return (total[0] / total[1].clamp(min=1)).item()
 
 
-def train_step(forward_backward, data_iterator, model, optimizer, scheduler, args):
+def _raise_if_grads_nonfinite(model) -> None:
+    """DDP's check_for_nan_in_grad for graphed steps (its own check syncs with the host inside the step):
+    the largest |gradient| of every gradient buffer, Inf/NaN anywhere on any rank stops all ranks before
+    the update. One reduction pass over the buffers and one host sync per step."""
+    largest = [torch.linalg.vector_norm(buffer.grad_data, float("inf"))  # a NaN propagates through max
+               for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    if not largest:
+        return
+    bad = torch.stack(largest).isfinite().logical_not().any().to(torch.float32)
+    torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    if bad.item():
+        raise FloatingPointError("Inf or NaN in the gradients (checked after the CUDA-graph step, before the "
+                                 "optimizer update)")
+
+
+def train_step(forward_backward, data_iterator, model, optimizer, scheduler, args, phases: Optional[StepPhases] = None):
+    """One optimizer step; `phases` (if given) times its parts."""
+    phases = phases or StepPhases()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -74,11 +94,18 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
         forward_step_func=forward_step, data_iterator=data_iterator, model=model,
         num_microbatches=args.num_micro_batches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    phases.mark("forward_backward")
     raise_if_nonfinite()  # INT8 inputs with Inf/NaN (deferred check): stop before the update, naming them
+    if args.cuda_graph_impl != "none":
+        _raise_if_grads_nonfinite(model)
+    phases.mark("nonfinite_check")
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    return _reduce_loss(losses), grad_norm, not update_successful
+    phases.mark("optimizer")
+    loss = _reduce_loss(losses)
+    phases.mark("loss_reduce")
+    return loss, grad_norm, not update_successful
 
 
 def evaluate(forward_backward, data_iterator, model, args) -> float:
@@ -130,7 +157,9 @@ def pretrain(args) -> dict:
         check_data(args, tokenizer, dataset_sizes(args))
 
     initialize_distributed(args)
-    set_random_seed(args.seed)
+    if args.cuda_graph_impl != "none":
+        use_side_stream()  # before any autograd node exists: see cuda_graph.py
+    set_random_seed(args.seed, cuda_graph_safe=args.cuda_graph_impl != "none")
     _log(f"world size {world_size}: TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
          f"DP {args.data_parallel_size}, EP {args.expert_model_parallel_size}; global batch "
          f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {args.data_parallel_size} x "
@@ -155,6 +184,17 @@ def pretrain(args) -> dict:
 
     logger = TrainingLogger(args, args.padded_vocab_size, iteration, torch.distributed.get_rank() == 0, _log)
     forward_backward = get_forward_backward_func()
+    if args.cuda_graph_impl != "none":
+        graphed = GraphedForwardBackward(forward_backward, args.cuda_graph_warmup_steps)
+
+        def forward_backward(**kwargs):
+            # The capture must contain the weights' quantization: an entry cached by an eager pass (a
+            # validation after the last update) would be captured as a read, and every replay would then
+            # use those weights. Invalidated here, the first micro-batch of each step quantizes.
+            invalidate_weight_caches()
+            return graphed(**kwargs)
+        _log(f"CUDA graph: each step's forward and backward captured after {args.cuda_graph_warmup_steps} eager "
+             "steps, then replayed")
     for chunk in model:
         chunk.train()
     profiler = StepProfiler.from_args(args, torch.distributed.get_rank(), partial(print, flush=True))
@@ -188,15 +228,19 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
         if profiler is not None:
             profiler.before_iteration(iteration + 1)
         start = time.time()
-        loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args)
+        phases = StepPhases()
+        loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args,
+                                              phases)
         iteration += 1
         consumed_samples += args.global_batch_size
         if args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()  # in the step time: it is part of what training costs
+            phases.mark("manual_gc")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        phases.mark("final_sync")
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, skipped, time.time() - start)
+                             grad_norm, skipped, time.time() - start, phases)
         paused = time.time()  # profiler reports, evaluation and saves: outside the step time
         if profiler is not None:
             profiler.after_iteration(iteration)

@@ -47,14 +47,14 @@ def initialize_distributed(args) -> None:
     )
 
 
-def set_random_seed(seed: int) -> None:
+def set_random_seed(seed: int, cuda_graph_safe: bool = False) -> None:
     """Megatron-LM's seeding: one seed per pipeline stage, megatron's TP/EP streams on top."""
     from megatron.core import parallel_state
 
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
-    model_parallel_seed(seed)
+    model_parallel_seed(seed, cuda_graph_safe)
 
 
 def fused_wgrad_available() -> bool:
@@ -134,7 +134,8 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        # its check synchronizes with the host inside the step; graphed steps check after replay (loop.py)
+        check_for_nan_in_grad=args.cuda_graph_impl == "none",
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     return [model]

@@ -1,0 +1,91 @@
+"""Whole-step CUDA graphs for the trainer (`--cuda-graph-impl local`).
+
+A training step's forward and backward over all its micro-batches is captured once, after a few eager
+steps, and replayed on every later step: the host then launches one graph instead of thousands of kernels,
+which is what an INT8 step at tensor-parallel size 4 and micro-batch 1 waits for (docs/scaling.md).
+
+Same idea as megatron-core's `FullCudaGraphWrapper`, with one difference that makes it work here: the
+graph is captured on the stream the whole run uses (`use_side_stream`, set before the model is built), so
+every autograd node, DDP's gradient-accumulation hooks included, belongs to the capturing stream. Nodes
+created on the legacy default stream would make the autograd engine synchronize it with the capture,
+which CUDA forbids.
+
+What a replay cannot do, `args._validate_cuda_graph` rejects up front. The INT8 weight cache is
+invalidated before each step (training/loop.py), so the captured step quantizes its weights itself.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+
+def use_side_stream() -> None:
+    """Make a fresh stream current for the rest of the run (call before building the model)."""
+    torch.cuda.set_stream(torch.cuda.Stream())
+
+
+class GraphedForwardBackward:
+    """Wraps megatron's `forward_backward_func`: eager for the first `warmup_steps` calls, then one
+    capture (followed by its replay) and replays only. Training and evaluation (`forward_only`) get a
+    graph each. Micro-batches are copied into static buffers, the graph's inputs, before every call."""
+
+    def __init__(self, forward_backward, warmup_steps: int):
+        self.forward_backward = forward_backward
+        self.warmup_steps = warmup_steps
+        self.calls = {False: 0, True: 0}
+        self.graphs: Dict[bool, torch.cuda.CUDAGraph] = {}
+        self.results: Dict[bool, list] = {}
+        self.batches: Dict[bool, List[dict]] = {False: [], True: []}
+
+    def __call__(self, **kwargs):
+        forward_only = kwargs["forward_only"]
+        kwargs["data_iterator"] = self._static_batches(kwargs["data_iterator"], forward_only,
+                                                       kwargs["num_microbatches"])
+        calls = self.calls[forward_only]
+        self.calls[forward_only] += 1
+        if forward_only not in self.graphs:
+            if calls < self.warmup_steps:
+                return self.forward_backward(**kwargs)
+            self._capture(forward_only, kwargs)
+        self.graphs[forward_only].replay()
+        return self.results[forward_only]
+
+    def _capture(self, forward_only: bool, kwargs: dict) -> None:
+        from megatron.core.tensor_parallel.random import get_all_rng_states
+
+        torch.cuda.synchronize()
+        torch.distributed.barrier()  # every rank captures the same collectives
+        graph = torch.cuda.CUDAGraph()
+        for state in get_all_rng_states().values():  # megatron's named streams (cudagraph-safe generators)
+            graph.register_generator_state(state)
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
+            self.results[forward_only] = self.forward_backward(**kwargs)
+        self.graphs[forward_only] = graph
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+
+    def _static_batches(self, data_iterator, forward_only: bool, num_microbatches: int):
+        """An iterator over this call's micro-batches, copied into the same CUDA tensors every call."""
+        if data_iterator is None:  # a stage that receives activations, not tokens
+            return None
+        buffers = self.batches[forward_only]
+        for i in range(num_microbatches):
+            batch = next(data_iterator)
+            if i == len(buffers):
+                buffers.append({k: v.detach().to("cuda", copy=True) if isinstance(v, torch.Tensor) else v
+                                for k, v in batch.items()})
+                continue
+            static = buffers[i]
+            if static.keys() != batch.keys():
+                raise ValueError(f"--cuda-graph-impl local: micro-batch fields changed from {sorted(static)} to "
+                                 f"{sorted(batch)}")
+            for k, v in batch.items():
+                if isinstance(v, torch.Tensor):
+                    if v.shape != static[k].shape or v.dtype != static[k].dtype:
+                        raise ValueError(f"--cuda-graph-impl local: micro-batch field {k!r} changed from "
+                                         f"{tuple(static[k].shape)} {static[k].dtype} to {tuple(v.shape)} {v.dtype}")
+                    static[k].copy_(v, non_blocking=True)
+                elif v is not static[k] and v != static[k]:
+                    raise ValueError(f"--cuda-graph-impl local: micro-batch field {k!r} changed")
+        return iter(buffers[:num_microbatches])
