@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ..policy import policy_from_args, print_precision_table
 from ..linear import invalidate_weight_caches
+from ..policy import policy_from_args, print_precision_table
 from ..quantize import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -84,7 +84,8 @@ def _raise_if_grads_nonfinite(model) -> None:
                                  "optimizer update)")
 
 
-def train_step(forward_backward, data_iterator, model, optimizer, scheduler, args, phases: Optional[StepPhases] = None):
+def train_step(forward_backward, data_iterator, model, optimizer, scheduler, args,
+               phases: Optional[StepPhases] = None):
     """One optimizer step; `phases` (if given) times its parts."""
     phases = phases or StepPhases()
     for chunk in model:
