@@ -11,13 +11,15 @@ created on the legacy default stream would make the autograd engine synchronize 
 which CUDA forbids.
 
 What a replay cannot do, `args._validate_cuda_graph` rejects up front. The INT8 weight cache is
-invalidated before each step (training/loop.py), so the captured step quantizes its weights itself.
+invalidated right before a capture, so the captured step quantizes its weights itself (see `_capture`).
 """
 from __future__ import annotations
 
 from typing import Dict, List
 
 import torch
+
+from ..linear import invalidate_weight_caches
 
 
 def use_side_stream() -> None:
@@ -54,6 +56,9 @@ class GraphedForwardBackward:
     def _capture(self, forward_only: bool, kwargs: dict) -> None:
         from megatron.core.tensor_parallel.random import get_all_rng_states
 
+        # An entry cached by an eager pass (a validation after the last update) would be captured as a
+        # read, and every replay would use those weights: invalidated, the first micro-batch quantizes.
+        invalidate_weight_caches()
         torch.cuda.synchronize()
         torch.distributed.barrier()  # every rank captures the same collectives
         graph = torch.cuda.CUDAGraph()

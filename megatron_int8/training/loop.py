@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from ..linear import invalidate_weight_caches
 from ..policy import policy_from_args, print_precision_table
 from ..quantize import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
@@ -186,14 +185,7 @@ def pretrain(args) -> dict:
     logger = TrainingLogger(args, args.padded_vocab_size, iteration, torch.distributed.get_rank() == 0, _log)
     forward_backward = get_forward_backward_func()
     if args.cuda_graph_impl != "none":
-        graphed = GraphedForwardBackward(forward_backward, args.cuda_graph_warmup_steps)
-
-        def forward_backward(**kwargs):
-            # The capture must contain the weights' quantization: an entry cached by an eager pass (a
-            # validation after the last update) would be captured as a read, and every replay would then
-            # use those weights. Invalidated here, the first micro-batch of each step quantizes.
-            invalidate_weight_caches()
-            return graphed(**kwargs)
+        forward_backward = GraphedForwardBackward(forward_backward, args.cuda_graph_warmup_steps)
         _log(f"CUDA graph: each step's forward and backward captured after {args.cuda_graph_warmup_steps} eager "
              "steps, then replayed")
     for chunk in model:
