@@ -67,6 +67,10 @@ class Layout:
     variants: tuple = ("bf16", "int8")
     smoke_flags: str = ""  # the same parallelism kinds on 2 CPU processes
 
+    def accepts(self, variant: str) -> bool:
+        """Its own variants; with sequence parallelism also every SP variant, when --variants names it."""
+        return variant in self.variants or (variant in SP_VARIANTS and "--sequence-parallel" in self.flags)
+
 
 def _sizes(tp=1, pp=1, ep=1):
     return (f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp} "
@@ -222,9 +226,10 @@ def format_table(records) -> str:
             continue
         base = bf16.get(r["layout"])
         speedup = "1.000x (baseline)" if r["variant"] == "bf16" else (
-            f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a")
-        loss, base_loss = end_loss(r), end_loss(base) if base else float("nan")
-        gap = "" if r["variant"] == "bf16" else f"{100 * (loss / base_loss - 1):+.2f}%"
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "n/a (no BF16 run)")
+        loss = end_loss(r)
+        gap = ("" if r["variant"] == "bf16" else f"{100 * (loss / end_loss(base) - 1):+.2f}%" if base
+               else "n/a (no BF16 run)")
         lines.append(f"| {r['title']} | {r['gpus']} | {r['precision']} | {r['tokens_per_s']:.0f} "
                      f"| {_fmt(r.get('tflops_per_gpu'), '.1f')} | {_fmt(r.get('peak_gb'), '.1f')} "
                      f"| {_fmt(loss, '.4f')} | {gap} | {speedup} |")
@@ -278,7 +283,7 @@ def main(argv=None):
     start, records, failures = time.time(), [], 0
     for name in names:
         layout = LAYOUTS[name]
-        for variant in [v for v in layout.variants if opts.variants is None or v in opts.variants]:
+        for variant in layout.variants if opts.variants is None else [v for v in opts.variants if layout.accepts(v)]:
             left = opts.deadline - (time.time() - start)
             if left < opts.min_run_s:
                 ropts = run_options(layout, variant, opts, 0)

@@ -141,9 +141,7 @@ def test_manual_gc_arguments_are_checked(flags, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--cuda-graph-warmup-steps", "0"], "--cuda-graph-warmup-steps must be >= 1"),
-    (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
     (["--num-experts", "4"], "MoE layers"),
-    (["--overlap-grad-reduce"], "--overlap-grad-reduce is not supported; turn it off with --no-overlap-grad-reduce"),
     (["--int8-linear", "--int8-grad-rounding", "stochastic"], "stochastic draws its seeds on the host"),
     (["--int8-linear", "--int8-check-finite", "immediate"], "immediate synchronizes with the host"),
 ])

@@ -62,6 +62,36 @@ def test_gpu_cuda_graph_steps_train_like_eager_steps(data, tmp_path, precision):
         assert abs(valid[i] - valid_ref[i]) <= 0.02 * valid_ref[i], (i, valid[i], valid_ref[i])
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2"],  # the captured step holds the P2P sends and receives
+    ["--use-distributed-optimizer"],  # DP 2: it holds the gradient reduce-scatter
+    ["--use-distributed-optimizer", "--overlap-grad-reduce"],  # ... launched from backward's gradient hooks
+], ids=["pp2", "dp2-distopt", "dp2-distopt-overlap"])
+def test_gpu_cuda_graph_steps_on_two_gpus_train_like_eager_steps(data, tmp_path, layout):  # noqa: F811
+    """The captured step also holds the NCCL traffic of the step: pipeline sends/receives between stages
+    (PP 2) or the data-parallel gradient reduce-scatter (DP 2; with --overlap-grad-reduce it runs on NCCL's
+    stream while the backward goes on, and the captured step joins it before its end). Replays must track the eager run as on one GPU
+    (a replay that skipped the exchange would train one stage on garbage, or each replica on half the batch)."""
+    common = ["--bf16", "--int8-linear", "--train-iters", "12", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--eval-interval", "6", "--eval-iters", "2", *layout]
+    eager, graphed = tmp_path / "eager", tmp_path / "graphed"
+    train(data, *common, "--save", str(eager), nproc=2, gpu=True)
+    out = train(data, *common, "--save", str(graphed), "--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2",
+                nproc=2, gpu=True)
+    assert "CUDA graph: each step's forward and backward captured after 2 eager steps" in out
+    reference, replayed = losses(eager / "train_log.jsonl"), losses(graphed / "train_log.jsonl")
+    assert sorted(replayed) == list(range(1, 13))
+    for i in range(3, 13):
+        assert abs(replayed[i] - reference[i]) <= 0.02 * reference[i], (i, replayed[i], reference[i])
+    assert reference[1] - reference[12] > 0.2, reference  # the tolerance is finer than the training progress
+    valid_ref, valid = losses(eager / "train_log.jsonl", "valid_lm_loss"), losses(graphed / "train_log.jsonl",
+                                                                                   "valid_lm_loss")
+    assert sorted(valid) == [6, 12]
+    for i in valid:
+        assert abs(valid[i] - valid_ref[i]) <= 0.02 * valid_ref[i], (i, valid[i], valid_ref[i])
+
+
 def _fp8_unavailable():
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"

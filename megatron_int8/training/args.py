@@ -75,7 +75,7 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
-                   help="Turn off an overlap_grad_reduce set in the YAML (--cuda-graph-impl local needs it off).")
+                   help="Turn off an overlap_grad_reduce set in the YAML.")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="Default: nccl with CUDA, gloo without.")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -303,11 +303,8 @@ def _validate_cuda_graph(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--cuda-graph-warmup-steps must be >= 1 (autotuning and compilation run eagerly), "
                             f"got {args.cuda_graph_warmup_steps}")
     reasons = {
-        "pipeline parallelism (--pipeline-model-parallel-size > 1) is not supported":
-            args.pipeline_model_parallel_size > 1,
         "MoE layers (--num-experts) route a different number of tokens to each expert every step":
             args.num_experts is not None,
-        "--overlap-grad-reduce is not supported; turn it off with --no-overlap-grad-reduce": args.overlap_grad_reduce,
         "--int8-grad-rounding stochastic draws its seeds on the host at every call":
             getattr(args, "int8_grad_rounding", "nearest") == "stochastic",
         "--int8-check-finite immediate synchronizes with the host inside the step":
@@ -506,6 +503,9 @@ def transformer_config_from_args(args, **overrides):
         recompute_num_layers=args.recompute_num_layers,
         deallocate_pipeline_outputs=True,
         variable_seq_lengths=False,
+        # megatron synchronizes the device after each batched P2P exchange (a guard for an old PyTorch race):
+        # a host sync that a captured step (--cuda-graph-impl local) cannot contain
+        batch_p2p_sync=args.cuda_graph_impl == "none",
     )
     if args.num_experts is not None:
         kwargs.update(

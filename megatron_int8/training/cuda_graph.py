@@ -10,8 +10,13 @@ every autograd node, DDP's gradient-accumulation hooks included, belongs to the 
 created on the legacy default stream would make the autograd engine synchronize it with the capture,
 which CUDA forbids.
 
-What a replay cannot do, `args._validate_cuda_graph` rejects up front. The INT8 weight cache is
-invalidated right before a capture, so the captured step quantizes its weights itself (see `_capture`).
+The step's NCCL traffic is part of the graph: sequence-parallel gathers, pipeline sends and receives
+(megatron's device sync after each batched exchange is off: `batch_p2p_sync`), and the data-parallel
+gradient reduce-scatter, also when `--overlap-grad-reduce` launches it from backward's hooks on NCCL's
+stream (the step waits for it before its end, so the capture joins it).
+
+What a replay cannot do, `args._validate_cuda_graph` rejects up front. The INT8 weight cache is invalidated
+right before a capture, so the captured step quantizes its weights itself (see `_capture`).
 """
 from __future__ import annotations
 
