@@ -149,6 +149,19 @@ def test_cuda_graph_arguments_reject_what_a_replayed_step_cannot_do(flags, messa
     _expect_argument_error(["--cuda-graph-impl", "local", *flags], message)
 
 
+def test_graphed_runs_turn_off_the_device_sync_after_pipeline_exchanges():
+    """megatron synchronizes the device after each batched P2P exchange unless told otherwise; a captured
+    pipeline step cannot contain that sync (tests/test_training_gpu.py runs PP 2 graphed on GPUs)."""
+    from megatron_int8.training.args import parse_args, transformer_config_from_args
+
+    flags = ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--pipeline-model-parallel-size", "2"]
+    eager = transformer_config_from_args(parse_args(flags), use_cpu_initialization=True)
+    graphed = transformer_config_from_args(parse_args(flags + ["--cuda-graph-impl", "local"]),
+                                           use_cpu_initialization=True)
+    assert eager.batch_p2p_comm and eager.batch_p2p_sync
+    assert graphed.batch_p2p_comm and not graphed.batch_p2p_sync
+
+
 def test_no_overlap_grad_reduce_turns_off_the_yaml_setting():
     from megatron_int8.training.args import parse_args
 
