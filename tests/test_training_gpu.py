@@ -71,8 +71,9 @@ def test_gpu_cuda_graph_steps_train_like_eager_steps(data, tmp_path, precision):
 def test_gpu_cuda_graph_steps_on_two_gpus_train_like_eager_steps(data, tmp_path, layout):  # noqa: F811
     """The captured step also holds the NCCL traffic of the step: pipeline sends/receives between stages
     (PP 2) or the data-parallel gradient reduce-scatter (DP 2; with --overlap-grad-reduce it runs on NCCL's
-    stream while the backward goes on, and the captured step joins it before its end). Replays must track the eager run as on one GPU
-    (a replay that skipped the exchange would train one stage on garbage, or each replica on half the batch)."""
+    stream while the backward goes on, and the captured step joins it before its end). Replays must track
+    the eager run as on one GPU (a replay that skipped the exchange would train one stage on garbage, or
+    each replica on half the batch)."""
     common = ["--bf16", "--int8-linear", "--train-iters", "12", "--micro-batch-size", "2", "--global-batch-size", "8",
               "--eval-interval", "6", "--eval-iters", "2", *layout]
     eager, graphed = tmp_path / "eager", tmp_path / "graphed"
