@@ -72,5 +72,6 @@ def main(argv=None):
             cells.append("yes" if _same(*outs) else "**NO**")
         print(f"| {label} | " + " | ".join(cells) + " |")
 
+
 if __name__ == "__main__":
     main()

@@ -95,10 +95,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
                    help="local: after --cuda-graph-warmup-steps eager steps, capture a training step's forward and "
-                        "backward over all its micro-batches as one CUDA graph (megatron-core's "
-                        "FullCudaGraphWrapper) and replay it on every later step, so the host no longer launches "
-                        "kernels one by one. For host-bound layouts (INT8 at TP 4, micro-batch 1). GPU only; "
-                        "pipeline-parallel size 1, dense models, deferred finite check, nearest rounding.")
+                        "backward over all its micro-batches, with their TP/PP/DP communication, as one CUDA graph "
+                        "(the idea of megatron-core's FullCudaGraphWrapper) and replay it on every later step, so "
+                        "the host no longer launches kernels one by one. For host-bound layouts (INT8 at TP 4, "
+                        "micro-batch 1). GPU only; dense models, deferred finite check, nearest rounding.")
     g.add_argument("--cuda-graph-scope", default="full_iteration", choices=["full_iteration"],
                    help="What --cuda-graph-impl local captures: the whole forward/backward of a step (the only scope "
                         "this trainer supports).")
