@@ -114,7 +114,7 @@ def triton_available() -> bool:
     return True
 
 
-def _triton_runs_on(device: torch.device) -> bool:
+def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -133,7 +133,7 @@ def resolve_backend_name(device: torch.device, recipe: Int8Recipe) -> str:
     if choice == "triton":
         if not triton_available():
             raise ImportError("INT8 backend 'triton' requested but triton (or megatron_int8.kernels) is not importable")
-        if not _triton_runs_on(device):
+        if not triton_runs_on(device):
             raise ValueError(f"INT8 backend 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got {device}")
     return choice
 

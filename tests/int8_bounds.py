@@ -56,3 +56,33 @@ def assert_within_int8_bound(out, a, b, granularity, *, a_weight=False, b_weight
     assert worst <= 1.0, f"{what}: error exceeds the quantization bound by {worst:.3f}x"
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.flatten(), dim=0).item()
     return cos
+
+
+def rope_float64(t, freqs, inverse=False):
+    """RoPE (or its transpose) in float64: halves [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2]."""
+    rot = freqs.shape[-1]
+    x, f = t[..., :rot].double(), freqs.double()
+    c, s = torch.cos(f), torch.sin(f)
+    h = rot // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    if inverse:
+        out = torch.cat((x1 * c[..., :h] + x2 * s[..., h:], x2 * c[..., h:] - x1 * s[..., :h]), dim=-1)
+    else:
+        out = torch.cat((x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]), dim=-1)
+    return torch.cat((out, t[..., rot:].double()), dim=-1)
+
+
+def assert_rope_close(got, t, freqs, inverse, what, rounding_ulps=0.5):
+    """got (a new contiguous tensor of t's dtype) within `rounding_ulps` of t's dtype of the float64
+    RoPE of t (half an ulp: one round-to-nearest), plus fp32 arithmetic (cos/sin, two products, a sum)
+    on the magnitudes |x1| + |x2| it combines; the dimensions past the rotary ones copied exactly."""
+    want = rope_float64(t, freqs, inverse)
+    rot = freqs.shape[-1]
+    pair = t[..., :rot // 2].double().abs() + t[..., rot // 2:rot].double().abs()  # |x1| + |x2|
+    mag = torch.cat((pair, pair, torch.zeros_like(t[..., rot:], dtype=torch.float64)), dim=-1)
+    bound = want.abs() * torch.finfo(t.dtype).eps * rounding_ulps + mag * 4 * torch.finfo(torch.float32).eps
+    err = (got.double() - want).abs()
+    assert got.shape == t.shape and got.dtype == t.dtype and got.is_contiguous(), what
+    assert (err <= bound).all(), f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+    assert torch.equal(got[..., rot:], t[..., rot:]), f"{what}: pass-through dimensions changed"
+

@@ -39,6 +39,7 @@ if not INTERPRETING:
 
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
 from megatron_int8.backend import ReferenceBackend  # noqa: E402
+from int8_bounds import assert_rope_close  # noqa: E402
 
 qref = importlib.import_module("megatron_int8.quantize")
 REF = ReferenceBackend()
@@ -900,6 +901,32 @@ def test_gemm_strided_column_slice_operands(K):
         tma_kernel(gc, xc, want := main.clone(), ACCUMULATE=True, C_TMA=False)
         assert torch.equal(out, want)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rot_of_d,batch_freqs", [(1.0, False), (0.5, True)])
+def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
+    """The Triton RoPE on a strided q (a slice of a fused qkv tensor), 20 heads (masked head blocks),
+    a partial rotary dimension and per-batch angles: forward and the transposed rotation of backward
+    against float64; the dimensions past the rotary ones are copied exactly."""
+    from megatron_int8 import rope
+
+    # a whole ulp of rounding: the interpreter's fp32 -> bf16 cast truncates (tests/test_kernels_gpu.py
+    # holds the GPU kernel to half an ulp)
+    ulps = 1.0 if dtype == torch.bfloat16 else 0.5
+    S, B, H, D = 5, 3, 20, 16
+    rot = int(D * rot_of_d)
+    qkv = outliers(S * B * H, 3 * D, dtype).view(S, B, H, 3 * D)
+    q = qkv[..., :D]  # strides (B*H*3D, H*3D, 3D, 1)
+    assert not q.is_contiguous()
+    freqs = torch.rand(S, B if batch_freqs else 1, 1, rot) * 4096  # large angles, as late positions have
+    q_leaf = q.detach().clone().requires_grad_(True)
+    out = rope.fused_rope(q_leaf, freqs)
+    assert out.grad_fn is not None and "TritonRoPE" in type(out.grad_fn).__name__
+    assert_rope_close(out, q, freqs, False, "forward", ulps)
+    grad = outliers(S * B * H, D, dtype).view(S, B, H, D)
+    out.backward(grad)
+    assert_rope_close(q_leaf.grad, grad, freqs, True, "backward", ulps)
 
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).
 for _name, _fn in list(globals().items()):

@@ -612,3 +612,27 @@ def test_wgrad_on_column_slices(K, REF, autotune, monkeypatch):
         gc, xc = (qref.QTensor(q.data.contiguous(), q.scale, "row") for q in (ga, xa))
         want = REF.gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone())
         assert_gemm_close(buf, want, _mag(gc, xc, REF) + main.abs(), f"expert {e} wgrad", 2)
+
+
+@pytest.mark.parametrize("heads,groups,rot", [(20, 20, 128), (32, 8, 64)])
+def test_fused_rope_real_shapes(heads, groups, rot):
+    """The Triton RoPE at a Llama2-13B TP 2 q (20 heads) and a GQA k (8 groups, half the dimensions
+    rotated), both strided slices of a fused qkv output, seq 4096 x micro-batch 2: forward and backward
+    within one round-to-nearest of the float64 values (the interpreter test allows a whole ulp)."""
+    from int8_bounds import assert_rope_close
+
+    from megatron_int8 import rope
+
+    S, B, D = 4096, 2, 128
+    qkv = outliers(S * B * (heads + 2 * groups), D).view(S, B, heads + 2 * groups, D)
+    for x in (qkv[:, :, :heads], qkv[:, :, heads:heads + groups]):
+        assert not x.is_contiguous()
+        freqs = (torch.arange(S, device="cuda", dtype=torch.float32)[:, None]
+                 * 10000.0 ** (-torch.arange(0, rot, 2, device="cuda") / rot)).repeat(1, 2)[:, None, None, :]
+        leaf = x.detach().clone().requires_grad_(True)
+        out = rope.fused_rope(leaf, freqs)
+        assert "TritonRoPE" in type(out.grad_fn).__name__
+        assert_rope_close(out.cpu(), x.cpu(), freqs.cpu(), False, "forward")
+        grad = outliers(S * B * x.shape[2], D).view(S, B, x.shape[2], D)
+        out.backward(grad)
+        assert_rope_close(leaf.grad.cpu(), grad.cpu(), freqs.cpu(), True, "backward")

@@ -45,6 +45,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 RoPE scaling.")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
+                   help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
+                        "(megatron_int8.rope, or Transformer Engine's when installed).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -507,6 +510,10 @@ def transformer_config_from_args(args, **overrides):
         # a host sync that a captured step (--cuda-graph-impl local) cannot contain
         batch_p2p_sync=args.cuda_graph_impl == "none",
     )
+    if args.position_embedding_type == "rope" and args.apply_rope_fusion:
+        from ..rope import install as install_fused_rope
+
+        kwargs.update(apply_rope_fusion=install_fused_rope())
     if args.num_experts is not None:
         kwargs.update(
             num_moe_experts=args.num_experts,

@@ -1,0 +1,72 @@
+"""RoPE forward + backward: megatron-core's unfused ops vs megatron_int8.rope's Triton kernel (one GPU).
+
+q and k are strided slices of a fused qkv output, as in megatron's attention; one row per shape. The
+bytes column counts one read and one write of q (or k) in each direction, the least a RoPE can move.
+
+    python scripts/bench_rope.py            # Llama2-13B at TP 2 and Llama3.1-8B (GQA), seq 4096 x mb 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = {  # name: (query heads, key/value groups, head dim) per tensor-parallel rank
+    "llama2_13b-tp2": (20, 20, 128),
+    "llama3.1_8b": (32, 8, 128),
+}
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--iters", type=int, default=50)
+    opts = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_rope.py needs a CUDA GPU")
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_int8.rope import fused_rope
+
+    S, B = opts.seq, opts.micro_batch
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {S} x micro-batch {B}, bf16, "
+          f"q then k, forward + backward")
+    print("| shape | megatron unfused ms | fused ms | speedup | fused GB/s |")
+    print("|---|---|---|---|---|")
+    for name, (heads, groups, dim) in SHAPES.items():
+        qkv = torch.randn(S, B, heads + 2 * groups, dim, device="cuda", dtype=torch.bfloat16)
+        freqs = (torch.arange(S, device="cuda", dtype=torch.float32)[:, None]
+                 * 10000.0 ** (-torch.arange(0, dim, 2, device="cuda") / dim)).repeat(1, 2)[:, None, None, :]
+        grads = [torch.randn(S, B, n, dim, device="cuda", dtype=torch.bfloat16) for n in (heads, groups)]
+
+        def step(apply):
+            q = qkv[:, :, :heads].detach().requires_grad_(True)
+            k = qkv[:, :, heads:heads + groups].detach().requires_grad_(True)
+            torch.autograd.backward([apply(q, freqs), apply(k, freqs)], grads)
+
+        unfused = time_ms(lambda: step(_apply_rotary_pos_emb_bshd), 5, opts.iters)
+        fused = time_ms(lambda: step(fused_rope), 5, opts.iters)
+        moved = 2 * 2 * S * B * (heads + groups) * dim * 2  # (read + write) x (fwd + bwd), 2 bytes each
+        print(f"| {name} | {unfused:.3f} | {fused:.3f} | {unfused / fused:.2f}x | {moved / fused / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
