@@ -81,8 +81,17 @@ def build_config(args, log):
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
-    return transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
-                                        bias_activation_fusion=args.swiglu and on_gpu)
+    config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
+                                          bias_activation_fusion=args.swiglu and on_gpu)
+    if config.apply_rope_fusion:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        from ..rope import fused_rope
+
+        ours = rope_utils.fused_apply_rotary_pos_emb is fused_rope
+        log("note: RoPE fused (" + ("megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine") + "; --no-rope-fusion "
+            "for megatron's unfused ops)")
+    return config
 
 
 def fuse_int8_wgrad(model: torch.nn.Module) -> None:
