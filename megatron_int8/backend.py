@@ -11,8 +11,9 @@ A backend offers two calls with identical contracts (see quantize.py for convent
       the tensor-parallel group, while Q(x) keeps its own per-row scales;
       `columnwise_segments`: row-wise only, a quantize.Segments layout of x's rows (MoE experts): Q(x^T)
       gets one scale per column per segment, [E, C], see quantize.quantize_segment_columns)
-  gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True) -> dequant(a @ b^T) [+ bias]
-      (`autotune`: a hint for kernels with tunable tiles; the result is the same either way)
+  gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None) -> dequant(a @ b^T) [+ bias]
+      (`autotune`: a hint for kernels with tunable tiles; the result is the same either way; `out`: a
+      contiguous [M, N] tensor to write, e.g. a row range of a larger output)
   grouped_gemm(a, b, segments, *, out_dtype) -> per segment e, dequant(a_e @ b[e]^T) in a's rows of e
       (MoE experts: a row-wise [R, K] in the segments' layout, b stacked [E, N, K] with scales [E, N])
 `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
@@ -74,8 +75,8 @@ class ReferenceBackend:
             col = ref.pad_columns(col, columnwise_pad)
         return row, col
 
-    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
-        return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into)
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None):
+        return ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, out=out)
 
     def grouped_gemm(self, a, b, segments, *, out_dtype):
         return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
@@ -96,8 +97,9 @@ class TritonBackend:
     def quantize(self, x, **kwargs):
         return self._quantize(x, **kwargs)
 
-    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True):
-        return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, autotune=autotune)
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None):
+        return self._gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, autotune=autotune,
+                          out=out)
 
     def grouped_gemm(self, a, b, segments, *, out_dtype):
         return self._grouped_gemm(a, b, segments, out_dtype=out_dtype)

@@ -11,6 +11,12 @@ parallel all-gather / reduce-scatter, async dgrad all-reduce, and wgrad accumula
 
 `config.gradient_accumulation_fusion` needs apex's fused_weight_gradient_mlp_cuda in megatron; here
 the wgrad GEMM accumulates into main_grad itself, so these layers accept the flag without apex.
+
+`config.tp_comm_overlap` (megatron's flag, which otherwise only Transformer Engine implements) pipelines
+the sequence-parallel collectives with the GEMMs, in INT8 and high precision alike (see linear.TPOptions),
+honouring `tp_comm_overlap_ag`, `tp_comm_overlap_rs` and `tp_comm_overlap_disable_qkv` / `_fc1`. The
+row-parallel layer then does its output reduce-scatter inside the linear, so that layer overrides
+`forward` as well: the one place megatron issues that collective.
 """
 from __future__ import annotations
 
@@ -45,7 +51,8 @@ class Int8LinearMixin:
     int8: bool
     int8_recipe: Int8Recipe
 
-    def _finish_int8_init(self, config, recipe: Optional[Int8Recipe], int8: bool) -> None:
+    def _finish_int8_init(self, config, recipe: Optional[Int8Recipe], int8: bool,
+                          tp_comm_buffer_name: Optional[str] = None) -> None:
         if config.defer_embedding_wgrad_compute:
             raise NotImplementedError(
                 f"{type(self).__name__}: defer_embedding_wgrad_compute (grad_output_buffer) is not supported")
@@ -58,6 +65,13 @@ class Int8LinearMixin:
         if getattr(self, "is_expert", False) and recipe.autotune:
             recipe = dataclasses.replace(recipe, autotune=False)  # token counts change with every routing
         self.int8_recipe = recipe
+        disabled = {"qkv": config.tp_comm_overlap_disable_qkv, "fc1": config.tp_comm_overlap_disable_fc1}
+        self.tp_comm_overlap = (config.tp_comm_overlap and config.sequence_parallel
+                                and not disabled.get(tp_comm_buffer_name, False))
+
+    @property
+    def _linear_recipe(self) -> Int8Recipe:
+        return self.int8_recipe if self.int8 else HIGH_PRECISION
 
     def _forward_impl(
         self,
@@ -74,15 +88,16 @@ class Int8LinearMixin:
         if grad_output_buffer is not None:
             raise NotImplementedError(f"{type(self).__name__}: grad_output_buffer (deferred wgrad) is not supported")
         fused_accumulation = gradient_accumulation_fusion and weight.requires_grad
-        if not self.int8 and not (fused_accumulation and not mcore_layers._grad_accum_fusion_available):
+        overlap_ag = self.tp_comm_overlap and sequence_parallel and self.config.tp_comm_overlap_ag
+        if not (self.int8 or overlap_ag or (fused_accumulation and not mcore_layers._grad_accum_fusion_available)):
             return super()._forward_impl(
                 input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
                 allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group)
         if (sequence_parallel or allreduce_dgrad) and tp_group is None:
             tp_group = get_tensor_model_parallel_group_if_none(None)
         tp = TPOptions(group=tp_group, sequence_parallel=sequence_parallel, allreduce_dgrad=allreduce_dgrad,
-                       gradient_accumulation_fusion=fused_accumulation)
-        return int8_linear(input, weight, bias, self.int8_recipe if self.int8 else HIGH_PRECISION, tp=tp)
+                       gradient_accumulation_fusion=fused_accumulation, overlap_ag=overlap_ag)
+        return int8_linear(input, weight, bias, self._linear_recipe, tp=tp)
 
 
 class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
@@ -96,7 +111,7 @@ class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
                 "(defer_embedding_wgrad_compute) are not supported")
         super().__init__(input_size, output_size, config=_config_without_apex_check(config),
                          init_method=init_method, **kwargs)
-        self._finish_int8_init(config, recipe, int8)
+        self._finish_int8_init(config, recipe, int8, kwargs.get("tp_comm_buffer_name"))
 
 
 class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
@@ -106,4 +121,19 @@ class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
                  recipe: Optional[Int8Recipe] = None, int8: bool = True, **kwargs):
         super().__init__(input_size, output_size, config=_config_without_apex_check(config),
                          init_method=init_method, **kwargs)
-        self._finish_int8_init(config, recipe, int8)
+        self._finish_int8_init(config, recipe, int8, kwargs.get("tp_comm_buffer_name"))
+
+    def forward(self, input_):
+        """megatron's forward, except under `tp_comm_overlap` with sequence parallelism: then the output
+        reduce-scatter (and its backward all-gather) run inside the linear, pipelined with the GEMM."""
+        if not self.tp_comm_overlap or self.explicit_expert_comm:
+            return super().forward(input_)
+        if self.config._cpu_offloading_context is not None:
+            raise NotImplementedError("Int8RowParallelLinear: tp_comm_overlap with CPU offloading is not supported")
+        tp = TPOptions(group=self.tp_group, scatter_output=True,
+                       gradient_accumulation_fusion=self.gradient_accumulation_fusion and self.weight.requires_grad,
+                       overlap_ag=self.config.tp_comm_overlap_ag, overlap_rs=self.config.tp_comm_overlap_rs)
+        output = int8_linear(input_, self.weight, None, self._linear_recipe, tp=tp)
+        if self.skip_bias_add:
+            return output, self.bias
+        return (output + self.bias if self.bias is not None else output), None

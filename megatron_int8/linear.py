@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -77,12 +77,26 @@ def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwi
 
 @dataclasses.dataclass(frozen=True)
 class TPOptions:
-    """Tensor-parallel communication done inside the linear, as in megatron-core."""
+    """Tensor-parallel communication done inside the linear, as in megatron-core.
+
+    `overlap_ag` / `overlap_rs` pipeline the sequence-parallel collectives with the GEMMs, as megatron's
+    `tp_comm_overlap_ag` / `_rs` do with Transformer Engine: an all-gather runs asynchronously while the
+    rows this rank already holds are computed, then the other ranks' rows; the output reduce-scatter
+    computes the other ranks' rows first and exchanges them (one all-to-all) while this rank's own rows
+    are computed, then adds what it received. Same results, with the communication hidden behind GEMMs.
+    """
 
     group: Optional[torch.distributed.ProcessGroup] = None
-    sequence_parallel: bool = False  # all-gather input along dim 0; reduce-scatter its gradient
+    sequence_parallel: bool = False  # column-parallel: all-gather the input along dim 0; reduce-scatter its gradient
+    scatter_output: bool = False  # row-parallel under SP: reduce-scatter the output along dim 0; all-gather its gradient
     allreduce_dgrad: bool = False  # all-reduce the input gradient (column-parallel without SP)
     gradient_accumulation_fusion: bool = False  # accumulate wgrad into weight.main_grad
+    overlap_ag: bool = False  # pipeline the input all-gather (forward) and the output-gradient all-gather (backward)
+    overlap_rs: bool = False  # pipeline the output reduce-scatter (forward)
+
+    def __post_init__(self):
+        if sum((self.sequence_parallel, self.scatter_output, self.allreduce_dgrad)) > 1:
+            raise ValueError("TPOptions: sequence_parallel, scatter_output and allreduce_dgrad are mutually exclusive")
 
 
 def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -90,6 +104,50 @@ def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((x.shape[0] * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def _other_rows(world: int, rank: int, rows: int) -> List[slice]:
+    """The other ranks' rows of a [world * rows, ...] tensor gathered along dim 0, in rank order, as at most
+    two contiguous ranges (before and after this rank's)."""
+    return [r for r in (slice(0, rank * rows), slice((rank + 1) * rows, world * rows)) if r.start < r.stop]
+
+
+def _gather_pipelined(local: torch.Tensor, group, rows_gemm, out: torch.Tensor) -> torch.Tensor:
+    """All-gather `local` [m, K] along dim 0 and run `rows_gemm(x_rows, out_rows)` over all of it, into the
+    matching rows of `out`: this rank's rows from `local` while the gather runs, then the other ranks'.
+    Returns the gathered [world * m, K] tensor."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    m = local.shape[0]
+    gathered = torch.empty((world * m,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    work = torch.distributed.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+    rows_gemm(local, out[rank * m:(rank + 1) * m])
+    work.wait()
+    for rows in _other_rows(world, rank, m):
+        rows_gemm(gathered[rows], out[rows])
+    return gathered
+
+
+def _reduce_scatter_pipelined(total_rows: int, group, rows_gemm, shape, dtype, device) -> torch.Tensor:
+    """This rank's rows of the sum over the group of a [total_rows, N] partial product that `rows_gemm(rows,
+    out_rows)` computes range by range: the other ranks' rows first, sent (one all-to-all) while this rank's
+    own rows are computed; then the received partials are added (in fp32 beyond two ranks)."""
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    m = total_rows // world
+    send = torch.empty(((world - 1) * m,) + tuple(shape), dtype=dtype, device=device)
+    start = 0
+    for rows in _other_rows(world, rank, m):
+        n = rows.stop - rows.start
+        rows_gemm(rows, send[start:start + n])
+        start += n
+    recv = torch.empty_like(send)
+    splits = [0 if r == rank else m for r in range(world)]
+    work = torch.distributed.all_to_all_single(recv, send, splits, splits, group=group, async_op=True)
+    own = torch.empty((m,) + tuple(shape), dtype=dtype, device=device)
+    rows_gemm(slice(rank * m, (rank + 1) * m), own)
+    work.wait()
+    if world == 2:
+        return own.add_(recv)
+    return (own.float() + recv.view(world - 1, m, *shape).float().sum(0)).to(dtype)
 
 
 def _group_amax(x: torch.Tensor, dim: Optional[int], group) -> torch.Tensor:
@@ -152,28 +210,65 @@ class _Int8LinearFunction(torch.autograd.Function):
     def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
         backend = get_backend(input.device, recipe) if recipe.any_int8 else None
         wgrad_int8 = recipe.wgrad and weight.requires_grad
-        qx_row = qx_col = qx_local = None
+        qx_row = qx_col = qx_local = out2d = None
+        world = torch.distributed.get_world_size(tp.group) if tp.sequence_parallel or tp.scatter_output else 1
+        total_shape = (input.shape[0] * world,) + tuple(input.shape[1:]) if tp.sequence_parallel else tuple(input.shape)
+        x_kw = _quantize_kwargs(recipe, "fprop input")
+        qw_row = (quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)[0]
+                  if recipe.fprop else None)
         int8_gather = (tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop
                        and recipe.granularity in ("tensor", "row"))
         if int8_gather:
             # X is never gathered in BF16; backward re-gathers the local INT8 shard for wgrad (as megatron
             # re-gathers the BF16 input), so only 1 byte per local element stays saved
             qx_row, qx_local = _gather_quantized_input(input, backend, recipe, tp.group, wgrad_int8)
-            world = torch.distributed.get_world_size(tp.group)
-            total_shape = (input.shape[0] * world,) + tuple(input.shape[1:])
+        elif tp.sequence_parallel and tp.overlap_ag:
+            x_local = input.reshape(-1, input.shape[-1])
+            if not x_local.is_contiguous():
+                x_local = x_local.contiguous()
+            # tensorwise: every chunk needs the gathered tensor's amax, reduced before the gather starts (the
+            # group's collectives run in order); row and block scales are per token, hence local
+            amax = (_group_amax(x_local, None, tp.group)
+                    if recipe.granularity == "tensor" and (recipe.fprop or wgrad_int8) else None)
+
+            def fprop_rows(x_rows, out_rows):
+                if recipe.fprop:
+                    q, _ = backend.quantize(x_rows, rowwise=True, columnwise=False, amax=amax, **x_kw)
+                    backend.gemm(q, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune, out=out_rows)
+                else:
+                    _hp_gemm_into(x_rows, weight, bias, out_rows)
+
+            out2d = torch.empty((world * x_local.shape[0], weight.shape[0]), dtype=input.dtype, device=input.device)
+            x2d = _gather_pipelined(x_local, tp.group, fprop_rows, out2d)
+            if wgrad_int8:
+                _, qx_col = backend.quantize(x2d, rowwise=False, columnwise=True, columnwise_pad=TOKEN_PAD,
+                                             amax=amax, **x_kw)
         else:
             total = _all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
-            total_shape = tuple(total.shape)
             x2d = total.reshape(-1, total.shape[-1])
             if recipe.fprop or wgrad_int8:
                 qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
-                                                  columnwise_pad=TOKEN_PAD,
-                                                  **_quantize_kwargs(recipe, "fprop input"))
-        if recipe.fprop:
-            qw_row, _ = quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)
-            out = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
-        else:
-            out = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
+                                                  columnwise_pad=TOKEN_PAD, **x_kw)
+        if out2d is None and tp.scatter_output:
+            def partial_rows(rows, out_rows):
+                if recipe.fprop:
+                    backend.gemm(qx_row.row_range(rows), qw_row, out_dtype=input.dtype, autotune=recipe.autotune,
+                                 out=out_rows)
+                else:
+                    _hp_gemm_into(x2d[rows], weight, None, out_rows)
+
+            if tp.overlap_rs:
+                out2d = _reduce_scatter_pipelined(x2d.shape[0], tp.group, partial_rows, (weight.shape[0],),
+                                                  input.dtype, input.device)
+            else:
+                partial = torch.empty((x2d.shape[0], weight.shape[0]), dtype=input.dtype, device=input.device)
+                partial_rows(slice(0, x2d.shape[0]), partial)
+                out2d = torch.empty((x2d.shape[0] // world, weight.shape[0]), dtype=input.dtype, device=input.device)
+                torch.distributed.reduce_scatter_tensor(out2d, partial, group=tp.group)
+        elif out2d is None and recipe.fprop:
+            out2d = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
+        elif out2d is None:
+            out2d = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
 
         ctx.recipe, ctx.tp, ctx.backend = recipe, tp, backend
         ctx.input_shape, ctx.input_dtype = tuple(input.shape), input.dtype
@@ -190,7 +285,8 @@ class _Int8LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(weight, input)  # high-precision wgrad needs X (re-gathered under SP)
         else:
             ctx.save_for_backward(weight)
-        return out.view(*total_shape[:-1], weight.shape[0])
+        lead = (total_shape[0] // world,) + total_shape[1:-1] if tp.scatter_output else total_shape[:-1]
+        return out2d.view(*lead, weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -202,27 +298,55 @@ class _Int8LinearFunction(torch.autograd.Function):
             g2d = g2d.contiguous()
 
         dgrad_int8, wgrad_int8 = need_dgrad and recipe.dgrad, need_wgrad and ctx.wgrad_int8
-        qg_row = qg_col = None
-        if dgrad_int8 or wgrad_int8:
-            qg_row, qg_col = backend.quantize(
-                g2d, rowwise=dgrad_int8, columnwise=wgrad_int8, columnwise_pad=TOKEN_PAD,
-                **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
+        g_kw = _quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic")
+        qw_col = (quantized_weight(weight, backend, recipe, rowwise=False, columnwise=True)[1]
+                  if dgrad_int8 else None)
 
+        def dgrad_rows(g_rows, out_rows, amax=None):
+            if dgrad_int8:
+                q, _ = backend.quantize(g_rows, rowwise=True, columnwise=False, amax=amax, **g_kw)
+                backend.gemm(q, qw_col, out_dtype=ctx.input_dtype, autotune=recipe.autotune, out=out_rows)
+            elif g_rows.dtype == out_rows.dtype:
+                torch.mm(g_rows, weight.to(g_rows.dtype), out=out_rows)
+            else:
+                out_rows.copy_(g_rows @ weight.to(g_rows.dtype))
+
+        # the input for wgrad, re-gathered under SP while dgrad runs: INT8 shards, or the saved BF16 input
         gather = None
-        if wgrad_int8 and ctx.regather_int8:  # Q(X) shards for wgrad, gathered while dgrad runs
-            q_local = ctx.saved_tensors[1]
+        regather_hp = need_wgrad and not wgrad_int8 and tp.sequence_parallel
+        if (wgrad_int8 and ctx.regather_int8) or regather_hp:
+            local = ctx.saved_tensors[1]
+            local = local.reshape(-1, local.shape[-1]) if regather_hp else local
             world = torch.distributed.get_world_size(tp.group)
-            gathered = torch.empty((q_local.shape[0] * world, q_local.shape[1]), dtype=q_local.dtype,
-                                   device=q_local.device)
-            gather = torch.distributed.all_gather_into_tensor(gathered, q_local, group=tp.group, async_op=True)
+            gathered = torch.empty((local.shape[0] * world, local.shape[1]), dtype=local.dtype, device=local.device)
+            gather = torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=tp.group,
+                                                              async_op=True)
+
+        qg_col = dx = None
+        if tp.scatter_output and tp.overlap_ag and need_dgrad:
+            # row-parallel: the output gradient is all-gathered while this rank's rows run dgrad
+            amax = (_group_amax(g2d, None, tp.group)
+                    if recipe.granularity == "tensor" and (dgrad_int8 or wgrad_int8) else None)
+            dx = torch.empty((g2d.shape[0] * torch.distributed.get_world_size(tp.group), weight.shape[1]),
+                             dtype=ctx.input_dtype, device=g2d.device)
+            g2d = _gather_pipelined(g2d, tp.group, functools.partial(dgrad_rows, amax=amax), dx)
+            if wgrad_int8:
+                _, qg_col = backend.quantize(g2d, rowwise=False, columnwise=True, columnwise_pad=TOKEN_PAD,
+                                             amax=amax, **g_kw)
+        else:
+            if tp.scatter_output:
+                g2d = _all_gather_dim0(g2d, tp.group)
+            qg_row = None
+            if dgrad_int8 or wgrad_int8:
+                qg_row, qg_col = backend.quantize(g2d, rowwise=dgrad_int8, columnwise=wgrad_int8,
+                                                  columnwise_pad=TOKEN_PAD, **g_kw)
+            if dgrad_int8:
+                dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype, autotune=recipe.autotune)
+            elif need_dgrad:
+                dx = (g2d @ weight.to(g2d.dtype)).to(ctx.input_dtype)
 
         grad_input = handle = None
         if need_dgrad:
-            if dgrad_int8:
-                _, qw_col = quantized_weight(weight, backend, recipe, rowwise=False, columnwise=True)
-                dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype, autotune=recipe.autotune)
-            else:
-                dx = (g2d @ weight.to(g2d.dtype)).to(ctx.input_dtype)
             dx = dx.view(ctx.total_shape)
             if tp.sequence_parallel:
                 grad_input = torch.empty(ctx.input_shape, dtype=dx.dtype, device=dx.device)
@@ -235,23 +359,25 @@ class _Int8LinearFunction(torch.autograd.Function):
         grad_weight = None
         if need_wgrad:
             main_grad = getattr(weight, "main_grad", None) if tp.gradient_accumulation_fusion else None
-            if wgrad_int8 and gather is not None:
+            if gather is not None:
                 gather.wait()
+            if wgrad_int8 and ctx.regather_int8:
                 qx_col = _wgrad_operand_from_shards(gathered, ctx.saved_tensors[2], recipe.granularity, world,
                                                     recipe.block_size)
             elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
             if wgrad_int8:
+                if qg_col is None:  # scatter_output without dgrad: the gradient was gathered, not quantized
+                    _, qg_col = backend.quantize(g2d, rowwise=False, columnwise=True, columnwise_pad=TOKEN_PAD,
+                                                 **g_kw)
                 if main_grad is not None:
                     backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad,
                                  autotune=recipe.autotune)
                 else:
                     grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype, autotune=recipe.autotune)
             else:
-                x = ctx.saved_tensors[1]
-                if tp.sequence_parallel:
-                    x = _all_gather_dim0(x, tp.group)
+                x = gathered if regather_hp else ctx.saved_tensors[1]
                 gw = g2d.t() @ x.reshape(-1, x.shape[-1]).to(g2d.dtype)
                 if main_grad is not None:
                     main_grad.add_(gw)
@@ -264,6 +390,15 @@ class _Int8LinearFunction(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def _hp_gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out = x @ weight^T [+ bias] in x's precision, written in place (a row range of a larger output)."""
+    w = weight.to(x.dtype).t()
+    if bias is None:
+        torch.mm(x, w, out=out)
+    else:
+        torch.addmm(bias.to(x.dtype), x, w, out=out)
 
 
 def _main_grad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -297,8 +432,13 @@ def int8_linear(
         raise ValueError(f"int8_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     if not input.is_floating_point():
         raise TypeError(f"int8_linear: input must be floating point, got {input.dtype}")
-    if tp.sequence_parallel and tp.allreduce_dgrad:
-        raise ValueError("int8_linear: sequence_parallel and allreduce_dgrad are mutually exclusive")
+    if tp.scatter_output:
+        world = torch.distributed.get_world_size(tp.group)
+        if bias is not None:
+            raise ValueError("int8_linear: with scatter_output, add the bias after the reduction (as megatron does)")
+        if input.dim() < 2 or input.shape[0] % world:
+            raise ValueError(f"int8_linear: scatter_output needs dim 0 of input {tuple(input.shape)} divisible by "
+                             f"the tensor-parallel size {world}")
     if not recipe.any_int8:
         return _hp_linear_with_tp(input, weight, bias, tp)
     return _Int8LinearFunction.apply(input, weight, bias, recipe, tp)
@@ -306,6 +446,7 @@ def int8_linear(
 
 def _hp_linear_with_tp(input, weight, bias, tp: TPOptions):
     """All three GEMMs in high precision: exactly F.linear, plus the TP communication when asked for."""
-    if tp.group is None and not (tp.sequence_parallel or tp.allreduce_dgrad or tp.gradient_accumulation_fusion):
+    if tp.group is None and not (tp.sequence_parallel or tp.scatter_output or tp.allreduce_dgrad
+                                 or tp.gradient_accumulation_fusion):
         return F.linear(input, weight, bias)
     return _Int8LinearFunction.apply(input, weight, bias, HIGH_PRECISION, tp)

@@ -51,6 +51,13 @@ class QTensor:
             return self.scale
         return self.scale.repeat_interleave(self.block_size, dim=0)[: self.data.shape[0]]
 
+    def row_range(self, rows: slice) -> "QTensor":
+        """Rows [start, stop) with their scales (a tensorwise scale is shared); not for BxB-tile operands."""
+        if self.tile2d:
+            raise ValueError("row_range: a BxB-tile operand's scales cover blocks of rows")
+        scale = self.scale if self.granularity == "tensor" else self.scale[rows]
+        return QTensor(self.data[rows], scale, self.granularity, self.block_size)
+
     def transposed(self) -> "QTensor":
         """Q(x)^T without re-quantizing: exact for tensorwise and BxB-tile scales only."""
         if self.granularity == "tensor":
@@ -409,6 +416,22 @@ def check_gemm_operands(a: QTensor, b: QTensor) -> None:
                          f"{b.granularity}/{b.block_size}")
 
 
+def check_gemm_out(a: QTensor, b: QTensor, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor],
+                   out: Optional[torch.Tensor]) -> None:
+    """Both backends' contract for the destinations: an fp32 [M, N] accumulator, or a contiguous [M, N]
+    out_dtype `out`, not both."""
+    shape = (a.data.shape[0], b.data.shape[0])
+    if accumulate_into is not None and (tuple(accumulate_into.shape) != shape or accumulate_into.dtype != torch.float32):
+        raise ValueError(f"accumulate_into must be fp32 {list(shape)}, got {accumulate_into.dtype} "
+                         f"{tuple(accumulate_into.shape)}")
+    if out is not None:
+        if accumulate_into is not None:
+            raise ValueError("gemm: pass out or accumulate_into, not both")
+        if tuple(out.shape) != shape or out.dtype != out_dtype or not out.is_contiguous():
+            raise ValueError(f"gemm: out must be a contiguous {out_dtype} {list(shape)} tensor, got "
+                             f"{out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+
+
 def gemm(
     a: QTensor,
     b: QTensor,
@@ -416,26 +439,31 @@ def gemm(
     out_dtype: torch.dtype = torch.float32,
     bias: Optional[torch.Tensor] = None,
     accumulate_into: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """dequant(a @ b^T) [+ bias], or accumulated into an fp32 buffer (gradient-accumulation fusion)."""
+    """dequant(a @ b^T) [+ bias], or accumulated into an fp32 buffer (gradient-accumulation fusion), or
+    written into `out`."""
     check_gemm_operands(a, b)
+    check_gemm_out(a, b, out_dtype, accumulate_into, out)
     if a.granularity == "block":
         B = a.block_size
         sa, sb = a.scale_per_row_block(), b.scale_per_row_block()
-        out = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
+        result = torch.zeros(a.data.shape[0], b.data.shape[0], dtype=torch.float32, device=a.data.device)
         for kb in range(sa.shape[1]):
             cols = slice(kb * B, (kb + 1) * B)
-            out += _int_mm_fp32(a.data[:, cols], b.data[:, cols]) * sa[:, kb : kb + 1] * sb[None, :, kb]
+            result += _int_mm_fp32(a.data[:, cols], b.data[:, cols]) * sa[:, kb : kb + 1] * sb[None, :, kb]
     else:
-        out = _int_mm_fp32(a.data, b.data)
+        result = _int_mm_fp32(a.data, b.data)
         sa = a.scale[:, None] if a.granularity == "row" else a.scale
         sb = b.scale[None, :] if b.granularity == "row" else b.scale
-        out = out * sa * sb
+        result = result * sa * sb
     if bias is not None:
-        out = out + bias.float()
+        result = result + bias.float()
     if accumulate_into is not None:
-        return accumulate_into.add_(out)
-    return out.to(out_dtype)
+        return accumulate_into.add_(result)
+    if out is not None:
+        return out.copy_(result)
+    return result.to(out_dtype)
 
 
 def grouped_gemm(a: QTensor, b: QTensor, segments: Segments, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

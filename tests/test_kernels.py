@@ -366,6 +366,20 @@ def test_gemm_dgrad_and_wgrad_layouts(K, granularity):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_gemm_writes_rows_of_a_larger_output(K, granularity):
+    """`out`: a row range of a larger bf16 output gets the reference's values; the other rows are untouched."""
+    qa = _q(outliers(40, 48), granularity, False)
+    qb = _q(outliers(24, 48), granularity, True)
+    big = torch.full((64, 24), 3.0, dtype=torch.bfloat16)
+    rows = slice(8, 40)
+    got = K.triton_gemm(qa.row_range(slice(0, 32)), qb, out_dtype=torch.bfloat16, out=big[rows])
+    assert got.data_ptr() == big[rows].data_ptr()
+    want = REF.gemm(qa.row_range(slice(0, 32)), qb, out_dtype=torch.bfloat16)
+    assert torch.allclose(big[rows].float(), want.float(), rtol=2 ** -7, atol=0)
+    assert (big[:8] == 3).all() and (big[40:] == 3).all()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_gemm_bias_and_low_precision_output(K, granularity, out_dtype):
     qa = _q(outliers(33, 40), granularity, False)

@@ -221,6 +221,22 @@ def test_gemm_matches_reference(K, REF, granularity, M, N, Kd):
     assert_gemm_close(got, want, mag + main.abs(), f"{granularity} accumulate_into", nkb + 1)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_gemm_into_row_ranges_equals_whole(K, REF, granularity):
+    """The pipelined TP GEMMs: the rows of one output written range by range (TMA-eligible offsets and an
+    unaligned one) equal one GEMM over all rows, bit for bit (each output tile's sum is the same)."""
+    M, N, Kd = 4096, 3840, 2560
+    qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
+    whole = K.triton_gemm(qa, qb, out_dtype=torch.bfloat16)
+    for cuts in ((0, 2048, M), (0, 1000, 3001, M)):
+        out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+        for lo, hi in zip(cuts, cuts[1:]):
+            got = K.triton_gemm(qa.row_range(slice(lo, hi)), qb, out_dtype=torch.bfloat16, out=out[lo:hi])
+            assert got.data_ptr() == out[lo:hi].data_ptr()
+        assert torch.equal(out, whole), cuts
+
+
 @pytest.mark.parametrize("granularity,M,N,Kd", [("tensor", 8192, 4096, 4096), ("row", 1000, 1537, 777),
                                                 ("block", 4100, 257, 4224)])
 def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):

@@ -69,6 +69,19 @@ def _record_gemm_backends():
     return calls
 
 
+def _record_pipelined_collectives():
+    """Wrap linear's pipelined collectives: the returned list gets "gather" / "reduce_scatter" per call."""
+    from megatron_int8 import linear
+
+    calls = []
+    for name, kind in (("_gather_pipelined", "gather"), ("_reduce_scatter_pipelined", "reduce_scatter")):
+        def wrapped(*args, _original=getattr(linear, name), _kind=kind, **kwargs):
+            calls.append(_kind)
+            return _original(*args, **kwargs)
+        setattr(linear, name, wrapped)
+    return calls
+
+
 def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
     """fc1 -> gelu -> fc2 at TP=2 (+-SP), fp32, round-to-nearest: INT8 against float64, the TP=1 INT8
     chain and the high-precision layers, within the propagated scale bounds. `device="cuda"`: rank r on
@@ -82,14 +95,18 @@ def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
     expected_backend = resolve_backend_name(dev, nearest_recipe())
     assert dev.type == "cpu" or expected_backend == "triton", expected_backend
     gemm_calls = _record_gemm_backends()
+    pipelined = _record_pipelined_collectives()
     hidden, ffn, seq, batch = 32, 64, 8, 2
-    # tensorwise: with sequence parallelism both the BF16 and the INT8 all-gather
-    for sequence_parallel, int8_gather in ((False, False), (True, False), (True, True)):
+    # tensorwise: with sequence parallelism the BF16 and the INT8 all-gather, and the collectives pipelined
+    # with the GEMMs (tp_comm_overlap: the row-parallel reduce-scatter then runs inside the linear)
+    for sequence_parallel, int8_gather, overlap in ((False, False, False), (True, False, False), (True, True, False),
+                                                    (True, False, True)):
         recipe = nearest_recipe(int8_all_gather=int8_gather)
         models = {}
         for name, int8, fusion in (("int8", True, True), ("hp", False, False)):
             config = tiny_config(hidden_size=hidden, ffn_hidden_size=ffn, tensor_model_parallel_size=2,
-                                 sequence_parallel=sequence_parallel, gradient_accumulation_fusion=fusion)
+                                 sequence_parallel=sequence_parallel, gradient_accumulation_fusion=fusion,
+                                 tp_comm_overlap=overlap)
             torch.manual_seed(0)  # CPU init: the same full weights on every rank, for every model
             fc1 = Int8ColumnParallelLinear(hidden, ffn, config=config, init_method=torch.nn.init.xavier_normal_,
                                            bias=False, gather_output=False, int8=int8, recipe=recipe)
@@ -133,7 +150,7 @@ def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
             tp1 = _tp1_int8_chain(x64, w1_full.double(), w2_full.double(), g64, dev)
             for key in ("out", "dx"):
                 tp2, hp = results["int8"][key].double(), results["hp"][key].double()
-                assert ((tp2 - exact[key]).abs() <= bound[key]).all(), (sequence_parallel, micro_batch, key)
+                assert ((tp2 - exact[key]).abs() <= bound[key]).all(), (sequence_parallel, overlap, micro_batch, key)
                 assert ((tp1[key].double() - exact[key]).abs() <= bound[key]).all(), key
                 assert ((tp2 - tp1[key].double()).abs() <= 2 * bound[key]).all(), key
                 assert ((tp2 - hp).abs() <= bound[key] + (hp - exact[key]).abs()).all(), key  # vs BF16 model
@@ -150,12 +167,16 @@ def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
                "dw2": _gather(fc2.weight.main_grad, 1).double().cpu()}
         hp = {"dw1": _gather(hp1.weight.grad, 0).double().cpu(), "dw2": _gather(hp2.weight.grad, 1).double().cpu()}
         for key in got:
-            assert ((got[key] - exact_wgrad[key]).abs() <= bound_wgrad[key]).all(), (sequence_parallel, key)
+            assert ((got[key] - exact_wgrad[key]).abs() <= bound_wgrad[key]).all(), (sequence_parallel, overlap, key)
             assert ((got[key] - tp1_wgrad[key]).abs() <= 2 * bound_wgrad[key]).all(), key
             assert ((got[key] - hp[key]).abs() <= bound_wgrad[key] + (hp[key] - exact_wgrad[key]).abs()).all(), key
         # every INT8 GEMM (TP=2 layers and the TP=1 chain) ran on this rank's device, with the expected backend
         assert gemm_calls and set(gemm_calls) == {(expected_backend, dev.type)}, set(gemm_calls)
         gemm_calls.clear()
+        # with tp_comm_overlap every pipelined collective ran (column gathers, row reduce-scatters and the
+        # gradient gathers), in both models; without it none did
+        assert sorted(set(pipelined)) == (["gather", "reduce_scatter"] if overlap else []), set(pipelined)
+        pipelined.clear()
 
 
 def test_tensor_and_sequence_parallel_match_tp1_and_fp64():

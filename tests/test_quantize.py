@@ -174,6 +174,25 @@ def test_gemm_bias_and_accumulate_into():
     assert torch.allclose(buf, start + plain, rtol=1e-6, atol=1e-5)
 
 
+def test_gemm_writes_rows_of_a_larger_output_and_checks_out():
+    """`out` (the pipelined TP GEMMs write row ranges of one output): the same values as a fresh output,
+    nothing else touched; a wrong shape, dtype, layout, or out with accumulate_into raises."""
+    a, b = heavy_tailed(30, 64), heavy_tailed(12, 64)
+    qa, qb = quantize(a, "row"), quantize(b, "row")
+    big = torch.full((50, 12), 7.0)
+    got = gemm(qa.row_range(slice(10, 25)), qb, out_dtype=torch.float32, bias=torch.ones(12), out=big[5:20])
+    assert got.data_ptr() == big[5:20].data_ptr()
+    assert torch.equal(big[5:20], gemm(quantize(a[10:25], "row"), qb, out_dtype=torch.float32, bias=torch.ones(12)))
+    assert (big[:5] == 7).all() and (big[20:] == 7).all()
+    for bad in (torch.empty(15, 13), torch.empty(15, 12, dtype=torch.float64), torch.empty(12, 15).t()):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            gemm(qa.row_range(slice(0, 15)), qb, out_dtype=torch.float32, out=bad)
+    with pytest.raises(ValueError, match="not both"):
+        gemm(qa, qb, out_dtype=torch.float32, out=torch.empty(30, 12), accumulate_into=torch.zeros(30, 12))
+    with pytest.raises(ValueError, match="BxB-tile"):
+        quantize(b, "block", block_size=32, tile2d=True).row_range(slice(0, 4))
+
+
 def test_gemm_long_contraction_never_overflows_int32():
     K = MAX_EXACT_K + 384
     a = torch.full((2, K), 127, dtype=torch.int8)

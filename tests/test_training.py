@@ -93,6 +93,19 @@ def test_int8_wgrad_fusion_without_apex_equals_unfused(data, tmp_path):
     assert losses(fused / "train_log.jsonl") == losses(unfused / "train_log.jsonl")
 
 
+def test_tp_comm_overlap_trains_exactly_like_unpipelined(data, tmp_path):
+    """--tp-comm-overlap (TP 2 + SP) only reorders the communication: the INT8 GEMMs see the same operands,
+    and a sum of two partials is the same in either order, so the losses must be bitwise equal."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
+              "--int8-linear", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    plain, pipelined = tmp_path / "plain", tmp_path / "pipelined"
+    train(data, *common, "--save", str(plain), nproc=2)
+    out = train(data, *common, "--save", str(pipelined), "--tp-comm-overlap", nproc=2)
+    assert "tp-comm-overlap: sequence-parallel all-gathers and reduce-scatters pipelined" in out
+    assert sorted(losses(plain / "train_log.jsonl")) == [1, 2, 3, 4]
+    assert losses(pipelined / "train_log.jsonl") == losses(plain / "train_log.jsonl")
+
+
 def test_profile_writes_a_trace_and_leaves_training_unchanged(data, tmp_path):
     """--profile records iterations 2-3 on rank 0 of a 2-process run: a trace and a summary appear, the log
     names the window (on CPU there is no GPU activity to report), and the losses equal an unprofiled run's."""

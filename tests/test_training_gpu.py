@@ -67,7 +67,9 @@ def test_gpu_cuda_graph_steps_train_like_eager_steps(data, tmp_path, precision):
     ["--pipeline-model-parallel-size", "2"],  # the captured step holds the P2P sends and receives
     ["--use-distributed-optimizer"],  # DP 2: it holds the gradient reduce-scatter
     ["--use-distributed-optimizer", "--overlap-grad-reduce"],  # ... launched from backward's gradient hooks
-], ids=["pp2", "dp2-distopt", "dp2-distopt-overlap"])
+    # TP 2 + SP with the collectives pipelined with the GEMMs: asynchronous all-gathers and all-to-alls
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
+], ids=["pp2", "dp2-distopt", "dp2-distopt-overlap", "tp2sp-comm-overlap"])
 def test_gpu_cuda_graph_steps_on_two_gpus_train_like_eager_steps(data, tmp_path, layout):  # noqa: F811
     """The captured step also holds the NCCL traffic of the step: pipeline sends/receives between stages
     (PP 2) or the data-parallel gradient reduce-scatter (DP 2; with --overlap-grad-reduce it runs on NCCL's

@@ -378,8 +378,10 @@ def triton_gemm(
     bias: Optional[torch.Tensor] = None,
     accumulate_into: Optional[torch.Tensor] = None,
     autotune: bool = True,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned.
+    `out`: a contiguous [M, N] out_dtype tensor to write instead of a new one (e.g. rows of a larger output).
 
     autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning; one fixed tile of the persistent TMA kernel
     where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel.
@@ -394,27 +396,29 @@ def triton_gemm(
            out_dtype, None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.data_ptr() % 16),
            None if accumulate_into is None else (accumulate_into.shape, accumulate_into.stride(),
                                                  accumulate_into.dtype, accumulate_into.data_ptr() % 16),
+           None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
            tuned, os.environ.get(ENV_KERNEL, "auto"), ref.MAX_EXACT_K)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned)
+        plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
         _PLANS.put(key, plan)
-    return plan(a, b, bias, accumulate_into)
+    return plan(a, b, bias, accumulate_into, out)
 
 
-def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned):
-    """`run(a, b, bias, accumulate_into) -> c` for every call of this plan key (triton_gemm)."""
+def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
+    """`run(a, b, bias, accumulate_into, out) -> c` for every call of this plan key (triton_gemm)."""
     ref.check_gemm_operands(a, b)
+    ref.check_gemm_out(a, b, out_dtype, accumulate_into, out)
     M, K = a.data.shape
     N = b.data.shape[0]
     if M == 0 or N == 0 or K == 0:
-        return lambda a, b, bias, acc: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc)
-    if accumulate_into is not None and (accumulate_into.shape != (M, N) or accumulate_into.dtype != torch.float32):
-        raise ValueError(f"accumulate_into must be fp32 [{M}, {N}], got {accumulate_into.dtype} "
-                         f"{tuple(accumulate_into.shape)}")
+        return lambda a, b, bias, acc, out: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc,
+                                                     out=out)
     dev = a.data.device
     # a stand-in output with the real one's properties, for the plan's checks and the autotuner's trials
-    c = accumulate_into if accumulate_into is not None else torch.empty((M, N), dtype=out_dtype, device=dev)
+    c = accumulate_into if accumulate_into is not None else out
+    if c is None:
+        c = torch.empty((M, N), dtype=out_dtype, device=dev)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     ad, bd = a.data, b.data
@@ -459,10 +463,12 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned):
     launch = cache.prepare(grid, tuple(ARG if isinstance(v, torch.Tensor) else v for v in launch_args), **kw)
     tma = cache is _GEMM_TMA
 
-    def run(a, b, bias, accumulate_into):
+    def run(a, b, bias, accumulate_into, out):
         if tma:  # the scratch allocator is per thread, and backward runs on autograd's own
             _ensure_allocator()
-        c = accumulate_into if accumulate_into is not None else torch.empty((M, N), dtype=out_dtype, device=dev)
+        c = accumulate_into if accumulate_into is not None else out
+        if c is None:
+            c = torch.empty((M, N), dtype=out_dtype, device=dev)
         sa = a.scale_per_row_block() if row_block_scales else a.scale
         if bias is None:
             bias = c

@@ -75,6 +75,13 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="Pipeline the sequence-parallel all-gathers and reduce-scatters with the linears' GEMMs "
+                        "(INT8 and BF16 linears alike; needs --sequence-parallel).")
+    g.add_argument("--disable-tp-comm-overlap-ag", action="store_false", dest="tp_comm_overlap_ag",
+                   help="With --tp-comm-overlap: leave the all-gathers unpipelined.")
+    g.add_argument("--disable-tp-comm-overlap-rs", action="store_false", dest="tp_comm_overlap_rs",
+                   help="With --tp-comm-overlap: leave the output reduce-scatters unpipelined.")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
@@ -393,6 +400,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         print("note: --sequence-parallel needs tensor parallelism; disabled at TP=1", flush=True)
         args.sequence_parallel = False
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and tensor parallelism)")
+    if args.tp_comm_overlap and args.fp8_peer is not None:
+        raise ArgumentError("--tp-comm-overlap is implemented by the INT8/BF16 linears, not by the FP8 peer's")
     if args.num_experts is not None and ep > 1 and tp > 1 and not args.sequence_parallel:
         raise ArgumentError("MoE with expert and tensor parallelism needs --sequence-parallel")
     if args.fp8_peer is not None:
@@ -497,6 +508,9 @@ def transformer_config_from_args(args, **overrides):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        tp_comm_overlap=args.tp_comm_overlap,
+        tp_comm_overlap_ag=args.tp_comm_overlap_ag,
+        tp_comm_overlap_rs=args.tp_comm_overlap_rs,
         bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,

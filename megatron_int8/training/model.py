@@ -91,6 +91,11 @@ def build_config(args, log):
         ours = rope_utils.fused_apply_rotary_pos_emb is fused_rope
         log("note: RoPE fused (" + ("megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine") + "; --no-rope-fusion "
             "for megatron's unfused ops)")
+    if config.tp_comm_overlap:
+        parts = [name for name, on in (("all-gathers", config.tp_comm_overlap_ag),
+                                       ("reduce-scatters", config.tp_comm_overlap_rs)) if on]
+        log("note: tp-comm-overlap: sequence-parallel " + (" and ".join(parts) or "collectives: none")
+            + " pipelined with the linears' GEMMs (megatron_int8.linear)")
     return config
 
 
