@@ -106,6 +106,22 @@ def test_tp_comm_overlap_trains_exactly_like_unpipelined(data, tmp_path):
     assert losses(pipelined / "train_log.jsonl") == losses(plain / "train_log.jsonl")
 
 
+def test_cross_entropy_loss_fusion_matches_unfused(data, tmp_path):
+    """--cross-entropy-loss-fusion (the default on GPUs only) computes the same losses as megatron's unfused
+    cross entropy, up to fp32 summation order; on CPU the default is unfused."""
+    common = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
+              "--int8-linear"]
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    out = train(data, *common, "--save", str(plain))
+    assert "cross entropy fused" not in out
+    out = train(data, *common, "--save", str(fused), "--cross-entropy-loss-fusion")
+    assert "note: cross entropy fused (megatron's native" in out
+    want, got = losses(plain / "train_log.jsonl"), losses(fused / "train_log.jsonl")
+    assert sorted(got) == [1, 2, 3]
+    for i in want:
+        assert abs(got[i] - want[i]) <= 1e-5 * want[i], (i, got[i], want[i])
+
+
 def test_profile_writes_a_trace_and_leaves_training_unchanged(data, tmp_path):
     """--profile records iterations 2-3 on rank 0 of a 2-process run: a trace and a summary appear, the log
     names the window (on CPU there is no GPU activity to report), and the losses equal an unprofiled run's."""

@@ -48,6 +48,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
                    help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
                         "(megatron_int8.rope, or Transformer Engine's when installed).")
+    g.add_argument("--cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_true",
+                   default=None, help="megatron's fused vocab-parallel cross entropy (torch.compile'd). "
+                                      "Default: on with CUDA, off on CPU.")
+    g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_false",
+                   help="megatron's unfused cross entropy (about ten fp32 passes over the logits).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -508,6 +513,8 @@ def transformer_config_from_args(args, **overrides):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        cross_entropy_loss_fusion=bool(args.cross_entropy_loss_fusion),
+        cross_entropy_fusion_impl="native",
         tp_comm_overlap=args.tp_comm_overlap,
         tp_comm_overlap_ag=args.tp_comm_overlap_ag,
         tp_comm_overlap_rs=args.tp_comm_overlap_rs,

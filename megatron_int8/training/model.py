@@ -80,6 +80,8 @@ def build_config(args, log):
             + " (APEX fused_weight_gradient_mlp_cuda not available)")
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
+    if args.cross_entropy_loss_fusion is None:  # compiled kernels pay off on the GPU, not in CPU tests
+        args.cross_entropy_loss_fusion = on_gpu
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
     config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                           bias_activation_fusion=args.swiglu and on_gpu)
@@ -91,6 +93,9 @@ def build_config(args, log):
         ours = rope_utils.fused_apply_rotary_pos_emb is fused_rope
         log("note: RoPE fused (" + ("megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine") + "; --no-rope-fusion "
             "for megatron's unfused ops)")
+    if config.cross_entropy_loss_fusion:
+        log("note: cross entropy fused (megatron's native fused_vocab_parallel_cross_entropy; "
+            "--no-cross-entropy-loss-fusion for the unfused ops)")
     if config.tp_comm_overlap:
         parts = [name for name, on in (("all-gathers", config.tp_comm_overlap_ag),
                                        ("reduce-scatters", config.tp_comm_overlap_rs)) if on]
