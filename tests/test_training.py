@@ -122,6 +122,29 @@ def test_cross_entropy_loss_fusion_matches_unfused(data, tmp_path):
         assert abs(got[i] - want[i]) <= 1e-5 * want[i], (i, got[i], want[i])
 
 
+def test_fused_adam_trains_like_foreach_and_resumes_a_foreach_checkpoint(data, tmp_path):
+    """--fused-adam (torch's fused AdamW where megatron falls back to torch's): the same losses as the
+    foreach default within fp32 rounding (on CPU they agree bitwise), and it resumes a foreach run's distributed-optimizer checkpoint
+    (2 DP ranks; restored per-parameter steps) on the same trajectory."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0",
+              "--use-distributed-optimizer", "--int8-linear"]
+    foreach, fused, resumed = tmp_path / "foreach", tmp_path / "fused", tmp_path / "resumed"
+    out = train(data, *common, "--save", str(foreach), nproc=2)
+    assert "--fused-adam" not in out
+    out = train(data, *common, "--save", str(fused), "--fused-adam", nproc=2)
+    assert "optimizer: torch's fused AdamW (--fused-adam)" in out
+    train(data, *common, "--save", str(resumed), "--exit-interval", "2", nproc=2)
+    out = train(data, *common, "--save", str(resumed), "--load", str(resumed), "--fused-adam", nproc=2)
+    assert "loaded checkpoint" in out and "torch's fused AdamW" in out
+    reference = losses(foreach / "train_log.jsonl")
+    assert sorted(reference) == [1, 2, 3, 4]
+    for run in (fused, resumed):
+        got = losses(run / "train_log.jsonl")
+        assert sorted(got) == [1, 2, 3, 4]
+        for i in reference:
+            assert abs(got[i] - reference[i]) <= 1e-5 * reference[i], (run.name, i, got[i], reference[i])
+
+
 def test_profile_writes_a_trace_and_leaves_training_unchanged(data, tmp_path):
     """--profile records iterations 2-3 on rank 0 of a 2-process run: a trace and a summary appear, the log
     names the window (on CPU there is no GPU activity to report), and the losses equal an unprofiled run's."""

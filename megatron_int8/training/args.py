@@ -135,6 +135,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--fused-adam", action="store_true",
+                   help="Where megatron falls back to torch's Adam/AdamW (no Transformer Engine or APEX), run "
+                        "torch's fused implementation (one kernel per parameter group) instead of foreach.")
     g.add_argument("--sgd-momentum", type=float, default=0.9)
 
 
@@ -405,6 +408,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         print("note: --sequence-parallel needs tensor parallelism; disabled at TP=1", flush=True)
         args.sequence_parallel = False
+    if args.fused_adam and args.optimizer != "adam":
+        raise ArgumentError("--fused-adam needs --optimizer adam")
     if args.tp_comm_overlap and not args.sequence_parallel:
         raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and tensor parallelism)")
     if args.tp_comm_overlap and args.fp8_peer is not None:

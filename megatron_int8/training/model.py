@@ -160,6 +160,30 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
     return [model]
 
 
+def _use_fused_torch_adam(optimizer, log) -> None:
+    """Switch megatron's torch Adam/AdamW fallback from foreach to torch's fused kernels. Fused steps keep
+    `step` on the parameter's device as fp32: a step pre-hook moves steps that a checkpoint written by a
+    foreach run brought in as CPU tensors (megatron's distributed optimizer restores state itself)."""
+    torch_adams = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                   if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+    if not torch_adams:
+        log("note: --fused-adam ignored: the optimizer is not torch's Adam/AdamW (Transformer Engine or APEX "
+            "provide a fused one)")
+        return
+
+    def steps_on_device(opt, *_):
+        for p, state in opt.state.items():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+    for opt in torch_adams:
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = True, False
+        opt.register_step_pre_hook(steps_on_device)
+    log(f"optimizer: torch's fused {type(torch_adams[0]).__name__} (--fused-adam)")
+
+
 def build_optimizer(args, model_chunks, log):
     """megatron's optimizer (mixed precision, optional distributed optimizer) and LR/WD schedule."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -180,6 +204,8 @@ def build_optimizer(args, model_chunks, log):
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
+    if args.fused_adam:
+        _use_fused_torch_adam(optimizer, log)
     inner = [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in getattr(optimizer, "chained_optimizers", [optimizer])}
     where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
