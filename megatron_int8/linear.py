@@ -368,9 +368,6 @@ class _Int8LinearFunction(torch.autograd.Function):
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
             if wgrad_int8:
-                if qg_col is None:  # scatter_output without dgrad: the gradient was gathered, not quantized
-                    _, qg_col = backend.quantize(g2d, rowwise=False, columnwise=True, columnwise_pad=TOKEN_PAD,
-                                                 **g_kw)
                 if main_grad is not None:
                     backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad,
                                  autotune=recipe.autotune)

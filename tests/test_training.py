@@ -107,10 +107,11 @@ def test_tp_comm_overlap_trains_exactly_like_unpipelined(data, tmp_path):
 
 
 def test_cross_entropy_loss_fusion_matches_unfused(data, tmp_path):
-    """--cross-entropy-loss-fusion (the default on GPUs only) computes the same losses as megatron's unfused
-    cross entropy, up to fp32 summation order; on CPU the default is unfused."""
+    """--cross-entropy-loss-fusion (the default on GPUs with --bf16) computes the same losses as megatron's
+    unfused cross entropy; both round the logit gradients to bf16 once, and the fp32 sums may run in another
+    order. On CPU the default is unfused."""
     common = ["--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
-              "--int8-linear"]
+              "--int8-linear", "--bf16"]
     plain, fused = tmp_path / "plain", tmp_path / "fused"
     out = train(data, *common, "--save", str(plain))
     assert "cross entropy fused" not in out
@@ -120,6 +121,49 @@ def test_cross_entropy_loss_fusion_matches_unfused(data, tmp_path):
     assert sorted(got) == [1, 2, 3]
     for i in want:
         assert abs(got[i] - want[i]) <= 1e-5 * want[i], (i, got[i], want[i])
+
+
+def test_configure_torch_adam_survives_a_checkpoint_of_the_other_kind():
+    """Loading an optimizer state restores the saver's param groups: configure_torch_adam sets this run's
+    implementation again, both ways, and a fused run moves restored CPU/fp64 `step` counters to fp32 before
+    its step."""
+    import types
+
+    import torch
+
+    from megatron_int8.training.model import configure_torch_adam
+
+    def megatron_like(fused):
+        param = torch.nn.Parameter(torch.randn(8))
+        adam = torch.optim.AdamW([param], lr=0.1)
+        wrapper = types.SimpleNamespace(optimizer=adam)
+        assert configure_torch_adam(wrapper, fused=fused) == fused  # a fresh foreach group changes only to fused
+        return param, adam, wrapper
+
+    param, adam, wrapper = megatron_like(fused=True)
+    param.grad = torch.randn(8)
+    adam.step()
+    saved_fused = adam.state_dict()
+    assert saved_fused["param_groups"][0]["fused"] is True
+
+    _, foreach_adam, foreach_run = megatron_like(fused=False)
+    foreach_adam.load_state_dict(saved_fused)
+    assert foreach_adam.param_groups[0]["fused"] is True  # what torch restores
+    assert configure_torch_adam(foreach_run, fused=False)
+    assert foreach_adam.param_groups[0]["fused"] is None and foreach_adam.param_groups[0]["foreach"] is None
+    assert not configure_torch_adam(foreach_run, fused=False)  # idempotent
+
+    param2, fused_adam, fused_run = megatron_like(fused=True)
+    foreach_state = torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))], lr=0.1).state_dict()
+    fused_adam.load_state_dict(foreach_state)
+    assert fused_adam.param_groups[0]["fused"] is None
+    assert configure_torch_adam(fused_run, fused=True)
+    assert fused_adam.param_groups[0]["fused"] is True and fused_adam.param_groups[0]["foreach"] is False
+    fused_adam.state[param2].update(step=torch.tensor(3.0, dtype=torch.float64), exp_avg=torch.zeros(8),
+                                    exp_avg_sq=torch.zeros(8))
+    param2.grad = torch.randn(8)
+    fused_adam.step()
+    assert fused_adam.state[param2]["step"].dtype == torch.float32 and float(fused_adam.state[param2]["step"]) == 4
 
 
 def test_fused_adam_trains_like_foreach_and_resumes_a_foreach_checkpoint(data, tmp_path):
@@ -132,10 +176,12 @@ def test_fused_adam_trains_like_foreach_and_resumes_a_foreach_checkpoint(data, t
     out = train(data, *common, "--save", str(foreach), nproc=2)
     assert "--fused-adam" not in out
     out = train(data, *common, "--save", str(fused), "--fused-adam", nproc=2)
-    assert "optimizer: torch's fused AdamW (--fused-adam)" in out
+    assert "optimizer: torch's fused Adam kernels (--fused-adam)" in out
     train(data, *common, "--save", str(resumed), "--exit-interval", "2", nproc=2)
     out = train(data, *common, "--save", str(resumed), "--load", str(resumed), "--fused-adam", nproc=2)
-    assert "loaded checkpoint" in out and "torch's fused AdamW" in out
+    # loading restores the saved (foreach) param groups; the run must switch them back to fused
+    assert "loaded checkpoint" in out
+    assert "the loaded Adam param groups set back to this run's implementation (fused)" in out
     reference = losses(foreach / "train_log.jsonl")
     assert sorted(reference) == [1, 2, 3, 4]
     for run in (fused, resumed):
@@ -188,6 +234,15 @@ def test_gc_pauses_count_collections():
     (["--manual-gc", "--manual-gc-interval", "-1"], "--manual-gc-interval must be >= 0, got -1"),
 ])
 def test_manual_gc_arguments_are_checked(flags, message):
+    _expect_argument_error(flags, message)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion needs --bf16"),
+    (["--fused-adam", "--optimizer", "sgd"], "--fused-adam needs --optimizer adam"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap needs --sequence-parallel"),
+])
+def test_fusion_and_overlap_arguments_are_checked(flags, message):
     _expect_argument_error(flags, message)
 
 

@@ -49,8 +49,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
                         "(megatron_int8.rope, or Transformer Engine's when installed).")
     g.add_argument("--cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_true",
-                   default=None, help="megatron's fused vocab-parallel cross entropy (torch.compile'd). "
-                                      "Default: on with CUDA, off on CPU.")
+                   default=None, help="megatron's fused vocab-parallel cross entropy (torch.compile'd; its "
+                                      "logit gradients are bf16, so it needs --bf16). Default: on with CUDA "
+                                      "and --bf16, else off.")
     g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_false",
                    help="megatron's unfused cross entropy (about ten fp32 passes over the logits).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -408,6 +409,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         print("note: --sequence-parallel needs tensor parallelism; disabled at TP=1", flush=True)
         args.sequence_parallel = False
+    if args.cross_entropy_loss_fusion and not args.bf16:
+        raise ArgumentError("--cross-entropy-loss-fusion needs --bf16: megatron's fused cross entropy returns "
+                            "bf16 logit gradients whatever the logits' dtype")
     if args.fused_adam and args.optimizer != "adam":
         raise ArgumentError("--fused-adam needs --optimizer adam")
     if args.tp_comm_overlap and not args.sequence_parallel:

@@ -16,7 +16,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .metrics import StepPhases, TrainingLogger
-from .model import build_config, build_model, build_optimizer, initialize_distributed, set_random_seed, unwrap
+from .model import (build_config, build_model, build_optimizer, configure_torch_adam, initialize_distributed,
+                    set_random_seed, unwrap)
 from .profiling import StepProfiler
 
 
@@ -176,6 +177,9 @@ def pretrain(args) -> dict:
     iteration, consumed_samples = 0, 0
     if args.load:
         iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler, _log)
+        if configure_torch_adam(optimizer, fused=args.fused_adam):
+            _log("optimizer: the loaded Adam param groups set back to this run's implementation ("
+                 + ("fused" if args.fused_adam else "torch's default") + ")")
     train_ds, valid_ds = build_datasets(args, tokenizer)
     needs_data = _needs_data()
     train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None

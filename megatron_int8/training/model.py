@@ -81,7 +81,7 @@ def build_config(args, log):
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
     if args.cross_entropy_loss_fusion is None:  # compiled kernels pay off on the GPU, not in CPU tests
-        args.cross_entropy_loss_fusion = on_gpu
+        args.cross_entropy_loss_fusion = on_gpu and args.bf16  # its logit gradients are always bf16
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
     config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                           bias_activation_fusion=args.swiglu and on_gpu)
@@ -160,28 +160,36 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
     return [model]
 
 
-def _use_fused_torch_adam(optimizer, log) -> None:
-    """Switch megatron's torch Adam/AdamW fallback from foreach to torch's fused kernels. Fused steps keep
-    `step` on the parameter's device as fp32: a step pre-hook moves steps that a checkpoint written by a
-    foreach run brought in as CPU tensors (megatron's distributed optimizer restores state itself)."""
-    torch_adams = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                   if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
-    if not torch_adams:
-        log("note: --fused-adam ignored: the optimizer is not torch's Adam/AdamW (Transformer Engine or APEX "
-            "provide a fused one)")
-        return
+def _torch_adams(optimizer) -> list:
+    """The torch Adam/AdamW instances inside megatron's optimizer (its fallback without TE or APEX)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
 
-    def steps_on_device(opt, *_):
-        for p, state in opt.state.items():
-            step = state.get("step")
-            if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
-                state["step"] = step.to(device=p.device, dtype=torch.float32)
 
-    for opt in torch_adams:
+def _steps_on_device(opt, *_):
+    """Fused steps keep `step` on the parameter's device as fp32; megatron restores it as CPU tensors."""
+    for p, state in opt.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+            state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
+def configure_torch_adam(optimizer, fused: bool) -> bool:
+    """Make megatron's torch Adam/AdamW fallback run torch's fused kernels (`fused`), or its default
+    implementation. Call it after building the optimizer and again after loading a checkpoint: loading
+    restores the saved param groups, with the implementation of the run that saved them. Returns whether
+    any param group changed."""
+    changed = False
+    for opt in _torch_adams(optimizer):
         for group in opt.param_groups:
-            group["fused"], group["foreach"] = True, False
-        opt.register_step_pre_hook(steps_on_device)
-    log(f"optimizer: torch's fused {type(torch_adams[0]).__name__} (--fused-adam)")
+            want = (True, False) if fused else (None, None if group.get("fused") else group.get("foreach"))
+            if (group.get("fused"), group.get("foreach")) != want:
+                group["fused"], group["foreach"] = want
+                changed = True
+        if fused and not getattr(opt, "_megatron_int8_step_hook", False):
+            opt.register_step_pre_hook(_steps_on_device)
+            opt._megatron_int8_step_hook = True
+    return changed
 
 
 def build_optimizer(args, model_chunks, log):
@@ -205,7 +213,12 @@ def build_optimizer(args, model_chunks, log):
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
     if args.fused_adam:
-        _use_fused_torch_adam(optimizer, log)
+        if _torch_adams(optimizer):
+            configure_torch_adam(optimizer, fused=True)
+            log("optimizer: torch's fused Adam kernels (--fused-adam)")
+        else:
+            log("note: --fused-adam ignored: the optimizer is not torch's Adam/AdamW (Transformer Engine or "
+                "APEX provide a fused one)")
     inner = [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in getattr(optimizer, "chained_optimizers", [optimizer])}
     where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
