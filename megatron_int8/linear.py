@@ -99,10 +99,16 @@ class TPOptions:
             raise ValueError("TPOptions: sequence_parallel, scatter_output and allreduce_dgrad are mutually exclusive")
 
 
-def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+def _start_all_gather_dim0(x: torch.Tensor, group):
+    """(the [world * rows, ...] all-gather of x along dim 0, its pending work): wait() before reading it."""
     world = torch.distributed.get_world_size(group)
     out = torch.empty((x.shape[0] * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out, torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
+
+
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    out, work = _start_all_gather_dim0(x, group)
+    work.wait()
     return out
 
 
@@ -118,8 +124,7 @@ def _gather_pipelined(local: torch.Tensor, group, rows_gemm, out: torch.Tensor) 
     Returns the gathered [world * m, K] tensor."""
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     m = local.shape[0]
-    gathered = torch.empty((world * m,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-    work = torch.distributed.all_gather_into_tensor(gathered, local, group=group, async_op=True)
+    gathered, work = _start_all_gather_dim0(local, group)
     rows_gemm(local, out[rank * m:(rank + 1) * m])
     work.wait()
     for rows in _other_rows(world, rank, m):
@@ -316,11 +321,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         regather_hp = need_wgrad and not wgrad_int8 and tp.sequence_parallel
         if (wgrad_int8 and ctx.regather_int8) or regather_hp:
             local = ctx.saved_tensors[1]
-            local = local.reshape(-1, local.shape[-1]) if regather_hp else local
-            world = torch.distributed.get_world_size(tp.group)
-            gathered = torch.empty((local.shape[0] * world, local.shape[1]), dtype=local.dtype, device=local.device)
-            gather = torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=tp.group,
-                                                              async_op=True)
+            gathered, gather = _start_all_gather_dim0(local.reshape(-1, local.shape[-1]), tp.group)
 
         qg_col = dx = None
         if tp.scatter_output and tp.overlap_ag and need_dgrad:
@@ -362,8 +363,8 @@ class _Int8LinearFunction(torch.autograd.Function):
             if gather is not None:
                 gather.wait()
             if wgrad_int8 and ctx.regather_int8:
-                qx_col = _wgrad_operand_from_shards(gathered, ctx.saved_tensors[2], recipe.granularity, world,
-                                                    recipe.block_size)
+                qx_col = _wgrad_operand_from_shards(gathered, ctx.saved_tensors[2], recipe.granularity,
+                                                    torch.distributed.get_world_size(tp.group), recipe.block_size)
             elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
                 qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
