@@ -125,8 +125,8 @@ def test_cross_entropy_loss_fusion_matches_unfused(data, tmp_path):
 
 def test_configure_torch_adam_survives_a_checkpoint_of_the_other_kind():
     """Loading an optimizer state restores the saver's param groups: configure_torch_adam sets this run's
-    implementation again, both ways, and a fused run moves restored CPU/fp64 `step` counters to fp32 before
-    its step."""
+    implementation again, both ways, and moves the restored `step` counters (here fp64) to where that
+    implementation reads them, as fp32, before the run's first step."""
     import types
 
     import torch
@@ -156,11 +156,12 @@ def test_configure_torch_adam_survives_a_checkpoint_of_the_other_kind():
     param2, fused_adam, fused_run = megatron_like(fused=True)
     foreach_state = torch.optim.AdamW([torch.nn.Parameter(torch.randn(8))], lr=0.1).state_dict()
     fused_adam.load_state_dict(foreach_state)
+    fused_adam.state[param2].update(step=torch.tensor(3.0, dtype=torch.float64), exp_avg=torch.zeros(8),
+                                    exp_avg_sq=torch.zeros(8))  # as checkpoint.py restores them
     assert fused_adam.param_groups[0]["fused"] is None
     assert configure_torch_adam(fused_run, fused=True)
     assert fused_adam.param_groups[0]["fused"] is True and fused_adam.param_groups[0]["foreach"] is False
-    fused_adam.state[param2].update(step=torch.tensor(3.0, dtype=torch.float64), exp_avg=torch.zeros(8),
-                                    exp_avg_sq=torch.zeros(8))
+    assert fused_adam.state[param2]["step"].dtype == torch.float32
     param2.grad = torch.randn(8)
     fused_adam.step()
     assert fused_adam.state[param2]["step"].dtype == torch.float32 and float(fused_adam.state[param2]["step"]) == 4

@@ -42,6 +42,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from .model import adam_step, inner_optimizers
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DISTOPT_FORMATS = ("fully_reshardable", "dp_reshardable")
 DISTOPT_FORMAT_ENV = "MEGATRON_INT8_DISTOPT_FORMAT"  # the format of new saves; default fully_reshardable
@@ -108,10 +110,6 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _inner_optimizers(optimizer):
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def _is_distributed_over_torch_adam(optimizer) -> bool:
     """A DistributedOptimizer on torch's Adam (no Apex/TE fused Adam): the case with the faults."""
     from megatron.core.optimizer import distrib_optimizer
@@ -122,7 +120,7 @@ def _is_distributed_over_torch_adam(optimizer) -> bool:
 def _adam_steps(optimizer) -> list:
     """The Adam step count of each inner torch optimizer (None where it has no state yet)."""
     steps = []
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         states = getattr(opt, "optimizer", opt).state.values()
         values = {float(s["step"]) for s in states if "step" in s}
         steps.append(values.pop() if len(values) == 1 else None)
@@ -131,22 +129,25 @@ def _adam_steps(optimizer) -> list:
 
 def _prime_distributed_optimizers(optimizer) -> None:
     """Give a fresh DistributedOptimizer zero Adam state, which its sharded_state_dict needs to exist."""
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         if _is_distributed_over_torch_adam(opt) and len(opt.optimizer.state) == 0:
             opt.init_state_fn(opt.optimizer, opt.config)
             for group in opt.optimizer.param_groups:
                 for param in group["params"]:
-                    opt.optimizer.state[param].setdefault("step", torch.tensor(0.0))
+                    opt.optimizer.state[param].setdefault("step", adam_step(param, group, 0))
 
 
 def _restore_adam_steps(optimizer, steps: list) -> None:
     """One `step` tensor per parameter again, at the saved count."""
-    for opt, step in zip(_inner_optimizers(optimizer), steps):
+    for opt, step in zip(inner_optimizers(optimizer), steps):
         if step is None or not _is_distributed_over_torch_adam(opt):
             continue
-        for state in getattr(opt, "optimizer", opt).state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(step, dtype=torch.float32)
+        torch_adam = getattr(opt, "optimizer", opt)
+        for group in torch_adam.param_groups:
+            for param in group["params"]:
+                state = torch_adam.state.get(param)
+                if state and "step" in state:
+                    state["step"] = adam_step(param, group, step)
 
 
 def _distopt_metadata(sharding_type: Optional[str]) -> dict:
@@ -164,7 +165,7 @@ def _distopt_metadata(sharding_type: Optional[str]) -> dict:
 def _has_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
-    return any(isinstance(opt, distrib_optimizer.DistributedOptimizer) for opt in _inner_optimizers(optimizer))
+    return any(isinstance(opt, distrib_optimizer.DistributedOptimizer) for opt in inner_optimizers(optimizer))
 
 
 def distopt_save_format() -> str:
@@ -264,7 +265,7 @@ def _steps_set_aside(optimizer):
     from the param groups, loaded just before): KeyError 'step'. The steps go back afterwards.
     """
     patched = []
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         if not _is_distributed_over_torch_adam(opt):
             continue
         original = opt.load_parameter_state_from_fully_reshardable
@@ -376,7 +377,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int,
     if with_optimizer:
         check_optimizer_loadable(saved_format, common, distributed=_has_distributed_optimizer(optimizer),
                                  layout=_parallel_layout(model_chunks),
-                                 optimizers=len(_inner_optimizers(optimizer)), directory=directory)
+                                 optimizers=len(inner_optimizers(optimizer)), directory=directory)
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, is_loading=True,
                                 sharding_type=saved_format if with_optimizer else None)
     with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters

@@ -160,25 +160,31 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
     return [model]
 
 
+def inner_optimizers(optimizer) -> list:
+    """The optimizers megatron chains (ChainedOptimizer), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _torch_adams(optimizer) -> list:
     """The torch Adam/AdamW instances inside megatron's optimizer (its fallback without TE or APEX)."""
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in inner_optimizers(optimizer)
             if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
 
 
-def _steps_on_device(opt, *_):
-    """Fused steps keep `step` on the parameter's device as fp32; megatron restores it as CPU tensors."""
-    for p, state in opt.state.items():
-        step = state.get("step")
-        if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
-            state["step"] = step.to(device=p.device, dtype=torch.float32)
+def adam_step(param: torch.Tensor, group: dict, count) -> torch.Tensor:
+    """A torch Adam `step` counter (a number, or a counter to move) where the group's implementation reads
+    it: on the parameter's device for the fused (or capturable) kernels, on the CPU otherwise; fp32."""
+    device = param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+    if isinstance(count, torch.Tensor):
+        return count.to(device=device, dtype=torch.float32)
+    return torch.tensor(float(count), dtype=torch.float32, device=device)
 
 
 def configure_torch_adam(optimizer, fused: bool) -> bool:
     """Make megatron's torch Adam/AdamW fallback run torch's fused kernels (`fused`), or its default
-    implementation. Call it after building the optimizer and again after loading a checkpoint: loading
-    restores the saved param groups, with the implementation of the run that saved them. Returns whether
-    any param group changed."""
+    implementation, with every existing `step` counter where that implementation reads it. Call it after
+    building the optimizer and again after loading a checkpoint: loading restores the saved param groups,
+    with the implementation of the run that saved them. Returns whether any param group changed."""
     changed = False
     for opt in _torch_adams(optimizer):
         for group in opt.param_groups:
@@ -186,9 +192,10 @@ def configure_torch_adam(optimizer, fused: bool) -> bool:
             if (group.get("fused"), group.get("foreach")) != want:
                 group["fused"], group["foreach"] = want
                 changed = True
-        if fused and not getattr(opt, "_megatron_int8_step_hook", False):
-            opt.register_step_pre_hook(_steps_on_device)
-            opt._megatron_int8_step_hook = True
+            for param in group["params"]:
+                state = opt.state.get(param)
+                if state and "step" in state:
+                    state["step"] = adam_step(param, group, state["step"])
     return changed
 
 
@@ -219,8 +226,8 @@ def build_optimizer(args, model_chunks, log):
         else:
             log("note: --fused-adam ignored: the optimizer is not torch's Adam/AdamW (Transformer Engine or "
                 "APEX provide a fused one)")
-    inner = [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-    base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in getattr(optimizer, "chained_optimizers", [optimizer])}
+    inner = [type(o).__name__ for o in inner_optimizers(optimizer)]
+    base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in inner_optimizers(optimizer)}
     where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
     log(f"optimizer: {'/'.join(sorted(set(inner)))} over {'/'.join(sorted(base))} {args.optimizer}{where}")
     gbs = args.global_batch_size
