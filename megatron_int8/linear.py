@@ -88,7 +88,7 @@ class TPOptions:
 
     group: Optional[torch.distributed.ProcessGroup] = None
     sequence_parallel: bool = False  # column-parallel: all-gather the input along dim 0; reduce-scatter its gradient
-    scatter_output: bool = False  # row-parallel under SP: reduce-scatter the output along dim 0; all-gather its gradient
+    scatter_output: bool = False  # row-parallel under SP: reduce-scatter the output (dim 0); all-gather its gradient
     allreduce_dgrad: bool = False  # all-reduce the input gradient (column-parallel without SP)
     gradient_accumulation_fusion: bool = False  # accumulate wgrad into weight.main_grad
     overlap_ag: bool = False  # pipeline the input all-gather (forward) and the output-gradient all-gather (backward)
@@ -254,26 +254,28 @@ class _Int8LinearFunction(torch.autograd.Function):
             if recipe.fprop or wgrad_int8:
                 qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
                                                   columnwise_pad=TOKEN_PAD, **x_kw)
-        if out2d is None and tp.scatter_output:
-            def partial_rows(rows, out_rows):
-                if recipe.fprop:
-                    backend.gemm(qx_row.row_range(rows), qw_row, out_dtype=input.dtype, autotune=recipe.autotune,
-                                 out=out_rows)
-                else:
-                    _hp_gemm_into(x2d[rows], weight, None, out_rows)
+        if out2d is None:  # not already computed while the input was gathered
+            if tp.scatter_output:
+                def partial_rows(rows, out_rows):
+                    if recipe.fprop:
+                        backend.gemm(qx_row.row_range(rows), qw_row, out_dtype=input.dtype, autotune=recipe.autotune,
+                                     out=out_rows)
+                    else:
+                        _hp_gemm_into(x2d[rows], weight, None, out_rows)
 
-            if tp.overlap_rs:
-                out2d = _reduce_scatter_pipelined(x2d.shape[0], tp.group, partial_rows, (weight.shape[0],),
-                                                  input.dtype, input.device)
+                if tp.overlap_rs:
+                    out2d = _reduce_scatter_pipelined(x2d.shape[0], tp.group, partial_rows, (weight.shape[0],),
+                                                      input.dtype, input.device)
+                else:
+                    partial = torch.empty((x2d.shape[0], weight.shape[0]), dtype=input.dtype, device=input.device)
+                    partial_rows(slice(0, x2d.shape[0]), partial)
+                    out2d = torch.empty((x2d.shape[0] // world, weight.shape[0]), dtype=input.dtype,
+                                        device=input.device)
+                    torch.distributed.reduce_scatter_tensor(out2d, partial, group=tp.group)
+            elif recipe.fprop:
+                out2d = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
             else:
-                partial = torch.empty((x2d.shape[0], weight.shape[0]), dtype=input.dtype, device=input.device)
-                partial_rows(slice(0, x2d.shape[0]), partial)
-                out2d = torch.empty((x2d.shape[0] // world, weight.shape[0]), dtype=input.dtype, device=input.device)
-                torch.distributed.reduce_scatter_tensor(out2d, partial, group=tp.group)
-        elif out2d is None and recipe.fprop:
-            out2d = backend.gemm(qx_row, qw_row, out_dtype=input.dtype, bias=bias, autotune=recipe.autotune)
-        elif out2d is None:
-            out2d = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
+                out2d = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
 
         ctx.recipe, ctx.tp, ctx.backend = recipe, tp, backend
         ctx.input_shape, ctx.input_dtype = tuple(input.shape), input.dtype

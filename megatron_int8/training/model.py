@@ -91,8 +91,8 @@ def build_config(args, log):
         from ..rope import fused_rope
 
         ours = rope_utils.fused_apply_rotary_pos_emb is fused_rope
-        log("note: RoPE fused (" + ("megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine") + "; --no-rope-fusion "
-            "for megatron's unfused ops)")
+        whose = "megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine"
+        log(f"note: RoPE fused ({whose}; --no-rope-fusion for megatron's unfused ops)")
     if config.cross_entropy_loss_fusion:
         log("note: cross entropy fused (megatron's native fused_vocab_parallel_cross_entropy; "
             "--no-cross-entropy-loss-fusion for the unfused ops)")
