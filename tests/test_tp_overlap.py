@@ -3,13 +3,10 @@ over gloo with 3 ranks, so that the middle rank has other ranks' rows on both si
 column-parallel (input all-gather) and row-parallel (output reduce-scatter, gradient all-gather) linears
 give bit-identical INT8 results to the unpipelined ones, and the high-precision ones agree within fp32
 rounding; the row-parallel reduce-scatter done inside the linear equals megatron's."""
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from mcore_helpers import init_megatron, outlier_tensor, run_distributed
 
 from megatron_int8 import Int8Recipe, TPOptions, int8_linear
 from megatron_int8.recipe import HIGH_PRECISION
@@ -17,12 +14,6 @@ from megatron_int8.recipe import HIGH_PRECISION
 WORLD = 3
 RECIPES = {"tensor": Int8Recipe(granularity="tensor"), "row": Int8Recipe(granularity="row"),
            "block": Int8Recipe(granularity="block", block_size=16), "hp": HIGH_PRECISION}
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(x, w, gy, recipe, tp, main_grad):
@@ -35,55 +26,46 @@ def _run(x, w, gy, recipe, tp, main_grad):
     return [y.detach(), x.grad, w.main_grad if main_grad else w.grad]
 
 
-def _worker(rank, port, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        g = torch.Generator().manual_seed(0)
-        # [s, b, h]: 5 tokens x 2 per rank; heavy-tailed inputs and gradients, a per-rank outlier channel
-        S, B, K, N = 5 * WORLD, 2, 48, 32
-        def outliers(*shape):
-            t = torch.randn(*shape, generator=g)
-            return t * torch.where(torch.rand(*shape, generator=g) < 0.03, 30.0, 1.0)
-        x_full = outliers(S, B, K)
-        x_full[rank * 5:(rank + 1) * 5, :, rank] *= 100
-        local = slice(rank * 5, (rank + 1) * 5)
-        out = {}
-        for name, recipe in RECIPES.items():
-            w = outliers(N, K) + rank
-            # column-parallel: input [S/world, B, K] gathered; output [S, B, N]
-            col = {}
-            for overlap in (False, True):
-                tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True, gradient_accumulation_fusion=True,
-                               overlap_ag=overlap)
-                col[overlap] = _run(x_full[local], w, _grad(S, B, N, rank), recipe, tp, main_grad=True)
-            # row-parallel: input [S, B, K] (K this rank's shard); output [S/world, B, N] reduce-scattered
-            row = {}
-            gy = _grad(S // WORLD, B, N, rank + 10)
-            for overlap in ((False, False), (True, False), (False, True), (True, True)):
-                tp = TPOptions(group=dist.group.WORLD, scatter_output=True, overlap_ag=overlap[0],
-                               overlap_rs=overlap[1])
-                row[overlap] = _run(x_full, w, gy, recipe, tp, main_grad=False)
-            # the unfused reference: the whole partial product, then megatron's reduce-scatter / all-gather
-            xr = x_full.clone().requires_grad_()
-            wr = w.clone().requires_grad_()
-            partial = int8_linear(xr, wr, None, recipe)
-            scattered = torch.empty(S // WORLD, B, N)
-            dist.reduce_scatter_tensor(scattered, partial.detach())
-            g_total = torch.empty(S, B, N)
-            dist.all_gather_into_tensor(g_total, gy)
-            partial.backward(g_total)
-            out[name] = {"col": col, "row": row, "row_ref": [scattered, xr.grad, wr.grad]}
-        torch.save(out, f"{result_path}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, init_file, result_path):
+    init_megatron(world, rank, init_file)  # gloo
+    g = torch.Generator().manual_seed(0)
+    # [s, b, h]: 5 tokens x 2 per rank; heavy-tailed inputs and gradients, a per-rank outlier channel
+    S, B, K, N = 5 * WORLD, 2, 48, 32
+    x_full = outlier_tensor(S, B, K, generator=g, outliers=12, scale=30.0)
+    x_full[rank * 5:(rank + 1) * 5, :, rank] *= 100
+    local = slice(rank * 5, (rank + 1) * 5)
+    out = {}
+    for name, recipe in RECIPES.items():
+        w = outlier_tensor(N, K, generator=g, outliers=8, scale=30.0) + rank
+        # column-parallel: input [S/world, B, K] gathered; output [S, B, N]
+        col = {}
+        for overlap in (False, True):
+            tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True, gradient_accumulation_fusion=True,
+                           overlap_ag=overlap)
+            col[overlap] = _run(x_full[local], w, _gradient((S, B, N), seed=rank), recipe, tp, main_grad=True)
+        # row-parallel: input [S, B, K] (K this rank's shard); output [S/world, B, N] reduce-scattered
+        row = {}
+        gy = _gradient((S // WORLD, B, N), seed=rank + 10)
+        for overlap in ((False, False), (True, False), (False, True), (True, True)):
+            tp = TPOptions(group=dist.group.WORLD, scatter_output=True, overlap_ag=overlap[0],
+                           overlap_rs=overlap[1])
+            row[overlap] = _run(x_full, w, gy, recipe, tp, main_grad=False)
+        # the unfused reference: the whole partial product, then megatron's reduce-scatter / all-gather
+        xr = x_full.clone().requires_grad_()
+        wr = w.clone().requires_grad_()
+        partial = int8_linear(xr, wr, None, recipe)
+        scattered = torch.empty(S // WORLD, B, N)
+        dist.reduce_scatter_tensor(scattered, partial.detach())
+        g_total = torch.empty(S, B, N)
+        dist.all_gather_into_tensor(g_total, gy)
+        partial.backward(g_total)
+        out[name] = {"col": col, "row": row, "row_ref": [scattered, xr.grad, wr.grad]}
+    torch.save(out, f"{result_path}.{rank}")
 
 
-def _grad(*shape_and_seed):
-    *shape, seed = shape_and_seed
-    gen = torch.Generator().manual_seed(100 + seed)
-    t = torch.randn(*shape, generator=gen)
-    return t * torch.where(torch.rand(*shape, generator=gen) < 0.03, 30.0, 1.0)
+def _gradient(shape, seed):
+    """The same heavy-tailed output gradient for every run of one rank."""
+    return outlier_tensor(*shape, generator=torch.Generator().manual_seed(100 + seed), outliers=8, scale=30.0)
 
 
 NAMES = ("output", "input grad", "weight grad")
@@ -102,7 +84,7 @@ def _assert_same(got, want, exact, what, names=NAMES):
 
 @pytest.mark.timeout(180)
 def test_pipelined_tp_communication_matches_unpipelined(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path / "r")), nprocs=WORLD, join=True)
+    run_distributed(_worker, WORLD, str(tmp_path / "r"))
     for rank in range(WORLD):
         results = torch.load(tmp_path / f"r.{rank}")
         for name in RECIPES:
