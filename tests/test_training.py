@@ -177,7 +177,7 @@ def test_fused_adam_trains_like_foreach_and_resumes_a_foreach_checkpoint(data, t
     out = train(data, *common, "--save", str(foreach), nproc=2)
     assert "--fused-adam" not in out
     out = train(data, *common, "--save", str(fused), "--fused-adam", nproc=2)
-    assert "optimizer: torch's fused Adam kernels (--fused-adam)" in out
+    assert "optimizer: torch's fused Adam kernels (--no-fused-adam for foreach)" in out
     train(data, *common, "--save", str(resumed), "--exit-interval", "2", nproc=2)
     out = train(data, *common, "--save", str(resumed), "--load", str(resumed), "--fused-adam", nproc=2)
     # loading restores the saved (foreach) param groups; the run must switch them back to fused
@@ -281,6 +281,27 @@ def test_no_overlap_grad_reduce_turns_off_the_yaml_setting():
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only error")
 def test_cuda_graph_needs_a_gpu():
     _expect_argument_error(["--cuda-graph-impl", "local"], "it needs a CUDA GPU")
+
+
+def test_fused_adam_defaults_on_with_cuda_and_adam_only(monkeypatch):
+    """No flag: fused with CUDA and Adam, foreach on CPU or with SGD; the flags override either way, and
+    --fused-adam with SGD is an error rather than ignored."""
+    import torch
+
+    from megatron_int8.training.args import parse_args, validate_args
+
+    def resolved(*flags):
+        args = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mock-data", "--tokenizer-type",
+                           "NullTokenizer", "--vocab-size", "512", *flags])
+        return validate_args(args, world_size=1).fused_adam
+
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert resolved() is cuda
+        assert resolved("--optimizer", "sgd") is False
+        assert resolved("--no-fused-adam") is False
+        assert resolved("--fused-adam") is True
+    _expect_argument_error(["--fused-adam", "--optimizer", "sgd"], "--fused-adam needs --optimizer adam")
 
 
 def _expect_argument_error(flags, message):

@@ -222,10 +222,10 @@ def build_optimizer(args, model_chunks, log):
     if args.fused_adam:
         if _torch_adams(optimizer):
             configure_torch_adam(optimizer, fused=True)
-            log("optimizer: torch's fused Adam kernels (--fused-adam)")
+            log("optimizer: torch's fused Adam kernels (--no-fused-adam for foreach)")
         else:
-            log("note: --fused-adam ignored: the optimizer is not torch's Adam/AdamW (Transformer Engine or "
-                "APEX provide a fused one)")
+            log("note: torch's fused Adam not applied: the optimizer is not torch's Adam/AdamW (Transformer "
+                "Engine or APEX provide their own fused one)")
     inner = [type(o).__name__ for o in inner_optimizers(optimizer)]
     base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in inner_optimizers(optimizer)}
     where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
