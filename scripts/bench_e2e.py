@@ -108,6 +108,9 @@ def global_batch(opts) -> int:
     return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
 
 
+KILL_AFTER_S = 30  # a timed-out run gets this long to stop after SIGTERM before `timeout` kills it
+
+
 def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = None) -> dict:
     """One trainer run; returns median step time (s), final loss and every step's loss, peak memory (GB,
     rank 0) and model TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
@@ -128,7 +131,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
         if fp8:
             cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
         if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
-            cmd = ["timeout", "--kill-after", "30", str(int(opts.run_timeout)), *cmd]
+            cmd = ["timeout", "--kill-after", str(KILL_AFTER_S), str(int(opts.run_timeout)), *cmd]
         start = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:

@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
+from bench_e2e import KILL_AFTER_S, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
@@ -122,7 +122,8 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=500,
                    help="seconds for all runs together; a run gets at most the time left")
     p.add_argument("--run-timeout", type=float, default=400, help="seconds for one run (ends a hung run)")
-    p.add_argument("--min-run-s", type=float, default=60, help="skip a run when less time than this is left")
+    p.add_argument("--min-run-s", type=float, default=60, help="skip a run when less time than this (or than an earlier run of its layout took) "
+                                                          "is left, after the SIGTERM grace")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, gloo, 2 processes, 2 layers of width 64, seq 64: checks the plumbing only")
     add_data_arguments(p)
@@ -160,6 +161,18 @@ def run_options(layout: Layout, variant: str, opts, timeout: float) -> argparse.
         iters=opts.iters, warmup=opts.warmup, seq_length=SMOKE_SEQ if opts.smoke else opts.seq_length,
         micro_batch_size=opts.micro_batch_size, grad_accum=opts.grad_accum, extra=extra, run_timeout=timeout,
         smoke=opts.smoke, data_path=opts.data_path, tokenizer_model=opts.tokenizer_model)
+
+
+def next_run_timeout(left: float, opts, walls_of_layout) -> tuple:
+    """(timeout for the next run, None) or (None, why it is skipped). A run must end, SIGTERM grace included,
+    before --deadline: a device command cut off at its own limit leaves a trainer in `timeout`'s process
+    group running on the machine. It is skipped when less time is left than --min-run-s or than an earlier
+    run of the same layout took."""
+    budget = left - KILL_AFTER_S
+    needed = max([opts.min_run_s, *walls_of_layout])
+    if budget < needed:
+        return None, f"{left:.0f} s left of --deadline, {needed + KILL_AFTER_S:.0f} s needed"
+    return min(opts.run_timeout, budget), ""
 
 
 def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
@@ -285,16 +298,16 @@ def main(argv=None):
         layout = LAYOUTS[name]
         for variant in layout.variants if opts.variants is None else [v for v in opts.variants if layout.accepts(v)]:
             left = opts.deadline - (time.time() - start)
-            if left < opts.min_run_s:
+            walls = [r["wall_s"] for r in records if r["layout"] == name and "wall_s" in r]
+            timeout, why = next_run_timeout(left, opts, walls)
+            if timeout is None:
                 ropts = run_options(layout, variant, opts, 0)
                 title = f"{layout.title} [smoke: {describe_flags(ropts.layout)}]" if opts.smoke else layout.title
                 record = {"layout": name, "title": title, "smoke": opts.smoke, "variant": variant,
-                          "gpus": ropts.nproc, "precision": VARIANTS[variant][0],
-                          "skipped": f"{left:.0f} s left of --deadline"}
-                print(f"== {name} {variant}: skipped, {left:.0f} s left", flush=True)
+                          "gpus": ropts.nproc, "precision": VARIANTS[variant][0], "skipped": why}
+                print(f"== {name} {variant}: skipped, {why}", flush=True)
             else:
-                record = measure(name, layout, variant, run_options(layout, variant, opts,
-                                                                     min(opts.run_timeout, left)))
+                record = measure(name, layout, variant, run_options(layout, variant, opts, timeout))
                 failures += "error" in record
             records.append(record)
             with open(os.path.join(results_dir, f"{name}__{variant}.json"), "w", encoding="utf-8") as f:
