@@ -5,9 +5,12 @@
 #
 #   bash scripts/gpu_e2e_check.sh
 #
-# Environment: E2E_GPUS [0 1 2], TEST_GPU [3] (empty: no tests), MODELS (bench_e2e.py's order: the
-# largest first, so the last round holds the quick ones), ITERS [10], WARMUP [3], E2E_TIMEOUT [540],
-# TEST_TIMEOUT [420], EXTRA (more trainer flags for every run).
+# Environment: E2E_GPUS [0 1 2], TEST_GPU [3] (empty: no tests), TESTS [kernels layers] (which of
+# tests/test_{kernels,layers,training}_gpu.py run there, in that order), MODELS (bench_e2e.py's order: the
+# largest first, so the last round holds the quick ones), ITERS [10], WARMUP [3], MICRO_BATCH [1],
+# GRAD_ACCUM [8] (micro-batches per step), E2E_TIMEOUT [540], TEST_TIMEOUT [420] (per test file),
+# DEADLINE [570] (seconds since the script started by which every test file has ended), EXTRA (more
+# trainer flags for every run).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,24 +24,30 @@ python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__ver
 if [[ -n "${TEST_GPU-3}" ]]; then
   (
     export CUDA_VISIBLE_DEVICES=${TEST_GPU-3}
-    # fixed GEMM tiles (TMA where eligible) for the bulk of the kernel tests (the autotuned-path tests turn tuning on)
-    MEGATRON_INT8_GEMM_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf \
-      --durations=5 tests/test_kernels_gpu.py > "$OUT/kernels_tests.log" 2>&1
-    echo "exit $?" >> "$OUT/kernels_tests.log"
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -rf tests/test_layers_gpu.py > "$OUT/layers_tests.log" 2>&1
-    echo "exit $?" >> "$OUT/layers_tests.log"
+    for t in ${TESTS:-kernels layers}; do
+      # fixed GEMM tiles (TMA where eligible) for the bulk of the kernel tests (the autotuned-path tests turn tuning on)
+      [[ $t == kernels ]] && autotune=0 || autotune=
+      # each file ends before DEADLINE: a test cut off by the device call's own limit would keep the GPU busy
+      left=$(( ${DEADLINE:-570} - SECONDS ))
+      (( left < 30 )) && { echo "not run: ${left} s left of DEADLINE" > "$OUT/${t}_tests.log"; continue; }
+      limit=$(( left < ${TEST_TIMEOUT:-420} ? left : ${TEST_TIMEOUT:-420} ))
+      MEGATRON_INT8_GEMM_AUTOTUNE=$autotune timeout -k 5 "$limit" python3 -m pytest -q -p no:cacheprovider \
+        -rf --durations=5 "tests/test_${t}_gpu.py" > "$OUT/${t}_tests.log" 2>&1
+      echo "exit $?" >> "$OUT/${t}_tests.log"
+    done
   ) &
   tests=$!
 fi
 
 MODELS=${MODELS:-"llama2_13b mixtral_8x7b_8l qwen3_8b llama3.1_8b llama2_7b qwen3_4b"}
 timeout "${E2E_TIMEOUT:-540}" python3 scripts/bench_e2e.py --gpus ${E2E_GPUS:-0 1 2} --models $MODELS \
-  --iters "${ITERS:-10}" --warmup "${WARMUP:-3}" --out "$OUT/bench_e2e.md" ${EXTRA:+--extra $EXTRA} 2>&1 \
+  --iters "${ITERS:-10}" --warmup "${WARMUP:-3}" --micro-batch-size "${MICRO_BATCH:-1}" --grad-accum "${GRAD_ACCUM:-8}" \
+  --out "$OUT/bench_e2e.md" ${EXTRA:+--extra $EXTRA} 2>&1 \
   | tee "$OUT/bench_e2e.log"
 status=${PIPESTATUS[0]}
 if [[ -n "${tests:-}" ]]; then
   wait "$tests"
-  tail -n 4 "$OUT/kernels_tests.log" "$OUT/layers_tests.log"
+  for t in ${TESTS:-kernels layers}; do tail -n 4 "$OUT/${t}_tests.log"; done
 fi
 cat "$OUT/bench_e2e.md" 2>/dev/null
 exit "$status"
