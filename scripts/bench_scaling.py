@@ -122,8 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--deadline", type=float, default=500,
                    help="seconds for all runs together; a run gets at most the time left")
     p.add_argument("--run-timeout", type=float, default=400, help="seconds for one run (ends a hung run)")
-    p.add_argument("--min-run-s", type=float, default=60, help="skip a run when less time than this (or than an earlier run of its layout took) "
-                                                          "is left, after the SIGTERM grace")
+    p.add_argument("--min-run-s", type=float, default=60,
+                   help="skip a run when less time than this (or than an earlier run of its layout took) is left, "
+                        "after the SIGTERM grace")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, gloo, 2 processes, 2 layers of width 64, seq 64: checks the plumbing only")
     add_data_arguments(p)
@@ -172,7 +173,7 @@ def next_run_timeout(left: float, opts, walls_of_layout) -> tuple:
     needed = max([opts.min_run_s, *walls_of_layout])
     if budget < needed:
         return None, f"{left:.0f} s left of --deadline, {needed + KILL_AFTER_S:.0f} s needed"
-    return min(opts.run_timeout, budget), ""
+    return min(opts.run_timeout, budget), None
 
 
 def measure(name: str, layout: Layout, variant: str, ropts) -> dict:
