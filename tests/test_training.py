@@ -283,9 +283,10 @@ def test_cuda_graph_needs_a_gpu():
     _expect_argument_error(["--cuda-graph-impl", "local"], "it needs a CUDA GPU")
 
 
-def test_fused_adam_defaults_on_with_cuda_and_adam_only(monkeypatch):
-    """No flag: fused with CUDA and Adam, foreach on CPU or with SGD; the flags override either way, and
-    --fused-adam with SGD is an error rather than ignored."""
+def test_fused_defaults_follow_the_device(monkeypatch):
+    """No flag: fused AdamW with CUDA and Adam, foreach on CPU or with SGD; the flags override either way, and
+    --fused-adam with SGD is an error rather than ignored. The fused cross entropy likewise: on with CUDA and
+    --bf16 only."""
     import torch
 
     from megatron_int8.training.args import parse_args, validate_args
@@ -293,14 +294,17 @@ def test_fused_adam_defaults_on_with_cuda_and_adam_only(monkeypatch):
     def resolved(*flags):
         args = parse_args(["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--mock-data", "--tokenizer-type",
                            "NullTokenizer", "--vocab-size", "512", *flags])
-        return validate_args(args, world_size=1).fused_adam
+        return validate_args(args, world_size=1)
 
     for cuda in (False, True):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        assert resolved() is cuda
-        assert resolved("--optimizer", "sgd") is False
-        assert resolved("--no-fused-adam") is False
-        assert resolved("--fused-adam") is True
+        assert resolved().fused_adam is cuda
+        assert resolved("--optimizer", "sgd").fused_adam is False
+        assert resolved("--no-fused-adam").fused_adam is False
+        assert resolved("--fused-adam").fused_adam is True
+        assert resolved("--bf16").cross_entropy_loss_fusion is cuda
+        assert resolved().cross_entropy_loss_fusion is False  # tiny.yaml trains in fp32
+        assert resolved("--bf16", "--no-cross-entropy-loss-fusion").cross_entropy_loss_fusion is False
     _expect_argument_error(["--fused-adam", "--optimizer", "sgd"], "--fused-adam needs --optimizer adam")
 
 

@@ -417,10 +417,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             "bf16 logit gradients whatever the logits' dtype")
     if args.fused_adam and args.optimizer != "adam":
         raise ArgumentError("--fused-adam needs --optimizer adam")
-    if args.fused_adam is None:  # 36 ms (5-6%) off a graphed Llama2-7B 8-layer step on an H100
+    if args.cross_entropy_loss_fusion is None or args.fused_adam is None:
+        # fused kernels pay off on the GPU; on the CPU (tests) compiling the cross entropy costs more than it saves
         import torch
 
-        args.fused_adam = args.optimizer == "adam" and torch.cuda.is_available()
+        on_gpu = torch.cuda.is_available()
+        if args.cross_entropy_loss_fusion is None:
+            args.cross_entropy_loss_fusion = on_gpu and args.bf16  # its logit gradients are always bf16
+        if args.fused_adam is None:  # 36 ms (5-6%) off a graphed Llama2-7B 8-layer step on an H100
+            args.fused_adam = on_gpu and args.optimizer == "adam"
     if args.tp_comm_overlap and not args.sequence_parallel:
         raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and tensor parallelism)")
     if args.tp_comm_overlap and args.fp8_peer is not None:

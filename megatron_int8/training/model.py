@@ -80,8 +80,6 @@ def build_config(args, log):
             + " (APEX fused_weight_gradient_mlp_cuda not available)")
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
-    if args.cross_entropy_loss_fusion is None:  # compiled kernels pay off on the GPU, not in CPU tests
-        args.cross_entropy_loss_fusion = on_gpu and args.bf16  # its logit gradients are always bf16
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
     config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                           bias_activation_fusion=args.swiglu and on_gpu)
