@@ -22,6 +22,8 @@ import contextlib
 
 import torch
 
+from .rms_norm import FusedRMSNorm
+
 _APPLIED_FLAG = "_megatron_int8_cpu_compat"
 
 
@@ -163,6 +165,7 @@ def model_parallel_seed(seed: int, cuda_graph_safe: bool = False) -> None:
 
 class SequenceParallelNorm:
     """RMSNorm / LayerNorm (per `config.normalization`) that also works under sequence parallelism.
+    RMSNorm is `FusedRMSNorm` (torch's module, with a Triton kernel on CUDA).
 
     Same constructor as megatron's `WrappedTorchNorm` and the same parameters (state-dict keys
     `weight` [, `bias`]). Under SP every TP rank sees different tokens, so the norm's parameter
@@ -184,7 +187,7 @@ class SequenceParallelNorm:
         if config.memory_efficient_layer_norm:
             raise ValueError("SequenceParallelNorm: memory_efficient_layer_norm needs apex")
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            norm = FusedRMSNorm(hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:

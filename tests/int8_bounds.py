@@ -86,3 +86,34 @@ def assert_rope_close(got, t, freqs, inverse, what, rounding_ulps=0.5):
     assert (err <= bound).all(), f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
     assert torch.equal(got[..., rot:], t[..., rot:]), f"{what}: pass-through dimensions changed"
 
+
+
+def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
+    """An RMSNorm's forward (y) and gradients (dx, dw) against float64, over the last dimension W.
+
+    Bounds: one rounding to the output dtype (`rounding_ulps` of it), plus fp32 arithmetic. fp32 sums of
+    W squares put a relative error of up to (W/2 + 4) eps32 on 1/rms, hence on y; backward's row sum
+    mean(g x r) and its products are bounded on the magnitudes they combine, and the weight gradient's
+    fp32 sum over the R rows on the sum of |dy x r|."""
+    f32 = torch.finfo(torch.float32).eps
+    W = x.shape[-1]
+    x64, w64, dy64 = x.double(), weight.double(), dy.double()
+    r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x64 * r
+    g = dy64 * w64
+    c = (g * xhat).mean(-1, keepdim=True)
+    want_y, want_dx = xhat * w64, r * (g - xhat * c)
+    want_dw = (dy64 * xhat).reshape(-1, W).sum(0)
+    out_eps = torch.finfo(x.dtype).eps * rounding_ulps
+    checks = [
+        ("forward", y, want_y, want_y.abs() * (out_eps + (W / 2 + 4) * f32)),
+        ("input gradient", dx, want_dx, want_dx.abs() * out_eps
+         + r * (g.abs() + xhat.abs() * (g * xhat).abs().mean(-1, keepdim=True)) * (2 * W + 16) * f32),
+        ("weight gradient", dw, want_dw, want_dw.abs() * torch.finfo(weight.dtype).eps * rounding_ulps
+         + (dy64 * xhat).abs().reshape(-1, W).sum(0) * (x.numel() // W + W + 8) * f32),
+    ]
+    for what, got, want, bound in checks:
+        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        err = (got.double() - want).abs()
+        assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
+                                      f"at {(err - bound).argmax().item()}")

@@ -942,6 +942,40 @@ def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
     out.backward(grad)
     assert_rope_close(q_leaf.grad, grad, freqs, True, "backward", ulps)
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["k head slice", "rows of 40", "wide rows, several per program"])
+def test_rms_norm_kernel_forward_and_backward(dtype, layout):
+    """The Triton RMSNorm (megatron_int8.rms_norm.FusedRMSNorm) on the shapes it meets: a strided k slice
+    of a fused qkv output (rows of one head, normalized without a copy), ragged rows narrower than the
+    block (masked columns, many rows per program), and rows wide enough that each backward program loops
+    over many of them. Heavy-tailed data with zero rows; forward, input and weight gradients against
+    float64."""
+    from int8_bounds import assert_rms_norm_close
+
+    from megatron_int8.rms_norm import FusedRMSNorm
+
+    ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
+    if layout == "k head slice":
+        S, B, G, D = 5, 3, 4, 16
+        qkv = outliers(S * B * G, 4 * D, dtype, zero_rows=(7,)).view(S, B, G, 4 * D)
+        x = qkv[..., 2 * D:3 * D]  # [S, B, G, D], strides (B*G*4D, G*4D, 4D, 1)
+        assert not x.is_contiguous()
+    elif layout == "rows of 40":
+        x = outliers(300, 40, dtype, zero_rows=(3,))
+    else:
+        x = outliers(150, 2048, dtype).view(30, 5, 2048)
+    W = x.shape[-1]
+    norm = FusedRMSNorm(W, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_((1 + torch.randn(W)).to(dtype))
+    leaf = x.detach().requires_grad_(True)
+    y = norm(leaf)
+    assert "TritonRMSNorm" in type(y.grad_fn).__name__
+    dy = outliers(x.numel() // W, W, dtype).view(x.shape)
+    y.backward(dy)
+    assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
+
+
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).
 for _name, _fn in list(globals().items()):
     if _name.startswith("test_") and callable(_fn) and _name != "test_kernels_under_triton_interpreter":

@@ -13,6 +13,7 @@ the magnitudes |a| @ |b| that the epilogue sums. int8_linear: backend "triton" v
 every gradient.
 """
 import importlib
+import math
 
 import pytest
 import torch
@@ -652,3 +653,34 @@ def test_fused_rope_real_shapes(heads, groups, rot):
         grad = outliers(S * B * x.shape[2], D).view(S, B, x.shape[2], D)
         out.backward(grad)
         assert_rope_close(leaf.grad.cpu(), grad.cpu(), freqs.cpu(), True, "backward")
+
+
+@pytest.mark.parametrize("shape,layout", [
+    ((4096, 2, 32, 128), "q heads"),  # Qwen3's q: a contiguous copy after megatron's reshape
+    ((4096, 2, 8, 128), "k head slice"),  # Qwen3's k: a strided slice of the fused qkv output
+    ((4096, 2, 4096), "hidden"),
+    ((4096, 2, 2560), "hidden"),  # Qwen3-4B: rows narrower than the power-of-two block
+])
+def test_fused_rms_norm_real_shapes(shape, layout):
+    """The Triton RMSNorm at one micro-batch (2 x 4096 tokens) of Qwen3's q/k head norms and of the hidden
+    norms: forward, input and weight gradients within one round-to-nearest of float64 plus fp32 sums."""
+    from int8_bounds import assert_rms_norm_close
+
+    from megatron_int8.rms_norm import FusedRMSNorm
+
+    W = shape[-1]
+    if layout == "k head slice":
+        S, B, G, D = shape
+        x = outliers(S * B * G, 6 * D).view(S, B, G, 6 * D)[..., 4 * D:5 * D]  # 4 q heads, k, v per group
+        assert not x.is_contiguous()
+    else:
+        x = outliers(math.prod(shape[:-1]), W).view(shape)
+    norm = FusedRMSNorm(W, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(W, device="cuda"))
+    leaf = x.detach().requires_grad_(True)
+    y = norm(leaf)
+    assert "TritonRMSNorm" in type(y.grad_fn).__name__
+    dy = outliers(x.numel() // W, W).view(x.shape)
+    y.backward(dy)
+    assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad)

@@ -1,0 +1,136 @@
+"""Triton RMSNorm: forward and backward in one pass over the rows each, any row width.
+
+x is viewed as [N, H, W] rows of width W (the last stride 1, any strides for N and H), so that a head
+slice of a fused qkv output (Qwen3's k, [s, b, groups, 128]) is normalized in place of a copy. Each
+program takes BLOCK_R rows at once: torch's kernels give a 128-wide row a block of its own and run 4x
+slower per byte there than over a 4096-wide row (docs/benchmarks.md, fourteenth session).
+
+    forward   r = 1 / sqrt(mean(x^2) + eps),  y = x r w           (fp32 math, one rounding of y)
+    backward  g = dy w,  dx = r (g - x r mean(g x r)),  dw = sum over rows of dy x r
+The weight gradient is summed per program in fp32 over a contiguous run of rows, then the per-program
+partial sums are added by the caller: no atomics, the same order every run.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import LaunchCache, cdiv, next_pow2
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, sx_n, sx_h,  # input [N, H, W], last stride 1
+    w_ptr, y_ptr, rstd_ptr,  # weight [W]; contiguous output [N * H, W]; fp32 1/rms per row
+    R, H, W, eps,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_W)
+    mask_r = rows < R
+    mask = mask_r[:, None] & (cols < W)[None, :]
+    src = (rows // H) * sx_n + (rows % H) * sx_h
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / W + eps)
+    w = tl.load(w_ptr + cols, mask=cols < W, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * W + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=mask_r)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, sdy_n, sdy_h,  # output gradient [N, H, W], last stride 1
+    x_ptr, sx_n, sx_h,  # forward input [N, H, W], last stride 1
+    w_ptr, rstd_ptr,
+    dx_ptr, dw_part_ptr,  # contiguous [N * H, W]; fp32 [programs, W]
+    R, H, W, ROWS_PER_PROGRAM,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program p: rows [p * ROWS_PER_PROGRAM, (p + 1) * ROWS_PER_PROGRAM), BLOCK_R at a time."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_W)
+    mask_c = cols < W
+    w = tl.load(w_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+    first = pid.to(tl.int64) * ROWS_PER_PROGRAM
+    end = tl.minimum(first + ROWS_PER_PROGRAM, R)
+    for start in range(first, end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask_r = rows < end
+        mask = mask_r[:, None] & mask_c[None, :]
+        n, h = rows // H, rows % H
+        x = tl.load(x_ptr + (n * sx_n + h * sx_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + (n * sdy_n + h * sdy_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=mask_r, other=0.0)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / W
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * W + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+    tl.store(dw_part_ptr + pid * W + cols, tl.sum(dw, axis=0), mask=mask_c)
+
+
+_FWD = LaunchCache(_rms_norm_fwd_kernel)
+_BWD = LaunchCache(_rms_norm_bwd_kernel)
+_TILE = 4096  # elements per program and step: 16 fp32 values per thread at 8 warps
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [N, H, W] with the last stride 1: a view where the leading dimensions merge, else a copy."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _blocks(W: int) -> tuple:
+    block_w = next_pow2(W)
+    block_r = max(1, _TILE // block_w)
+    return block_r, block_w, 8 if block_r * block_w >= _TILE else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_per_sm(device_index: int) -> int:
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(y, rstd): y of x's shape and dtype, contiguous; rstd fp32, one per row (x.numel() // W)."""
+    W = x.shape[-1]
+    x3 = _rows(x)
+    N, H = x3.shape[0], x3.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(N * H, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, rstd
+    block_r, block_w, warps = _blocks(W)
+    _FWD.launch((cdiv(N * H, block_r),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, N * H, H, W, float(eps),
+                BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+    return y, rstd
+
+
+def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """(dx, dw): dx of x's shape and dtype, contiguous; dw of weight's dtype."""
+    W = x.shape[-1]
+    x3, dy3 = _rows(x), _rows(dy)
+    R, H = x3.shape[0] * x3.shape[1], x3.shape[1]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    block_r, block_w, warps = _blocks(W)
+    max_programs = _programs_per_sm(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+        if x.device.type == "cuda" else 4
+    rows_per_program = cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r
+    programs = cdiv(R, rows_per_program)
+    dw_part = torch.empty((programs, W), dtype=torch.float32, device=x.device)
+    _BWD.launch((programs,), dy3, dy3.stride(0), dy3.stride(1), x3, x3.stride(0), x3.stride(1), weight, rstd,
+                dx, dw_part, R, H, W, rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+    return dx, dw_part.sum(0).to(weight.dtype)

@@ -1,0 +1,67 @@
+"""RMSNorm with a Triton kernel on CUDA, for both precisions' norms when Transformer Engine is absent.
+
+torch's fused RMSNorm kernels are fast over a hidden size but give every row a block of its own: over
+Qwen3's 128-wide q/k heads they move 750 GB/s forward+backward, and their weight-gradient reduction over
+65,536 rows of k takes 194 us for 16 MB of input (docs/benchmarks.md, fourteenth session). Those norms
+then cost ~0.75 ms per layer and micro-batch, in BF16 and INT8 alike. `FusedRMSNorm` is
+`torch.nn.RMSNorm` (same parameter, state-dict key `weight`, same numerics: fp32 math, one rounding)
+whose forward runs kernels/rms_norm.py on CUDA. Elsewhere (CPU, mixed input/weight dtypes, no affine
+weight) it is torch's own forward.
+
+MEGATRON_INT8_NORM_KERNEL=torch keeps torch's kernels on CUDA too (for A/B timing; read at construction).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .backend import triton_available, triton_runs_on
+
+NORM_KERNELS = ("triton", "torch")
+ENV_NORM_KERNEL = "MEGATRON_INT8_NORM_KERNEL"
+
+
+class _TritonRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from .kernels.rms_norm import triton_rms_norm_forward
+
+        y, rstd = triton_rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.rms_norm import triton_rms_norm_backward
+
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = triton_rms_norm_backward(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+def norm_kernel_choice() -> str:
+    choice = os.environ.get(ENV_NORM_KERNEL, "triton")
+    if choice not in NORM_KERNELS:
+        raise ValueError(f"{ENV_NORM_KERNEL}={choice!r}: expected one of {NORM_KERNELS}")
+    return choice
+
+
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm over the last dimension whose CUDA forward and backward are one Triton kernel each."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"FusedRMSNorm normalizes the last dimension only, got {self.normalized_shape}")
+        self.use_triton = norm_kernel_choice() == "triton"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (self.use_triton and weight is not None and x.dtype == weight.dtype and triton_runs_on(x.device)
+                and triton_available()):
+            if x.shape[-1] != weight.shape[0]:
+                raise ValueError(f"FusedRMSNorm({weight.shape[0]}): input of shape {tuple(x.shape)}")
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            return _TritonRMSNorm.apply(x, weight, eps)
+        return super().forward(x)
