@@ -3,12 +3,15 @@
 torch's fused RMSNorm kernels are fast over a hidden size but give every row a block of its own: over
 Qwen3's 128-wide q/k heads they move 750 GB/s forward+backward, and their weight-gradient reduction over
 65,536 rows of k takes 194 us for 16 MB of input (docs/benchmarks.md, fourteenth session). Those norms
-then cost ~0.75 ms per layer and micro-batch, in BF16 and INT8 alike. `FusedRMSNorm` is
-`torch.nn.RMSNorm` (same parameter, state-dict key `weight`, same numerics: fp32 math, one rounding)
-whose forward runs kernels/rms_norm.py on CUDA. Elsewhere (CPU, mixed input/weight dtypes, no affine
-weight) it is torch's own forward.
+then cost ~0.75 ms per layer and micro-batch, in BF16 and INT8 alike. Over a hidden size (2560-5120)
+torch's kernels already run at 2-3 TB/s, and a Python autograd Function would only add host time to
+eager steps. `FusedRMSNorm` is `torch.nn.RMSNorm` (same parameter, state-dict key `weight`, same
+numerics: fp32 math, one rounding) whose forward runs kernels/rms_norm.py on CUDA for rows of at most
+`TRITON_MAX_WIDTH` elements. Elsewhere (wider rows, CPU, mixed input/weight dtypes, no affine weight) it
+is torch's own forward.
 
-MEGATRON_INT8_NORM_KERNEL=torch keeps torch's kernels on CUDA too (for A/B timing; read at construction).
+MEGATRON_INT8_NORM_KERNEL (read at construction): `auto` (the default, as above), `torch` (torch's kernels
+everywhere), `triton` (the Triton kernel at every width; for A/B timing).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ import torch
 
 from .backend import triton_available, triton_runs_on
 
-NORM_KERNELS = ("triton", "torch")
+NORM_KERNELS = ("auto", "torch", "triton")
+TRITON_MAX_WIDTH = 512
 ENV_NORM_KERNEL = "MEGATRON_INT8_NORM_KERNEL"
 
 
@@ -41,20 +45,22 @@ class _TritonRMSNorm(torch.autograd.Function):
 
 
 def norm_kernel_choice() -> str:
-    choice = os.environ.get(ENV_NORM_KERNEL, "triton")
+    choice = os.environ.get(ENV_NORM_KERNEL, "auto")
     if choice not in NORM_KERNELS:
         raise ValueError(f"{ENV_NORM_KERNEL}={choice!r}: expected one of {NORM_KERNELS}")
     return choice
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm over the last dimension whose CUDA forward and backward are one Triton kernel each."""
+    """torch.nn.RMSNorm over the last dimension whose CUDA forward and backward are one Triton kernel each
+    where torch's are slow (`use_triton`: rows of at most TRITON_MAX_WIDTH, per MEGATRON_INT8_NORM_KERNEL)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if len(self.normalized_shape) != 1:
             raise ValueError(f"FusedRMSNorm normalizes the last dimension only, got {self.normalized_shape}")
-        self.use_triton = norm_kernel_choice() == "triton"
+        choice = norm_kernel_choice()
+        self.use_triton = choice == "triton" or (choice == "auto" and self.normalized_shape[0] <= TRITON_MAX_WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

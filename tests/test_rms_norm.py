@@ -8,7 +8,7 @@ import torch
 from int8_bounds import heavy_tailed
 
 from megatron_int8.compat import SequenceParallelNorm
-from megatron_int8.rms_norm import ENV_NORM_KERNEL, FusedRMSNorm
+from megatron_int8.rms_norm import ENV_NORM_KERNEL, TRITON_MAX_WIDTH, FusedRMSNorm
 
 
 def test_cpu_forward_and_backward_are_torchs():
@@ -41,10 +41,14 @@ def test_state_dict_is_torchs():
 
 
 def test_kernel_choice_from_the_environment(monkeypatch):
+    """auto (the default): Triton for head-sized rows, torch's kernels over a hidden size."""
+    monkeypatch.delenv(ENV_NORM_KERNEL, raising=False)
+    assert FusedRMSNorm(128).use_triton and FusedRMSNorm(TRITON_MAX_WIDTH).use_triton
+    assert not FusedRMSNorm(TRITON_MAX_WIDTH + 1).use_triton and not FusedRMSNorm(4096).use_triton
     monkeypatch.setenv(ENV_NORM_KERNEL, "torch")
-    assert not FusedRMSNorm(8).use_triton
+    assert not FusedRMSNorm(128).use_triton
     monkeypatch.setenv(ENV_NORM_KERNEL, "triton")
-    assert FusedRMSNorm(8).use_triton
+    assert FusedRMSNorm(4096).use_triton
     monkeypatch.setenv(ENV_NORM_KERNEL, "apex")
     with pytest.raises(ValueError, match="MEGATRON_INT8_NORM_KERNEL='apex'"):
         FusedRMSNorm(8)
