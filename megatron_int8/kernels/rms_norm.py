@@ -98,7 +98,9 @@ def _blocks(W: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _programs_per_sm(device_index: int) -> int:
+def _max_backward_programs(device_index: int) -> int:
+    """Four programs per SM: enough to hide load latency, few enough that the weight-gradient partial
+    sums stay small."""
     return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -126,8 +128,11 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight)
     block_r, block_w, warps = _blocks(W)
-    max_programs = _programs_per_sm(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-        if x.device.type == "cuda" else 4
+    if x.device.type == "cuda":
+        max_programs = _max_backward_programs(x.device.index if x.device.index is not None
+                                              else torch.cuda.current_device())
+    else:  # the interpreter: a few programs, so that each loops over several row blocks
+        max_programs = 4
     rows_per_program = cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r
     programs = cdiv(R, rows_per_program)
     dw_part = torch.empty((programs, W), dtype=torch.float32, device=x.device)
