@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_rope import time_ms  # noqa: E402  (scripts/ is on the path when a script runs)
 
 SHAPES = {  # name: (heads or None for a hidden norm, width, query heads + 2 key/value heads of the qkv output)
     "hidden 4096 (Llama2-7B, Llama3.1-8B, Qwen3-8B)": (None, 4096, None),
@@ -27,19 +28,6 @@ SHAPES = {  # name: (heads or None for a hidden norm, width, query heads + 2 key
     "Qwen3 q heads 32 x 128": (32, 128, None),
     "Qwen3 k heads 8 x 128 (slice of qkv)": (8, 128, 48),
 }
-
-
-def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def gpu_ms(fn, steps: int = 5) -> float:
