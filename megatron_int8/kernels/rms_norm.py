@@ -77,7 +77,8 @@ def _rms_norm_bwd_kernel(
 
 _FWD = LaunchCache(_rms_norm_fwd_kernel)
 _BWD = LaunchCache(_rms_norm_bwd_kernel)
-_TILE = 4096  # elements per program and step: 16 fp32 values per thread at 8 warps
+_TILE = 4096  # elements per program and step (at least): 16 fp32 values per thread at 8 warps
+_WARPS = 8
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -92,9 +93,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(W: int) -> tuple:
+    """(rows, padded width) per program and step: whole rows, about _TILE elements."""
     block_w = next_pow2(W)
-    block_r = max(1, _TILE // block_w)
-    return block_r, block_w, 8 if block_r * block_w >= _TILE else 4
+    return max(1, _TILE // block_w), block_w
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,9 +114,9 @@ def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     rstd = torch.empty(N * H, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y, rstd
-    block_r, block_w, warps = _blocks(W)
+    block_r, block_w = _blocks(W)
     _FWD.launch((cdiv(N * H, block_r),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, N * H, H, W, float(eps),
-                BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+                BLOCK_R=block_r, BLOCK_W=block_w, num_warps=_WARPS)
     return y, rstd
 
 
@@ -127,7 +128,7 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight)
-    block_r, block_w, warps = _blocks(W)
+    block_r, block_w = _blocks(W)
     if x.device.type == "cuda":
         max_programs = _max_backward_programs(x.device.index if x.device.index is not None
                                               else torch.cuda.current_device())
@@ -137,5 +138,5 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     programs = cdiv(R, rows_per_program)
     dw_part = torch.empty((programs, W), dtype=torch.float32, device=x.device)
     _BWD.launch((programs,), dy3, dy3.stride(0), dy3.stride(1), x3, x3.stride(0), x3.stride(1), weight, rstd,
-                dx, dw_part, R, H, W, rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=warps)
+                dx, dw_part, R, H, W, rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=_WARPS)
     return dx, dw_part.sum(0).to(weight.dtype)
