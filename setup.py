@@ -10,6 +10,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_int8", "megatron_int8.*"]),
     include_package_data=True,
+    package_data={"megatron_int8": ["csrc/*.cu"]},  # built with nvcc on first use (kernels/sm90_gemm.py)
     install_requires=[
         "megatron-core>=0.16,<0.17",
         "torch>=2.4",

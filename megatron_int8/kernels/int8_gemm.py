@@ -47,6 +47,7 @@ import triton.testing
 
 import importlib
 
+from . import sm90_gemm
 from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
 from .quantize import _SEGMENT_ALIGN
 
@@ -56,7 +57,9 @@ ref = importlib.import_module("megatron_int8.quantize")
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
 ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, launch one fixed tile config
-ENV_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"  # "auto" (time both once per shape), "plain" or "tma"
+# "auto": time the candidates once per shape (the CUDA sm_90a kernel where it applies, Triton's plain and
+# TMA kernels); "cuda": the CUDA kernel (an error where it does not apply); "plain" or "tma": that Triton kernel
+ENV_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"
 
 
 @triton.jit
@@ -329,6 +332,7 @@ _UNTUNED_TMA_TILE = (128, 256)
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
 _PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
+CHOSEN = {}  # (M, N, K) -> "cuda" or "triton": the kernel the latest plan for that shape took (benchmarks)
 
 
 def dispatch_buckets(M: int, N: int, K: int) -> tuple:
@@ -406,7 +410,8 @@ def triton_gemm(
 
 
 def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
-    """`run(a, b, bias, accumulate_into, out) -> c` for every call of this plan key (triton_gemm)."""
+    """`run(a, b, bias, accumulate_into, out) -> c` for every call of this plan key (triton_gemm): the CUDA
+    sm_90a kernel (kernels/sm90_gemm.py) or a Triton kernel, per MEGATRON_INT8_GEMM_KERNEL."""
     ref.check_gemm_operands(a, b)
     ref.check_gemm_out(a, b, out_dtype, accumulate_into, out)
     M, K = a.data.shape
@@ -414,6 +419,42 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     if M == 0 or N == 0 or K == 0:
         return lambda a, b, bias, acc, out: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc,
                                                      out=out)
+    which = os.environ.get(ENV_KERNEL, "auto")
+    cuda_ok = (which in ("auto", "cuda") and not _INTERPRET
+               and sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out) and sm90_gemm.available())
+    if which == "cuda" and not cuda_ok:
+        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these operands or is unavailable "
+                         f"({sm90_gemm.unavailable_reason() or 'outside its contract: see sm90_gemm.supports'})")
+    CHOSEN[(M, N, K)] = "triton"
+    if not cuda_ok:
+        return _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
+
+    def cuda_run(a, b, bias, accumulate_into, out):
+        return sm90_gemm.sm90_gemm(a, b, out_dtype=out_dtype, accumulate_into=accumulate_into, out=out)
+
+    if which == "cuda" or not tuned:
+        run = cuda_run
+    else:
+        triton_run = _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
+        run = _faster((cuda_run, triton_run), a, b, bias, accumulate_into, out)
+    if run is cuda_run:
+        CHOSEN[(M, N, K)] = "cuda"
+    return run
+
+
+def _faster(runs, a, b, bias, accumulate_into, out):
+    """The faster of two plan functions, timed once on scratch destinations (Triton's autotuned already)."""
+    acc = None if accumulate_into is None else accumulate_into.clone()
+    dest = None if out is None else torch.empty_like(out)
+    times = [triton.testing.do_bench(lambda: run(a, b, bias, acc, dest), warmup=5, rep=30, return_mode="median")
+             for run in runs]
+    return runs[times.index(min(times))]
+
+
+def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
+    """The Triton kernels' plan function (_gemm_plan)."""
+    M, K = a.data.shape
+    N = b.data.shape[0]
     dev = a.data.device
     # a stand-in output with the real one's properties, for the plan's checks and the autotuner's trials
     c = accumulate_into if accumulate_into is not None else out

@@ -1,0 +1,142 @@
+"""A warp-specialized CUDA INT8 GEMM for Hopper (`megatron_int8/csrc/int8_gemm_sm90.cu`), built on first use.
+
+Same contract as `triton_gemm` for what it covers: tensorwise or row-wise scales, no bias, a bf16 output
+(or `out`) or an fp32 `accumulate_into`; results bit-identical to the reference backend. It exists because
+Triton 3.6 leaves Hopper's INT8 GEMMs at 60-64% of peak (docs/kernels.md). The source is compiled with the
+machine's `nvcc` (sm_90a) into a per-user cache, keyed by the source's hash, and loaded with ctypes, so it
+does not depend on torch's C++ ABI. Where there is no nvcc, no sm_90 GPU or the build fails, `available()`
+is False with the reason in `unavailable_reason()`, and the dispatch keeps the Triton kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import importlib
+
+ref = importlib.import_module("megatron_int8.quantize")
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "int8_gemm_sm90.cu"
+ENV_CACHE = "MEGATRON_INT8_CACHE"  # where the built library goes (default ~/.cache/megatron_int8)
+_ERRORS = {1: "unsupported shape, stride or alignment", 2: "the driver has no cuTensorMapEncodeTiled",
+           3: "the driver rejected a tensor map"}
+
+
+def _nvcc() -> Optional[str]:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def build(out_dir: Optional[str] = None) -> Path:
+    """Compile the source into `<cache>/int8_gemm_sm90-<hash>.so` (atomically; concurrent ranks are safe)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME)")
+    text = SOURCE.read_bytes()
+    flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--shared", "-Xcompiler", "-fPIC"]
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    cache = Path(out_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "megatron_int8")
+    target = cache / f"int8_gemm_sm90-{digest}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([nvcc, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {SOURCE}:\n{proc.stderr[-4000:]}")
+        os.replace(built, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """(ctypes library, None) or (None, reason)."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return None, f"needs compute capability 9.0, found {torch.cuda.get_device_capability()}"
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as exc:
+        warnings.warn(f"megatron_int8: the CUDA INT8 GEMM is unavailable, the Triton kernels run instead: {exc}")
+        return None, str(exc)
+    fn = lib.megatron_int8_gemm_sm90
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return lib, None
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    return _library()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accumulate_into, out) -> bool:
+    """Whether `sm90_gemm` takes these operands (the caller falls back to Triton otherwise)."""
+    ad, bd = a.data, b.data
+    M, K = ad.shape
+    N = bd.shape[0]
+    dest = accumulate_into if accumulate_into is not None else out
+    elem = 4 if accumulate_into is not None else 2
+    return (a.granularity in ("tensor", "row") and b.granularity == a.granularity and bias is None
+            and (accumulate_into is not None or out_dtype == torch.bfloat16)
+            and ad.is_cuda and ad.dtype == torch.int8 and bd.dtype == torch.int8 and M > 0 and N > 0
+            and ad.stride(1) == 1 and bd.stride(1) == 1 and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
+            and ad.stride(0) % 16 == 0 and bd.stride(0) % 16 == 0
+            and ad.data_ptr() % 16 == 0 and bd.data_ptr() % 16 == 0
+            and a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32
+            and (a.granularity == "tensor" or (a.scale.dim() == 1 and b.scale.dim() == 1))
+            and (N * elem % 16 == 0 if dest is None else
+                 (dest.stride(1) == 1 and dest.stride(0) * elem % 16 == 0 and dest.data_ptr() % 16 == 0)))
+
+
+def sm90_gemm(a: ref.QTensor, b: ref.QTensor, *, out_dtype: torch.dtype = torch.bfloat16,
+              accumulate_into: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dequant(a @ b^T) as bf16 (into `out` if given), or added into the fp32 `accumulate_into` and returned."""
+    ref.check_gemm_operands(a, b)
+    ref.check_gemm_out(a, b, out_dtype, accumulate_into, out)
+    if not supports(a, b, None, out_dtype, accumulate_into, out):
+        raise ValueError("sm90_gemm: operands outside its contract (see supports())")
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"sm90_gemm unavailable: {reason}")
+    ad, bd = a.data, b.data
+    M, K = ad.shape
+    N = bd.shape[0]
+    dest = accumulate_into if accumulate_into is not None else out
+    if dest is None:
+        dest = torch.empty((M, N), dtype=out_dtype, device=ad.device)
+    row = a.granularity == "row"
+    sa, sb = a.scale, b.scale
+    code = lib.megatron_int8_gemm_sm90(
+        ad.data_ptr(), ad.stride(0), bd.data_ptr(), bd.stride(0), dest.data_ptr(), dest.stride(0),
+        sa.data_ptr(), sa.stride(0) if row else 0, sb.data_ptr(), sb.stride(0) if row else 0,
+        M, N, K, int(accumulate_into is not None), _num_sms(ad.device.index or 0),
+        torch.cuda.current_stream(ad.device).cuda_stream)
+    if code:
+        detail = _ERRORS.get(code) or f"CUDA error {code - 100} at launch"
+        raise RuntimeError(f"sm90_gemm: {detail} (M={M}, N={N}, K={K})")
+    return dest
