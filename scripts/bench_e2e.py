@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--fp8-compile", action="store_true",
                    help="FP8 runs with --fp8-peer-compile (torch.compile'd casts + GEMMs)")
     add_data_arguments(p)
-    p.add_argument("--out", default=None, help="Markdown output (default: $OUT/bench_e2e.md if $OUT is set).")
+    p.add_argument("--out", default=None, help="Markdown output file, or a directory to write bench_e2e.md into (default: $OUT).")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     return p.parse_args(argv)
@@ -221,7 +221,9 @@ def main(argv=None):
     opts = parse_args(argv)
     for model in opts.models:
         depths_of(model, opts)  # fail before any run
-    out = opts.out or (os.path.join(os.environ["OUT"], "bench_e2e.md") if os.environ.get("OUT") else None)
+    out = opts.out or os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        out = os.path.join(out, "bench_e2e.md")
     rows, failed = {}, []
     publishing = threading.Lock()  # with --gpus, models finish on several threads
 

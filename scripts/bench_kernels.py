@@ -126,7 +126,8 @@ def gemm_row(M, N, K, cache):
            (("bf16", t_bf16), ("ours", t_ours), ("intmm", t_intmm), ("fp8", t_fp8))}
     from megatron_int8.kernels import int8_gemm as G
     shape = G.dispatch_buckets(M, N, K)
-    res["kernel"] = ",".join(sorted({f.kernel for k, f in G._fast.items() if k[:3] == shape})) or "plain"
+    res["kernel"] = ("cuda" if G.CHOSEN.get((M, N, K)) == "cuda" else
+                     ",".join(sorted({f.kernel for k, f in G._fast.items() if k[:3] == shape})) or "plain")
     cache[key] = res
     torch.cuda.empty_cache()
     return res

@@ -8,6 +8,7 @@ installed, else skipped with the reason printed), plus megatron-core's stock loc
 Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-store process group.
     python scripts/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
     python scripts/bench_layer.py --device cpu --tiny  # CI smoke test
+    python scripts/bench_layer.py --cuda-graph         # replays of captured steps: GPU time, no host overhead
     # a Mixtral-8x7B MoE layer (8 experts, top-2, SequentialMLP; one micro-batch of 4096 tokens):
     python scripts/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
     # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                    help="torchao float8 scaling recipe of the FP8 peer")
     p.add_argument("--fp8-compile", action="store_true",
                    help="add a second FP8 row with each dense linear's casts + GEMM under torch.compile")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time replays of one captured forward + backward per spec (the trainer's "
+                        "--cuda-graph-impl local steps): GPU time without the eager host overhead")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
     args = p.parse_args(argv)
@@ -169,6 +173,8 @@ def time_layer(layer, name, args) -> float:
         x.grad = None
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if args.cuda_graph:
+        step = _graphed(layer, x, grad, mask, args)
     for _ in range(args.warmup):
         step()
     sync()
@@ -177,6 +183,32 @@ def time_layer(layer, name, args) -> float:
         step()
     sync()
     return (time.perf_counter() - start) * 1e3 / args.iters
+
+
+def _graphed(layer, x, grad, mask, args):
+    """One forward + backward captured in a CUDA graph, after eager warm-up on a side stream (autotuning,
+    kernel builds and the weight cache happen there). Gradients accumulate in place across replays, as
+    a graphed step's do into main_grad; without --cache-weights the graph quantizes the weights itself."""
+    from megatron_int8.linear import invalidate_weight_caches
+
+    def body():
+        out, _ = layer(x, attention_mask=mask)
+        out.backward(grad)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(args.warmup, 2)):
+            if not args.cache_weights:
+                invalidate_weight_caches()
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    if not args.cache_weights:
+        invalidate_weight_caches()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph.replay
 
 
 def profile_layer(layer, args) -> None:
@@ -201,6 +233,8 @@ def main(argv=None) -> str:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda requested but CUDA is not available (use --device cpu --tiny)")
+    if args.cuda_graph and args.device != "cuda":
+        raise SystemExit("--cuda-graph needs --device cuda")
     setup(args.device)
     from megatron_int8.backend import resolve_backend_name
     from megatron_int8.recipe import Int8Recipe
@@ -227,7 +261,7 @@ def main(argv=None) -> str:
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
         f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
-        f"finite check {args.check_finite}" + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
+        f"finite check {args.check_finite}" + (", CUDA-graphed" if args.cuda_graph else ", eager") + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
         "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
         "| spec | ms / iter | speedup vs BF16 |",
