@@ -99,8 +99,8 @@ def test_dispatch(S, REF, monkeypatch):
     from megatron_int8.kernels import triton_gemm
 
     calls = []
-    real = S.sm90_gemm
-    monkeypatch.setattr(S, "sm90_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = S.launch
+    monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
     qa, qb = operands(REF, "row", 2048, 1536, 1024)
     want = REF.gemm(qa, qb, out_dtype=torch.bfloat16)
     for kernel in ("cuda", "auto"):
@@ -142,8 +142,8 @@ def test_int8_linear_on_the_cuda_kernel(S, granularity, monkeypatch):
 
     monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
     calls = []
-    real = S.sm90_gemm
-    monkeypatch.setattr(S, "sm90_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = S.launch
+    monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
     x0 = outliers(2 * 1024, 2048).reshape(2, 1024, 2048)
     w0 = (outliers(3072, 2048) * 0.02).bfloat16()
     dy = outliers(2048, 3072).reshape(2, 1024, 3072)

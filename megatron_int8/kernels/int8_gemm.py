@@ -429,8 +429,10 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     if not cuda_ok:
         return _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
 
+    cuda_launch = sm90_gemm.planned(a, b, out_dtype, accumulate_into is not None)
+
     def cuda_run(a, b, bias, accumulate_into, out):
-        return sm90_gemm.sm90_gemm(a, b, out_dtype=out_dtype, accumulate_into=accumulate_into, out=out)
+        return cuda_launch(a, b, accumulate_into, out)
 
     if which == "cuda" or not tuned:
         run = cuda_run

@@ -120,23 +120,36 @@ def sm90_gemm(a: ref.QTensor, b: ref.QTensor, *, out_dtype: torch.dtype = torch.
     ref.check_gemm_out(a, b, out_dtype, accumulate_into, out)
     if not supports(a, b, None, out_dtype, accumulate_into, out):
         raise ValueError("sm90_gemm: operands outside its contract (see supports())")
+    return planned(a, b, out_dtype, accumulate_into is not None)(a, b, accumulate_into, out)
+
+
+def planned(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype, accumulate: bool):
+    """`run(a, b, accumulate_into, out) -> c` for operands like these (`supports` holds for them): int8_gemm's
+    plans key on shapes, strides and alignments, so per call only pointers and the stream are read."""
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"sm90_gemm unavailable: {reason}")
-    ad, bd = a.data, b.data
-    M, K = ad.shape
-    N = bd.shape[0]
-    dest = accumulate_into if accumulate_into is not None else out
-    if dest is None:
-        dest = torch.empty((M, N), dtype=out_dtype, device=ad.device)
+    M, K = a.data.shape
+    N = b.data.shape[0]
+    lda, ldb, device = a.data.stride(0), b.data.stride(0), a.data.device
     row = a.granularity == "row"
-    sa, sb = a.scale, b.scale
-    code = lib.megatron_int8_gemm_sm90(
-        ad.data_ptr(), ad.stride(0), bd.data_ptr(), bd.stride(0), dest.data_ptr(), dest.stride(0),
-        sa.data_ptr(), sa.stride(0) if row else 0, sb.data_ptr(), sb.stride(0) if row else 0,
-        M, N, K, int(accumulate_into is not None), _num_sms(ad.device.index or 0),
-        torch.cuda.current_stream(ad.device).cuda_stream)
+    sa_stride, sb_stride = (a.scale.stride(0), b.scale.stride(0)) if row else (0, 0)
+    tail = (M, N, K, int(accumulate), _num_sms(device.index or 0))
+
+    def run(a, b, accumulate_into, out):
+        dest = accumulate_into if accumulate else out
+        if dest is None:
+            dest = torch.empty((M, N), dtype=out_dtype, device=device)
+        launch(lib, a.data.data_ptr(), lda, b.data.data_ptr(), ldb, dest.data_ptr(), dest.stride(0),
+               a.scale.data_ptr(), sa_stride, b.scale.data_ptr(), sb_stride, *tail,
+               torch.cuda.current_stream(device).cuda_stream)
+        return dest
+    return run
+
+
+def launch(lib, *args) -> None:
+    """One kernel launch through the library's C entry point (arguments as in int8_gemm_sm90.cu)."""
+    code = lib.megatron_int8_gemm_sm90(*args)
     if code:
         detail = _ERRORS.get(code) or f"CUDA error {code - 100} at launch"
-        raise RuntimeError(f"sm90_gemm: {detail} (M={M}, N={N}, K={K})")
-    return dest
+        raise RuntimeError(f"sm90_gemm: {detail} (M, N, K = {args[10:13]})")
