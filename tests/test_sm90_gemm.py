@@ -23,16 +23,17 @@ def lib(tmp_path_factory):
     return lib
 
 
-def _call(lib, M=256, N=256, K=256, lda=256, ldb=256, ldc=256, a=4096, b=8192, out=16384, accumulate=0):
+def _call(lib, M=256, N=256, K=256, lda=256, ldb=256, ldc=256, a=4096, b=8192, out=16384, accumulate=0, device=0):
     L, I = ctypes.c_long, ctypes.c_int
     return lib.megatron_int8_gemm_sm90(ctypes.c_void_p(a), L(lda), ctypes.c_void_p(b), L(ldb), ctypes.c_void_p(out),
                                        L(ldc), ctypes.c_void_p(64), I(0), ctypes.c_void_p(64), I(0), I(M), I(N), I(K),
-                                       I(accumulate), I(132), ctypes.c_void_p(0))
+                                       I(accumulate), I(132), I(device), ctypes.c_void_p(0))
 
 
 @pytest.mark.parametrize("bad", [dict(K=200, lda=208, ldb=208), dict(lda=264), dict(ldb=8), dict(M=0), dict(N=-1),
                                  dict(K=0), dict(a=4100), dict(b=8200), dict(out=16388), dict(ldc=4),
-                                 dict(ldc=2, accumulate=1)])
+                                 dict(ldc=2, accumulate=1), dict(lda=128), dict(ldb=240), dict(ldc=248),
+                                 dict(device=-1), dict(device=64)])
 def test_entry_point_refuses_what_the_kernel_cannot_take(lib, bad):
     assert _call(lib, **bad) == 1
     if not torch.cuda.is_available():  # the valid call gets past the checks to the driver, which is absent

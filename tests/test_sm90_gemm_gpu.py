@@ -87,6 +87,11 @@ def test_contract_checks(S, REF):
     assert not S.supports(qa, qb, None, torch.float32, None, None)  # fp32 output that is not accumulated
     odd = qref.QTensor(qa.data[:, :200], qa.scale, "tensor")  # K % 16 != 0
     assert not S.supports(odd, qref.QTensor(qb.data[:, :200], qb.scale, "tensor"), None, torch.bfloat16, None, None)
+    rq, rb = operands(REF, "row", 256, 256, 256)
+    short = qref.QTensor(rq.data, rq.scale[:128], "row")  # a row scale per row, or the kernel reads past it
+    assert not S.supports(short, rb, None, torch.bfloat16, None, None)
+    spread = torch.zeros(1, 256, device="cuda").expand(256, 256)  # row stride 0: rows would overlap
+    assert not S.supports(qa, qb, None, torch.float32, spread, None)
     with pytest.raises(ValueError, match="contract"):
         S.sm90_gemm(qa, qb, out_dtype=torch.float32)
     with pytest.raises(ValueError):
@@ -109,6 +114,14 @@ def test_dispatch(S, REF, monkeypatch):
         assert torch.equal(triton_gemm(qa, qb, out_dtype=torch.bfloat16), want), kernel
         if kernel == "cuda":
             assert calls, "the forced CUDA kernel did not run"
+    # auto times both kernels on scratch copies: the real main_grad is added into once, and a strided one
+    # (a column slice of a wider buffer) keeps its neighbours
+    wide = torch.randn(2048, 2 * 1536, device="cuda")
+    main = wide[:, :1536]
+    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    before = wide[:, 1536:].clone()
+    triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main)
+    assert torch.equal(main, want) and torch.equal(wide[:, 1536:], before)
     monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
     with pytest.raises(ValueError, match="CUDA kernel"):
         triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=torch.zeros(1536, device="cuda"))

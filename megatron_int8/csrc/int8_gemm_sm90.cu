@@ -282,13 +282,21 @@ bool make_map(CUtensorMap* map, CUtensorMapDataType dtype, int elem_bytes, const
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+constexpr int kMaxDevices = 64;
+
 template <bool kAccumulate>
 int launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const float* scale_a,
-           int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, int num_sms,
+           int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, int num_sms, int device,
            cudaStream_t stream) {
-  static const cudaError_t configured = cudaFuncSetAttribute(
-      int8_gemm_sm90_kernel<kAccumulate>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
-  if (configured != cudaSuccess) return 100 + configured;
+  // The shared-memory limit is a per-device attribute: set it once per device (a repeated set is harmless).
+  static bool configured[kMaxDevices] = {};
+  if (!configured[device]) {
+    const cudaError_t set = cudaFuncSetAttribute(int8_gemm_sm90_kernel<kAccumulate>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kSmemBytes));
+    if (set != cudaSuccess) return 100 + set;
+    configured[device] = true;
+  }
   const int tiles = ((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN);
   const int grid = tiles < num_sms ? tiles : num_sms;
   int8_gemm_sm90_kernel<kAccumulate><<<grid, kThreads, kSmemBytes, stream>>>(
@@ -297,20 +305,10 @@ int launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap
   return launched == cudaSuccess ? 0 : 100 + launched;
 }
 
-}  // namespace
-
-// Returns 0, or: 1 unsupported shape/stride/alignment, 2 no cuTensorMapEncodeTiled, 3 tensor map rejected,
-// 100 + cudaError_t for a launch failure. The Python side (megatron_int8/kernels/sm90_gemm.py) checks
-// the same conditions first and raises with a message; these codes are the last line.
-extern "C" int megatron_int8_gemm_sm90(const void* a, long lda, const void* b, long ldb, void* out, long ldc,
-                                       const float* scale_a, int sa_stride, const float* scale_b, int sb_stride,
-                                       int M, int N, int K, int accumulate, int num_sms, void* stream) {
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const int out_bytes = accumulate ? 4 : 2;
-  if (M <= 0 || N <= 0 || K <= 0 || K % 16 || lda % 16 || ldb % 16 || (ldc * out_bytes) % 16 || !aligned16(a) ||
-      !aligned16(b) || !aligned16(out) || num_sms <= 0)
-    return 1;
-  if (!encode_tiled()) return 2;
+// The three tensor maps, then the launch, on the current device.
+int launch_on_current(const void* a, long lda, const void* b, long ldb, void* out, long ldc, const float* scale_a,
+                      int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, int accumulate,
+                      int num_sms, int device, cudaStream_t s) {
   CUtensorMap map_a, map_b, map_c;
   const bool ok =
       make_map(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a, M, K, lda, kBlockK, kBlockM) &&
@@ -318,9 +316,42 @@ extern "C" int megatron_int8_gemm_sm90(const void* a, long lda, const void* b, l
       (accumulate ? make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, M, N, ldc, 32, 64)
                   : make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, M, N, ldc, 64, 64));
   if (!ok) return 3;
-  const auto s = static_cast<cudaStream_t>(stream);
-  return accumulate ? launch<true>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, s)
-                    : launch<false>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, s);
+  return accumulate
+             ? launch<true>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, device, s)
+             : launch<false>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, device, s);
+}
+
+}  // namespace
+
+// Returns 0, or: 1 unsupported shape/stride/alignment, 2 no cuTensorMapEncodeTiled, 3 tensor map rejected,
+// 100 + cudaError_t for a launch failure. The Python side (megatron_int8/kernels/sm90_gemm.py) checks
+// the same conditions first and raises with a message; these codes are the last line.
+// `device`: the GPU that holds the tensors and the stream; the launch switches to it if it is not current.
+extern "C" int megatron_int8_gemm_sm90(const void* a, long lda, const void* b, long ldb, void* out, long ldc,
+                                       const float* scale_a, int sa_stride, const float* scale_b, int sb_stride,
+                                       int M, int N, int K, int accumulate, int num_sms, int device, void* stream) {
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int out_bytes = accumulate ? 4 : 2;
+  if (M <= 0 || N <= 0 || K <= 0 || K % 16 || lda % 16 || ldb % 16 || (ldc * out_bytes) % 16 || lda < K ||
+      ldb < K || ldc < N || !aligned16(a) || !aligned16(b) || !aligned16(out) || num_sms <= 0 || device < 0 ||
+      device >= kMaxDevices)
+    return 1;
+  if (!encode_tiled()) return 2;
+  int current = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  if (err != cudaSuccess) return 100 + err;
+  const int code = launch_on_current(a, lda, b, ldb, out, ldc, scale_a, sa_stride, scale_b, sb_stride, M, N, K,
+                                     accumulate, num_sms, device, static_cast<cudaStream_t>(stream));
+  if (current != device) cudaSetDevice(current);
+  return code;
+}
+
+// Loads the kernel on the current device: fails (non-zero cudaError_t) where the driver is older than
+// this build's runtime or cannot run sm_90a code, so the Python side can fall back before any GEMM.
+extern "C" int megatron_int8_gemm_sm90_probe() {
+  cudaFuncAttributes attributes;
+  return static_cast<int>(cudaFuncGetAttributes(&attributes, int8_gemm_sm90_kernel<false>));
 }
 
 extern "C" int megatron_int8_gemm_sm90_smem_bytes() { return static_cast<int>(kSmemBytes); }

@@ -387,8 +387,9 @@ def triton_gemm(
     """dequant(a @ b^T) [+ bias] as out_dtype, or added into `accumulate_into` (fp32) and returned.
     `out`: a contiguous [M, N] out_dtype tensor to write instead of a new one (e.g. rows of a larger output).
 
-    autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning; one fixed tile of the persistent TMA kernel
-    where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel.
+    autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning or timing; the CUDA sm_90a kernel where it
+    applies (kernels/sm90_gemm.py), else one fixed tile of the persistent TMA kernel where the operands allow it
+    (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel.
     Host cost: checks, kernel choice and launch arguments are worked out once per plan key (every tensor's
     shape, strides, dtype and 16-byte alignment, the options); later calls with that key allocate the
     output and call the bound launch (launch.BoundLaunch)."""
@@ -446,11 +447,16 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
 
 def _faster(runs, a, b, bias, accumulate_into, out):
     """The faster of two plan functions, timed once on scratch destinations (Triton's autotuned already)."""
-    acc = None if accumulate_into is None else accumulate_into.clone()
-    dest = None if out is None else torch.empty_like(out)
+    acc = None if accumulate_into is None else _scratch_like(accumulate_into)
+    dest = None if out is None else _scratch_like(out)
     times = [triton.testing.do_bench(lambda: run(a, b, bias, acc, dest), warmup=5, rep=30, return_mode="median")
              for run in runs]
     return runs[times.index(min(times))]
+
+
+def _scratch_like(t: torch.Tensor) -> torch.Tensor:
+    """A copy with t's strides: plans launch with the real destination's row stride baked in."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
@@ -679,7 +685,7 @@ def _launchers(args, meta, M, N, tma_ok):
 
 def _pick(launch_plain, launch_tma, c) -> str:
     """Autotune and time both kernels once per shape on a scratch copy of the output; keep the faster."""
-    scratch = c.clone()
+    scratch = _scratch_like(c)
     times = {}
     for name, fn in (("plain", launch_plain), ("tma", launch_tma)):
         try:

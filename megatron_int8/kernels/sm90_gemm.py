@@ -46,7 +46,8 @@ def build(out_dir: Optional[str] = None) -> Path:
         raise RuntimeError("nvcc not found (set CUDA_HOME)")
     text = SOURCE.read_bytes()
     flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--shared", "-Xcompiler", "-fPIC"]
-    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout  # links its cudart
+    digest = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     cache = Path(out_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "megatron_int8")
     target = cache / f"int8_gemm_sm90-{digest}.so"
     if target.exists():
@@ -70,6 +71,9 @@ def _library():
         return None, f"needs compute capability 9.0, found {torch.cuda.get_device_capability()}"
     try:
         lib = ctypes.CDLL(str(build()))
+        probe = lib.megatron_int8_gemm_sm90_probe()  # the driver can load the kernel on this GPU
+        if probe:
+            raise RuntimeError(f"the driver cannot load the kernel (cudaError_t {probe})")
     except (RuntimeError, OSError) as exc:
         warnings.warn(f"megatron_int8: the CUDA INT8 GEMM is unavailable, the Triton kernels run instead: {exc}")
         return None, str(exc)
@@ -77,7 +81,7 @@ def _library():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     return lib, None
 
 
@@ -101,16 +105,20 @@ def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accum
     N = bd.shape[0]
     dest = accumulate_into if accumulate_into is not None else out
     elem = 4 if accumulate_into is not None else 2
+    tensors = (ad, bd, a.scale, b.scale) + (() if dest is None else (dest,))
     return (a.granularity in ("tensor", "row") and b.granularity == a.granularity and bias is None
             and (accumulate_into is not None or out_dtype == torch.bfloat16)
-            and ad.is_cuda and ad.dtype == torch.int8 and bd.dtype == torch.int8 and M > 0 and N > 0
+            and ad.is_cuda and all(t.device == ad.device for t in tensors)
+            and ad.dtype == torch.int8 and bd.dtype == torch.int8 and M > 0 and N > 0
             and ad.stride(1) == 1 and bd.stride(1) == 1 and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
             and ad.stride(0) % 16 == 0 and bd.stride(0) % 16 == 0
             and ad.data_ptr() % 16 == 0 and bd.data_ptr() % 16 == 0
             and a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32
-            and (a.granularity == "tensor" or (a.scale.dim() == 1 and b.scale.dim() == 1))
+            and (a.scale.numel() == 1 and b.scale.numel() == 1 if a.granularity == "tensor" else
+                 a.scale.shape == (M,) and b.scale.shape == (N,))
             and (N * elem % 16 == 0 if dest is None else
-                 (dest.stride(1) == 1 and dest.stride(0) * elem % 16 == 0 and dest.data_ptr() % 16 == 0)))
+                 (dest.stride(1) == 1 and dest.stride(0) >= N and dest.stride(0) * elem % 16 == 0
+                  and dest.data_ptr() % 16 == 0)))
 
 
 def sm90_gemm(a: ref.QTensor, b: ref.QTensor, *, out_dtype: torch.dtype = torch.bfloat16,
@@ -134,7 +142,8 @@ def planned(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype, accumulate: 
     lda, ldb, device = a.data.stride(0), b.data.stride(0), a.data.device
     row = a.granularity == "row"
     sa_stride, sb_stride = (a.scale.stride(0), b.scale.stride(0)) if row else (0, 0)
-    tail = (M, N, K, int(accumulate), _num_sms(device.index or 0))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    tail = (M, N, K, int(accumulate), _num_sms(index), index)
 
     def run(a, b, accumulate_into, out):
         dest = accumulate_into if accumulate else out
