@@ -21,7 +21,10 @@ starting at a multiple of SEGMENT_ALIGN, and b the experts' stacked operands; ea
 SEGMENT_ALIGN) reads its expert from a per-strip table and offsets b's rows and scales by expert * N. One
 launch for all experts, a fixed tile (token counts change with every routing, so nothing is tuned).
 
-Dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
+On Hopper, a hand-written CUDA kernel (kernels/sm90_gemm.py) takes the tensor- and row-scale GEMMs without
+bias first: `_gemm_plan` keeps it, or with autotuning the faster of it and the Triton choice below.
+
+Triton dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
 MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
 cached in `_fast`, and later calls launch that kernel and config (grid from their own M) instead of going
