@@ -11,7 +11,6 @@ read x and write y forward; read x and dy and write dx backward.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_rope import time_ms  # noqa: E402  (scripts/ is on the path when a script runs)
+from bench_rope import time_ms, token_args  # noqa: E402  (scripts/ is on the path when a script runs)
 
 SHAPES = {  # name: (heads or None for a hidden norm, width, query heads + 2 key/value heads of the qkv output)
     "hidden 4096 (Llama2-7B, Llama3.1-8B, Qwen3-8B)": (None, 4096, None),
@@ -46,13 +45,7 @@ def gpu_ms(fn, steps: int = 5) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--iters", type=int, default=50)
-    opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_norm.py needs a CUDA GPU")
+    opts = token_args(__doc__, "bench_norm.py", argv)
     from megatron_int8.rms_norm import FusedRMSNorm
 
     T = opts.seq * opts.micro_batch

@@ -34,14 +34,20 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
+    """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=50)
     opts = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_rope.py needs a CUDA GPU")
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    return opts
+
+
+def main(argv=None) -> None:
+    opts = token_args(__doc__, "bench_rope.py", argv)
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     from megatron_int8.rope import fused_rope
