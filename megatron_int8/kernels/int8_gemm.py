@@ -51,7 +51,7 @@ import triton.testing
 import importlib
 
 from . import sm90_gemm
-from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
+from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2, num_sms
 from .quantize import _SEGMENT_ALIGN
 
 # the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
@@ -305,11 +305,6 @@ def _capability(device: torch.device):
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
     """Hopper, tensor or row scales, no split contraction, and what TMA descriptors need: 16-byte aligned
     base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
@@ -558,7 +553,7 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
     if tma_ok and which != "plain":
         _ensure_allocator()
         BM, BN = _UNTUNED_TMA_TILE
-        n_sms = _num_sms(args[0].device)
+        n_sms = num_sms(args[0].device)
         return _GEMM_TMA, (min(n_sms, cdiv(M, BM) * cdiv(N, BN)),), _tma_args(args, nb), dict(
             SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False,
@@ -609,7 +604,7 @@ def _selected_config(tma: bool, meta, N, device, c_dtype):
 
         select.kernel = "plain"
         return select
-    n_sms = _num_sms(device)
+    n_sms = num_sms(device)
     kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
               C_TMA=True, NUM_SMS=n_sms)
 
@@ -657,7 +652,7 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m:
     package's own launches pick their tile themselves."""
     M, K = a.data.shape
     N = b.data.shape[0]
-    n_sms = _num_sms(c.device)
+    n_sms = num_sms(c.device)
     _ensure_allocator()
     _int8_gemm_tma_kernel[(min(n_sms, cdiv(M, block_m) * cdiv(N, block_n)),)](
         a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,
@@ -674,7 +669,7 @@ def _launchers(args, meta, M, N, tma_ok):
 
     if not tma_ok:
         return plain, None
-    n_sms = _num_sms(args[0].device)
+    n_sms = num_sms(args[0].device)
 
     def tma(out):
         _ensure_allocator()

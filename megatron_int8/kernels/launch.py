@@ -28,6 +28,8 @@ import collections
 import os
 from typing import Any, Dict, Tuple
 
+import functools
+
 import torch
 
 DIRECT = os.environ.get("MEGATRON_INT8_DIRECT_LAUNCH", "1") != "0"
@@ -51,6 +53,12 @@ def _arg_signature(value) -> Any:
     if isinstance(value, float) or value is None:
         return type(value)
     raise TypeError(f"LaunchCache: unsupported kernel argument of type {type(value).__name__}")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device) -> int:
+    """Multiprocessors of a CUDA device (a torch.device or an index): persistent grids are sized by it."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cdiv(a: int, b: int) -> int:

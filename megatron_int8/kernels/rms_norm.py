@@ -12,13 +12,11 @@ partial sums are added by the caller: no atomics, the same order every run.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, cdiv, next_pow2
+from .launch import LaunchCache, cdiv, next_pow2, num_sms
 
 
 @triton.jit
@@ -98,11 +96,10 @@ def _blocks(W: int) -> tuple:
     return max(1, _TILE // block_w), block_w
 
 
-@functools.lru_cache(maxsize=None)
 def _max_backward_programs(device_index: int) -> int:
     """Four programs per SM: enough to hide load latency, few enough that the weight-gradient partial
     sums stay small."""
-    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 4 * num_sms(device_index)
 
 
 def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):

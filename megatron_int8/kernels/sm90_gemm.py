@@ -24,6 +24,8 @@ import torch
 
 import importlib
 
+from .launch import num_sms
+
 ref = importlib.import_module("megatron_int8.quantize")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "int8_gemm_sm90.cu"
@@ -93,11 +95,6 @@ def unavailable_reason() -> Optional[str]:
     return _library()[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accumulate_into, out) -> bool:
     """Whether `sm90_gemm` takes these operands (the caller falls back to Triton otherwise)."""
     ad, bd = a.data, b.data
@@ -143,7 +140,7 @@ def planned(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype, accumulate: 
     row = a.granularity == "row"
     sa_stride, sb_stride = (a.scale.stride(0), b.scale.stride(0)) if row else (0, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    tail = (M, N, K, int(accumulate), _num_sms(index), index)
+    tail = (M, N, K, int(accumulate), num_sms(index), index)
 
     def run(a, b, accumulate_into, out):
         dest = accumulate_into if accumulate else out
