@@ -187,8 +187,11 @@ def time_layer(layer, name, args) -> float:
 
 def _graphed(layer, x, grad, mask, args):
     """One forward + backward captured in a CUDA graph, after eager warm-up on a side stream (autotuning,
-    kernel builds and the weight cache happen there). Gradients accumulate in place across replays, as
-    a graphed step's do into main_grad; without --cache-weights the graph quantizes the weights itself."""
+    kernel builds and the weight cache happen there). The gradients are set to None before the capture, so
+    each replay writes them afresh, the work the eager loop times (which sets them to None every step); with
+    gradients left in place, every replay would add into them, kernels the eager loop does not run and the
+    trainer's INT8 linears fuse into their wgrad GEMMs. Without --cache-weights the graph quantizes the
+    weights itself."""
     from megatron_int8.linear import invalidate_weight_caches
 
     def body():
@@ -205,6 +208,8 @@ def _graphed(layer, x, grad, mask, args):
     torch.cuda.current_stream().wait_stream(side)
     if not args.cache_weights:
         invalidate_weight_caches()
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()

@@ -31,6 +31,7 @@ struct Smem {
   int8_t a[kStages][kBlockM * kBlockK];  // each stage 1024-byte aligned: the 128-byte swizzle needs it
   int8_t b[kStages][kBlockN * kBlockK];
   uint8_t c[kSlots][kBlockM * 128];  // output staging: a slot holds 64 bf16 or 32 fp32 columns
+  float sb[kConsumers][kBlockN];  // each consumer warpgroup's copy of the tile's column scales
   uint64_t full[kStages];   // TMA bytes landed
   uint64_t empty[kStages];  // both consumer warpgroups done reading
 };
@@ -194,6 +195,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       int tm, tn;
       tile_coords(tile, tiles_m, tiles_n, tm, tn);
+      // The epilogue's scales, loaded now so the mainloop hides their latency (loaded inside the epilogue,
+      // one per column pair, they stalled it on L1TEX); the column scales reach the epilogue's threads
+      // through shared memory.
+      const int row0 = tm * kBlockM + half * 64, col0 = tn * kBlockN;
+      const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
+      const float sa0 = row0 + r0 < M ? scale_a[static_cast<long>(row0 + r0) * sa_stride] : 0.f;
+      const float sa1 = row0 + r1 < M ? scale_a[static_cast<long>(row0 + r1) * sa_stride] : 0.f;
+      float sb_own[kBlockN / 128];
+#pragma unroll
+      for (int i = 0; i < kBlockN / 128; ++i) {
+        const int c = col0 + i * 128 + t;
+        sb_own[i] = c < N ? scale_b[static_cast<long>(c) * sb_stride] : 0.f;
+      }
       int prev = -1;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(&s.full[stage], phase);
@@ -212,14 +226,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       pin_accumulators(d);
       mbar_arrive(&s.empty[prev]);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 128; ++i) s.sb[half][i * 128 + t] = sb_own[i];  // read after the sync below
 
       // Accumulator fragment: register 4j + 2i + c holds row 16 * warp + lane / 4 + 8i, column 8j + 2(lane % 4) + c.
       // The 256 columns leave in rounds of kSlots slots (bf16: 64 columns a slot, fp32: 32).
       constexpr int kBytes = kAccumulate ? 4 : 2, kSlotCols = 128 / kBytes, kRounds = kBlockN / kSlotCols / kSlots;
-      const int row0 = tm * kBlockM + half * 64, col0 = tn * kBlockN;
-      const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
-      const float sa0 = row0 + r0 < M ? scale_a[static_cast<long>(row0 + r0) * sa_stride] : 0.f;
-      const float sa1 = row0 + r1 < M ? scale_a[static_cast<long>(row0 + r1) * sa_stride] : 0.f;
 #pragma unroll
       for (int round = 0; round < kRounds; ++round) {
         if (t == 0) bulk_wait_read();  // the staging slots' previous stores have read them
@@ -228,8 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int jj = 0; jj < kBlockN / 8 / kRounds; ++jj) {
           const int j = round * (kBlockN / 8 / kRounds) + jj;
           const int c = j * 8 + 2 * (lane % 4);
-          const float sb0 = col0 + c < N ? scale_b[static_cast<long>(col0 + c) * sb_stride] : 0.f;
-          const float sb1 = col0 + c + 1 < N ? scale_b[static_cast<long>(col0 + c + 1) * sb_stride] : 0.f;
+          const float2 sb = *reinterpret_cast<const float2*>(&s.sb[half][c]);
+          const float sb0 = sb.x, sb1 = sb.y;
           uint8_t* slot = s.c[(c / kSlotCols) % kSlots] + half * 64 * 128;
           const int byte = (c % kSlotCols) * kBytes;
           stage_pair<kAccumulate>(slot, r0, byte, static_cast<float>(d[4 * j]) * sa0 * sb0,
