@@ -87,7 +87,6 @@ def assert_rope_close(got, t, freqs, inverse, what, rounding_ulps=0.5):
     assert torch.equal(got[..., rot:], t[..., rot:]), f"{what}: pass-through dimensions changed"
 
 
-
 def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
     """An RMSNorm's forward (y) and gradients (dx, dw) against float64, over the last dimension W.
 

@@ -942,6 +942,7 @@ def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
     out.backward(grad)
     assert_rope_close(q_leaf.grad, grad, freqs, True, "backward", ulps)
 
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["k head slice", "rows of 40", "wide rows, several per program"])
 def test_rms_norm_kernel_forward_and_backward(dtype, layout):

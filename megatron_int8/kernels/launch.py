@@ -25,10 +25,9 @@ Its owner's plan key must then fix what the signature holds for those tensors (d
 from __future__ import annotations
 
 import collections
+import functools
 import os
 from typing import Any, Dict, Tuple
-
-import functools
 
 import torch
 
