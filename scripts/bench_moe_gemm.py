@@ -11,8 +11,10 @@ fixed-seed multinomial). One row per GEMM (fprop, dgrad, wgrad of fc1 and fc2; -
 - INT8 loop: what the per-expert INT8 linears run, triton_gemm(autotune=False) per expert on operands
   quantized per expert (Q(x_e) unpadded, Q(x_e^T) padded to 16 tokens);
 - INT8 grouped: triton_grouped_gemm, one launch for all experts on the 128-row aligned layout (fprop,
-  dgrad); wgrad: triton_gemm(autotune=False) per expert on the aligned column slices of the segmented
-  Q(x^T) (quantize.segment_operand).
+  dgrad; on Hopper the CUDA kernel's grouped mode); wgrad: triton_gemm(autotune=False) per expert on the
+  aligned column slices of the segmented Q(x^T) (quantize.segment_operand);
+- INT8 grouped Triton (fprop, dgrad): the same launch kept on Triton's kernel (MEGATRON_INT8_GEMM_KERNEL=tma,
+  the kernel the grouped GEMMs ran before the CUDA grouped mode).
 The BF16 wgrads write bf16; the INT8 wgrads accumulate into fp32 main_grad buffers (Megatron's
 gradient-accumulation fusion; row "wgrad, INT8 into main_grad") or write bf16 (row "wgrad, INT8 bf16
 out"). Then one row per quantized tensor (--quick: fc1's input): the per-expert loop of row-wise
@@ -35,10 +37,11 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_int8.kernels import triton_gemm, triton_grouped_gemm, triton_quantize  # noqa: E402
+from megatron_int8.kernels.int8_gemm import ENV_KERNEL  # noqa: E402
 
 qref = importlib.import_module("megatron_int8.quantize")
 QKW = dict(granularity="row", block_size=128, check_finite="off")
-COLUMNS = ("bf16 loop", "bf16 grouped", "int8 loop", "int8 grouped")
+COLUMNS = ("bf16 loop", "bf16 grouped", "int8 loop", "int8 grouped", "int8 grouped triton")
 
 
 def routing(tokens: int, experts: int, seed: int) -> list:
@@ -80,6 +83,21 @@ def bench(fn) -> float:
     fn()  # compile / first-call work outside the timing
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def on_triton(fn):
+    """fn run with the grouped GEMM kept on Triton's persistent TMA kernel."""
+    def run():
+        old = os.environ.get(ENV_KERNEL)
+        os.environ[ENV_KERNEL] = "tma"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[ENV_KERNEL]
+            else:
+                os.environ[ENV_KERNEL] = old
+    return run
 
 
 def quantize_both(x, **kw):
@@ -147,13 +165,15 @@ def layer_rows(ex: Experts, name: str, n_in: int, n_out: int, notes: list, quant
             "bf16 grouped": lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=ex.offs),
             "int8 loop": lambda: [triton_gemm(qx_e[e][0], per_expert(qw, e), out_dtype=bf16, autotune=False)
                                   for e in active],
-            "int8 grouped": lambda: triton_grouped_gemm(qx_r, qw, ex.seg, out_dtype=bf16)}),
+            "int8 grouped": lambda: triton_grouped_gemm(qx_r, qw, ex.seg, out_dtype=bf16),
+            "int8 grouped triton": on_triton(lambda: triton_grouped_gemm(qx_r, qw, ex.seg, out_dtype=bf16))}),
         ("dgrad", n_in, n_out, dx, {
             "bf16 loop": lambda: mm_loop(g, lambda e: w[e], dx),
             "bf16 grouped": lambda: torch._grouped_mm(g, w, offs=ex.offs),
             "int8 loop": lambda: [triton_gemm(qg_e[e][0], per_expert(qwt, e), out_dtype=bf16, autotune=False)
                                   for e in active],
-            "int8 grouped": lambda: triton_grouped_gemm(qg_r, qwt, ex.seg, out_dtype=bf16)}),
+            "int8 grouped": lambda: triton_grouped_gemm(qg_r, qwt, ex.seg, out_dtype=bf16),
+            "int8 grouped triton": on_triton(lambda: triton_grouped_gemm(qg_r, qwt, ex.seg, out_dtype=bf16))}),
         ("wgrad, INT8 into main_grad", n_out, n_in, dw, {
             "bf16 loop": lambda: wgrad_loop(dw),
             "bf16 grouped": lambda: torch._grouped_mm(g.t(), x, offs=ex.offs),
@@ -170,6 +190,9 @@ def layer_rows(ex: Experts, name: str, n_in: int, n_out: int, notes: list, quant
         label = f"{name} {gemm}"
         times = {}
         for col in COLUMNS:  # the BF16 loop first: its output checks torch._grouped_mm's
+            if col not in fns:  # the wgrads have no Triton-grouped variant
+                times[col] = float("nan")
+                continue
             try:
                 if col == "bf16 grouped":
                     got = fns[col]().float()
@@ -194,8 +217,8 @@ def quantize_row(label: str, ex: Experts, x: torch.Tensor) -> str:
     xa = ex.aligned(x)
     t_loop = bench(lambda: [quantize_both(x[lo:hi], columnwise_pad=16) for lo, hi in ex.bounds if hi > lo])
     t_seg = bench(lambda: quantize_both(xa, columnwise_segments=ex.seg, columnwise_pad=16))
-    return (f"| {label} | - | - | - | {t_loop:.3f} | {t_seg:.3f} | - | - | - | - | - | - | - | "
-            f"{t_loop / t_seg:.2f}x |")
+    return (f"| {label} | - | - | - | {t_loop:.3f} | {t_seg:.3f} | - | - | - | - | - | - | - | - | - | "
+            f"{t_loop / t_seg:.2f}x | - |")
 
 
 def gemm_row(label: str, T: int, N: int, K: int, times: dict) -> str:
@@ -205,7 +228,7 @@ def gemm_row(label: str, T: int, N: int, K: int, times: dict) -> str:
     ratio = lambda a, b: "n/a" if times[a] != times[a] or times[b] != times[b] else f"{times[a] / times[b]:.2f}x"  # noqa: E731
     return (f"| {label} | {N}, {K} | {ms} | {rate} | {ratio('bf16 loop', 'int8 loop')} | "
             f"{ratio('bf16 loop', 'int8 grouped')} | {ratio('bf16 grouped', 'int8 grouped')} | "
-            f"{ratio('int8 loop', 'int8 grouped')} |")
+            f"{ratio('int8 loop', 'int8 grouped')} | {ratio('int8 grouped triton', 'int8 grouped')} |")
 
 
 def main(argv=None):
@@ -224,10 +247,11 @@ def main(argv=None):
     ex = Experts(counts)
     head = [f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
             f"{args.experts} experts, {args.tokens} routed tokens: {counts} ({ex.seg.rows} aligned rows)", "",
-            "| GEMM | N, K | BF16 loop ms | BF16 grouped ms | INT8 loop ms | INT8 grouped ms | BF16 loop TFLOP/s "
-            "| BF16 grouped TFLOP/s | INT8 loop TOP/s | INT8 grouped TOP/s | INT8 loop vs BF16 loop "
-            "| INT8 grouped vs BF16 loop | INT8 grouped vs BF16 grouped | INT8 grouped vs INT8 loop |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| GEMM | N, K | BF16 loop ms | BF16 grouped ms | INT8 loop ms | INT8 grouped ms "
+            "| INT8 grouped Triton ms | BF16 loop TFLOP/s | BF16 grouped TFLOP/s | INT8 loop TOP/s "
+            "| INT8 grouped TOP/s | INT8 grouped Triton TOP/s | INT8 loop vs BF16 loop | INT8 grouped vs BF16 loop "
+            "| INT8 grouped vs BF16 grouped | INT8 grouped vs INT8 loop | INT8 grouped vs Triton grouped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(head), flush=True)
     layers = [("fc1", args.hidden, 2 * args.ffn)] + ([] if args.quick else [("fc2", args.ffn, args.hidden)])
     notes, rows, quant = [], [], []

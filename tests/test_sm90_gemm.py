@@ -23,21 +23,32 @@ def lib(tmp_path_factory):
     return lib
 
 
-def _call(lib, M=256, N=256, K=256, lda=256, ldb=256, ldc=256, a=4096, b=8192, out=16384, accumulate=0, device=0):
+def _call(lib, M=256, N=256, K=256, lda=256, ldb=256, ldc=256, a=4096, b=8192, out=16384, accumulate=0, device=0,
+          b_rows=None, strips=0, strip_rows=0):
     L, I = ctypes.c_long, ctypes.c_int
-    return lib.megatron_int8_gemm_sm90(ctypes.c_void_p(a), L(lda), ctypes.c_void_p(b), L(ldb), ctypes.c_void_p(out),
-                                       L(ldc), ctypes.c_void_p(64), I(0), ctypes.c_void_p(64), I(0), I(M), I(N), I(K),
-                                       I(accumulate), I(132), I(device), ctypes.c_void_p(0))
+    return lib.megatron_int8_gemm_sm90(ctypes.c_void_p(a), L(lda), ctypes.c_void_p(b), L(ldb),
+                                       I(N if b_rows is None else b_rows), ctypes.c_void_p(out), L(ldc),
+                                       ctypes.c_void_p(64), I(0), ctypes.c_void_p(64), I(0), I(M), I(N), I(K),
+                                       ctypes.c_void_p(strips), I(strip_rows), I(accumulate), I(132), I(device),
+                                       ctypes.c_void_p(0))
+
+
+GROUPED = dict(strips=256, strip_rows=128, b_rows=4 * 256)  # 4 experts of N = 256 rows, M = 256: 2 strips
 
 
 @pytest.mark.parametrize("bad", [dict(K=200, lda=208, ldb=208), dict(lda=264), dict(ldb=8), dict(M=0), dict(N=-1),
                                  dict(K=0), dict(a=4100), dict(b=8200), dict(out=16388), dict(ldc=4),
                                  dict(ldc=2, accumulate=1), dict(lda=128), dict(ldb=240), dict(ldc=248),
-                                 dict(device=-1), dict(device=64)])
+                                 dict(device=-1), dict(device=64), dict(b_rows=512),  # plain: b_rows must be N
+                                 # grouped: whole-tile strips that divide M, b_rows a multiple of N
+                                 dict(GROUPED, strip_rows=0), dict(GROUPED, strip_rows=64),
+                                 dict(GROUPED, strip_rows=384, M=768 + 128), dict(GROUPED, b_rows=1000),
+                                 dict(GROUPED, b_rows=0)])
 def test_entry_point_refuses_what_the_kernel_cannot_take(lib, bad):
     assert _call(lib, **bad) == 1
-    if not torch.cuda.is_available():  # the valid call gets past the checks to the driver, which is absent
+    if not torch.cuda.is_available():  # valid calls get past the checks to the driver, which is absent
         assert _call(lib) == 2
+        assert _call(lib, **GROUPED) == 2
 
 
 def test_shared_memory_fits_hopper(lib):
@@ -55,3 +66,9 @@ def test_unavailable_without_a_hopper_gpu():
     assert not S.supports(a, a, None, torch.bfloat16, None, None)  # CPU tensors
     with pytest.raises(ValueError, match="contract"):
         S.sm90_gemm(a, a)
+    segments = qref.Segments.for_counts([100, 20])
+    x = qref.QTensor(torch.zeros(segments.rows, 32, dtype=torch.int8), torch.ones(segments.rows), "row")
+    w = qref.QTensor(torch.zeros(2, 16, 32, dtype=torch.int8), torch.ones(2, 16), "row")
+    assert not S.supports_grouped(x, w, torch.bfloat16)
+    with pytest.raises(ValueError, match="contract"):
+        S.sm90_grouped_gemm(x, w, segments)

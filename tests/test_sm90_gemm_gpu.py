@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from test_kernels_gpu import _kw, outliers
+from test_kernels_gpu import RAGGED_COUNTS, _kw, mixtral_counts, moe_input, outliers, stacked_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +125,50 @@ def test_dispatch(S, REF, monkeypatch):
     monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
     with pytest.raises(ValueError, match="CUDA kernel"):
         triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=torch.zeros(1536, device="cuda"))
+
+
+@pytest.mark.parametrize("counts,N,Kd", [(RAGGED_COUNTS, 1000, 784), (RAGGED_COUNTS, 264, 4096),
+                                         ("mixtral", 28672, 4096), ("mixtral", 4096, 14336)])
+def test_grouped_bit_identical_to_reference(S, REF, counts, N, Kd, monkeypatch):
+    """The grouped mode (MoE fprop/dgrad): one launch for all experts, empty experts, N not a multiple of the
+    256-column tile (a tile then reads the next expert's rows, whose columns are never stored), ragged K;
+    every row, alignment rows included, equals the reference's."""
+    from megatron_int8.kernels import triton_grouped_gemm
+
+    x, seg = moe_input(mixtral_counts() if counts == "mixtral" else counts, Kd)
+    qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
+    del x
+    qb = stacked_weights(REF, seg.num_segments, N, Kd)
+    want = REF.grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16)
+    assert S.supports_grouped(qa, qb, torch.bfloat16)
+    assert torch.equal(S.sm90_grouped_gemm(qa, qb, seg), want)
+    calls = []
+    real = S.launch
+    monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(triton_grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16), want)  # the dispatch's choice
+    assert calls == [1]
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "plain")  # Triton, within bf16 rounding of the reference
+    got = triton_grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16)
+    assert calls == [1] and ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all()
+
+
+def test_grouped_contract_checks(S, REF, monkeypatch):
+    from megatron_int8.kernels import triton_grouped_gemm
+
+    x, seg = moe_input([100, 0, 300], 256)
+    qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
+    qb = stacked_weights(REF, 3, 512, 256)
+    assert not S.supports_grouped(qa, qb, torch.float32)  # bf16 output only
+    odd = qref.QTensor(qb.data[:, :500].contiguous(), qb.scale[:, :500].contiguous(), "row")  # N % 8 != 0:
+    # the output's rows would not be 16-byte aligned
+    assert not S.supports_grouped(qa, odd, torch.bfloat16)
+    with pytest.raises(ValueError, match="contract"):
+        S.sm90_grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="segment"):
+        S.sm90_grouped_gemm(qa, qref.QTensor(qb.data[:2], qb.scale[:2], "row"), seg)
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="grouped"):
+        triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
 
 
 def test_cuda_graph_replay(S, REF):

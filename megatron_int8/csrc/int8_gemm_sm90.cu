@@ -14,6 +14,11 @@
 // TMA reduce-adds into main_grad), so the next tile's mainloop does not wait for global memory; the
 // producer meanwhile runs ahead into the next tile. Ragged M/N/K edges: TMA fills out-of-bounds reads with
 // zeros and clips out-of-bounds writes.
+//
+// Grouped mode (MoE fprop/dgrad, `strip_experts` not null): a's rows hold every expert's tokens in strips of
+// `strip_rows` (a multiple of kBlockM) that each belong to one expert, b is the experts' operands stacked
+// as [E * N, K] and sb their scales [E * N]. A tile reads its expert from the strip table and offsets b's
+// rows and scales by expert * N: one launch for all experts, with the plain kernel's tiles and epilogue.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -151,13 +156,18 @@ template <bool kAccumulate>
 __global__ void __launch_bounds__(kThreads, 1)
     int8_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_c, const float* __restrict__ scale_a, int sa_stride,
-                          const float* __restrict__ scale_b, int sb_stride, int M, int N, int K) {
+                          const float* __restrict__ scale_b, int sb_stride, int M, int N, int K,
+                          const int* __restrict__ strip_experts, int strip_rows) {
   extern __shared__ uint8_t smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int warpgroup = threadIdx.x / 128;
   const int tiles_m = (M + kBlockM - 1) / kBlockM, tiles_n = (N + kBlockN - 1) / kBlockN;
   const int tiles = tiles_m * tiles_n;
   const int k_blocks = (K + kBlockK - 1) / kBlockK;
+  // grouped: the first of b's rows (and scales) that belong to tile row tm's expert
+  const auto expert_row0 = [&](int tm) {
+    return strip_experts ? strip_experts[tm * kBlockM / strip_rows] * N : 0;
+  };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -176,11 +186,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int tm, tn;
         tile_coords(tile, tiles_m, tiles_n, tm, tn);
+        const int b_row0 = expert_row0(tm);
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(&s.empty[stage], phase ^ 1);
           mbar_expect_tx(&s.full[stage], kStageBytes);
           tma_load(s.a[stage], &map_a, &s.full[stage], kb * kBlockK, tm * kBlockM);
-          tma_load(s.b[stage], &map_b, &s.full[stage], kb * kBlockK, tn * kBlockN);
+          tma_load(s.b[stage], &map_b, &s.full[stage], kb * kBlockK, b_row0 + tn * kBlockN);
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
@@ -202,11 +213,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r0 = warp * 16 + lane / 4, r1 = r0 + 8;
       const float sa0 = row0 + r0 < M ? scale_a[static_cast<long>(row0 + r0) * sa_stride] : 0.f;
       const float sa1 = row0 + r1 < M ? scale_a[static_cast<long>(row0 + r1) * sa_stride] : 0.f;
+      const long sb0_row = expert_row0(tm);
       float sb_own[kBlockN / 128];
 #pragma unroll
       for (int i = 0; i < kBlockN / 128; ++i) {
         const int c = col0 + i * 128 + t;
-        sb_own[i] = c < N ? scale_b[static_cast<long>(c) * sb_stride] : 0.f;
+        sb_own[i] = c < N ? scale_b[(sb0_row + c) * sb_stride] : 0.f;
       }
       int prev = -1;
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -298,8 +310,8 @@ constexpr int kMaxDevices = 64;
 
 template <bool kAccumulate>
 int launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap& map_c, const float* scale_a,
-           int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, int num_sms, int device,
-           cudaStream_t stream) {
+           int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, const int* strip_experts,
+           int strip_rows, int num_sms, int device, cudaStream_t stream) {
   // The shared-memory limit is a per-device attribute: set it once per device (a repeated set is harmless).
   static bool configured[kMaxDevices] = {};
   if (!configured[device]) {
@@ -312,25 +324,28 @@ int launch(const CUtensorMap& map_a, const CUtensorMap& map_b, const CUtensorMap
   const int tiles = ((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN);
   const int grid = tiles < num_sms ? tiles : num_sms;
   int8_gemm_sm90_kernel<kAccumulate><<<grid, kThreads, kSmemBytes, stream>>>(
-      map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K);
+      map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, strip_experts, strip_rows);
   const cudaError_t launched = cudaGetLastError();
   return launched == cudaSuccess ? 0 : 100 + launched;
 }
 
 // The three tensor maps, then the launch, on the current device.
-int launch_on_current(const void* a, long lda, const void* b, long ldb, void* out, long ldc, const float* scale_a,
-                      int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K, int accumulate,
-                      int num_sms, int device, cudaStream_t s) {
+int launch_on_current(const void* a, long lda, const void* b, long ldb, int b_rows, void* out, long ldc,
+                      const float* scale_a, int sa_stride, const float* scale_b, int sb_stride, int M, int N, int K,
+                      const int* strip_experts, int strip_rows, int accumulate, int num_sms, int device,
+                      cudaStream_t s) {
   CUtensorMap map_a, map_b, map_c;
   const bool ok =
       make_map(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a, M, K, lda, kBlockK, kBlockM) &&
-      make_map(&map_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b, N, K, ldb, kBlockK, kBlockN) &&
+      make_map(&map_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b, b_rows, K, ldb, kBlockK, kBlockN) &&
       (accumulate ? make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, M, N, ldc, 32, 64)
                   : make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, M, N, ldc, 64, 64));
   if (!ok) return 3;
   return accumulate
-             ? launch<true>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, device, s)
-             : launch<false>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, num_sms, device, s);
+             ? launch<true>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, strip_experts,
+                            strip_rows, num_sms, device, s)
+             : launch<false>(map_a, map_b, map_c, scale_a, sa_stride, scale_b, sb_stride, M, N, K, strip_experts,
+                             strip_rows, num_sms, device, s);
 }
 
 }  // namespace
@@ -339,22 +354,28 @@ int launch_on_current(const void* a, long lda, const void* b, long ldb, void* ou
 // 100 + cudaError_t for a launch failure. The Python side (megatron_int8/kernels/sm90_gemm.py) checks
 // the same conditions first and raises with a message; these codes are the last line.
 // `device`: the GPU that holds the tensors and the stream; the launch switches to it if it is not current.
-extern "C" int megatron_int8_gemm_sm90(const void* a, long lda, const void* b, long ldb, void* out, long ldc,
-                                       const float* scale_a, int sa_stride, const float* scale_b, int sb_stride,
-                                       int M, int N, int K, int accumulate, int num_sms, int device, void* stream) {
+// Plain: b_rows == N, strip_experts null. Grouped: b_rows = E * N, strip_experts[M / strip_rows] on the device.
+extern "C" int megatron_int8_gemm_sm90(const void* a, long lda, const void* b, long ldb, int b_rows, void* out,
+                                       long ldc, const float* scale_a, int sa_stride, const float* scale_b,
+                                       int sb_stride, int M, int N, int K, const int* strip_experts, int strip_rows,
+                                       int accumulate, int num_sms, int device, void* stream) {
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const int out_bytes = accumulate ? 4 : 2;
   if (M <= 0 || N <= 0 || K <= 0 || K % 16 || lda % 16 || ldb % 16 || (ldc * out_bytes) % 16 || lda < K ||
       ldb < K || ldc < N || !aligned16(a) || !aligned16(b) || !aligned16(out) || num_sms <= 0 || device < 0 ||
       device >= kMaxDevices)
     return 1;
+  if (strip_experts ? strip_rows <= 0 || strip_rows % kBlockM || M % strip_rows || b_rows < N || b_rows % N
+                    : b_rows != N)
+    return 1;
   if (!encode_tiled()) return 2;
   int current = 0;
   cudaError_t err = cudaGetDevice(&current);
   if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
   if (err != cudaSuccess) return 100 + err;
-  const int code = launch_on_current(a, lda, b, ldb, out, ldc, scale_a, sa_stride, scale_b, sb_stride, M, N, K,
-                                     accumulate, num_sms, device, static_cast<cudaStream_t>(stream));
+  const int code = launch_on_current(a, lda, b, ldb, b_rows, out, ldc, scale_a, sa_stride, scale_b, sb_stride, M, N,
+                                     K, strip_experts, strip_rows, accumulate, num_sms, device,
+                                     static_cast<cudaStream_t>(stream));
   if (current != device) cudaSetDevice(current);
   return code;
 }

@@ -22,7 +22,8 @@ SEGMENT_ALIGN) reads its expert from a per-strip table and offsets b's rows and 
 launch for all experts, a fixed tile (token counts change with every routing, so nothing is tuned).
 
 On Hopper, a hand-written CUDA kernel (kernels/sm90_gemm.py) takes the tensor- and row-scale GEMMs without
-bias first: `_gemm_plan` keeps it, or with autotuning the faster of it and the Triton choice below.
+bias first: `_gemm_plan` keeps it, or with autotuning the faster of it and the Triton choice below. Its
+grouped mode takes the grouped GEMMs with a bf16 output.
 
 Triton dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
@@ -622,15 +623,23 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
 
     One launch for all experts (MoE fprop/dgrad): b's stacked [E, N, K] is read as [E * N, K], and each
     BLOCK_M-row tile (BLOCK_M divides SEGMENT_ALIGN) looks up its expert in Segments.strip_experts and
-    uses that expert's N rows of b and of its scales; rows of empty segments do not exist. A fixed tile,
-    no autotuning (the token counts change with every routing): on Hopper the persistent TMA kernel where
-    the operands allow it, else the plain kernel. K > MAX_EXACT_K: the plain kernel's exact split
-    contraction (int32 chunks summed in fp32), as triton_gemm."""
+    uses that expert's N rows of b and of its scales; rows of empty segments do not exist. On Hopper the
+    CUDA kernel's grouped mode takes bf16 outputs (sm90_gemm.sm90_grouped_gemm; MEGATRON_INT8_GEMM_KERNEL
+    "plain" or "tma" keeps Triton). Triton: a fixed tile, no autotuning (the token counts change with every
+    routing), the persistent TMA kernel where the operands allow it, else the plain kernel. K > MAX_EXACT_K:
+    the plain kernel's exact split contraction (int32 chunks summed in fp32), as triton_gemm."""
     ref.check_grouped_operands(a, b, segments)
     R, K = a.data.shape
     E, N, _ = b.data.shape
     if R == 0 or N == 0 or K == 0:
         return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
+    which = os.environ.get(ENV_KERNEL, "auto")
+    if (which in ("auto", "cuda") and not _INTERPRET and sm90_gemm.supports_grouped(a, b, out_dtype)
+            and sm90_gemm.available()):
+        return sm90_gemm.sm90_grouped_gemm(a, b, segments, out_dtype=out_dtype)
+    if which == "cuda":
+        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these grouped operands or is "
+                         f"unavailable ({sm90_gemm.unavailable_reason() or 'see sm90_gemm.supports_grouped'})")
     c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
     ad, bd, sb = a.data, b.data.reshape(E * N, K), b.scale.reshape(E * N)
     block_k = 32 if _INTERPRET else 128

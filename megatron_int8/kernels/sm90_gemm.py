@@ -1,7 +1,8 @@
 """A warp-specialized CUDA INT8 GEMM for Hopper (`megatron_int8/csrc/int8_gemm_sm90.cu`), built on first use.
 
 Same contract as `triton_gemm` for what it covers: tensorwise or row-wise scales, no bias, a bf16 output
-(or `out`) or an fp32 `accumulate_into`; results bit-identical to the reference backend. It exists because
+(or `out`) or an fp32 `accumulate_into`; results bit-identical to the reference backend. `sm90_grouped_gemm`:
+the same kernel over all MoE experts at once (quantize.grouped_gemm's contract, bf16 output). It exists because
 Triton 3.6 leaves Hopper's INT8 GEMMs at 60-64% of peak (docs/kernels.md). The source is compiled with the
 machine's `nvcc` (sm_90a) into a per-user cache, keyed by the source's hash, and loaded with ctypes, so it
 does not depend on torch's C++ ABI. Where there is no nvcc, no sm_90 GPU or the build fails, `available()`
@@ -30,6 +31,7 @@ ref = importlib.import_module("megatron_int8.quantize")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "int8_gemm_sm90.cu"
 ENV_CACHE = "MEGATRON_INT8_CACHE"  # where the built library goes (default ~/.cache/megatron_int8)
+TILE_M = 128  # the kernel's kBlockM: a grouped GEMM's expert strips must be whole tiles
 _ERRORS = {1: "unsupported shape, stride or alignment", 2: "the driver has no cuTensorMapEncodeTiled",
            3: "the driver rejected a tensor map"}
 
@@ -81,9 +83,10 @@ def _library():
         return None, str(exc)
     fn = lib.megatron_int8_gemm_sm90
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p]
     return lib, None
 
 
@@ -118,6 +121,42 @@ def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accum
                   and dest.data_ptr() % 16 == 0)))
 
 
+def supports_grouped(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype) -> bool:
+    """Whether `sm90_grouped_gemm` takes operands that passed quantize.check_grouped_operands."""
+    ad, bd = a.data, b.data
+    R, K = ad.shape
+    N = bd.shape[1]
+    tensors = (ad, bd, a.scale, b.scale)
+    return (out_dtype == torch.bfloat16 and ref.SEGMENT_ALIGN % TILE_M == 0
+            and ad.is_cuda and all(t.device == ad.device for t in tensors)
+            and ad.dtype == torch.int8 and bd.dtype == torch.int8 and R > 0 and N > 0 and N % 8 == 0
+            and ad.stride(1) == 1 and bd.is_contiguous() and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
+            and ad.stride(0) % 16 == 0 and ad.data_ptr() % 16 == 0 and bd.data_ptr() % 16 == 0
+            and a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32
+            and a.scale.shape == (R,) and b.scale.is_contiguous())
+
+
+def sm90_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
+                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quantize.grouped_gemm in one launch: rows of segment e = dequant(a_e @ b[e]^T), [R, N] bf16. Every
+    row of a belongs to a segment, so every output row is written (alignment rows: a's zero rows give 0)."""
+    ref.check_grouped_operands(a, b, segments)
+    if not supports_grouped(a, b, out_dtype):
+        raise ValueError("sm90_grouped_gemm: operands outside its contract (see supports_grouped())")
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"sm90_grouped_gemm unavailable: {reason}")
+    (R, K), (E, N, _) = a.data.shape, b.data.shape
+    device = a.data.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    out = torch.empty((R, N), dtype=out_dtype, device=device)
+    launch(lib, a.data.data_ptr(), a.data.stride(0), b.data.data_ptr(), K, E * N, out.data_ptr(), N,
+           a.scale.data_ptr(), a.scale.stride(0), b.scale.data_ptr(), 1, R, N, K,
+           segments.strip_experts(device).data_ptr(), ref.SEGMENT_ALIGN, 0, num_sms(index), index,
+           torch.cuda.current_stream(device).cuda_stream)
+    return out
+
+
 def sm90_gemm(a: ref.QTensor, b: ref.QTensor, *, out_dtype: torch.dtype = torch.bfloat16,
               accumulate_into: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dequant(a @ b^T) as bf16 (into `out` if given), or added into the fp32 `accumulate_into` and returned."""
@@ -140,13 +179,13 @@ def planned(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype, accumulate: 
     row = a.granularity == "row"
     sa_stride, sb_stride = (a.scale.stride(0), b.scale.stride(0)) if row else (0, 0)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    tail = (M, N, K, int(accumulate), num_sms(index), index)
+    tail = (M, N, K, None, 0, int(accumulate), num_sms(index), index)
 
     def run(a, b, accumulate_into, out):
         dest = accumulate_into if accumulate else out
         if dest is None:
             dest = torch.empty((M, N), dtype=out_dtype, device=device)
-        launch(lib, a.data.data_ptr(), lda, b.data.data_ptr(), ldb, dest.data_ptr(), dest.stride(0),
+        launch(lib, a.data.data_ptr(), lda, b.data.data_ptr(), ldb, N, dest.data_ptr(), dest.stride(0),
                a.scale.data_ptr(), sa_stride, b.scale.data_ptr(), sb_stride, *tail,
                torch.cuda.current_stream(device).cuda_stream)
         return dest
@@ -158,4 +197,4 @@ def launch(lib, *args) -> None:
     code = lib.megatron_int8_gemm_sm90(*args)
     if code:
         detail = _ERRORS.get(code) or f"CUDA error {code - 100} at launch"
-        raise RuntimeError(f"sm90_gemm: {detail} (M, N, K = {args[10:13]})")
+        raise RuntimeError(f"sm90_gemm: {detail} (M, N, K = {args[11:14]})")
