@@ -92,7 +92,24 @@ class Int8GroupedMLP(SequentialMLP):
         x = hidden.new_zeros((segments.rows, hidden.shape[-1])).index_copy(0, rows, hidden)
         p = probs.new_zeros(segments.rows).index_copy(0, rows, probs)
         out, _ = MLP.forward(_GroupedExperts(self.local_experts, segments), x, per_token_scale=p)
-        return out.index_select(0, rows), None
+        return _SelectRows.apply(out, rows), None
+
+
+class _SelectRows(torch.autograd.Function):
+    """x[rows] for distinct rows. Its backward copies the gradient into place: index_select's own backward
+    adds it with index_add_, which allows repeated rows and is ~10x slower (0.58 ms for Mixtral's
+    16k x 4096 aligned layout on an H200, once per micro-batch and layer)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        ctx.rows_in = x.shape[0]
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows_in,) + tuple(grad.shape[1:])).index_copy_(0, rows, grad), None
 
 
 def _aligned_rows(counts: List[int], segments: Segments, device: torch.device) -> torch.Tensor:
