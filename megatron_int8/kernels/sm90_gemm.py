@@ -98,22 +98,28 @@ def unavailable_reason() -> Optional[str]:
     return _library()[1]
 
 
+def _operands_ok(a: ref.QTensor, b2d: torch.Tensor, on_device=()) -> bool:
+    """What both modes need of a, of b as the 2-D [rows, K] the kernel reads, and of a's scales: int8 on one
+    CUDA device (with `on_device`), K-major rows, K a multiple of 16 in the int32-exact range, 16-byte
+    aligned pointers and row strides, fp32 scales."""
+    ad = a.data
+    M, K = ad.shape
+    return (ad.is_cuda and all(t.device == ad.device for t in (b2d, a.scale, *on_device))
+            and ad.dtype == torch.int8 and b2d.dtype == torch.int8 and M > 0 and b2d.shape[0] > 0
+            and ad.stride(1) == 1 and b2d.stride(1) == 1 and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
+            and ad.stride(0) % 16 == 0 and b2d.stride(0) % 16 == 0
+            and ad.data_ptr() % 16 == 0 and b2d.data_ptr() % 16 == 0 and a.scale.dtype == torch.float32)
+
+
 def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accumulate_into, out) -> bool:
     """Whether `sm90_gemm` takes these operands (the caller falls back to Triton otherwise)."""
-    ad, bd = a.data, b.data
-    M, K = ad.shape
-    N = bd.shape[0]
+    M, N = a.data.shape[0], b.data.shape[0]
     dest = accumulate_into if accumulate_into is not None else out
     elem = 4 if accumulate_into is not None else 2
-    tensors = (ad, bd, a.scale, b.scale) + (() if dest is None else (dest,))
     return (a.granularity in ("tensor", "row") and b.granularity == a.granularity and bias is None
             and (accumulate_into is not None or out_dtype == torch.bfloat16)
-            and ad.is_cuda and all(t.device == ad.device for t in tensors)
-            and ad.dtype == torch.int8 and bd.dtype == torch.int8 and M > 0 and N > 0
-            and ad.stride(1) == 1 and bd.stride(1) == 1 and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
-            and ad.stride(0) % 16 == 0 and bd.stride(0) % 16 == 0
-            and ad.data_ptr() % 16 == 0 and bd.data_ptr() % 16 == 0
-            and a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32
+            and _operands_ok(a, b.data, (b.scale,) + (() if dest is None else (dest,)))
+            and b.scale.dtype == torch.float32
             and (a.scale.numel() == 1 and b.scale.numel() == 1 if a.granularity == "tensor" else
                  a.scale.shape == (M,) and b.scale.shape == (N,))
             and (N * elem % 16 == 0 if dest is None else
@@ -123,17 +129,11 @@ def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accum
 
 def supports_grouped(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype) -> bool:
     """Whether `sm90_grouped_gemm` takes operands that passed quantize.check_grouped_operands."""
-    ad, bd = a.data, b.data
-    R, K = ad.shape
-    N = bd.shape[1]
-    tensors = (ad, bd, a.scale, b.scale)
-    return (out_dtype == torch.bfloat16 and ref.SEGMENT_ALIGN % TILE_M == 0
-            and ad.is_cuda and all(t.device == ad.device for t in tensors)
-            and ad.dtype == torch.int8 and bd.dtype == torch.int8 and R > 0 and N > 0 and N % 8 == 0
-            and ad.stride(1) == 1 and bd.is_contiguous() and K % 16 == 0 and 0 < K <= ref.MAX_EXACT_K
-            and ad.stride(0) % 16 == 0 and ad.data_ptr() % 16 == 0 and bd.data_ptr() % 16 == 0
-            and a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32
-            and a.scale.shape == (R,) and b.scale.is_contiguous())
+    E, N, K = b.data.shape
+    return (out_dtype == torch.bfloat16 and ref.SEGMENT_ALIGN % TILE_M == 0 and N % 8 == 0
+            and b.data.is_contiguous() and _operands_ok(a, b.data.view(E * N, K), (b.scale,))
+            and b.scale.dtype == torch.float32 and a.scale.shape == (a.data.shape[0],)
+            and b.scale.is_contiguous())
 
 
 def sm90_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
