@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -420,11 +420,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
         return lambda a, b, bias, acc, out: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc,
                                                      out=out)
     which = os.environ.get(ENV_KERNEL, "auto")
-    cuda_ok = (which in ("auto", "cuda") and not _INTERPRET
-               and sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out) and sm90_gemm.available())
-    if which == "cuda" and not cuda_ok:
-        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these operands or is unavailable "
-                         f"({sm90_gemm.unavailable_reason() or 'outside its contract: see sm90_gemm.supports'})")
+    cuda_ok = _use_cuda(which, lambda: sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out), "operands")
     CHOSEN[(M, N, K)] = "triton"
     if not cuda_ok:
         return _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -444,13 +440,36 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     return run
 
 
+def _use_cuda(which: str, supported: Callable[[], bool], what: str) -> bool:
+    """Whether a GEMM goes to the CUDA kernel: MEGATRON_INT8_GEMM_KERNEL `which` is "auto" or "cuda" and the
+    kernel takes the operands (`supported()`) and is available; "cuda" raises where it cannot."""
+    ok = which in ("auto", "cuda") and not _INTERPRET and supported() and sm90_gemm.available()
+    if which == "cuda" and not ok:
+        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these {what} or is unavailable "
+                         f"({sm90_gemm.unavailable_reason() or 'outside its contract: see sm90_gemm'})")
+    return ok
+
+
+def _fastest(candidates: dict, optional=()):
+    """The key of the fastest zero-argument callable, each called once first (compiling, autotuning) and
+    then timed (median of do_bench). A candidate named in `optional` that raises is left out."""
+    times = {}
+    for name, fn in candidates.items():
+        try:
+            fn()
+            times[name] = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+        except Exception:  # noqa: BLE001  (e.g. a Triton variant that fails to compile is simply not chosen)
+            if name not in optional:
+                raise
+    return min(times, key=times.get)
+
+
 def _faster(runs, a, b, bias, accumulate_into, out):
-    """The faster of two plan functions, timed once on scratch destinations (Triton's autotuned already)."""
+    """The faster of two plan functions, timed on scratch destinations (accumulate_into must be added into
+    exactly once, by the real call)."""
     acc = None if accumulate_into is None else _scratch_like(accumulate_into)
     dest = None if out is None else _scratch_like(out)
-    times = [triton.testing.do_bench(lambda: run(a, b, bias, acc, dest), warmup=5, rep=30, return_mode="median")
-             for run in runs]
-    return runs[times.index(min(times))]
+    return runs[_fastest({i: functools.partial(run, a, b, bias, acc, dest) for i, run in enumerate(runs)})]
 
 
 def _scratch_like(t: torch.Tensor) -> torch.Tensor:
@@ -633,13 +652,9 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     E, N, _ = b.data.shape
     if R == 0 or N == 0 or K == 0:
         return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
-    which = os.environ.get(ENV_KERNEL, "auto")
-    if (which in ("auto", "cuda") and not _INTERPRET and sm90_gemm.supports_grouped(a, b, out_dtype)
-            and sm90_gemm.available()):
+    if _use_cuda(os.environ.get(ENV_KERNEL, "auto"), lambda: sm90_gemm.supports_grouped(a, b, out_dtype),
+                 "grouped operands"):
         return sm90_gemm.sm90_grouped_gemm(a, b, segments, out_dtype=out_dtype)
-    if which == "cuda":
-        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these grouped operands or is "
-                         f"unavailable ({sm90_gemm.unavailable_reason() or 'see sm90_gemm.supports_grouped'})")
     c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
     ad, bd, sb = a.data, b.data.reshape(E * N, K), b.scale.reshape(E * N)
     block_k = 32 if _INTERPRET else 128
@@ -691,14 +706,8 @@ def _launchers(args, meta, M, N, tma_ok):
 
 
 def _pick(launch_plain, launch_tma, c) -> str:
-    """Autotune and time both kernels once per shape on a scratch copy of the output; keep the faster."""
+    """Autotune and time both kernels once per shape on a scratch copy of the output; keep the faster (a
+    TMA variant that fails to compile is not chosen)."""
     scratch = _scratch_like(c)
-    times = {}
-    for name, fn in (("plain", launch_plain), ("tma", launch_tma)):
-        try:
-            fn(scratch)  # autotunes this variant
-            times[name] = triton.testing.do_bench(lambda: fn(scratch), warmup=5, rep=30, return_mode="median")
-        except Exception:  # noqa: BLE001  (a variant that fails to compile is simply not chosen)
-            if name == "plain":
-                raise
-    return min(times, key=times.get)
+    return _fastest({"plain": functools.partial(launch_plain, scratch), "tma": functools.partial(launch_tma, scratch)},
+                    optional=("tma",))

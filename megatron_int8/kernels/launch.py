@@ -60,6 +60,11 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA torch.device (the current device's for a bare "cuda")."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids (triton.cdiv is a constexpr function: microseconds per host call)."""
     return -(-a // b)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, cdiv, next_pow2, num_sms
+from .launch import LaunchCache, cdiv, device_index, next_pow2, num_sms
 
 
 @triton.jit
@@ -127,8 +127,7 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
         return dx, torch.zeros_like(weight)
     block_r, block_w = _blocks(W)
     if x.device.type == "cuda":
-        max_programs = _max_backward_programs(x.device.index if x.device.index is not None
-                                              else torch.cuda.current_device())
+        max_programs = _max_backward_programs(device_index(x.device))
     else:  # the interpreter: a few programs, so that each loops over several row blocks
         max_programs = 4
     rows_per_program = cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r

@@ -25,7 +25,7 @@ import torch
 
 import importlib
 
-from .launch import num_sms
+from .launch import device_index, num_sms
 
 ref = importlib.import_module("megatron_int8.quantize")
 
@@ -148,7 +148,7 @@ def sm90_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
         raise RuntimeError(f"sm90_grouped_gemm unavailable: {reason}")
     (R, K), (E, N, _) = a.data.shape, b.data.shape
     device = a.data.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     out = torch.empty((R, N), dtype=out_dtype, device=device)
     launch(lib, a.data.data_ptr(), a.data.stride(0), b.data.data_ptr(), K, E * N, out.data_ptr(), N,
            a.scale.data_ptr(), a.scale.stride(0), b.scale.data_ptr(), 1, R, N, K,
@@ -178,7 +178,7 @@ def planned(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype, accumulate: 
     lda, ldb, device = a.data.stride(0), b.data.stride(0), a.data.device
     row = a.granularity == "row"
     sa_stride, sb_stride = (a.scale.stride(0), b.scale.stride(0)) if row else (0, 0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     tail = (M, N, K, None, 0, int(accumulate), num_sms(index), index)
 
     def run(a, b, accumulate_into, out):
