@@ -158,14 +158,16 @@ def _amax_partials_kernel(
     """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps and writes
     ptile[i, j] (max |x| of its block), prow[r, j] (each row's max over the block's columns) and/or
     pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
-    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass)."""
+    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
+    software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
+    the row-wise both-axes quantize ran 2-22% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
     rs = tl.program_id(0)
     ct = tl.program_id(1)
     n_ct = tl.num_programs(1)
     offs_c = ct * TC + tl.arange(0, TC)
     mask_c = offs_c < C
     acc = tl.zeros((TR, TC), tl.float32)
-    for r0 in range(0, RB, TR):
+    for r0 in tl.range(0, RB, TR, num_stages=3):
         offs_r = rs * RB + r0 + tl.arange(0, TR)
         mask_r = offs_r < R
         mask = mask_r[:, None] & mask_c[None, :]
@@ -389,11 +391,12 @@ if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 3, (4, 2), 4, 4
 else:
-    # amax: 32 x 256 register tile, strips of rows; quantize: 16 x 256 (one output, 512 B bf16 rows) or
-    # 64 x 64 (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200);
-    # reduce: 64 groups x 32 partials per step
+    # amax: 32 x 256 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
+    # 64 x 64 with 4 warps (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200;
+    # 4 warps ran 3-5% faster than 8 on an H100, eighteenth session); reduce: 64 groups x 32 partials per step
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 64)
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 32, (64, 32), 8, 4096
+_AMAX_WARPS = _Q_T_WARPS = _WARPS if _INTERPRET else 4
 _MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
 
 
@@ -524,7 +527,7 @@ def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwis
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
     grid = (cdiv(RP, TR) * cdiv(C, TC),)
     return grid, dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
-                      FOUR=_four(TC, TC, cdiv(C, TC)), num_warps=_WARPS)
+                      FOUR=_four(TC, TC, cdiv(C, TC)), num_warps=_Q_T_WARPS if columnwise else _WARPS)
 
 
 def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP):
@@ -540,7 +543,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
         RB = _amax_rows_per_program(R, n_ct, True)
         n_p = cdiv(R, RB) * n_ct
         amax_launch = _AMAX.prepare((cdiv(R, RB), n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
-                                    TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_WARPS)
+                                    TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_AMAX_WARPS)
     flag, slot = _finite_slot(check_finite, dev, name, True)
     BP = _REDUCE_TILE[1] if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS)
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
@@ -590,7 +593,7 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
         R_red, C_red = R * rowwise, C * col_partials
         n_row_programs, n_cb = cdiv(R_red, BG), cdiv(C_red, BG)
         amax_launch = _AMAX.prepare((n_rs, n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
-                                    TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_WARPS)
+                                    TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_AMAX_WARPS)
         reduce = _REDUCE.prepare((n_row_programs + n_seg * n_cb,),
                                  (ARG, R_red, n_ct, n_row_programs, ARG, C_red, n_rs, ARG, ARG, ARG, n_cb),
                                  BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
