@@ -160,7 +160,7 @@ def _amax_partials_kernel(
     pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
     reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
     software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
-    the row-wise both-axes quantize ran 2-22% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
+    the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
     rs = tl.program_id(0)
     ct = tl.program_id(1)
     n_ct = tl.num_programs(1)
