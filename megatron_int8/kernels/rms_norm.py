@@ -96,10 +96,10 @@ def _blocks(W: int) -> tuple:
     return max(1, _TILE // block_w), block_w
 
 
-def _max_backward_programs(device_index: int) -> int:
-    """Four programs per SM: enough to hide load latency, few enough that the weight-gradient partial
-    sums stay small."""
-    return 4 * num_sms(device_index)
+def _max_backward_programs(index: int) -> int:
+    """Four programs per SM of CUDA device `index`: enough to hide load latency, few enough that the
+    weight-gradient partial sums stay small."""
+    return 4 * num_sms(index)
 
 
 def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
