@@ -390,13 +390,14 @@ _AMAX, _REDUCE, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (
 if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 3, (4, 2), 4, 4
+    _AMAX_WARPS = _Q_T_WARPS = _WARPS
 else:
     # amax: 32 x 256 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
     # 64 x 64 with 4 warps (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200;
     # 4 warps ran 3-5% faster than 8 on an H100, eighteenth session); reduce: 64 groups x 32 partials per step
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 64)
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 32, (64, 32), 8, 4096
-_AMAX_WARPS = _Q_T_WARPS = _WARPS if _INTERPRET else 4
+    _AMAX_WARPS, _Q_T_WARPS = 4, 4  # the amax pass's and the both-axes quantize tile's (tuned apart)
 _MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
 
 
