@@ -2,13 +2,15 @@
 
 A backend offers two calls with identical contracts (see quantize.py for conventions):
   quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
-           amax=None, columnwise_pad=1, columnwise_amax=None, columnwise_segments=None)
+           amax=None, columnwise_pad=1, columnwise_amax=None, columnwise_segments=None, rowwise_amax=None)
       -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
       (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
       `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
       a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see quantize.pad_columns;
       `columnwise_amax`: row-wise only, x's per-column amax [C] for Q(x^T)'s scales, e.g. reduced over
-      the tensor-parallel group, while Q(x) keeps its own per-row scales;
+      the tensor-parallel group, while Q(x) keeps its own per-row scales (unless `rowwise_amax` is given);
+      `rowwise_amax`: row-wise only, x's per-row amax [R] for Q(x)'s scales, e.g. computed by the kernel
+      that wrote x (see quantize.known_maxima): with both given, x is read once;
       `columnwise_segments`: row-wise only, a quantize.Segments layout of x's rows (MoE experts): Q(x^T)
       gets one scale per column per segment, [E, C], see quantize.quantize_segment_columns)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None) -> dequant(a @ b^T) [+ bias]
@@ -55,15 +57,17 @@ class ReferenceBackend:
         columnwise_pad: int = 1,
         columnwise_amax: Optional[torch.Tensor] = None,
         columnwise_segments: Optional[ref.Segments] = None,
+        rowwise_amax: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
-        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
+        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax, rowwise_amax)
         if columnwise_segments is not None:
             ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
         tile2d = weight and granularity == "block"
         kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
         if rowwise:
-            row = ref.quantize(x, granularity, tile2d=tile2d, **kw)
+            row = ref.quantize(x, granularity, tile2d=tile2d,
+                               **dict(kw, amax=rowwise_amax if rowwise_amax is not None else amax))
         if columnwise and columnwise_segments is not None:  # aligned rows: no padding needed
             col = ref.quantize_segment_columns(x, columnwise_segments, **kw)
         elif columnwise:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .backend import get_backend
-from .quantize import QTensor, handle_nonfinite, nan_as_inf, pad_columns
+from .quantize import KnownMaxima, QTensor, handle_nonfinite, known_maxima, nan_as_inf, pad_columns
 from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 _weight_generation = 0
@@ -204,6 +204,18 @@ def _wgrad_operand_from_shards(gathered, scale, granularity: str, world: int, bl
     return pad_columns(q, TOKEN_PAD)
 
 
+def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: bool, columnwise: bool) -> dict:
+    """backend.quantize's keywords that hand over maxima the producer of the operand computed (e.g.
+    megatron_int8.swiglu's kernels), so that quantizing skips its amax pass; {} when there are none."""
+    if known is None:
+        return {}
+    if recipe.granularity == "row":
+        return dict(rowwise_amax=known.rows if rowwise else None, columnwise_amax=known.cols if columnwise else None)
+    if recipe.granularity == "tensor" and known.cols.numel():
+        return dict(amax=known.cols.amax())
+    return {}
+
+
 @functools.lru_cache(maxsize=None)  # recipes are frozen and few: one dict each, shared (callers never mutate it)
 def _quantize_kwargs(recipe: Int8Recipe, name: str, stochastic: bool = False, weight: bool = False) -> dict:
     return dict(granularity=recipe.granularity, block_size=recipe.block_size, weight=weight,
@@ -252,8 +264,10 @@ class _Int8LinearFunction(torch.autograd.Function):
             total = _all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
             x2d = total.reshape(-1, total.shape[-1])
             if recipe.fprop or wgrad_int8:
+                known = None if tp.sequence_parallel else known_maxima(input)  # a gathered X has its own
                 qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
-                                                  columnwise_pad=TOKEN_PAD, **x_kw)
+                                                  columnwise_pad=TOKEN_PAD, **x_kw,
+                                                  **_given_maxima(known, recipe, recipe.fprop, wgrad_int8))
         if out2d is None:  # not already computed while the input was gathered
             if tp.scatter_output:
                 def partial_rows(rows, out_rows):
@@ -341,8 +355,10 @@ class _Int8LinearFunction(torch.autograd.Function):
                 g2d = _all_gather_dim0(g2d, tp.group)
             qg_row = None
             if dgrad_int8 or wgrad_int8:
+                known = None if tp.scatter_output else known_maxima(grad_output)  # a gathered dY has its own
                 qg_row, qg_col = backend.quantize(g2d, rowwise=dgrad_int8, columnwise=wgrad_int8,
-                                                  columnwise_pad=TOKEN_PAD, **g_kw)
+                                                  columnwise_pad=TOKEN_PAD, **g_kw,
+                                                  **_given_maxima(known, recipe, dgrad_int8, wgrad_int8))
             if dgrad_int8:
                 dx = backend.gemm(qg_row, qw_col, out_dtype=ctx.input_dtype, autotune=recipe.autotune)
             elif need_dgrad:

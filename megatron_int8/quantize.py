@@ -242,6 +242,39 @@ def handle_nonfinite(scale: torch.Tensor, name: str, check_finite: str) -> None:
         raise ValueError(f"check_finite must be 'deferred', 'immediate' or 'off', got {check_finite!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownMaxima:
+    """max |t| per row [R] and per column [C] of a tensor t viewed as [R, C] (C = its last dimension), as
+    the kernel that wrote t computed them (Inf/NaN as inf). Valid while t keeps the shape and version it had
+    then (`known_maxima` checks both), so an in-place change or a reshaped view never reuses them."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: Tuple[int, ...]
+    version: int
+
+
+_MAXIMA_ATTR = "_megatron_int8_maxima"  # stored on the tensor itself, so they die with it
+
+
+def attach_maxima(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Record t's per-row and per-column maxima (as [R], [C] fp32) so that quantizing t row-wise skips its
+    own amax pass (see `known_maxima`). Returns t."""
+    if rows.shape != (t.numel() // max(t.shape[-1], 1),) or cols.shape != (t.shape[-1],):
+        raise ValueError(f"attach_maxima: maxima {tuple(rows.shape)}, {tuple(cols.shape)} do not match a tensor "
+                         f"of shape {tuple(t.shape)}")
+    setattr(t, _MAXIMA_ATTR, KnownMaxima(rows, cols, tuple(t.shape), t._version))
+    return t
+
+
+def known_maxima(t: torch.Tensor) -> Optional[KnownMaxima]:
+    """The maxima `attach_maxima` recorded on this very tensor object, if it is unchanged since; else None."""
+    known = getattr(t, _MAXIMA_ATTR, None)
+    if known is None or known.shape != tuple(t.shape) or known.version != t._version:
+        return None
+    return known
+
+
 def nan_as_inf(amax: torch.Tensor) -> torch.Tensor:
     """A given amax with NaN mapped to +inf (inf kept): max-reductions (the kernels', NCCL's) may drop a
     NaN, while inf survives them and still yields a NaN scale."""
@@ -305,13 +338,20 @@ def _check_operand(x: torch.Tensor, granularity: str, amax: Optional[torch.Tenso
 
 def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor],
                         columnwise_pad: int = 1, block_size: int = 128,
-                        columnwise_amax: Optional[torch.Tensor] = None) -> None:
+                        columnwise_amax: Optional[torch.Tensor] = None,
+                        rowwise_amax: Optional[torch.Tensor] = None) -> None:
     """Both backends' quantize contract: a 2-D operand, a known granularity, `amax` only when tensorwise,
-    `columnwise_amax` (one per column of x) only when row-wise, a column padding that keeps block groups
-    whole."""
+    `rowwise_amax` (one per row of x) and `columnwise_amax` (one per column) only when row-wise, a column
+    padding that keeps block groups whole."""
     _check_operand(x, granularity, amax)
     if amax is not None and granularity != "tensor":
-        raise ValueError("backend.quantize's amax is tensorwise only (row-wise: columnwise_amax)")
+        raise ValueError("backend.quantize's amax is tensorwise only (row-wise: rowwise_amax, columnwise_amax)")
+    if rowwise_amax is not None:
+        if granularity != "row":
+            raise ValueError("rowwise_amax is only meaningful for row-wise quantization")
+        if tuple(rowwise_amax.shape) != (x.shape[0],):
+            raise ValueError(f"rowwise_amax must hold one amax per row of the {tuple(x.shape)} operand, "
+                             f"got shape {tuple(rowwise_amax.shape)}")
     if columnwise_amax is not None:
         if granularity != "row":
             raise ValueError("columnwise_amax is only meaningful for row-wise quantization")

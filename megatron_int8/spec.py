@@ -40,6 +40,7 @@ from .fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
 from .recipe import DEFAULT_RECIPE, Int8Recipe
+from .swiglu import SwiGLU
 
 if HAVE_TE:
     from megatron.core.extensions.transformer_engine import TEDotProductAttention, TENorm
@@ -83,6 +84,13 @@ class Int8SpecProvider(LocalSpecProvider):
 
     def core_attention(self) -> type:
         return TEDotProductAttention if HAVE_TE else SDPAttention
+
+    def activation_func(self) -> ModuleSpec:
+        """The dense MLP's SwiGLU module, used where `config.use_te_activation_func` is set (megatron_int8.swiglu):
+        it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise."""
+        emit = (self.fp8_recipe is None and self.int8 and self.recipe.any_int8
+                and self.recipe.granularity in ("row", "tensor"))
+        return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit})
 
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
@@ -131,8 +139,10 @@ def get_gpt_int8_layer_spec(
     norm = backend.layer_norm(rms_norm=normalization == "RMSNorm")
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
                                          if qk_layernorm else IdentityOp)
+    # dense MLPs carry the SwiGLU module; megatron's MLP uses it only under config.use_te_activation_func
     mlp = get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts,
-                                          moe_grouped_gemm=moe_grouped_gemm)
+                                          moe_grouped_gemm=moe_grouped_gemm,
+                                          use_te_activation_func=num_experts is None)
     # Same checkpoint keys as megatron's specs: norms are stored where TE fuses them into the
     # following linear. MoE layers, as in the TE spec, keep a separate pre-MLP norm.
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}

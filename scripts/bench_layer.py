@@ -18,6 +18,7 @@ Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -61,6 +62,8 @@ def parse_args(argv=None):
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
                         "sync per quantize) or off")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
+    p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
+                   help="dense MLPs: megatron's SwiGLU instead of megatron_int8.swiglu (as the trainer's flag)")
     p.add_argument("--no-fp8", action="store_true", help="skip the FP8 peer (torchao float8) row")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise",
                    help="torchao float8 scaling recipe of the FP8 peer")
@@ -122,6 +125,11 @@ def build_layers(args, skipped):
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, **moe, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
         use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
+    # our specs' dense MLPs run megatron_int8.swiglu through the activation module slot (as the trainer does);
+    # megatron's stock spec has no such module and keeps its fused SwiGLU
+    stock_config = config
+    if args.fused_swiglu and not args.num_experts:
+        config = dataclasses.replace(config, use_te_activation_func=True, bias_activation_fusion=False)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
                         cache_weights=args.cache_weights)
     experts = args.num_experts or None
@@ -145,7 +153,9 @@ def build_layers(args, skipped):
     layers = {}
     for name, spec in specs.items():
         try:
-            layers[name] = build_module(spec, config=config, layer_number=1).to(device=args.device, dtype=dtype)
+            layer_config = stock_config if name == "BF16 stock local spec" else config
+            layers[name] = build_module(spec, config=layer_config, layer_number=1).to(device=args.device,
+                                                                                    dtype=dtype)
         except (ImportError, RuntimeError, ValueError) as err:
             if name not in fp8_specs:
                 raise

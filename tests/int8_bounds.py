@@ -114,5 +114,34 @@ def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
     for what, got, want, bound in checks:
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
         err = (got.double() - want).abs()
+        bound = bound + tiny
+        assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
+                                      f"at {(err - bound).argmax().item()}")
+
+
+def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5):
+    """SwiGLU's forward y = silu(a) b and input gradient dx = [da | db] (x = [a | b] on the last dimension)
+    against float64. Bounds: one rounding to the output dtype (`rounding_ulps` of it) plus fp32 arithmetic,
+    bounded on the magnitudes each formula combines: da = dy b s (1 + a (1 - s)) cancels near a = -1.28.
+    sigmoid(a) of a very negative a underflows in fp32 (subnormal or 0): an absolute error of up to the
+    smallest normal fp32 number in s, times the factors it meets."""
+    f32 = torch.finfo(torch.float32).eps
+    tiny = torch.finfo(torch.float32).tiny
+    out_eps = torch.finfo(x.dtype).eps * rounding_ulps
+    a, b = x.double().chunk(2, dim=-1)
+    g = dy.double()
+    s = torch.sigmoid(a)
+    want_y = a * s * b
+    want_da, want_db = g * b * s * (1 + a * (1 - s)), g * a * s
+    checks = [
+        ("forward", y, want_y, want_y.abs() * (out_eps + 8 * f32) + ((a * b).abs() + 1) * tiny),
+        ("gradient of a", dx[..., :a.shape[-1]], want_da,
+         want_da.abs() * out_eps + (g * b).abs() * (1 + a.abs()) * (s * 16 * f32 + tiny) + tiny),
+        ("gradient of b", dx[..., a.shape[-1]:], want_db,
+         want_db.abs() * (out_eps + 8 * f32) + ((g * a).abs() + 1) * tiny),
+    ]
+    for what, got, want, bound in checks:
+        assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
+        err = (got.double() - want).abs()
         assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
                                       f"at {(err - bound).argmax().item()}")

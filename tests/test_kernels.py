@@ -170,6 +170,34 @@ def test_quantize_given_column_amax(K, rowwise):
         K.triton_quantize(x, columnwise_amax=col_amax, **dict(kw, granularity="tensor"))
 
 
+@pytest.mark.parametrize("columnwise", [True, False])
+def test_quantize_given_row_amax(K, launch_log, columnwise):
+    """Row-wise Q(x) with a given per-row amax (larger than x's own in some rows, NaN in one): bit-identical
+    to the reference; with the column amax given too, one launch (no amax pass, no reduce); a NaN among
+    the given maxima is recorded by the deferred check."""
+    x = outliers(37, 53)
+    row_amax = x.float().abs().amax(dim=1) * torch.where(torch.rand(37) < 0.5, 3.0, 1.0)
+    row_amax[6] = float("nan")
+    col_amax = x.float().abs().amax(dim=0)
+    kw = _kw("row", False, rowwise=True, columnwise=columnwise, columnwise_pad=16, name="fc2 input")
+    given = dict(rowwise_amax=row_amax, columnwise_amax=col_amax if columnwise else None)
+    launch_log.clear()
+    r1, c1 = K.triton_quantize(x, **kw, **given)
+    assert launch_log == ["_quantize_kernel"]
+    with pytest.raises(NonFiniteError, match="fc2 input"):
+        raise_if_nonfinite()
+    r0, c0 = REF.quantize(x, **dict(kw, check_finite="off"), **given)
+    torch.testing.assert_close(r1.scale, r0.scale, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(r1.scale[6]) and torch.equal(r1.data, r0.data)
+    if columnwise:
+        assert_same_qtensor(c1, c0, "columnwise")
+        assert_same_qtensor(c1, K.triton_quantize(x, **dict(kw, check_finite="off"))[1], "columnwise: x's own")
+    with pytest.raises(ValueError, match="rowwise_amax"):
+        K.triton_quantize(x, **dict(kw, rowwise_amax=row_amax[:10]))
+    with pytest.raises(ValueError, match="rowwise_amax"):
+        K.triton_quantize(x, **dict(kw, granularity="tensor", rowwise_amax=row_amax))
+
+
 def test_quantize_rejects_bad_padding(K):
     x = outliers(8, 8)
     for pad in (0, -16, 1.5):
@@ -558,7 +586,7 @@ def launch_log(monkeypatch):
 
     from megatron_int8.kernels.launch import LaunchCache, PlanCache
 
-    for mod in ("megatron_int8.kernels.quantize", "megatron_int8.kernels.int8_gemm"):
+    for mod in ("megatron_int8.kernels.quantize", "megatron_int8.kernels.int8_gemm", "megatron_int8.kernels.swiglu"):
         m = importlib.import_module(mod)
         for name, obj in list(vars(m).items()):
             if name.endswith("_kernel") and hasattr(obj, "__getitem__"):
@@ -976,6 +1004,100 @@ def test_rms_norm_kernel_forward_and_backward(dtype, layout):
     dy = outliers(x.numel() // W, W, dtype).view(x.shape)
     y.backward(dy)
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
+
+
+class _GradProbe(torch.autograd.Function):
+    """Identity that records the gradient object it receives, as the INT8 linear before SwiGLU (fc1) does."""
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _GradProbe.seen.append(g)
+        return g
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("emit_maxima", [False, True])
+def test_swiglu_kernel_forward_backward_and_maxima(dtype, emit_maxima):
+    """The Triton SwiGLU (megatron_int8.swiglu) on a ragged 3-D input whose rows are strided (a slice of a
+    wider tensor): forward and input gradient against float64; with emit_maxima, the maxima attached to the
+    output and to the input gradient are exactly those tensors' row and column maxima."""
+    from int8_bounds import assert_swiglu_close
+
+    from megatron_int8.quantize import known_maxima
+    from megatron_int8.swiglu import swiglu
+
+    ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
+    S, B, F = 5, 9, 37
+    wide = outliers(S * B, 2 * F + 6, dtype, zero_rows=(4,)).view(S, B, 2 * F + 6)
+    x = wide[..., :2 * F]
+    assert not x.is_contiguous()
+    leaf = x.detach().requires_grad_(True)
+    _GradProbe.seen.clear()
+    y = swiglu(_GradProbe.apply(leaf), emit_maxima)
+    assert "TritonSwiGLU" in type(y.grad_fn).__name__ and y.shape == (S, B, F)
+    dy = outliers(S * B, F, dtype).view(S, B, F)
+    y.backward(dy)
+    (dx,) = _GradProbe.seen
+    assert_swiglu_close(x, dy, y, dx, ulps)
+    for t in (y, dx):
+        known = known_maxima(t)
+        if not emit_maxima:
+            assert known is None
+            continue
+        t2 = t.detach().reshape(-1, t.shape[-1]).float().abs()
+        assert torch.equal(known.rows, t2.amax(1)) and torch.equal(known.cols, t2.amax(0))
+    if emit_maxima:  # a changed tensor no longer has known maxima
+        y.detach().mul_(2)
+        assert known_maxima(y) is None
+
+
+def test_swiglu_kernel_non_finite_maxima():
+    """An Inf or NaN in SwiGLU's output makes its row's and column's maxima inf (a NaN scale downstream)."""
+    from megatron_int8.kernels.swiglu import triton_swiglu_backward, triton_swiglu_forward
+
+    x = outliers(21, 2 * 19)
+    x[3, 5] = float("nan")
+    x[7, 19 + 2] = float("inf")  # b of column 2 in row 7: silu(a) * inf
+    y, rows, cols = triton_swiglu_forward(x, maxima=True)
+    bad_rows, bad_cols = ~torch.isfinite(y).all(1), ~torch.isfinite(y).all(0)
+    assert bad_rows[3] and bad_rows[7] and bad_cols[5]
+    assert torch.isinf(rows[bad_rows]).all() and torch.isinf(cols[bad_cols]).all()
+    assert torch.equal(rows[~bad_rows], y[~bad_rows].float().abs().amax(1))
+    dx, rows, cols = triton_swiglu_backward(outliers(21, 19), x, maxima=True)
+    bad_rows, bad_cols = ~torch.isfinite(dx).all(1), ~torch.isfinite(dx).all(0)
+    assert torch.isinf(rows[bad_rows]).all() and torch.isinf(cols[bad_cols]).all()
+    assert torch.equal(cols[~bad_cols], dx[:, ~bad_cols].float().abs().amax(0))
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_mlp_with_swiglu_maxima_skips_two_amax_passes(launch_log, granularity):
+    """fc1 -> SwiGLU -> fc2 with INT8 linears: with the SwiGLU's maxima handed over, fc2's input and fc1's
+    output gradient are quantized without an amax pass of their own, and every output and gradient is
+    bit-identical to the run without them (the maxima are exact)."""
+    from megatron_int8.swiglu import swiglu
+
+    recipe = Int8Recipe(granularity=granularity, backend="triton", cache_weights=False)
+    T, H, F = 40, 24, 36
+    x = outliers(T, H)
+    w1, w2 = outliers(2 * F, H) / 8, outliers(H, F) / 8
+    dy = outliers(T, H)
+    results = {}
+    for emit in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w1, w2)]
+        launch_log.clear()
+        out = int8_linear(swiglu(int8_linear(leaves[0], leaves[1], None, recipe), emit), leaves[2], None, recipe)
+        out.backward(dy)
+        results[emit] = (out, *(t.grad for t in leaves))
+        amax_launches = launch_log.count("_amax_partials_kernel")
+        # weights (cache off): 4, forward and backward; activations and gradients: 4, 2 with known maxima
+        assert amax_launches == (6 if emit else 8), launch_log
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
 
 
 # In the parent session every test above is skipped (the driver test runs them in the subprocess).

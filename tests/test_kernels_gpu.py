@@ -685,3 +685,51 @@ def test_fused_rms_norm_real_shapes(shape, layout):
     dy = outliers(x.numel() // W, W).view(x.shape)
     y.backward(dy)
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad)
+
+
+@pytest.mark.parametrize("R,F", [(8192, 9728), (4100, 1377)])
+def test_swiglu_real_shapes_and_maxima(R, F):
+    """The Triton SwiGLU at one micro-batch of Qwen3-4B's MLP (8192 tokens, F = 9728) and at a ragged size:
+    forward and input gradient within one bf16 rounding of float64 (plus fp32 arithmetic); the maxima it
+    attaches are exactly the outputs' row and column maxima."""
+    from int8_bounds import assert_swiglu_close
+
+    from megatron_int8.quantize import known_maxima
+    from megatron_int8.swiglu import swiglu
+
+    x = outliers(R, 2 * F)
+    leaf = x.detach().requires_grad_(True)
+    mid = leaf * 1  # fc1's output is a non-leaf: its gradient object reaches the next node unchanged
+    grads = []
+    mid.register_hook(grads.append)
+    y = swiglu(mid, emit_maxima=True)
+    assert "TritonSwiGLU" in type(y.grad_fn).__name__
+    dy = outliers(R, F)
+    y.backward(dy)
+    (dx,) = grads
+    assert_swiglu_close(x.cpu(), dy.cpu(), y.detach().cpu(), dx.cpu())
+    for t in (y.detach(), dx):
+        known = known_maxima(t) if t is dx else known_maxima(y)
+        assert known is not None
+        a = t.float().abs()
+        assert torch.equal(known.rows, a.amax(1)) and torch.equal(known.cols, a.amax(0))
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_mlp_with_swiglu_maxima_bit_identical(granularity):
+    """fc1 -> SwiGLU -> fc2 with INT8 linears at Qwen3-4B's MLP shapes: with the SwiGLU's maxima handed to the
+    linears, outputs and every gradient are bit-identical to the run without them."""
+    from megatron_int8 import Int8Recipe, int8_linear
+    from megatron_int8.swiglu import swiglu
+
+    recipe = Int8Recipe(granularity=granularity, backend="triton")
+    T, H, F = 4096, 2560, 9728
+    x, w1, w2, dy = outliers(T, H), outliers(2 * F, H) / 64, outliers(H, F) / 64, outliers(T, H)
+    results = []
+    for emit in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w1, w2)]
+        out = int8_linear(swiglu(int8_linear(leaves[0], leaves[1], None, recipe), emit), leaves[2], None, recipe)
+        out.backward(dy)
+        results.append((out, *(t.grad for t in leaves)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)

@@ -13,7 +13,8 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   partial maxima (no atomics, so no zero-initialised buffer and no memset launch; each program walks a
   tall strip of rows, `_amax_rows_per_program`); `_quantize_kernel` reads x again, and every program
   reduces the partials itself (4 KB from L2), so there is no separate "finalize" launch.
-- row granularity: 3 (1 with a given `columnwise_amax` and no Q(x)). The same amax kernel writes row and
+- row granularity: 3 (1 with the maxima of every requested output given: `rowwise_amax` for Q(x),
+  `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x). The same amax kernel writes row and
   column partial maxima; `_reduce_partials_kernel` reduces them to one amax per row and per column (up
   to ~1 MB of partials for 8192 x 4096), once, where each 64 x 64 quantize tile used to reduce ~12 KB of
   partials for its 8 KB of data: Q(x) and Q(x^T) of 8192 x 4096 went from 131 to 91 us on an H200
@@ -262,8 +263,9 @@ def _quantize_kernel(
     (4 KB from L2): cheaper than a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
     SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
     (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
-    FLAG: the programs that store the scales also flag a NaN among them: the row scales if computed here,
-    else the column scales (each covers every element; not with SEG, whose scales come from the reduce)."""
+    FLAG: the programs that store the scales also flag a NaN among them: the row scales and the column
+    scales (not with SEG, whose scales the reduce launch stores). Either would do for x's own maxima, but a
+    given amax may hold an Inf/NaN that x does not."""
     n_ct = tl.cdiv(C, TC)
     rt = tl.program_id(0) // n_ct
     ct = tl.program_id(0) % n_ct
@@ -311,7 +313,7 @@ def _quantize_kernel(
                 s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
                 if rt == 0:
                     tl.store(st_ptr + offs_c, s_c, mask=mask_c)
-                    if FLAG and not ROW:
+                    if FLAG:
                         _flag_nonfinite(flag_ptr, flag_idx, s_c)
             tl.store(qt_ptr + qt_offs, _round_clamp_transposed(x_in, x, s_c[None, :], s_c[:, None], u, STOCHASTIC),
                      mask=mask_t)
@@ -440,6 +442,7 @@ def triton_quantize(
     columnwise_pad: int = 1,
     columnwise_amax: Optional[torch.Tensor] = None,
     columnwise_segments: Optional[ref.Segments] = None,
+    rowwise_amax: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
     """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R'] or None).
 
@@ -448,6 +451,8 @@ def triton_quantize(
     rounded up to a multiple of it; the kernels store the zero columns along with the data.
     `columnwise_amax` (row-wise only): x's per-column amax [C] for Q(x^T)'s scales; it stands in for the
     column partials, so the amax launch only computes row maxima (none when Q(x) is not requested).
+    `rowwise_amax` (row-wise only): x's per-row amax [R] for Q(x)'s scales, likewise. With both given (or
+    one given and only its output requested) x is read once: a single quantize launch.
     `columnwise_segments` (row-wise only, MoE experts): Q(x^T) gets scales [E, C], each over one segment's
     rows, in the same 3 launches and passes over x: the amax launch writes its column partials per
     SEGMENT_ALIGN strip of rows, the reduce launch turns each segment's strips into its column scales,
@@ -461,43 +466,48 @@ def triton_quantize(
     key = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0, granularity, block_size,
            type(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
            None if amax is None else amax.shape, columnwise_pad, type(columnwise_pad),
-           None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments)
+           None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments,
+           None if rowwise_amax is None else rowwise_amax.shape)
     plan = _PLANS.get(key)
     if plan is None:
-        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax)
+        ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax, rowwise_amax)
         if columnwise_segments is not None:
             ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
         plan = _plan(x, granularity, int(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
                      amax is not None, columnwise_pad, columnwise and columnwise_amax is not None,
-                     columnwise_segments if columnwise else None)
+                     columnwise_segments if columnwise else None, rowwise and rowwise_amax is not None)
         if columnwise_segments is None:
             _PLANS.put(key, plan)
     if not columnwise:  # checked above; only Q(x^T) uses them
         columnwise_amax = columnwise_segments = None
-    return plan(x, amax, columnwise_amax, columnwise_segments)
+    if not rowwise:  # likewise, only Q(x) uses it
+        rowwise_amax = None
+    return plan(x, amax, columnwise_amax, columnwise_segments, rowwise_amax)
 
 
 def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, given_amax,
-          columnwise_pad, given_col, segs) -> Callable:
-    """`run(x, amax, columnwise_amax, segments) -> (row, col)` for every x of this plan key."""
+          columnwise_pad, given_col, segs, given_row) -> Callable:
+    """`run(x, amax, columnwise_amax, segments, rowwise_amax) -> (row, col)` for every x of this plan key."""
     R, C = x.shape
     if not (rowwise or columnwise):
         return lambda *_: (None, None)
     if R == 0 or C == 0 or not x.is_floating_point():  # degenerate: nothing for a kernel to do
         from ..backend import ReferenceBackend
 
-        def reference(x, amax, columnwise_amax, segments):
+        def reference(x, amax, columnwise_amax, segments, rowwise_amax):
             return ReferenceBackend().quantize(
                 x, granularity=granularity, block_size=block_size, weight=weight, rowwise=rowwise,
                 columnwise=columnwise, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax,
-                columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax, columnwise_segments=segments)
+                columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax, columnwise_segments=segments,
+                rowwise_amax=rowwise_amax)
         return reference
     RP = ref.padded_length(R, columnwise_pad) if columnwise else R  # Q(x^T)'s row length
     if granularity == "block":
         return _block_plan(x, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, RP)
     if granularity == "tensor":
         return _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP)
-    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs)
+    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs,
+                     given_row)
 
 
 def _finite_slot(check_finite: str, device, name: str, in_kernel: bool) -> Tuple[bool, int]:
@@ -550,7 +560,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
 
-    def run(x, amax, columnwise_amax, segments):
+    def run(x, amax, columnwise_amax, segments, rowwise_amax):
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         if given_amax:
             scale = torch.empty((), dtype=torch.float32, device=dev)
@@ -569,44 +579,47 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     return run
 
 
-def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs):
+def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs, given_row):
     """Row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
-    segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns."""
+    segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns.
+    A given row / column amax stands in for that axis's partials; with nothing left to reduce, the amax and
+    reduce launches are skipped."""
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
     grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic)
     n_seg = segs.num_segments if segs is not None else 1  # segments come with Q(x^T) only (triton_quantize)
     n_scales = R * rowwise + n_seg * C * columnwise
+    row_partials = rowwise and not given_row
     col_partials = columnwise and not given_col
     col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
-    reduce_first = rowwise or col_partials
+    reduce_first = row_partials or col_partials
     if reduce_first:
         ATR, ATC = _AMAX_TILE
         BG, BP = _REDUCE_TILE
         n_ct = cdiv(C, ATC)
         RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
         n_rs = cdiv(R, RB)
-        n_row = R * n_ct if rowwise else 0
+        n_row = R * n_ct if row_partials else 0
         n_col = n_rs * C if col_partials else 0
         # [row partials, column partials, row maxima, column maxima]
-        n_work = n_row + n_col + R * rowwise + C * col_maxima
-        R_red, C_red = R * rowwise, C * col_partials
+        n_work = n_row + n_col + R * row_partials + C * col_maxima
+        R_red, C_red = R * row_partials, C * col_partials
         n_row_programs, n_cb = cdiv(R_red, BG), cdiv(C_red, BG)
         amax_launch = _AMAX.prepare((n_rs, n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
-                                    TILE_MAX=False, ROW_MAX=rowwise, COL_MAX=col_partials, num_warps=_AMAX_WARPS)
+                                    TILE_MAX=False, ROW_MAX=row_partials, COL_MAX=col_partials,
+                                    num_warps=_AMAX_WARPS)
         reduce = _REDUCE.prepare((n_row_programs + n_seg * n_cb,),
                                  (ARG, R_red, n_ct, n_row_programs, ARG, C_red, n_rs, ARG, ARG, ARG, n_cb),
                                  BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
-    # the kernel flags the row scales, else the column scales when computed here: each covers every element.
-    # A given column amax may hold an Inf/NaN that x does not (another rank's rows): with row scales
-    # beside it, both arrays are checked on the host.
-    flag, slot = _finite_slot(check_finite, dev, name,
-                              (rowwise and not given_col) or (not rowwise and segs is None))
+    # the kernel flags every scale array it stores (not the segments' column scales, which the reduce launch
+    # stores): a given amax may hold an Inf/NaN that x does not (another rank's rows), so the row scales
+    # alone would not tell. Segmented Q(x^T) alone is checked on the host.
+    flag, slot = _finite_slot(check_finite, dev, name, rowwise or segs is None)
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, 1, ARG, ARG,
                                           ARG, slot), BP=1, SEG=segs is not None, FLAG=flag, **common)
 
-    def run(x, amax, columnwise_amax, segments):
+    def run(x, amax, columnwise_amax, segments, rowwise_amax):
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         scales = torch.empty(n_scales, dtype=torch.float32, device=dev)
         s_row = scales[:R] if rowwise else None
@@ -620,25 +633,44 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
             work = torch.empty(n_work, dtype=torch.float32, device=dev)
             prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
             amax_launch(x, work, prow, pcol)
-            if rowwise:
+            if row_partials:
                 a_row = maxima[:R]
             if col_maxima:
                 a_col = maxima[R_red:]
             reduce(prow, pcol, maxima, s_col if segments is not None else a_col, seg_strips)
+        # given maxima are loaded as they are: _scale_from_amax turns a NaN (like an inf) into a NaN scale
+        if given_row:
+            a_row = rowwise_amax.to(device=dev, dtype=torch.float32).contiguous()
         if given_col:
-            a_col = ref.nan_as_inf(columnwise_amax.to(device=dev, dtype=torch.float32)).contiguous()
+            a_col = columnwise_amax.to(device=dev, dtype=torch.float32).contiguous()
         quantize(x, q_arg, qt_arg, s_row if rowwise else s_col,
                  s_col if columnwise else s_row, a_row, a_col, _seed(stochastic), strips,
                  _slots(flag, dev, name, scales))
-        if not flag and rowwise and given_col:
-            ref.handle_nonfinite(s_row, name, check_finite)
-            ref.handle_nonfinite(s_col, name, check_finite)
+        if not flag and (given_row or given_col):  # a given amax may hold what x does not: check both arrays
+            for s in (s_row, s_col):
+                if s is not None:
+                    ref.handle_nonfinite(s, name, check_finite)
         elif not flag:  # the smaller scale array: a non-finite element poisons its row's and its column's scale
             ref.handle_nonfinite(s_row if s_col is None or (s_row is not None and R <= s_col.numel()) else s_col,
                                  name, check_finite)
         return (ref.QTensor(q, s_row, "row", block_size) if rowwise else None,
                 ref.QTensor(qt, s_col, "row", block_size) if columnwise else None)
     return run
+
+
+def reduce_partial_maxima(prow: torch.Tensor, pcol: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(row maxima [R], column maxima [C]) from partial maxima in the amax pass's layout, prow [R, n_ct] (each
+    row's maximum over a block of columns) and pcol [n_rs, C] (each column's maximum over a strip of rows),
+    both contiguous fp32: one reduce launch, for kernels that produce a tensor and its maxima together
+    (kernels/swiglu.py). Both results are views of one [R + C] buffer."""
+    (R, n_ct), (n_rs, C) = prow.shape, pcol.shape
+    BG, BP = _REDUCE_TILE
+    maxima = torch.empty(R + C, dtype=torch.float32, device=prow.device)
+    n_row_programs = cdiv(R, BG)
+    if R + C:
+        _REDUCE.launch((n_row_programs + cdiv(C, BG),), prow, R, n_ct, n_row_programs, pcol, C, n_rs, maxima,
+                       maxima[R:], maxima, 1, BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=False, num_warps=4)
+    return maxima[:R], maxima[R:]
 
 
 def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finite, RP):
@@ -671,7 +703,7 @@ def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finit
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
 
-    def run(x, amax, columnwise_amax, segments):
+    def run(x, amax, columnwise_amax, segments, rowwise_amax):
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         s = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise else None

@@ -57,6 +57,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
+                   help="Dense SwiGLU MLPs: megatron's own SwiGLU (torch.compile'd on CUDA) instead of "
+                        "megatron_int8.swiglu (one Triton kernel each way, handing its outputs' maxima to the "
+                        "INT8 linears so that they skip an amax pass). MoE experts always run megatron's.")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
@@ -567,4 +571,7 @@ def transformer_config_from_args(args, **overrides):
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         )
     kwargs.update(overrides)
+    if args.swiglu and args.num_experts is None and getattr(args, "fused_swiglu", True):
+        # the MLP's activation module slot (megatron_int8.swiglu; the spec fills it), which this flag opens
+        kwargs.update(use_te_activation_func=True, bias_activation_fusion=False)
     return TransformerConfig(**kwargs)

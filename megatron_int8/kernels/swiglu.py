@@ -1,0 +1,189 @@
+"""Triton SwiGLU: forward and backward in one pass each, optionally with the maxima of what they write.
+
+x [R, 2F] holds the two halves a = x[:, :F], b = x[:, F:] (megatron's fc1 output, chunked on the last
+dimension); every row stride is allowed, the last stride must be 1.
+    forward   y = silu(a) b                                  y [R, F]
+    backward  da = dy b s (1 + a (1 - s)),  db = dy a s       dx = [da | db] [R, 2F], s = sigmoid(a)
+fp32 math, one rounding to x's dtype, as megatron's fused SwiGLU (torch.compile) does.
+
+MAXIMA: the kernel also writes partial maxima of |output| (of the rounded values, Inf/NaN as inf) in the
+layout of kernels/quantize's amax pass, prow [R, n_ct] and pcol [n_rs, C], and one reduce launch turns them
+into the output's per-row and per-column maxima. The INT8 linear that quantizes y (fc2's input) or dx
+(fc1's output gradient) row-wise then skips its own amax pass over a tensor of 8192 x 9728 or
+8192 x 19456 elements in a Qwen3-4B layer (megatron_int8.swiglu hands the maxima over).
+
+Each program walks a strip of RB rows of a TC-column block in TR-row steps (software-pipelined), so its
+column maxima accumulate in registers and are stored once per strip, as the amax pass does.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import LaunchCache, cdiv
+from .quantize import _abs_nonfinite_to_inf, reduce_partial_maxima
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr, stride_xr,  # [R, 2F], last stride 1
+    y_ptr,  # [R, F], contiguous
+    prow_ptr, pcol_ptr,  # MAXIMA: [R, n_ct] and [n_rs, F] partial maxima of |y|
+    R, F, RB,
+    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
+):
+    rs = tl.program_id(0)
+    ct = tl.program_id(1)
+    n_ct = tl.num_programs(1)
+    offs_c = ct * TC + tl.arange(0, TC)
+    mask_c = offs_c < F
+    acc = tl.zeros((TR, TC), tl.float32)
+    for r0 in tl.range(0, RB, TR, num_stages=STAGES):
+        offs_r = rs * RB + r0 + tl.arange(0, TR)
+        mask_r = offs_r < R
+        mask = mask_r[:, None] & mask_c[None, :]
+        src = x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :]
+        a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
+        y = (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
+        if MAXIMA:
+            m = _abs_nonfinite_to_inf(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
+            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.max(m, axis=1), mask=mask_r)
+            acc = tl.maximum(acc, m)
+    if MAXIMA:
+        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, tl.max(acc, axis=0), mask=mask_c)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    g_ptr, stride_gr,  # dy [R, F], last stride 1
+    x_ptr, stride_xr,  # forward input [R, 2F], last stride 1
+    dx_ptr,  # [R, 2F], contiguous
+    prow_ptr, pcol_ptr,  # MAXIMA: [R, n_ct] and [n_rs, 2F] partial maxima of |dx|
+    R, F, RB,
+    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
+):
+    rs = tl.program_id(0)
+    ct = tl.program_id(1)
+    n_ct = tl.num_programs(1)
+    offs_c = ct * TC + tl.arange(0, TC)
+    mask_c = offs_c < F
+    acc_a = tl.zeros((TR, TC), tl.float32)
+    acc_b = tl.zeros((TR, TC), tl.float32)
+    for r0 in tl.range(0, RB, TR, num_stages=STAGES):
+        offs_r = rs * RB + r0 + tl.arange(0, TR)
+        mask_r = offs_r < R
+        mask = mask_r[:, None] & mask_c[None, :]
+        rows = offs_r[:, None].to(tl.int64)
+        g = tl.load(g_ptr + rows * stride_gr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        src = x_ptr + rows * stride_xr + offs_c[None, :]
+        a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(a)
+        da = (g * b * s * (1.0 + a * (1.0 - s))).to(dx_ptr.dtype.element_ty)
+        db = (g * a * s).to(dx_ptr.dtype.element_ty)
+        dst = dx_ptr + rows * (2 * F) + offs_c[None, :]
+        tl.store(dst, da, mask=mask)
+        tl.store(dst + F, db, mask=mask)
+        if MAXIMA:
+            ma = _abs_nonfinite_to_inf(da.to(tl.float32))
+            mb = _abs_nonfinite_to_inf(db.to(tl.float32))
+            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.maximum(tl.max(ma, axis=1), tl.max(mb, axis=1)),
+                     mask=mask_r)
+            acc_a = tl.maximum(acc_a, ma)
+            acc_b = tl.maximum(acc_b, mb)
+    if MAXIMA:
+        dst = pcol_ptr + rs.to(tl.int64) * (2 * F) + offs_c
+        tl.store(dst, tl.max(acc_a, axis=0), mask=mask_c)
+        tl.store(dst + F, tl.max(acc_b, axis=0), mask=mask_c)
+
+
+_FWD = LaunchCache(_swiglu_fwd_kernel)
+_BWD = LaunchCache(_swiglu_bwd_kernel)
+
+# register tile (rows x columns of y), warps and pipeline stages; strips of rows per column block, at most.
+# 32 x 256 on 8 warps: of eight tiles timed on an H100 (docs/benchmarks.md, nineteenth session), the
+# fastest with maxima at Qwen3-4B's F = 9728 (fwd 227 us, bwd 359 us for 8192 rows) and within 5% elsewhere.
+# The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise multi-step strips.
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _TILE, _WARPS, _STAGES, _MAX_STRIPS = (4, 16), 4, 1, 3
+else:
+    _TILE, _WARPS, _STAGES, _MAX_STRIPS = (32, 256), 8, 3, 32
+
+
+def _strips(R: int, F: int, TR: int, TC: int) -> Tuple[int, int, int]:
+    """(rows per program RB, row strips n_rs, column blocks n_ct): few strips, so few column partials."""
+    n_rt = cdiv(R, TR)
+    strips = max(1, min(_MAX_STRIPS, n_rt))
+    RB = cdiv(n_rt, strips) * TR
+    return RB, cdiv(R, RB), cdiv(F, TC)
+
+
+def _launch(cache: LaunchCache, lead: tuple, R: int, F: int, C: int, maxima: bool, device,
+            tile: Optional[tuple] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Launch one pass over [R, F] with C output columns; (row maxima [R], column maxima [C]) if `maxima`."""
+    TR, TC = tile or _TILE
+    RB, n_rs, n_ct = _strips(R, F, TR, TC)
+    if maxima:
+        prow = torch.empty((R, n_ct), dtype=torch.float32, device=device)
+        pcol = torch.empty((n_rs, C), dtype=torch.float32, device=device)
+    else:
+        prow = pcol = lead[0]  # never touched
+    cache.launch((n_rs, n_ct), *lead, prow, pcol, R, F, RB, TR=TR, TC=TC, STAGES=_STAGES, MAXIMA=maxima,
+                 num_warps=_WARPS)
+    if not maxima:
+        return None, None
+    return reduce_partial_maxima(prow, pcol)
+
+
+def _zero_maxima(R: int, C: int, device, maxima: bool):
+    """The maxima of an empty output: zeros (an all-zero group's scale is 1), or None, None."""
+    if not maxima:
+        return None, None
+    zeros = torch.zeros(R + C, dtype=torch.float32, device=device)
+    return zeros[:R], zeros[R:]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dimension] with the last stride 1: a view where the leading dimensions merge."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor) -> int:
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
+    return x.shape[-1] // 2
+
+
+def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None):
+    """(y, row maxima [R] or None, column maxima [F] or None) of x [..., 2F]; y [..., F] contiguous,
+    R = rows of y. `tile`: (TR, TC) instead of the default register tile (for tuning)."""
+    F = _check(x)
+    x2 = _rows(x)
+    R = x2.shape[0]
+    y = torch.empty((*x.shape[:-1], F), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return (y, *_zero_maxima(R, F, x.device, maxima))
+    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), R, F, F, maxima, x.device, tile)
+    return y, rows, cols
+
+
+def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None):
+    """(dx, row maxima [R] or None, column maxima [2F] or None) for dy [..., F] and x [..., 2F]; dx of x's
+    shape, contiguous."""
+    F = _check(x)
+    if dy.shape != (*x.shape[:-1], F):
+        raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
+    x2, dy2 = _rows(x), _rows(dy)
+    R = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return (dx, *_zero_maxima(R, 2 * F, x.device, maxima))
+    rows, cols = _launch(_BWD, (dy2, dy2.stride(0), x2, x2.stride(0), dx), R, F, 2 * F, maxima, x.device, tile)
+    return dx, rows, cols

@@ -1,0 +1,83 @@
+"""SwiGLU for megatron-core's dense MLP: one Triton kernel each way on CUDA, handing maxima to the INT8 linears.
+
+In a Qwen3-4B layer the two largest tensors the INT8 linears quantize are SwiGLU's: its output (fc2's
+input, 8192 x 9728 per micro-batch) and its input gradient (fc1's output gradient, 8192 x 19456). Row-wise
+quantization reads such a tensor twice, once for its row and column maxima and once to round it. Here the
+kernel that writes the tensor also writes its maxima (`emit_maxima`), attached to it with
+`quantize.attach_maxima`; the INT8 linear finds them (`quantize.known_maxima`) and reads the tensor once.
+
+megatron's MLP calls the module in `MLPSubmodules.activation_func` when `config.use_te_activation_func` is
+set (a name from Transformer Engine, whose modules fill that slot otherwise); the INT8 spec puts `SwiGLU`
+there and the trainer sets the flag for dense SwiGLU models, BF16 runs included, so both precisions run the
+same activation kernels. Without the flag megatron applies its own SwiGLU and nothing changes.
+
+Numerics: fp32 math, one rounding to the input's dtype, forward and backward, as megatron's fused
+(torch.compile'd) SwiGLU. On CPU, or without Triton, `swiglu_reference` computes the same with PyTorch ops.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import triton_available, triton_runs_on
+from .quantize import attach_maxima
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b for x = [a | b] (halves of the last dimension), in fp32, rounded once to x's dtype.
+    Differentiable through PyTorch's autograd."""
+    a, b = x.float().chunk(2, dim=-1)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+class _TritonSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, emit_maxima: bool):
+        from .kernels.swiglu import triton_swiglu_forward
+
+        y, rows, cols = triton_swiglu_forward(x, emit_maxima)
+        ctx.save_for_backward(x)
+        ctx.emit_maxima = emit_maxima
+        return attach_maxima(y, rows, cols) if emit_maxima else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.swiglu import triton_swiglu_backward
+
+        (x,) = ctx.saved_tensors
+        dx, rows, cols = triton_swiglu_backward(dy, x, ctx.emit_maxima)
+        return (attach_maxima(dx, rows, cols) if ctx.emit_maxima else dx), None
+
+
+def swiglu(x: torch.Tensor, emit_maxima: bool = False) -> torch.Tensor:
+    """silu(a) * b for x = [a | b] (halves of the last dimension); the Triton kernels where they run.
+    `emit_maxima`: attach the output's and the input gradient's row/column maxima (quantize.known_maxima)."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
+    if x.dtype in _KERNEL_DTYPES and triton_runs_on(x.device) and triton_available():
+        return _TritonSwiGLU.apply(x, bool(emit_maxima))
+    return swiglu_reference(x)
+
+
+class SwiGLU(torch.nn.Module):
+    """megatron MLP's activation module for SwiGLU (`MLPSubmodules.activation_func`): built by megatron with
+    `config=`; `emit_maxima` (spec param) when the linears around it quantize row- or tensor-wise."""
+
+    def __init__(self, config=None, emit_maxima: bool = False):
+        super().__init__()
+        if config is not None:
+            if not config.gated_linear_unit or config.activation_func is not F.silu:
+                raise ValueError("SwiGLU: config must have gated_linear_unit=True and activation_func=F.silu, got "
+                                 f"{config.gated_linear_unit} and {getattr(config.activation_func, '__name__', '?')}")
+            if getattr(config, "activation_func_clamp_value", None) is not None or \
+                    getattr(config, "glu_linear_offset", 0.0) != 0.0:
+                raise ValueError("SwiGLU: activation_func_clamp_value / glu_linear_offset are not supported")
+        self.emit_maxima = bool(emit_maxima)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.emit_maxima)
+
+    def extra_repr(self) -> str:
+        return f"emit_maxima={self.emit_maxima}"

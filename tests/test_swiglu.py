@@ -1,0 +1,126 @@
+"""SwiGLU (megatron_int8.swiglu) on CPU: the reference path against float64, the module megatron's MLP builds
+from the spec, the trainer's config, and how the INT8 linear uses maxima attached to its operand. The
+Triton kernels themselves run in tests/test_kernels.py (interpreter) and tests/test_kernels_gpu.py."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from int8_bounds import assert_swiglu_close, heavy_tailed
+from mcore_helpers import single_process_megatron, tiny_config
+
+from megatron_int8 import Int8Recipe, int8_linear
+from megatron_int8.quantize import attach_maxima, known_maxima
+from megatron_int8.swiglu import SwiGLU, swiglu, swiglu_reference
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_forward_and_backward_against_float64(dtype):
+    x = heavy_tailed(3, 7, 2 * 19, scale=12.0, dtype=dtype).requires_grad_(True)
+    y = swiglu(x)
+    dy = heavy_tailed(3, 7, 19, dtype=dtype)
+    y.backward(dy)
+    assert y.dtype == dtype and x.grad.dtype == dtype
+    assert_swiglu_close(x.detach(), dy, y.detach(), x.grad)
+
+
+def test_rejects_odd_last_dimension_and_bad_configs():
+    with pytest.raises(ValueError, match="even"):
+        swiglu(torch.zeros(4, 5))
+    with pytest.raises(ValueError, match="gated_linear_unit"):
+        SwiGLU(config=tiny_config(gated_linear_unit=False, activation_func=F.silu))
+    with pytest.raises(ValueError, match="gated_linear_unit"):
+        SwiGLU(config=tiny_config(gated_linear_unit=True, activation_func=F.gelu))
+
+
+def test_known_maxima_follow_the_tensor():
+    """Maxima recorded on a tensor are found on that object while it is unchanged, never on a reshaped view
+    or after an in-place change; mismatched shapes are rejected."""
+    t = heavy_tailed(6, 4)
+    rows, cols = t.abs().amax(1), t.abs().amax(0)
+    attach_maxima(t, rows, cols)
+    assert known_maxima(t).rows is rows
+    assert known_maxima(t.view(4, 6)) is None and known_maxima(t.clone()) is None
+    t.mul_(2)
+    assert known_maxima(t) is None
+    with pytest.raises(ValueError, match="do not match"):
+        attach_maxima(t, cols, rows)
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_int8_linear_uses_attached_maxima(granularity):
+    """The linear quantizes its input and its output gradient with the attached maxima: exact maxima give
+    the result of quantizing without them; larger ones (here 2x) give coarser scales, so the outputs
+    differ, which shows they are used; after an in-place change they are ignored."""
+    recipe = Int8Recipe(granularity=granularity, backend="reference")
+    x, w, g = heavy_tailed(16, 24), heavy_tailed(8, 24) / 4, heavy_tailed(16, 8)
+
+    def run(attach):
+        xi = x.clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        inp = xi * 1  # a non-leaf, as an activation is
+        if attach is not None:
+            attach_maxima(inp, x.abs().amax(1) * attach, x.abs().amax(0) * attach)
+        out = int8_linear(inp, wi, None, recipe)
+        out.backward(g)
+        return out, xi.grad, wi.grad
+
+    plain = run(None)
+    for got, want in zip(run(1.0), plain):
+        assert torch.equal(got, want)
+    coarse = run(2.0)
+    assert not torch.equal(coarse[0], plain[0]) and not torch.equal(coarse[2], plain[2])
+    # dgrad does not read the input's scales: the input gradient is the same
+    assert torch.equal(coarse[1], plain[1])
+
+
+def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
+    """With config.use_te_activation_func (as the trainer sets it for dense SwiGLU models), megatron's MLP from
+    the INT8 spec runs megatron_int8's SwiGLU (emit_maxima for INT8 row-wise linears, not for BF16); its
+    outputs and gradients equal those of megatron's own SwiGLU path up to bf16 rounding of the activation."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    with single_process_megatron():
+        ours = tiny_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                           use_te_activation_func=True, bias_activation_fusion=False)
+        theirs = dataclasses.replace(ours, use_te_activation_func=False)
+        for int8, emit in ((True, True), (False, False)):
+            spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference"), int8=int8).submodules.mlp
+            torch.manual_seed(0)
+            mlp = build_module(spec, config=ours)
+            torch.manual_seed(0)
+            stock = build_module(spec, config=theirs)
+            assert isinstance(mlp.activation_func, SwiGLU) and mlp.activation_func.emit_maxima == emit
+            assert not isinstance(stock.activation_func, SwiGLU)
+            x = heavy_tailed(8, 2, ours.hidden_size)
+            outs = []
+            for m in (mlp, stock):
+                xi = x.clone().requires_grad_(True)
+                out, _ = m(xi)
+                out.backward(torch.ones_like(out))
+                outs.append((out, xi.grad))
+            for got, want in zip(*outs):
+                torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
+def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
+    from megatron_int8.training.args import parse_args, transformer_config_from_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--mock-data", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--train-iters", "1",
+            "--lr", "1e-4"]
+
+    def config(*extra):
+        args = parse_args(base + list(extra))
+        validate_args(args, 1)
+        return transformer_config_from_args(args, use_cpu_initialization=True)
+
+    dense = config("--swiglu")
+    assert dense.use_te_activation_func and not dense.bias_activation_fusion
+    assert not config("--swiglu", "--no-fused-swiglu").use_te_activation_func
+    assert not config().use_te_activation_func  # GELU
+    moe = config("--swiglu", "--num-experts", "4", "--moe-ffn-hidden-size", "32")
+    assert not moe.use_te_activation_func
