@@ -79,5 +79,9 @@ class SwiGLU(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.emit_maxima)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """No state: megatron's MLP asks each child for its sharded state dict when a checkpoint is saved."""
+        return {}
+
     def extra_repr(self) -> str:
         return f"emit_maxima={self.emit_maxima}"

@@ -124,3 +124,22 @@ def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
     assert not config().use_te_activation_func  # GELU
     moe = config("--swiglu", "--num-experts", "4", "--moe-ffn-hidden-size", "32")
     assert not moe.use_te_activation_func
+
+
+def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
+    """The module has no state: the MLP's (sharded) state dict keys are those of megatron's own SwiGLU path,
+    so checkpoints interchange."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    with single_process_megatron():
+        metadata = ensure_metadata_has_dp_cp_group(None)
+        ours = tiny_config(use_te_activation_func=True, bias_activation_fusion=False)
+        theirs = dataclasses.replace(ours, use_te_activation_func=False)
+        spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference")).submodules.mlp
+        mlps = [build_module(spec, config=c) for c in (ours, theirs)]
+        assert list(mlps[0].state_dict()) == list(mlps[1].state_dict())
+        keys = [sorted(m.sharded_state_dict(prefix="mlp.", metadata=metadata)) for m in mlps]
+        assert keys[0] == keys[1] and "mlp.linear_fc1.weight" in keys[0]
