@@ -92,8 +92,12 @@ def build_config(args, log):
         whose = "megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine"
         log(f"note: RoPE fused ({whose}; --no-rope-fusion for megatron's unfused ops)")
     if config.cross_entropy_loss_fusion:
-        log("note: cross entropy fused (megatron's native fused_vocab_parallel_cross_entropy; "
-            "--no-cross-entropy-loss-fusion for the unfused ops)")
+        from ..cross_entropy import install as install_fused_cross_entropy
+
+        ours = config.cross_entropy_fusion_impl == "native" and install_fused_cross_entropy()
+        whose = ("megatron's native path calling megatron_int8.cross_entropy, a Triton kernel on CUDA" if ours
+                 else f"megatron's {config.cross_entropy_fusion_impl} fused_vocab_parallel_cross_entropy")
+        log(f"note: cross entropy fused ({whose}; --no-cross-entropy-loss-fusion for the unfused ops)")
     if config.tp_comm_overlap:
         parts = [name for name, on in (("all-gathers", config.tp_comm_overlap_ag),
                                        ("reduce-scatters", config.tp_comm_overlap_rs)) if on]
