@@ -475,8 +475,10 @@ def test_gpu_kernels_match_float64_at_gpt2_vocabulary():
 @parent_only
 @pytest.mark.gpu
 def test_gpu_peak_memory_holds_no_fp32_copy_of_the_logits():
-    """Forward + backward peak (the logits included) stays below 3.2x the bf16 logits' bytes: the logits
-    and their gradient (2x), nothing of fp32 logits' size (an fp32 copy alone would add 2x)."""
+    """Forward + backward allocate at most 1.5x the bf16 logits' bytes beyond what the process already holds
+    (the logits themselves included there): their gradient (1x) and per-row statistics, nothing of fp32
+    logits' size (an fp32 copy alone would add 2x). Measured from the current allocation, as earlier tests
+    in the same process may leave tensors and caches behind."""
     S, B, V = 256, 2, 50257
     x = torch.randn(S, B, V, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
     t = torch.randint(0, V, (S, B), device="cuda")
@@ -486,8 +488,9 @@ def test_gpu_peak_memory_holds_no_fp32_copy_of_the_logits():
     del warm
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     loss = ce.vocab_parallel_cross_entropy(x, t, None)
     loss.backward(g)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    assert peak < 3.2 * x.numel() * x.element_size(), (peak, x.numel() * x.element_size())
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < 1.5 * x.numel() * x.element_size(), (extra, x.numel() * x.element_size())
