@@ -83,6 +83,9 @@ def build_config(args, log):
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
     config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                           bias_activation_fusion=args.swiglu and on_gpu)
+    if config.use_te_activation_func:  # set by transformer_config_from_args for dense SwiGLU models
+        log("note: SwiGLU fused (megatron_int8.swiglu, a Triton kernel on CUDA that hands its outputs' maxima "
+            "to the INT8 linears; --no-fused-swiglu for megatron's)")
     if config.apply_rope_fusion:
         from megatron.core.models.common.embeddings import rope_utils
 
