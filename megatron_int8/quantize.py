@@ -346,18 +346,15 @@ def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.
     _check_operand(x, granularity, amax)
     if amax is not None and granularity != "tensor":
         raise ValueError("backend.quantize's amax is tensorwise only (row-wise: rowwise_amax, columnwise_amax)")
-    if rowwise_amax is not None:
+    for name, given, axis, what in (("rowwise_amax", rowwise_amax, 0, "row"),
+                                    ("columnwise_amax", columnwise_amax, 1, "column")):
+        if given is None:
+            continue
         if granularity != "row":
-            raise ValueError("rowwise_amax is only meaningful for row-wise quantization")
-        if tuple(rowwise_amax.shape) != (x.shape[0],):
-            raise ValueError(f"rowwise_amax must hold one amax per row of the {tuple(x.shape)} operand, "
-                             f"got shape {tuple(rowwise_amax.shape)}")
-    if columnwise_amax is not None:
-        if granularity != "row":
-            raise ValueError("columnwise_amax is only meaningful for row-wise quantization")
-        if tuple(columnwise_amax.shape) != (x.shape[1],):
-            raise ValueError(f"columnwise_amax must hold one amax per column of the {tuple(x.shape)} operand, "
-                             f"got shape {tuple(columnwise_amax.shape)}")
+            raise ValueError(f"{name} is only meaningful for row-wise quantization")
+        if tuple(given.shape) != (x.shape[axis],):
+            raise ValueError(f"{name} must hold one amax per {what} of the {tuple(x.shape)} operand, "
+                             f"got shape {tuple(given.shape)}")
     if not isinstance(columnwise_pad, int) or isinstance(columnwise_pad, bool) or columnwise_pad < 1:
         raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
     if granularity == "block" and block_size % columnwise_pad:

@@ -17,17 +17,15 @@ cast truncates. They are elementwise, tighter than 2^-8 of the largest gradient.
 import importlib.util
 import math
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from interpreter import INTERPRETING, run_file_interpreted
 from mcore_helpers import init_megatron, run_distributed, single_process_megatron
 
 from megatron_int8 import cross_entropy as ce
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 U = 2.0 ** -24
 MIN_BLOCK = 128  # the smallest chunk the kernel tests use: bounds count its chunk rescalings
@@ -371,15 +369,7 @@ if not INTERPRETING and HAS_TRITON:
 
     def test_kernels_under_triton_interpreter():
         """Run this file's kernel tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, (f"kernel tests failed under TRITON_INTERPRET=1:\n{proc.stdout[-20000:]}\n"
-                                      f"{proc.stderr[-5000:]}")
-        assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+        run_file_interpreted(__file__, timeout=600)
 
 
 @pytest.fixture

@@ -4,38 +4,26 @@ Tiny ragged shapes so the interpreter stays quick. Quantized int8 data and scale
 to the reference; the GEMM's integer accumulation exact and its dequantized output equal up to fp32
 rounding.
 
-Triton decides at import time (and at each @triton.jit) whether it interprets, so TRITON_INTERPRET must be
-set before triton is first imported, which another test file of the session may already have done. This
-file therefore runs its tests in a subprocess started with TRITON_INTERPRET=1 (one driver test in the
-parent session); run directly with TRITON_INTERPRET=1 set, the tests run in-process:
+The tests run in a subprocess started with TRITON_INTERPRET=1 (one driver test in the parent session, see
+tests/interpreter.py); run directly with TRITON_INTERPRET=1 set, they run in-process:
     TRITON_INTERPRET=1 python3 -m pytest -q tests/test_kernels.py
 """
 import importlib
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import INTERPRETING, run_file_interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 if not INTERPRETING:
 
     def test_kernels_under_triton_interpreter():
         """Run this file's tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads."""
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-            cwd=root, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{proc.stdout[-20000:]}\n{proc.stderr[-5000:]}"
-        assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
+        run_file_interpreted(__file__, timeout=900)
 
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
 from megatron_int8.backend import ReferenceBackend  # noqa: E402

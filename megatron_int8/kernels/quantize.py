@@ -76,6 +76,15 @@ def _abs_nonfinite_to_inf(x):
 
 
 @triton.jit
+def _strip_step(rs, RB, r0, R, mask_c, TR: tl.constexpr):
+    """(rows, their mask, the tile's mask) of step r0 of row strip rs (RB rows per strip), for programs that walk
+    a strip of rows of one column block (mask_c): the amax pass and the kernels that write maxima in its layout."""
+    offs_r = rs * RB + r0 + tl.arange(0, TR)
+    mask_r = offs_r < R
+    return offs_r, mask_r, mask_r[:, None] & mask_c[None, :]
+
+
+@triton.jit
 def _scale_from_amax(amax):
     """amax/127 (IEEE division); 1.0 for amax == 0; NaN for a non-finite amax."""
     s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
@@ -169,9 +178,7 @@ def _amax_partials_kernel(
     mask_c = offs_c < C
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=3):
-        offs_r = rs * RB + r0 + tl.arange(0, TR)
-        mask_r = offs_r < R
-        mask = mask_r[:, None] & mask_c[None, :]
+        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
         x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc,
                     mask=mask, other=0.0)
         a = _abs_nonfinite_to_inf(x.to(tl.float32))

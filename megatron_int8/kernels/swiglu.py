@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _abs_nonfinite_to_inf, reduce_partial_maxima
+from .quantize import _abs_nonfinite_to_inf, _strip_step, reduce_partial_maxima
 
 
 @triton.jit
@@ -43,9 +43,7 @@ def _swiglu_fwd_kernel(
     mask_c = offs_c < F
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
-        offs_r = rs * RB + r0 + tl.arange(0, TR)
-        mask_r = offs_r < R
-        mask = mask_r[:, None] & mask_c[None, :]
+        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
         src = x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :]
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
@@ -76,9 +74,7 @@ def _swiglu_bwd_kernel(
     acc_a = tl.zeros((TR, TC), tl.float32)
     acc_b = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
-        offs_r = rs * RB + r0 + tl.arange(0, TR)
-        mask_r = offs_r < R
-        mask = mask_r[:, None] & mask_c[None, :]
+        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
         rows = offs_r[:, None].to(tl.int64)
         g = tl.load(g_ptr + rows * stride_gr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         src = x_ptr + rows * stride_xr + offs_c[None, :]

@@ -1,0 +1,24 @@
+"""Running a test file's Triton kernel tests under TRITON_INTERPRET=1.
+
+Triton decides at import time (and at each @triton.jit) whether it interprets, so TRITON_INTERPRET must be
+set before triton is first imported, which another test file of the session may already have done. A file
+with kernel tests therefore has one driver test in the parent session that reruns the file in a fresh
+interpreter with the variable set (`run_file_interpreted`), and marks its kernel tests to run only there.
+"""
+import os
+import subprocess
+import sys
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run_file_interpreted(path: str, timeout: int) -> None:
+    """pytest `path` in a subprocess with TRITON_INTERPRET=1; assert that it passed and ran tests."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"kernel tests failed under TRITON_INTERPRET=1:\n{proc.stdout[-20000:]}\n"
+                                  f"{proc.stderr[-5000:]}")
+    assert " passed" in proc.stdout and "no tests ran" not in proc.stdout, proc.stdout[-2000:]
