@@ -394,11 +394,11 @@ class _Int8LinearFunction(torch.autograd.Function):
                     grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype, autotune=recipe.autotune)
             else:
                 x = gathered if regather_hp else ctx.saved_tensors[1]
-                gw = g2d.t() @ x.reshape(-1, x.shape[-1]).to(g2d.dtype)
+                x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype)
                 if main_grad is not None:
-                    main_grad.add_(gw)
+                    hp_wgrad_into(main_grad, g2d, x2d)
                 else:
-                    grad_weight = gw.to(weight.dtype)
+                    grad_weight = (g2d.t() @ x2d).to(weight.dtype)
             if main_grad is not None:
                 grad_weight = _main_grad_placeholder(weight)
 
@@ -415,6 +415,18 @@ def _hp_gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         torch.mm(x, w, out=out)
     else:
         torch.addmm(bias.to(x.dtype), x, w, out=out)
+
+
+def hp_wgrad_into(main_grad: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
+    """main_grad += g2d^T x2d, what APEX's fused wgrad does: on CUDA one cuBLAS GEMM that accumulates the 16-bit
+    operands' product into the fp32 main_grad in place (no 16-bit gradient written, read and added); elsewhere
+    the product in fp32 (the CPU reference)."""
+    fused = (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+             and g2d.dtype in (torch.bfloat16, torch.float16))
+    if fused:
+        torch.addmm(main_grad, g2d.t(), x2d, torch.float32, out=main_grad)
+    else:
+        main_grad.addmm_(g2d.t().to(main_grad.dtype), x2d.to(main_grad.dtype))
 
 
 def _main_grad_placeholder(weight: torch.Tensor) -> Optional[torch.Tensor]:

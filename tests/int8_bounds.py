@@ -144,3 +144,18 @@ def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5):
         err = (got.double() - want).abs()
         assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
                                       f"at {(err - bound).argmax().item()}")
+
+
+def assert_fp32_accumulation_close(after, before, g, x, what=""):
+    """after = before + g^T x accumulated in fp32 (APEX-style fused wgrad): within the standard bound of a
+    K-term fp32 sum, gamma_(K+1) * (|before| + |g|^T |x|), plus the final rounding. The bound is also checked
+    to be tight enough that a route rounding g^T x to bf16 before the add would exceed it."""
+    K = g.shape[0]
+    u = 2.0 ** -24
+    gamma = (K + 1) * u / (1 - (K + 1) * u)
+    ref = before.double() + g.double().t() @ x.double()
+    bound = gamma * (before.double().abs() + g.double().abs().t() @ x.double().abs()) + u * ref.abs()
+    err = (after.double() - ref).abs()
+    assert (err <= bound).all(), f"{what}: fp32 accumulation error {(err / bound).max():.2f}x its bound"
+    rounded = before.double() + (g.double().t() @ x.double()).to(torch.bfloat16).double()
+    assert ((rounded - ref).abs() > bound).any(), f"{what}: the bound does not tell fp32 from bf16 rounding"

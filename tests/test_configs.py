@@ -98,7 +98,7 @@ def test_builds_at_tiny_width(name, megatron_world):
     tokens = torch.randint(0, 200, (1, 32), device=device)
     loss = model(tokens, torch.arange(32, device=device)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
-    # gradient-accumulation fusion: the INT8 linears always; megatron's output layer only with APEX
+    # gradient-accumulation fusion: the layers' linears always; megatron's output layer only with APEX
     assert all(m.gradient_accumulation_fusion for m in linears)
     assert model.output_layer.gradient_accumulation_fusion == fused_wgrad_available()
     loss.float().mean().backward()

@@ -454,6 +454,21 @@ def test_linear_with_no_tokens(K, granularity):
     assert torch.equal(w2.main_grad, before)
 
 
+def test_hp_wgrad_into_main_grad_is_one_fp32_accumulation_on_gpu():
+    """cuBLAS addmm into the fp32 main_grad (the BF16 linears' fused wgrad): no bf16 rounding of g^T x, in place,
+    on a ragged shape."""
+    from int8_bounds import assert_fp32_accumulation_close
+
+    from megatron_int8.linear import hp_wgrad_into
+
+    g, x = outliers(256, 392).to(torch.bfloat16), outliers(256, 328).to(torch.bfloat16)
+    main_grad = outliers(392, 328).float().contiguous()
+    before, ptr = main_grad.clone(), main_grad.data_ptr()
+    hp_wgrad_into(main_grad, g, x)
+    assert main_grad.data_ptr() == ptr
+    assert_fp32_accumulation_close(main_grad.cpu(), before.cpu(), g.cpu(), x.cpu(), "cuBLAS")
+
+
 # ----------------------------------------------------------------------- MoE experts: grouped operands
 def mixtral_counts(total=8192, experts=8, seed=0):
     """Mildly skewed token counts of Mixtral's 8 experts (8192 routed tokens; a fixed-seed multinomial)."""

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from int8_bounds import assert_within_int8_bound, heavy_tailed
+from int8_bounds import assert_fp32_accumulation_close, assert_within_int8_bound, heavy_tailed
 from megatron_int8 import Int8Recipe, NonFiniteError, TPOptions, int8_linear, invalidate_weight_caches, raise_if_nonfinite
 from megatron_int8.backend import ReferenceBackend
 
@@ -248,6 +248,19 @@ def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
     x, gy = torch.randn(4, 16, requires_grad=True), torch.randn(4, 8)
     int8_linear(x, w, None, HIGH_PRECISION, tp=TPOptions(gradient_accumulation_fusion=True)).backward(gy)
     assert torch.allclose(w.main_grad, gy.t() @ x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_hp_wgrad_into_accumulates_the_bf16_product_in_fp32():
+    """The BF16 linears' fused wgrad (gradient-accumulation fusion without APEX): main_grad += g^T x with no
+    bf16 rounding of the product, on top of what main_grad already holds (a second micro-batch)."""
+    from megatron_int8.linear import hp_wgrad_into
+
+    g = heavy_tailed(256, 48).to(torch.bfloat16)
+    x = heavy_tailed(256, 40).to(torch.bfloat16)
+    main_grad = heavy_tailed(48, 40)
+    before = main_grad.clone()
+    hp_wgrad_into(main_grad, g, x)
+    assert_fp32_accumulation_close(main_grad, before, g, x, "CPU")
 
 
 def test_cached_weight_is_not_reused_across_check_finite_settings():

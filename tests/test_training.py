@@ -78,15 +78,17 @@ def test_tiny_pretraining_loss_decreases(data, tmp_path, precision):
     assert "lm loss:" in out and "TFLOP/s/GPU" in out and "validation loss at iteration 15" in out
 
 
-def test_int8_wgrad_fusion_without_apex_equals_unfused(data, tmp_path):
-    """Without APEX the trainer fuses the wgrad into main_grad for the INT8 linears alone (their GEMM adds
-    into it) and leaves megatron's BF16 linears to DDP. On CPU in fp32 both routes add the same fp32
-    product into main_grad, once per micro-batch: the losses must be bitwise equal to the unfused run."""
-    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0",
-              "--int8-linear"]
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_wgrad_fusion_without_apex_equals_unfused(data, tmp_path, precision):
+    """Without APEX the trainer fuses the wgrad into main_grad for the layers' linears, INT8 (their GEMM adds
+    into it) and BF16 (an addmm into main_grad), and leaves megatron's output layer to DDP. On CPU in fp32
+    both routes add the same fp32 product into main_grad, once per micro-batch: the losses must be bitwise
+    equal to the unfused run."""
+    common = ["--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-iters", "0"]
+    common += ["--int8-linear"] if precision == "int8" else []
     fused, unfused = tmp_path / "fused", tmp_path / "unfused"
     out = train(data, *common, "--save", str(fused))
-    assert "gradient accumulation fusion on for the INT8 linears" in out
+    assert "gradient accumulation fusion on for the transformer layers' linears" in out
     out = train(data, *common, "--save", str(unfused), "--no-gradient-accumulation-fusion")
     assert "gradient accumulation fusion" not in out
     assert sorted(losses(fused / "train_log.jsonl")) == [1, 2, 3, 4]

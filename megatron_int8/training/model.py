@@ -68,16 +68,16 @@ def fused_wgrad_available() -> bool:
 
 def build_config(args, log):
     """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
-    Without APEX the config turns it off, and `build_model` turns it back on for the INT8 linears alone
-    (`args.fuse_int8_wgrad`), whose wgrad epilogue adds into main_grad itself."""
-    requested = args.gradient_accumulation_fusion or getattr(args, "fuse_int8_wgrad", False)  # idempotent
-    args.fuse_int8_wgrad = False
+    Without APEX the config turns it off, and `build_model` turns it back on for the transformer layers'
+    linears, which are this package's in both precisions (`args.fuse_wgrad_in_layers`): an INT8 wgrad GEMM
+    adds into main_grad in its epilogue, a BF16 one through cuBLAS (linear.hp_wgrad_into), as APEX would."""
+    requested = args.gradient_accumulation_fusion or getattr(args, "fuse_wgrad_in_layers", False)  # idempotent
+    args.fuse_wgrad_in_layers = False
     if requested and not fused_wgrad_available():
-        args.fuse_int8_wgrad = bool(args.int8_linear)
-        log("note: gradient accumulation fusion "
-            + ("on for the INT8 linears (their wgrad GEMM adds into main_grad); off for BF16 linears"
-               if args.fuse_int8_wgrad else "off")
-            + " (APEX fused_weight_gradient_mlp_cuda not available)")
+        args.fuse_wgrad_in_layers = True
+        log("note: gradient accumulation fusion on for the transformer layers' linears (INT8 and BF16 wgrad "
+            "GEMMs add into main_grad); off for the output layer (APEX fused_weight_gradient_mlp_cuda not "
+            "available)")
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
@@ -109,14 +109,14 @@ def build_config(args, log):
     return config
 
 
-def fuse_int8_wgrad(model: torch.nn.Module) -> None:
-    """Gradient-accumulation fusion on every INT8 linear of `model` (megatron reads the layer's flag at each
-    forward). BF16 linears (policy-kept, output layer) keep weight.grad and megatron's DDP adds it into
-    main_grad."""
+def fuse_wgrad_in_layers(model: torch.nn.Module) -> None:
+    """Gradient-accumulation fusion on every linear of this package in `model`, INT8 or BF16 (megatron reads
+    the layer's flag at each forward). Megatron's own output layer keeps weight.grad, which its DDP adds
+    into main_grad."""
     from ..layers import Int8LinearMixin
 
     for module in model.modules():
-        if isinstance(module, Int8LinearMixin) and module.int8:
+        if isinstance(module, Int8LinearMixin):
             module.gradient_accumulation_fusion = True
 
 
@@ -148,8 +148,8 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
     )
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if getattr(args, "fuse_int8_wgrad", False):
-        fuse_int8_wgrad(model)
+    if getattr(args, "fuse_wgrad_in_layers", False):
+        fuse_wgrad_in_layers(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.bf16:
