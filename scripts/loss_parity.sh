@@ -9,7 +9,8 @@
 #     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
 #     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
 #     PARALLEL=1 VARIANTS="bf16 int8 int8_row_sr" bash scripts/loss_parity.sh   # all variants at once, one GPU
-# Variants: bf16; int8 (the default recipe + INT8_FLAGS); and, each with its gradient rounding stated so the
+# Variants: bf16; bf16_seed2 (BF16 with another seed, so another init and data order: the noise floor
+# next to each gap); int8 (the default recipe + INT8_FLAGS); and, each with its gradient rounding stated so the
 # ablation means the same whatever the default: int8_nearest / int8_sr (tensorwise, gradients rounded to
 # nearest / stochastically), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16), int8_dgrad_wgrad_bf16
 # (only fprop INT8) -- all four with nearest rounding -- int8_row_sr, int8_first_last_bf16 (default recipe).
@@ -40,6 +41,7 @@ fi
 variant_flags() {
     case "$1" in
         bf16) ;;
+        bf16_seed2) echo --seed 4321 ;;
         int8) echo --int8-linear "${INT8_EXTRA[@]}" ;;
         int8_nearest) echo --int8-linear --int8-grad-rounding nearest ;;
         int8_sr) echo --int8-linear --int8-grad-rounding stochastic ;;
