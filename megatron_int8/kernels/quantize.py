@@ -76,6 +76,17 @@ def _abs_nonfinite_to_inf(x):
 
 
 @triton.jit
+def _strip_program(C, TC: tl.constexpr):
+    """(row strip rs, column block ct, column blocks n_ct, the block's columns, their mask) of a program on
+    the 2-D grid (row strips, column blocks) that the amax pass and the kernels writing maxima in its layout
+    share."""
+    rs = tl.program_id(0)
+    ct = tl.program_id(1)
+    offs_c = ct * TC + tl.arange(0, TC)
+    return rs, ct, tl.num_programs(1), offs_c, offs_c < C
+
+
+@triton.jit
 def _strip_step(rs, RB, r0, R, mask_c, TR: tl.constexpr):
     """(rows, their mask, the tile's mask) of step r0 of row strip rs (RB rows per strip), for programs that walk
     a strip of rows of one column block (mask_c): the amax pass and the kernels that write maxima in its layout."""
@@ -171,11 +182,7 @@ def _amax_partials_kernel(
     reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
     software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
     the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
-    rs = tl.program_id(0)
-    ct = tl.program_id(1)
-    n_ct = tl.num_programs(1)
-    offs_c = ct * TC + tl.arange(0, TC)
-    mask_c = offs_c < C
+    rs, ct, n_ct, offs_c, mask_c = _strip_program(C, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=3):
         offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _abs_nonfinite_to_inf, _strip_step, reduce_partial_maxima
+from .quantize import _abs_nonfinite_to_inf, _strip_program, _strip_step, reduce_partial_maxima
 
 
 @triton.jit
@@ -36,11 +36,7 @@ def _swiglu_fwd_kernel(
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
 ):
-    rs = tl.program_id(0)
-    ct = tl.program_id(1)
-    n_ct = tl.num_programs(1)
-    offs_c = ct * TC + tl.arange(0, TC)
-    mask_c = offs_c < F
+    rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
         offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
@@ -66,11 +62,7 @@ def _swiglu_bwd_kernel(
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
 ):
-    rs = tl.program_id(0)
-    ct = tl.program_id(1)
-    n_ct = tl.num_programs(1)
-    offs_c = ct * TC + tl.arange(0, TC)
-    mask_c = offs_c < F
+    rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
     acc_a = tl.zeros((TR, TC), tl.float32)
     acc_b = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
