@@ -28,6 +28,8 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension), in fp32, rounded once to x's dtype.
     Differentiable through PyTorch's autograd."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
     a, b = x.float().chunk(2, dim=-1)
     return (F.silu(a) * b).to(x.dtype)
 
@@ -54,10 +56,8 @@ class _TritonSwiGLU(torch.autograd.Function):
 def swiglu(x: torch.Tensor, emit_maxima: bool = False) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension); the Triton kernels where they run.
     `emit_maxima`: attach the output's and the input gradient's row/column maxima (quantize.known_maxima)."""
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
     if x.dtype in _KERNEL_DTYPES and triton_runs_on(x.device) and triton_available():
-        return _TritonSwiGLU.apply(x, bool(emit_maxima))
+        return _TritonSwiGLU.apply(x, bool(emit_maxima))  # the kernels check x's shape, as the reference does
     return swiglu_reference(x)
 
 
