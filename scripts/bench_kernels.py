@@ -12,8 +12,11 @@ section: a few minutes, for a check after a kernel change.
    (TOP/s), and ours / BF16.
 2. Quantize kernels on an 8192 x 4096 bf16 activation: GB/s by the minimal-bytes model (read the input
    once, write each int8 output once) next to a device-to-device copy's GB/s (read + write).
+   Also each quantize pass alone with the maxima given (x read once), as the linear runs it after a
+   producer that wrote the maxima (SwiGLU) or with a TP group's amax.
 3. A whole linear, fwd + bwd, all quantization included (weights re-quantized every step): ours vs BF16
-   nn.Linear vs torchao's int8_mixed_precision_training (eager; torch.compile on a subset).
+   nn.Linear vs torchao's int8_mixed_precision_training, eager and CUDA-graphed (GPU time only, as in the
+   trainer's graphed steps); torch.compile on a subset.
 Medians of triton.testing.do_bench (which also flushes L2 before each call), inputs rotated among several
 copies. Tables also go to $OUT/bench_kernels.md (or --out).
 """
@@ -152,15 +155,19 @@ def gemm_table(quick):
 
 # -------------------------------------------------------------------------------------------- quantize
 def quantize_table(R=8192, C=4096):
+    """Each quantize call as the linear makes it (amax pass, then the quantize pass), and its quantize pass
+    alone with the maxima given, as when the producer of x wrote them (SwiGLU) or the TP group's amax is
+    passed in: then x is read once."""
     lines = [f"| quantize kernel ({R} x {C} bf16 in) | outputs | us | GB/s (minimal bytes) | % of D2D copy |"
-             " eager reference us |", "|---|---|---|---|---|---|"]
+             " quantize pass alone (maxima given) us | its % of copy | eager reference us |",
+             "|---|---|---|---|---|---|---|---|"]
     n = 3
     xs = rotating(lambda: data(R, C), n)
     dsts = rotating(lambda: torch.empty(R, C, dtype=torch.bfloat16, device="cuda"), n)
     t_copy = bench(lambda: dsts().copy_(xs()))
     copy_gbs = 4.0 * R * C / (t_copy * 1e-3) / 1e9
-    lines.append(f"| device-to-device copy | bf16 | {t_copy * 1e3:.0f} | {copy_gbs:.0f} | 100% | |")
-    fracs = []
+    lines.append(f"| device-to-device copy | bf16 | {t_copy * 1e3:.0f} | {copy_gbs:.0f} | 100% | | | |")
+    fracs, fracs_given = [], []
     cases = [
         ("tensorwise quantize", "tensor", False, True, False, False),
         ("tensorwise quantize+transpose", "tensor", False, True, True, False),
@@ -170,6 +177,11 @@ def quantize_table(R=8192, C=4096):
         ("block 1x128 both axes", "block", False, True, True, False),
         ("block 128x128 (weight) quantize+transpose", "block", True, True, True, False),
     ]
+    # one shared x for the maxima-given timings: the maxima belong to it
+    x1 = data(R, C)
+    a1 = x1.float().abs()
+    maxima = {"tensor": dict(amax=a1.amax()), "row": dict(rowwise_amax=a1.amax(1), columnwise_amax=a1.amax(0))}
+    del a1
     for label, g, w, rw, cw, sr in cases:
         kw = dict(granularity=g, block_size=128, weight=w, rowwise=rw, columnwise=cw, stochastic=sr,
                   check_finite="off")
@@ -177,9 +189,22 @@ def quantize_table(R=8192, C=4096):
         t = bench(lambda: triton_quantize(xs(), **kw))
         t_ref = bench(lambda: REF.quantize(xs(), **kw), rep=30)
         outs = int(rw) + int(cw)
-        gbs = R * C * (2 + outs) / (t * 1e-3) / 1e9
+        nbytes = R * C * (2 + outs)
+        gbs = nbytes / (t * 1e-3) / 1e9
         fracs.append((label, gbs / copy_gbs))
-        lines.append(f"| {label} | {outs} x int8 | {t * 1e3:.0f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | "
+        given = ""
+        if g in maxima:  # block scales come from the tile itself: one pass already
+            kw_given = {**kw, **maxima[g]}
+            if not cw:
+                kw_given.pop("columnwise_amax", None)
+            triton_quantize(x1, **kw_given)
+            t_given = bench(lambda: triton_quantize(x1, **kw_given))
+            frac = nbytes / (t_given * 1e-3) / 1e9 / copy_gbs
+            fracs_given.append((label, frac))
+            given = f"{t_given * 1e3:.0f} | {100 * frac:.0f}%"
+        else:
+            given = "(one pass) | "
+        lines.append(f"| {label} | {outs} x int8 | {t * 1e3:.0f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {given} | "
                      f"{t_ref * 1e3:.0f} |")
         print(lines[-1], flush=True)
     # what the finite check adds: a device-side flag update (deferred), a host sync (immediate)
@@ -188,12 +213,33 @@ def quantize_table(R=8192, C=4096):
                   check_finite=mode)
         t = bench(lambda: triton_quantize(xs(), **kw))
         lines.append(f"| tensorwise quantize+transpose, check_finite={mode} ({what}) | 2 x int8 | {t * 1e3:.0f} | "
-                     f"{R * C * 4 / (t * 1e-3) / 1e9:.0f} | {100 * R * C * 4 / (t * 1e-3) / 1e9 / copy_gbs:.0f}% | |")
-    return lines, fracs
+                     f"{R * C * 4 / (t * 1e-3) / 1e9:.0f} | {100 * R * C * 4 / (t * 1e-3) / 1e9 / copy_gbs:.0f}% | | | |")
+    return lines, fracs, fracs_given
+
+
+def graphed(step, what):
+    """`step` captured in a CUDA graph after a warm-up on a side stream: its replay, or None (and why) if the
+    capture fails. Graphed, a step costs its GPU time only, as in the trainer's graphed steps."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+    except Exception as e:  # noqa: BLE001
+        print(f"CUDA graph capture of {what} failed: {type(e).__name__}: {e}")
+        return None
 
 
 # ------------------------------------------------------------------------------------------ fwd + bwd
 def linear_table(quick):
+    """Eager (host time included: each call launches ~11 kernels through Python) and CUDA-graphed (GPU time
+    only) fwd+bwd of one linear."""
     try:
         from torchao.prototype.quantized_training import Int8MixedPrecisionTrainingConfig
         from torchao.quantization import quantize_
@@ -201,10 +247,12 @@ def linear_table(quick):
         print(f"torchao unavailable: {e}")
         Int8MixedPrecisionTrainingConfig = quantize_ = None
     lines = ["| model | linear | tokens, in -> out | BF16 nn.Linear ms | ours ms (deferred check) | ours ms (check off) |"
-             " torchao int8 eager ms | ours / BF16 | torchao eager / ours |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    ratios, vs_ao = [], []
+             " torchao int8 ms | graphed: BF16 ms | ours ms | torchao ms | ours / BF16 eager | graphed |"
+             " torchao / ours eager | graphed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios, vs_ao, ratios_g, vs_ao_g = [], [], [], []
     linears = LINEARS[:4] if quick else LINEARS  # quick: Llama2-7B
+    nan = float("nan")
     for model, name, fin, fout, tok in linears:
         x = data(tok, fin).requires_grad_(True)
         dy = data(tok, fout)
@@ -218,15 +266,18 @@ def linear_table(quick):
         r_default = Int8Recipe(backend="triton", cache_weights=False)
         r_off = Int8Recipe(backend="triton", cache_weights=False, check_finite="off")
 
-        def step_ours(recipe):
+        def step_ours(recipe=r_default):
             x.grad = w.grad = None
             int8_linear(x, w, None, recipe).backward(dy)
 
         t_bf16 = bench(step_bf16, rep=100)
-        step_ours(r_default)
-        t_default = bench(lambda: step_ours(r_default), rep=100)
+        step_ours()
+        t_default = bench(step_ours, rep=100)
         t_off = bench(lambda: step_ours(r_off), rep=100)
-        t_ao = float("nan")
+        g_bf16, g_ours = graphed(step_bf16, "BF16"), graphed(step_ours, "ours")
+        tg_bf16 = bench(g_bf16, rep=100) if g_bf16 else nan
+        tg_ours = bench(g_ours, rep=100) if g_ours else nan
+        t_ao = tg_ao = nan
         if quantize_ is not None:
             try:
                 ao = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16))
@@ -238,23 +289,27 @@ def linear_table(quick):
 
                 step_ao()
                 t_ao = bench(step_ao, rep=100)
+                g_ao = graphed(step_ao, "torchao")
+                tg_ao = bench(g_ao, rep=100) if g_ao else nan
             except Exception as e:  # noqa: BLE001
                 print(f"torchao failed on {model} {name}: {type(e).__name__}: {e}")
-        best = t_default  # the default recipe, as a user gets it
-        ratio = t_bf16 / best
-        ratios.append(ratio)
-        vs = t_ao / best
-        vs_ao.append(vs)
+        # the default recipe, as a user gets it
+        ratios.append(t_bf16 / t_default)
+        vs_ao.append(t_ao / t_default)
+        ratios_g.append(tg_bf16 / tg_ours)
+        vs_ao_g.append(tg_ao / tg_ours)
 
         def f(t):
             return "n/a" if t != t else f"{t:.2f}"
 
         lines.append(f"| {model} | {name} | {tok}, {fin} -> {fout} | {t_bf16:.2f} | {t_default:.2f} | {t_off:.2f} | "
-                     f"{f(t_ao)} | {ratio:.2f}x | {f(vs)}x |")
+                     f"{f(t_ao)} | {f(tg_bf16)} | {f(tg_ours)} | {f(tg_ao)} | {f(ratios[-1])}x | {f(ratios_g[-1])}x | "
+                     f"{f(vs_ao[-1])}x | {f(vs_ao_g[-1])}x |")
         print(lines[-1], flush=True)
         del x, dy, lin
+        g_bf16 = g_ours = g_ao = None
         torch.cuda.empty_cache()
-    return lines, ratios, vs_ao
+    return lines, (ratios, vs_ao), (ratios_g, vs_ao_g)
 
 
 def compiled_table(subset):
@@ -320,20 +375,25 @@ def main():
         print(f"[gemm section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "quantize" not in skip:
-        lines, fracs = quantize_table()
+        lines, fracs, fracs_given = quantize_table()
         out += ["## Quantize kernels", ""] + lines + [""]
-        med = statistics.median(f for _, f in fracs)
-        summary.append(f"quantize GB/s vs D2D copy: median {100 * med:.0f}% (target >= 85%); "
-                       + ", ".join(f"{label}: {100 * f:.0f}%" for label, f in fracs))
+        for what, fr in (("whole call (amax pass + quantize pass)", fracs),
+                         ("quantize pass alone, maxima given", fracs_given)):
+            summary.append(f"quantize GB/s vs D2D copy, {what}: median {100 * statistics.median(f for _, f in fr):.0f}% "
+                           "(target >= 85%); " + ", ".join(f"{label}: {100 * f:.0f}%" for label, f in fr))
         print(f"[quantize section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "linear" not in skip:
-        lines, ratios, vs_ao = linear_table(args.quick)
+        lines, eager, graph = linear_table(args.quick)
         out += ["## Linear fwd+bwd (all quantization included, weights re-quantized every step)", ""] + lines + [""]
-        good = [v for v in vs_ao if v == v]
-        summary.append(f"linear fwd+bwd ours (default recipe)/BF16: median {statistics.median(ratios):.2f}x, min "
-                       f"{min(ratios):.2f}x (target >= 1.6x); vs torchao best: min "
-                       f"{min(good) if good else float('nan'):.2f}x (target > 1 at every shape)")
+        for what, (ratios, vs_ao) in (("eager", eager), ("CUDA-graphed", graph)):
+            good = [v for v in ratios if v == v]
+            good_ao = [v for v in vs_ao if v == v]
+            summary.append(
+                f"linear fwd+bwd ours (default recipe)/BF16, {what}: median "
+                f"{statistics.median(good) if good else float('nan'):.2f}x, min {min(good, default=float('nan')):.2f}x "
+                f"(target >= 1.6x); torchao / ours: min {min(good_ao, default=float('nan')):.2f}x "
+                "(target > 1 at every shape)")
         print(f"[linear section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "compile" not in skip and not args.no_compile and not args.quick:
