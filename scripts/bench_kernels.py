@@ -192,7 +192,6 @@ def quantize_table(R=8192, C=4096):
         nbytes = R * C * (2 + outs)
         gbs = nbytes / (t * 1e-3) / 1e9
         fracs.append((label, gbs / copy_gbs))
-        given = ""
         if g in maxima:  # block scales come from the tile itself: one pass already
             kw_given = {**kw, **maxima[g]}
             if not cw:
