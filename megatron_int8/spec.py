@@ -173,7 +173,8 @@ def get_gpt_int8_layer_spec(
 
 
 def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Optional[str] = None):
-    """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`."""
+    """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`; an MLP
+    whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them)."""
     if isinstance(spec, ModuleSpec):
         if spec.module in _INT8_LINEARS and policy.keeps_in_bf16(name, expert_group):
             return dataclasses.replace(spec, params={**spec.params, "int8": False})
@@ -185,6 +186,12 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
         for field in dataclasses.fields(spec):
             group = field.name if field.name in ("experts", "shared_experts") else expert_group
             changes[field.name] = _keep_in_bf16(getattr(spec, field.name), policy, field.name, group)
+        activation = changes.get("activation_func")
+        if isinstance(activation, ModuleSpec) and activation.module is SwiGLU and not any(
+                changes[fc].params.get("int8", True) for fc in ("linear_fc1", "linear_fc2")
+                if isinstance(changes.get(fc), ModuleSpec)):
+            changes["activation_func"] = dataclasses.replace(activation, params={**activation.params,
+                                                                                 "emit_maxima": False})
         return dataclasses.replace(spec, **changes)
     return spec
 

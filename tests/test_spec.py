@@ -113,6 +113,24 @@ def test_bf16_modules_and_first_last_policy_in_spec():
     assert specs[3].submodules.mlp.submodules.linear_fc1.params["int8"]
 
 
+def test_swiglu_writes_maxima_only_for_an_int8_linear():
+    """The dense MLP's SwiGLU writes its outputs' maxima while fc1 or fc2 quantizes; with both kept in BF16
+    by `bf16_modules` (or the whole layer BF16), nothing would read them, so it writes none."""
+    from megatron_int8.spec import get_gpt_int8_layer_specs
+
+    config = tiny_config(num_layers=3)
+
+    def emits(policy):
+        return [s.submodules.mlp.submodules.activation_func.params["emit_maxima"]
+                for s in get_gpt_int8_layer_specs(config, policy)]
+
+    assert emits(Int8Policy()) == [True, True, True]
+    assert emits(Int8Policy(bf16_modules=("linear_fc2",))) == [True, True, True]  # fc1's gradient maxima
+    assert emits(Int8Policy(bf16_modules=("linear_fc1", "linear_fc2"))) == [False, False, False]
+    assert emits(Int8Policy(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                            num_layers_at_end_in_bf16=1)) == [False, True, False]
+
+
 def test_checkpoints_interchange_with_bf16(tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
