@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def run_file_interpreted(path: str, timeout: int) -> None:

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from interpreter import INTERPRETING, run_file_interpreted
+from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 from mcore_helpers import init_megatron, run_distributed, single_process_megatron
 
 from megatron_int8 import cross_entropy as ce
@@ -30,7 +30,6 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 U = 2.0 ** -24
 MIN_BLOCK = 128  # the smallest chunk the kernel tests use: bounds count its chunk rescalings
 
-needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 parent_only = pytest.mark.skipif(INTERPRETING, reason="runs in the parent session (not interpreted)")
 
 

@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from interpreter import INTERPRETING, run_file_interpreted
+from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -32,8 +32,6 @@ from int8_bounds import assert_rope_close  # noqa: E402
 qref = importlib.import_module("megatron_int8.quantize")
 REF = ReferenceBackend()
 VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
-
-needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 @pytest.fixture(scope="module")
