@@ -267,20 +267,55 @@ def _quantize_kernel(
     strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows
     flag_ptr, flag_idx,  # FLAG: the deferred finite check's slot, set to NaN when a scale is NaN
     TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; tensorwise partials BP at a time
+    SB: tl.constexpr,  # row granularity: scales per scale program
     TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
     STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr, FLAG: tl.constexpr,
 ):
     """One [TR, TC] tile of x -> Q(x) and/or Q(x)^T. A 1-D grid, column tiles fastest: a wave of programs
     reads whole bands of rows (measured 1-3% faster than row tiles fastest). Each program turns the amax
-    of its tensor / rows / columns into scales, and program (0, *) / (*, 0) stores them, so the scales
-    need no launch of their own. Tensorwise, each program first reduces the <= 1024 partials itself
-    (4 KB from L2): cheaper than a reduce launch (measured 75 vs 79 us for 8192 x 4096 on an H200).
+    of its tensor / rows / columns into scales, so the scales need no launch of their own. Tensorwise,
+    each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than a reduce launch
+    (measured 75 vs 79 us for 8192 x 4096 on an H200), and program 0 stores the scale.
+    Row granularity: the programs past the tiles store the scales, SB at a time: row scales, then column
+    scales (not with SEG). Stored by the tiles of row 0 / column 0 instead, they cost every tile a
+    shared-memory layout change: the pass ran 8-9% slower on an H200 (docs/benchmarks.md, 22nd session).
     SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
     (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
     FLAG: the programs that store the scales also flag a NaN among them: the row scales and the column
     scales (not with SEG, whose scales the reduce launch stores). Either would do for x's own maxima, but a
     given amax may hold an Inf/NaN that x does not."""
     n_ct = tl.cdiv(C, TC)
+    n_tiles = tl.cdiv(RP, TR) * n_ct
+    if tl.program_id(0) >= n_tiles:  # row granularity's scale programs (the grid has none otherwise)
+        j = tl.program_id(0) - n_tiles
+        if ROW:
+            _store_scales(j, R, a_ptr, s_ptr, flag_ptr, flag_idx, SB, FLAG)
+            j -= tl.cdiv(R, SB)
+        if COL and not SEG:
+            _store_scales(j, C, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
+    else:
+        _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a,
+                       seed, strip_ptr, flag_ptr, flag_idx, n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR,
+                       SEG, FLAG)
+
+
+@triton.jit
+def _store_scales(j, n, a_ptr, s_ptr, flag_ptr, flag_idx, SB: tl.constexpr, FLAG: tl.constexpr):
+    """Block j of SB scales of n, from their maxima (nothing when j is out of range)."""
+    offs = j * SB + tl.arange(0, SB)
+    m = (offs >= 0) & (offs < n)
+    s = _scale_from_amax(tl.load(a_ptr + offs, mask=m, other=0.0))  # masked lanes: scale 1, never flagged
+    tl.store(s_ptr + offs, s, mask=m)
+    if FLAG:
+        _flag_nonfinite(flag_ptr, flag_idx, s)
+
+
+@triton.jit
+def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a, seed,
+                   strip_ptr, flag_ptr, flag_idx, n_ct, TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,
+                   TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   FOUR: tl.constexpr, SEG: tl.constexpr, FLAG: tl.constexpr):
+    """_quantize_kernel's tile program."""
     rt = tl.program_id(0) // n_ct
     ct = tl.program_id(0) % n_ct
     offs_r = rt * TR + tl.arange(0, TR)
@@ -313,10 +348,6 @@ def _quantize_kernel(
     else:
         if ROW:
             s_r = _scale_from_amax(tl.load(a_ptr + offs_r, mask=mask_r, other=0.0))
-            if ct == 0:
-                tl.store(s_ptr + offs_r, s_r, mask=mask_r)
-                if FLAG:
-                    _flag_nonfinite(flag_ptr, flag_idx, s_r)
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
@@ -325,10 +356,6 @@ def _quantize_kernel(
                 s_c = tl.load(st_ptr + e.to(tl.int64) * C + offs_c, mask=mask_c, other=1.0)
             else:
                 s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
-                if rt == 0:
-                    tl.store(st_ptr + offs_c, s_c, mask=mask_c)
-                    if FLAG:
-                        _flag_nonfinite(flag_ptr, flag_idx, s_c)
             tl.store(qt_ptr + qt_offs, _round_clamp_transposed(x_in, x, s_c[None, :], s_c[:, None], u, STOCHASTIC),
                      mask=mask_t)
 
@@ -405,14 +432,14 @@ _AMAX, _REDUCE, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (
 # multi-tile reductions, multi-step amax strips and ragged edges on tiny inputs.
 if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
-    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 3, (4, 2), 4, 4
+    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 3, (4, 2), 4, 4, 16
     _AMAX_WARPS = _Q_T_WARPS = _WARPS
 else:
     # amax: 32 x 256 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
     # 64 x 64 with 4 warps (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200;
     # 4 warps ran 3-5% faster than 8 on an H100, eighteenth session); reduce: 64 groups x 32 partials per step
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 64)
-    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS = 32, (64, 32), 8, 4096
+    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 32, (64, 32), 8, 4096, 1024
     _AMAX_WARPS, _Q_T_WARPS = 4, 4  # the amax pass's and the both-axes quantize tile's (tuned apart)
 _MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
 
@@ -547,12 +574,17 @@ def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, devi
     return q, qt, q_arg, qt if qt is not None else q_arg
 
 
-def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool):
-    """(grid, constexprs) of _quantize_kernel for tensor / row granularity."""
+def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool,
+                 column_scales: bool = True):
+    """(grid, constexprs) of _quantize_kernel for tensor / row granularity. Row granularity adds the
+    programs that store the row scales (rowwise) and the column scales (columnwise and `column_scales`)."""
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    grid = (cdiv(RP, TR) * cdiv(C, TC),)
-    return grid, dict(TR=TR, TC=TC, TENSOR=tensor, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
-                      FOUR=_four(TC, TC, cdiv(C, TC)), num_warps=_Q_T_WARPS if columnwise else _WARPS)
+    n_scale_programs = 0 if tensor else cdiv(R, _SCALE_BLOCK) * rowwise + cdiv(C, _SCALE_BLOCK) * (
+        columnwise and column_scales)
+    grid = (cdiv(RP, TR) * cdiv(C, TC) + n_scale_programs,)
+    return grid, dict(TR=TR, TC=TC, SB=_SCALE_BLOCK, TENSOR=tensor, ROW=rowwise, COL=columnwise,
+                      STOCHASTIC=stochastic, FOUR=_four(TC, TC, cdiv(C, TC)),
+                      num_warps=_Q_T_WARPS if columnwise else _WARPS)
 
 
 def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP):
@@ -601,7 +633,7 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
-    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic)
+    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic, column_scales=segs is None)
     n_seg = segs.num_segments if segs is not None else 1  # segments come with Q(x^T) only (triton_quantize)
     n_scales = R * rowwise + n_seg * C * columnwise
     row_partials = rowwise and not given_row
