@@ -34,8 +34,7 @@ to the device once per routing).
 Quantize+transpose: Q(x) and Q(x)^T come from the same tile of x, read once. Q(x^T) is rounded from the
 transposed 16-bit tile (`tl.trans`, a shared-memory layout change), which measured 10-15% faster on an
 H100 than transposing the int8 result; stochastic rounding still transposes the int8 result, as its
-draws are laid out like x. The tile is 64 x 64: 64 x 128 would store both outputs in whole 16-byte
-vectors but measured 25% slower on an H200 (32 x 128 and 128 x 64 are level with 64 x 64 on an H100).
+draws are laid out like x. The tile is 64 x 128 on 4 warps (tile shapes: see the constants below).
 
 Stochastic rounding: floor(v + u), u ~ U[0, 1). One Philox call (`tl.rand4x`) yields 4 draws, used for 4
 adjacent columns (element (r, c) takes draw c % 4 of the call at counter r * ceil(C/4) + c // 4), which
@@ -275,10 +274,10 @@ def _quantize_kernel(
     reads whole bands of rows (measured 1-3% faster than row tiles fastest). Each program turns the amax
     of its tensor / rows / columns into scales, so the scales need no launch of their own. Tensorwise,
     each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than a reduce launch
-    (measured 75 vs 79 us for 8192 x 4096 on an H200), and program 0 stores the scale.
-    Row granularity: the programs past the tiles store the scales, SB at a time: row scales, then column
-    scales (not with SEG). Stored by the tiles of row 0 / column 0 instead, they cost every tile a
-    shared-memory layout change: the pass ran 8-9% slower on an H200 (docs/benchmarks.md, 22nd session).
+    (measured 75 vs 79 us for 8192 x 4096 on an H200).
+    The programs past the tiles store the scales: tensorwise one; row granularity SB at a time, row
+    scales then column scales (not with SEG). Stored by the tiles of row 0 / column 0 instead, they cost
+    every tile of the row-wise pass 8-9% on an H200 (docs/benchmarks.md, 22nd session).
     SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
     (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
     FLAG: the programs that store the scales also flag a NaN among them: the row scales and the column
@@ -286,17 +285,32 @@ def _quantize_kernel(
     given amax may hold an Inf/NaN that x does not."""
     n_ct = tl.cdiv(C, TC)
     n_tiles = tl.cdiv(RP, TR) * n_ct
-    if tl.program_id(0) >= n_tiles:  # row granularity's scale programs (the grid has none otherwise)
+    if tl.program_id(0) >= n_tiles:  # the scale programs
         j = tl.program_id(0) - n_tiles
-        if ROW:
+        if TENSOR:
+            s = _tensor_scale(a_ptr, n_a, BP)
+            tl.store(s_ptr, s)
+            if FLAG:
+                tl.store(flag_ptr + flag_idx, s, mask=s != s)
+        elif ROW:
             _store_scales(j, R, a_ptr, s_ptr, flag_ptr, flag_idx, SB, FLAG)
             j -= tl.cdiv(R, SB)
-        if COL and not SEG:
+        if COL and not SEG and not TENSOR:
             _store_scales(j, C, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
     else:
         _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a,
                        seed, strip_ptr, flag_ptr, flag_idx, n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR,
                        SEG, FLAG)
+
+
+@triton.jit
+def _tensor_scale(a_ptr, n_a, BP: tl.constexpr):
+    """The tensorwise scale from the n_a partial maxima, reduced BP at a time."""
+    acc = tl.zeros((BP,), tl.float32)
+    for j0 in range(0, n_a, BP):
+        offs_p = j0 + tl.arange(0, BP)
+        acc = tl.maximum(acc, tl.load(a_ptr + offs_p, mask=offs_p < n_a, other=0.0))
+    return _scale_from_amax(tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -332,15 +346,7 @@ def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, 
     mask_t = mask_c[:, None] & (offs_r < RP)[None, :]
 
     if TENSOR:
-        acc = tl.zeros((BP,), tl.float32)
-        for j0 in range(0, n_a, BP):
-            offs_p = j0 + tl.arange(0, BP)
-            acc = tl.maximum(acc, tl.load(a_ptr + offs_p, mask=offs_p < n_a, other=0.0))
-        s = _scale_from_amax(tl.max(acc, axis=0))
-        if (rt == 0) & (ct == 0):
-            tl.store(s_ptr, s)
-            if FLAG:
-                tl.store(flag_ptr + flag_idx, s, mask=s != s)
+        s = _tensor_scale(a_ptr, n_a, BP)
         if ROW:
             tl.store(q_ptr + q_offs, _round_clamp(x, s, u, STOCHASTIC), mask=mask)
         if COL:
@@ -435,10 +441,11 @@ if _INTERPRET:
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 3, (4, 2), 4, 4, 16
     _AMAX_WARPS = _Q_T_WARPS = _WARPS
 else:
-    # amax: 32 x 256 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
-    # 64 x 64 with 4 warps (both outputs; 64 x 128 vectorizes both stores but measured 25% slower on an H200;
-    # 4 warps ran 3-5% faster than 8 on an H100, eighteenth session); reduce: 64 groups x 32 partials per step
-    _AMAX_TILE, _Q_TILE, _Q_TILE_T = (32, 256), (16, 256), (64, 64)
+    # amax: 64 x 128 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
+    # 64 x 128 with 4 warps (both outputs); reduce: 64 groups x 32 partials per step. On an H200 (22nd session),
+    # once the scale stores had left the tiles, 64 x 128 ran the both-axes pass 2-6% faster than 64 x 64 and
+    # the amax tile 64 x 128 took 2-17% off the amax pass against 32 x 256 (docs/benchmarks.md).
+    _AMAX_TILE, _Q_TILE, _Q_TILE_T = (64, 128), (16, 256), (64, 128)
     _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 32, (64, 32), 8, 4096, 1024
     _AMAX_WARPS, _Q_T_WARPS = 4, 4  # the amax pass's and the both-axes quantize tile's (tuned apart)
 _MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
@@ -576,10 +583,11 @@ def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, devi
 
 def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool,
                  column_scales: bool = True):
-    """(grid, constexprs) of _quantize_kernel for tensor / row granularity. Row granularity adds the
-    programs that store the row scales (rowwise) and the column scales (columnwise and `column_scales`)."""
+    """(grid, constexprs) of _quantize_kernel for tensor / row granularity, with the programs that store the
+    scales: one for the tensor's; row granularity's for the row scales (rowwise) and the column scales
+    (columnwise and `column_scales`)."""
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    n_scale_programs = 0 if tensor else cdiv(R, _SCALE_BLOCK) * rowwise + cdiv(C, _SCALE_BLOCK) * (
+    n_scale_programs = 1 if tensor else cdiv(R, _SCALE_BLOCK) * rowwise + cdiv(C, _SCALE_BLOCK) * (
         columnwise and column_scales)
     grid = (cdiv(RP, TR) * cdiv(C, TC) + n_scale_programs,)
     return grid, dict(TR=TR, TC=TC, SB=_SCALE_BLOCK, TENSOR=tensor, ROW=rowwise, COL=columnwise,
