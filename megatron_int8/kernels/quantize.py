@@ -266,7 +266,7 @@ def _quantize_kernel(
     strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows
     flag_ptr, flag_idx,  # FLAG: the deferred finite check's slot, set to NaN when a scale is NaN
     TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; tensorwise partials BP at a time
-    SB: tl.constexpr,  # row granularity: scales per scale program
+    SB: tl.constexpr,  # row granularity: scales stored per scale program
     TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
     STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr, FLAG: tl.constexpr,
 ):
@@ -292,11 +292,12 @@ def _quantize_kernel(
             tl.store(s_ptr, s)
             if FLAG:
                 tl.store(flag_ptr + flag_idx, s, mask=s != s)
-        elif ROW:
-            _store_scales(j, R, a_ptr, s_ptr, flag_ptr, flag_idx, SB, FLAG)
-            j -= tl.cdiv(R, SB)
-        if COL and not SEG and not TENSOR:
-            _store_scales(j, C, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
+        else:
+            if ROW:
+                _store_scales(j, R, a_ptr, s_ptr, flag_ptr, flag_idx, SB, FLAG)
+                j -= tl.cdiv(R, SB)
+            if COL and not SEG:
+                _store_scales(j, C, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
     else:
         _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a,
                        seed, strip_ptr, flag_ptr, flag_idx, n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR,
