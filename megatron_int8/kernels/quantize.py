@@ -68,10 +68,22 @@ _MODE_TILE2D, _MODE_1XB = 2, 3
 
 # ------------------------------------------------------------------------------------------ helpers
 @triton.jit
-def _abs_nonfinite_to_inf(x):
-    """|x| with NaN mapped to +inf, so a max-reduction turns any Inf/NaN into amax = inf."""
-    a = tl.abs(x)
-    return tl.where(a == a, a, float("inf"))
+def _max_keep_nan(a, b):
+    """max(a, b), NaN if either is NaN (PTX max.NaN): a NaN cannot vanish from a max-reduction."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nan_to_inf(m):
+    """A reduced max |x| with NaN (some element was NaN) reported as +inf, like an Inf element: amax = inf
+    marks every non-finite group. Mapping the reduced values, not each element, saves a select per element."""
+    return tl.where(m == m, m, float("inf"))
+
+
+@triton.jit
+def _abs_max(x, axis):
+    """max |x| along `axis` (fp32), +inf where that slice holds an Inf or NaN."""
+    return _nan_to_inf(tl.reduce(tl.abs(x), axis, _max_keep_nan))
 
 
 @triton.jit
@@ -177,9 +189,10 @@ def _amax_partials_kernel(
     TILE_MAX: tl.constexpr, ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,
 ):
     """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps and writes
-    ptile[i, j] (max |x| of its block), prow[r, j] (each row's max over the block's columns) and/or
+    ptile[i, j] (max |x| of its block), prow[j, r] (each row's max over the block's columns) and/or
     pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
-    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
+    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass), NaN kept by
+    the max and mapped to inf only in the reduced values. The loop is
     software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
     the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
     rs, ct, n_ct, offs_c, mask_c = _strip_program(C, TC)
@@ -188,15 +201,16 @@ def _amax_partials_kernel(
         offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
         x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc,
                     mask=mask, other=0.0)
-        a = _abs_nonfinite_to_inf(x.to(tl.float32))
-        if ROW_MAX:  # prow [R, n_ct]
-            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.max(a, axis=1), mask=mask_r)
+        a = tl.abs(x.to(tl.float32))
+        if ROW_MAX:  # prow [n_ct, R]: each step stores its rows' maxima contiguously
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(tl.reduce(a, 1, _max_keep_nan)),
+                     mask=mask_r)
         if TILE_MAX or COL_MAX:
-            acc = tl.maximum(acc, a)
+            acc = _max_keep_nan(acc, a)
     if COL_MAX:  # pcol [n_rs, C]
-        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, tl.max(acc, axis=0), mask=mask_c)
+        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, _abs_max(acc, 0), mask=mask_c)
     if TILE_MAX:  # ptile [n_rs * n_ct]
-        tl.store(ptile_ptr + rs * n_ct + ct, tl.max(tl.max(acc, axis=1), axis=0))
+        tl.store(ptile_ptr + rs * n_ct + ct, _nan_to_inf(tl.reduce(tl.reduce(acc, 1, _max_keep_nan), 0, _max_keep_nan)))
 
 
 @triton.jit
@@ -231,7 +245,7 @@ def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_p
 
 @triton.jit
 def _reduce_partials_kernel(
-    prow_ptr, R, n_ct, n_row_programs,  # row maxima: prow [R, n_ct] -> out[:R]
+    prow_ptr, R, n_ct, n_row_programs,  # row maxima: prow [n_ct, R] -> out[:R]
     pcol_ptr, C, n_rs,  # column maxima: pcol [n_rs, C] -> out_col, by the programs after the rows'
     out_ptr, out_col_ptr,
     seg_ptr, n_cb,  # SEG: the segments' first strips [E + 1]; column blocks per segment
@@ -244,7 +258,7 @@ def _reduce_partials_kernel(
     which no quantize tile visits)."""
     pid = tl.program_id(0)
     if pid < n_row_programs:
-        _store_group_maxima(prow_ptr, pid, R, n_ct, n_ct, 1, out_ptr, BG, BP, False, False)
+        _store_group_maxima(prow_ptr, pid, R, n_ct, 1, R, out_ptr, BG, BP, True, False)
     elif SEG:
         j = pid - n_row_programs
         e = j // n_cb
@@ -404,7 +418,7 @@ def _quantize_block_kernel(
     mask_t = mask_c[:, None] & ((ir < GR) & (offs_r < RP))[None, :]
 
     if MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
-        amax = tl.max(tl.max(_abs_nonfinite_to_inf(x), axis=1), axis=0)
+        amax = _nan_to_inf(tl.reduce(tl.reduce(tl.abs(x), 1, _max_keep_nan), 0, _max_keep_nan))
         s = _scale_from_amax(amax)
         if FLAG:
             tl.store(flag_ptr + flag_idx, s, mask=s != s)
@@ -416,14 +430,14 @@ def _quantize_block_kernel(
             tl.store(qt_ptr + qt_offs, _round_clamp_transposed(x_in, x, s, s, u, STOCHASTIC), mask=mask_t)
     else:
         if ROW:  # 1 x GC groups: row maxima inside the tile
-            s_r = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=1))
+            s_r = _scale_from_amax(_abs_max(x, 1))
             tl.store(s_ptr + offs_r.to(tl.int64) * ss_r + ct * ss_c, s_r, mask=mask_r)
             if FLAG:
                 _flag_nonfinite(flag_ptr, flag_idx, s_r)
             q = _round_clamp(x, s_r[:, None], u, STOCHASTIC)
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:  # GR x 1 groups of x = 1 x GR groups of x^T: column maxima inside the tile
-            s_c = _scale_from_amax(tl.max(_abs_nonfinite_to_inf(x), axis=0))
+            s_c = _scale_from_amax(_abs_max(x, 0))
             tl.store(st_ptr + offs_c.to(tl.int64) * sts_r + rt * sts_c, s_c, mask=mask_c)
             if FLAG and not ROW:
                 _flag_nonfinite(flag_ptr, flag_idx, s_c)
@@ -715,11 +729,11 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
 
 
 def reduce_partial_maxima(prow: torch.Tensor, pcol: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(row maxima [R], column maxima [C]) from partial maxima in the amax pass's layout, prow [R, n_ct] (each
+    """(row maxima [R], column maxima [C]) from partial maxima in the amax pass's layout, prow [n_ct, R] (each
     row's maximum over a block of columns) and pcol [n_rs, C] (each column's maximum over a strip of rows),
     both contiguous fp32: one reduce launch, for kernels that produce a tensor and its maxima together
     (kernels/swiglu.py). Both results are views of one [R + C] buffer."""
-    (R, n_ct), (n_rs, C) = prow.shape, pcol.shape
+    (n_ct, R), (n_rs, C) = prow.shape, pcol.shape
     BG, BP = _REDUCE_TILE
     maxima = torch.empty(R + C, dtype=torch.float32, device=prow.device)
     n_row_programs = cdiv(R, BG)

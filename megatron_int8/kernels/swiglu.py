@@ -7,7 +7,7 @@ dimension); every row stride is allowed, the last stride must be 1.
 fp32 math, one rounding to x's dtype, as megatron's fused SwiGLU (torch.compile) does.
 
 MAXIMA: the kernel also writes partial maxima of |output| (of the rounded values, Inf/NaN as inf) in the
-layout of kernels/quantize's amax pass, prow [R, n_ct] and pcol [n_rs, C], and one reduce launch turns them
+layout of kernels/quantize's amax pass, prow [n_ct, R] and pcol [n_rs, C], and one reduce launch turns them
 into the output's per-row and per-column maxima. The INT8 linear that quantizes y (fc2's input) or dx
 (fc1's output gradient) row-wise then skips its own amax pass over a tensor of 8192 x 9728 or
 8192 x 19456 elements in a Qwen3-4B layer (megatron_int8.swiglu hands the maxima over).
@@ -25,14 +25,14 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _abs_nonfinite_to_inf, _strip_program, _strip_step, reduce_partial_maxima
+from .quantize import _abs_max, _max_keep_nan, _nan_to_inf, _strip_program, _strip_step, reduce_partial_maxima
 
 
 @triton.jit
 def _swiglu_fwd_kernel(
     x_ptr, stride_xr,  # [R, 2F], last stride 1
     y_ptr,  # [R, F], contiguous
-    prow_ptr, pcol_ptr,  # MAXIMA: [R, n_ct] and [n_rs, F] partial maxima of |y|
+    prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, F] partial maxima of |y|
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
 ):
@@ -46,11 +46,11 @@ def _swiglu_fwd_kernel(
         y = (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
         if MAXIMA:
-            m = _abs_nonfinite_to_inf(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
-            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.max(m, axis=1), mask=mask_r)
-            acc = tl.maximum(acc, m)
+            m = tl.abs(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(tl.reduce(m, 1, _max_keep_nan)), mask=mask_r)
+            acc = _max_keep_nan(acc, m)
     if MAXIMA:
-        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, tl.max(acc, axis=0), mask=mask_c)
+        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, _abs_max(acc, 0), mask=mask_c)
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _swiglu_bwd_kernel(
     g_ptr, stride_gr,  # dy [R, F], last stride 1
     x_ptr, stride_xr,  # forward input [R, 2F], last stride 1
     dx_ptr,  # [R, 2F], contiguous
-    prow_ptr, pcol_ptr,  # MAXIMA: [R, n_ct] and [n_rs, 2F] partial maxima of |dx|
+    prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, 2F] partial maxima of |dx|
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
 ):
@@ -79,16 +79,16 @@ def _swiglu_bwd_kernel(
         tl.store(dst, da, mask=mask)
         tl.store(dst + F, db, mask=mask)
         if MAXIMA:
-            ma = _abs_nonfinite_to_inf(da.to(tl.float32))
-            mb = _abs_nonfinite_to_inf(db.to(tl.float32))
-            tl.store(prow_ptr + offs_r.to(tl.int64) * n_ct + ct, tl.maximum(tl.max(ma, axis=1), tl.max(mb, axis=1)),
-                     mask=mask_r)
-            acc_a = tl.maximum(acc_a, ma)
-            acc_b = tl.maximum(acc_b, mb)
+            ma = tl.abs(da.to(tl.float32))
+            mb = tl.abs(db.to(tl.float32))
+            row = _max_keep_nan(tl.reduce(ma, 1, _max_keep_nan), tl.reduce(mb, 1, _max_keep_nan))
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(row), mask=mask_r)
+            acc_a = _max_keep_nan(acc_a, ma)
+            acc_b = _max_keep_nan(acc_b, mb)
     if MAXIMA:
         dst = pcol_ptr + rs.to(tl.int64) * (2 * F) + offs_c
-        tl.store(dst, tl.max(acc_a, axis=0), mask=mask_c)
-        tl.store(dst + F, tl.max(acc_b, axis=0), mask=mask_c)
+        tl.store(dst, _abs_max(acc_a, 0), mask=mask_c)
+        tl.store(dst + F, _abs_max(acc_b, 0), mask=mask_c)
 
 
 _FWD = LaunchCache(_swiglu_fwd_kernel)
@@ -119,7 +119,7 @@ def _launch(cache: LaunchCache, lead: tuple, R: int, F: int, C: int, maxima: boo
     TR, TC = tile or _TILE
     RB, n_rs, n_ct = _strips(R, F, TR, TC)
     if maxima:
-        prow = torch.empty((R, n_ct), dtype=torch.float32, device=device)
+        prow = torch.empty((n_ct, R), dtype=torch.float32, device=device)
         pcol = torch.empty((n_rs, C), dtype=torch.float32, device=device)
     else:
         prow = pcol = lead[0]  # never touched
