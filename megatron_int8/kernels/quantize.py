@@ -74,16 +74,18 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _nan_to_inf(m):
-    """A reduced max |x| with NaN (some element was NaN) reported as +inf, like an Inf element: amax = inf
-    marks every non-finite group. Mapping the reduced values, not each element, saves a select per element."""
-    return tl.where(m == m, m, float("inf"))
+def _max_to_inf(m, axis):
+    """max of |x| values m along `axis` (None: all), +inf where that slice holds an Inf or NaN: amax = inf
+    marks every non-finite group. NaN is kept by the max and mapped once per reduced value, not per element
+    (a select per element less)."""
+    r = tl.reduce(m, axis, _max_keep_nan)
+    return tl.where(r == r, r, float("inf"))
 
 
 @triton.jit
 def _abs_max(x, axis):
-    """max |x| along `axis` (fp32), +inf where that slice holds an Inf or NaN."""
-    return _nan_to_inf(tl.reduce(tl.abs(x), axis, _max_keep_nan))
+    """max |x| along `axis` (None: all), +inf where that slice holds an Inf or NaN."""
+    return _max_to_inf(tl.abs(x), axis)
 
 
 @triton.jit
@@ -191,8 +193,7 @@ def _amax_partials_kernel(
     """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps and writes
     ptile[i, j] (max |x| of its block), prow[j, r] (each row's max over the block's columns) and/or
     pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
-    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass), NaN kept by
-    the max and mapped to inf only in the reduced values. The loop is
+    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
     software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
     the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
     rs, ct, n_ct, offs_c, mask_c = _strip_program(C, TC)
@@ -203,14 +204,13 @@ def _amax_partials_kernel(
                     mask=mask, other=0.0)
         a = tl.abs(x.to(tl.float32))
         if ROW_MAX:  # prow [n_ct, R]: each step stores its rows' maxima contiguously
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(tl.reduce(a, 1, _max_keep_nan)),
-                     mask=mask_r)
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _max_to_inf(a, 1), mask=mask_r)
         if TILE_MAX or COL_MAX:
             acc = _max_keep_nan(acc, a)
     if COL_MAX:  # pcol [n_rs, C]
-        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, _abs_max(acc, 0), mask=mask_c)
+        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, _max_to_inf(acc, 0), mask=mask_c)
     if TILE_MAX:  # ptile [n_rs * n_ct]
-        tl.store(ptile_ptr + rs * n_ct + ct, _nan_to_inf(tl.reduce(tl.reduce(acc, 1, _max_keep_nan), 0, _max_keep_nan)))
+        tl.store(ptile_ptr + rs * n_ct + ct, _max_to_inf(acc, None))
 
 
 @triton.jit
@@ -418,7 +418,7 @@ def _quantize_block_kernel(
     mask_t = mask_c[:, None] & ((ir < GR) & (offs_r < RP))[None, :]
 
     if MODE == 2:  # BxB tile: one scale for the tile, transposed for Q(x^T)
-        amax = _nan_to_inf(tl.reduce(tl.reduce(tl.abs(x), 1, _max_keep_nan), 0, _max_keep_nan))
+        amax = _abs_max(x, None)
         s = _scale_from_amax(amax)
         if FLAG:
             tl.store(flag_ptr + flag_idx, s, mask=s != s)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _abs_max, _max_keep_nan, _nan_to_inf, _strip_program, _strip_step, reduce_partial_maxima
+from .quantize import _max_keep_nan, _max_to_inf, _strip_program, _strip_step, reduce_partial_maxima
 
 
 @triton.jit
@@ -47,10 +47,10 @@ def _swiglu_fwd_kernel(
         tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
         if MAXIMA:
             m = tl.abs(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(tl.reduce(m, 1, _max_keep_nan)), mask=mask_r)
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _max_to_inf(m, 1), mask=mask_r)
             acc = _max_keep_nan(acc, m)
     if MAXIMA:
-        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, _abs_max(acc, 0), mask=mask_c)
+        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, _max_to_inf(acc, 0), mask=mask_c)
 
 
 @triton.jit
@@ -81,14 +81,14 @@ def _swiglu_bwd_kernel(
         if MAXIMA:
             ma = tl.abs(da.to(tl.float32))
             mb = tl.abs(db.to(tl.float32))
-            row = _max_keep_nan(tl.reduce(ma, 1, _max_keep_nan), tl.reduce(mb, 1, _max_keep_nan))
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _nan_to_inf(row), mask=mask_r)
+            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, tl.maximum(_max_to_inf(ma, 1), _max_to_inf(mb, 1)),
+                     mask=mask_r)
             acc_a = _max_keep_nan(acc_a, ma)
             acc_b = _max_keep_nan(acc_b, mb)
     if MAXIMA:
         dst = pcol_ptr + rs.to(tl.int64) * (2 * F) + offs_c
-        tl.store(dst, _abs_max(acc_a, 0), mask=mask_c)
-        tl.store(dst + F, _abs_max(acc_b, 0), mask=mask_c)
+        tl.store(dst, _max_to_inf(acc_a, 0), mask=mask_c)
+        tl.store(dst + F, _max_to_inf(acc_b, 0), mask=mask_c)
 
 
 _FWD = LaunchCache(_swiglu_fwd_kernel)
