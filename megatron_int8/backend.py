@@ -12,7 +12,9 @@ A backend offers two calls with identical contracts (see quantize.py for convent
       `rowwise_amax`: row-wise only, x's per-row amax [R] for Q(x)'s scales, e.g. computed by the kernel
       that wrote x (see quantize.known_maxima): with both given, x is read once;
       `columnwise_segments`: row-wise only, a quantize.Segments layout of x's rows (MoE experts): Q(x^T)
-      gets one scale per column per segment, [E, C], see quantize.quantize_segment_columns)
+      gets one scale per column per segment, [E, C], see quantize.quantize_segment_columns;
+      `out`: row-wise only, (QTensor or None, QTensor or None) to write Q(x) / Q(x^T) and their scales into,
+      e.g. an expert's slot of a stacked weight, which saves the copy; see quantize.check_quantize_out)
   gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None) -> dequant(a @ b^T) [+ bias]
       (`autotune`: a hint for kernels with tunable tiles; the result is the same either way; `out`: a
       contiguous [M, N] tensor to write, e.g. a row range of a larger output)
@@ -58,10 +60,13 @@ class ReferenceBackend:
         columnwise_amax: Optional[torch.Tensor] = None,
         columnwise_segments: Optional[ref.Segments] = None,
         rowwise_amax: Optional[torch.Tensor] = None,
+        out: Optional[Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]] = None,
     ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
         ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax, rowwise_amax)
         if columnwise_segments is not None:
             ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
+        if out is not None:
+            ref.check_quantize_out(x, granularity, rowwise, columnwise, columnwise_pad, columnwise_segments, out)
         tile2d = weight and granularity == "block"
         kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
         row = col = None
@@ -77,6 +82,8 @@ class ReferenceBackend:
                 col = ref.quantize(x.t(), granularity, tile2d=tile2d,
                                    **dict(kw, amax=columnwise_amax if columnwise_amax is not None else amax))
             col = ref.pad_columns(col, columnwise_pad)
+        if out is not None:
+            row, col = (r if dest is None else ref.write_into(r, dest) for r, dest in zip((row, col), out))
         return row, col
 
     def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None):

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .grouped_linear import grouped_int8_linear, grouped_recipe_problem
 from .layers import Int8LinearMixin
-from .quantize import Segments
+from .quantize import Segments, device_tensor
 
 
 class _ExpertLinears:
@@ -119,6 +119,6 @@ def _aligned_rows(counts: List[int], segments: Segments, device: torch.device) -
         shift.append(segments.offsets[e] - start)
         start += c
     total = start
-    shift = torch.tensor(shift, dtype=torch.int64, device=device)
-    reps = torch.tensor(counts, dtype=torch.int64, device=device)
-    return torch.arange(total, device=device) + torch.repeat_interleave(shift, reps, output_size=total)
+    table = device_tensor(shift + list(counts), torch.int64, device)  # [shifts, counts]: one copy
+    E = len(counts)
+    return torch.arange(total, device=device) + torch.repeat_interleave(table[:E], table[E:], output_size=total)

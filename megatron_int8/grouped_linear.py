@@ -59,9 +59,10 @@ def stacked_quantized_weights(weights: Sequence[torch.Tensor], backend, recipe: 
     col = QTensor(torch.empty((E, K, N), dtype=torch.int8, device=dev),
                   torch.empty((E, K), dtype=torch.float32, device=dev), "row", recipe.block_size)
     kw = _quantize_kwargs(recipe, "weight", weight=True)
-    for e, w in enumerate(weights):  # one expert's temporaries at a time
-        r, c = backend.quantize(w.detach(), rowwise=True, columnwise=True, **kw)
-        row.data[e], row.scale[e], col.data[e], col.scale[e] = r.data, r.scale, c.data, c.scale
+    for e, w in enumerate(weights):  # straight into expert e's slots: no per-expert temporaries, no copies
+        backend.quantize(w.detach(), rowwise=True, columnwise=True, **kw,
+                         out=(QTensor(row.data[e], row.scale[e], "row", recipe.block_size),
+                              QTensor(col.data[e], col.scale[e], "row", recipe.block_size)))
     if recipe.cache_weights:
         setattr(weights[0], _STACK_ATTR, _StackedWeights(key, row, col))
     return row, col

@@ -70,6 +70,16 @@ class QTensor:
         return dequantize(self).to(dtype)
 
 
+def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small table built on the host, on `device`. On CUDA it goes through pinned memory without blocking:
+    torch.tensor(values, device=cuda) copies from pageable memory and synchronizes the stream, which drains
+    the GPU's queue each time (four times per MoE layer and micro-batch, at the eager step's most
+    host-bound point, right after the routing's own sync)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Segments:
     """The experts' row ranges [offsets[e], offsets[e + 1]) of a token-sorted MoE operand.
@@ -115,12 +125,12 @@ class Segments:
         """int32 [rows // SEGMENT_ALIGN]: the expert owning each aligned strip of rows (on `device`)."""
         owner = [e for e in range(self.num_segments) for _ in range((self.offsets[e + 1] - self.offsets[e])
                                                                   // SEGMENT_ALIGN)]
-        return torch.tensor(owner, dtype=torch.int32, device=device)
+        return device_tensor(owner, torch.int32, device)
 
     @functools.lru_cache(maxsize=4)
     def strip_offsets(self, device: torch.device) -> torch.Tensor:
         """int32 [E + 1]: the offsets in SEGMENT_ALIGN strips (segment e owns strips [s[e], s[e + 1]))."""
-        return torch.tensor([o // SEGMENT_ALIGN for o in self.offsets], dtype=torch.int32, device=device)
+        return device_tensor([o // SEGMENT_ALIGN for o in self.offsets], torch.int32, device)
 
 
 def check_segments(x: torch.Tensor, granularity: str, segments: Segments, columnwise_amax,
@@ -359,6 +369,41 @@ def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.
         raise ValueError(f"columnwise_pad must be a positive int, got {columnwise_pad!r}")
     if granularity == "block" and block_size % columnwise_pad:
         raise ValueError(f"columnwise_pad {columnwise_pad} must divide block_size {block_size}")
+
+
+def check_quantize_out(x: torch.Tensor, granularity: str, rowwise: bool, columnwise: bool, columnwise_pad: int,
+                       columnwise_segments, out) -> None:
+    """backend.quantize's `out`: (Q(x) destination or None, Q(x^T) destination or None), row granularity only,
+    each a QTensor of contiguous tensors on x's device with exactly the shapes, dtypes of the result it
+    receives (Q(x): [R, C] int8 with [R] fp32 scales; Q(x^T): [C, R'] int8 with [C] fp32 scales), given only
+    for a requested output; not with segments (their scales are [E, C])."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"out must be a (Q(x) destination, Q(x^T) destination) pair, got {type(out).__name__}")
+    if granularity != "row":
+        raise ValueError(f"out is supported for row granularity only, got {granularity!r}")
+    if columnwise_segments is not None and out[1] is not None:
+        raise ValueError("out cannot receive a segmented Q(x^T) (its scales are per segment)")
+    R, C = x.shape
+    for dest, wanted, name, shape in ((out[0], rowwise, "Q(x)", (R, C)),
+                                      (out[1], columnwise, "Q(x^T)", (C, padded_length(R, columnwise_pad)))):
+        if dest is None:
+            continue
+        if not wanted:
+            raise ValueError(f"out holds a destination for {name}, which was not requested")
+        if not isinstance(dest, QTensor):
+            raise TypeError(f"out's {name} destination must be a QTensor, got {type(dest).__name__}")
+        for t, dtype, want in ((dest.data, torch.int8, shape), (dest.scale, torch.float32, shape[:1])):
+            if (tuple(t.shape) != want or t.dtype != dtype or not t.is_contiguous() or t.device != x.device):
+                raise ValueError(f"out's {name} destination needs a contiguous {dtype} tensor of shape {want} on "
+                                 f"{x.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+                                 f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+
+
+def write_into(result: QTensor, dest: QTensor) -> QTensor:
+    """`result` copied into the tensors of `dest` (a checked out destination); returns dest as a QTensor."""
+    dest.data.copy_(result.data)
+    dest.scale.copy_(result.scale)
+    return QTensor(dest.data, dest.scale, result.granularity, result.block_size, result.tile2d)
 
 
 def quantize(

@@ -112,6 +112,23 @@ def test_grouped_wgrad_accumulates_into_main_grad():
         assert torch.equal(w.main_grad, 0.5 + p.grad.float()) and p.grad.abs().sum() > 0
 
 
+def test_stacked_weights_are_each_experts_quantization():
+    """The experts are quantized straight into their slots of the stacks (backend.quantize's `out`): every
+    slot holds exactly that expert's own row-wise Q(W_e), Q(W_e)^T and scales."""
+    from megatron_int8.backend import ReferenceBackend
+
+    gen = torch.Generator().manual_seed(9)
+    ws = [w.detach() for w in _experts(gen, 3, 24, 40)]
+    backend = ReferenceBackend()
+    row, col = stacked_quantized_weights(ws, backend, dataclasses.replace(ROW, cache_weights=False))
+    assert row.data.shape == (3, 24, 40) and col.data.shape == (3, 40, 24)
+    for e, w in enumerate(ws):
+        r, c = backend.quantize(w, granularity="row", block_size=128, weight=True, rowwise=True, columnwise=True)
+        assert torch.equal(row.data[e], r.data) and torch.equal(row.scale[e], r.scale)
+        assert torch.equal(col.data[e], c.data) and torch.equal(col.scale[e], c.scale)
+        assert r.data.abs().max() == 127 and not torch.equal(row.data[e], row.data[(e + 1) % 3])
+
+
 def test_stacked_weight_cache_follows_weight_changes():
     gen = torch.Generator().manual_seed(5)
     ws = [w.detach() for w in _experts(gen, 3, 16, 32)]

@@ -847,6 +847,81 @@ def test_segmented_quantize_launch_count_and_no_extra_ops(K, launch_log, rowwise
     assert_same_qtensor(c, REF.quantize(x, **kw)[1])
 
 
+@pytest.mark.parametrize("given", ["both", "row", "col"])
+def test_quantize_into_given_destinations(K, given):
+    """`out`: Q(x), Q(x^T) and their scales written into an expert's slot of stacked buffers (views with an
+    offset), bit-identical to a plain call for both backends, the other slots untouched; a destination not
+    given is allocated as usual. Ragged N and K, padded Q(x^T) rows."""
+    N, Kd, E, slot = 37, 53, 3, 1
+    w = outliers(N, Kd, zero_rows=(4,))
+    kw = _kw("row", True, rowwise=True, columnwise=True, columnwise_pad=16)
+    want = REF.quantize(w, **kw)
+    for quantize in (K.triton_quantize, REF.quantize):
+        row = qref.QTensor(torch.full((E, N, Kd), 55, dtype=torch.int8), torch.full((E, N), -1.0), "row", 16)
+        col = qref.QTensor(torch.full((E, Kd, 48), 55, dtype=torch.int8), torch.full((E, Kd), -1.0), "row", 16)
+        dest = [qref.QTensor(t.data[slot], t.scale[slot], "row", 16) for t in (row, col)]
+        out = (dest[0] if given != "col" else None, dest[1] if given != "row" else None)
+        got = quantize(w, out=out, **kw)
+        for g, d, ref in zip(got, out, want):
+            assert_same_qtensor(g, ref, f"{quantize.__name__}, {given}")
+            if d is not None:
+                assert g.data.data_ptr() == d.data.data_ptr() and g.scale.data_ptr() == d.scale.data_ptr()
+        for t, d in zip((row, col), out):
+            others = [e for e in range(E) if e != slot or d is None]
+            assert torch.all(t.data[others] == 55) and torch.all(t.scale[others] == -1.0)
+
+
+def test_quantize_rejects_bad_destinations(K):
+    """A destination that does not fit its output is refused before any kernel writes through it."""
+    x = outliers(20, 32)
+    kw = _kw("row", False, rowwise=True, columnwise=True)
+    row = qref.QTensor(torch.empty(20, 32, dtype=torch.int8), torch.empty(20), "row", 16)
+    col = qref.QTensor(torch.empty(32, 20, dtype=torch.int8), torch.empty(32), "row", 16)
+    wide = torch.empty(20, 64, dtype=torch.int8)
+    bad = [(dict(out=(row,)), TypeError, "pair"),
+           (dict(out=(row, col), granularity="tensor"), ValueError, "row granularity only"),
+           (dict(out=(row, col), rowwise=False), ValueError, "not requested"),
+           (dict(out=(col, None)), ValueError, r"shape \(20, 32\)"),
+           (dict(out=(qref.QTensor(wide[:, :32], torch.empty(20), "row", 16), None)), ValueError, "not contiguous"),
+           (dict(out=(qref.QTensor(row.data.view(torch.uint8), row.scale, "row", 16), None)), ValueError, "torch.int8 tensor"),
+           (dict(out=(None, qref.QTensor(col.data, torch.empty(32, dtype=torch.float64), "row", 16))), ValueError,
+            "float32"),
+           (dict(out=(None, (col.data, col.scale))), TypeError, "must be a QTensor"),
+           (dict(out=(row, col), columnwise_pad=16), ValueError, r"shape \(32, 32\)")]  # Q(x^T) rows padded
+    for change, err, match in bad:
+        for quantize in (K.triton_quantize, REF.quantize):
+            with pytest.raises(err, match=match):
+                quantize(x, **dict(kw, **change))
+    x_seg, seg = moe_input([5, 0], 16)
+    seg_col = qref.QTensor(torch.empty(16, 256, dtype=torch.int8), torch.empty(16), "row", 16)
+    for quantize in (K.triton_quantize, REF.quantize):
+        with pytest.raises(ValueError, match="segmented"):
+            quantize(x_seg, out=(None, seg_col), **_seg_kw(seg))
+
+
+def test_segmented_quantize_plan_serves_every_routing(K):
+    """The plan of a segmented quantize is keyed by the number of segments, not by the routing: a second
+    routing with the same aligned row count reuses it (no new plan) and still gets its own segments'
+    scales; segments that do not cover x are refused on every call, with a plan cached or not."""
+    plans = importlib.import_module("megatron_int8.kernels.quantize")._PLANS
+    x1, seg1 = moe_input([130, 0, 7, 0], 24)
+    x2, seg2 = moe_input([7, 0, 0, 130], 24)
+    assert x1.shape == x2.shape and seg1 != seg2
+    kw1, kw2 = _seg_kw(seg1, columnwise_pad=16), _seg_kw(seg2, columnwise_pad=16)
+    n_plans = len(plans)
+    got1 = K.triton_quantize(x1, **kw1)
+    assert len(plans) == n_plans + 1  # kept
+    got2 = K.triton_quantize(x2, **kw2)
+    assert len(plans) == n_plans + 1  # reused
+    for got, want in ((got1, REF.quantize(x1, **kw1)), (got2, REF.quantize(x2, **kw2))):
+        assert_same_qtensor(got[0], want[0], "rowwise")
+        assert_same_qtensor(got[1], want[1], "segmented columnwise")
+    assert torch.all(got2[1].scale[[1, 2]] == 1) and not torch.all(got2[1].scale[3] == 1)
+    short = qref.Segments.for_counts([7, 0, 0, 0])  # 4 segments over 128 rows, x has 384
+    with pytest.raises(ValueError, match="cover 128 rows"):
+        K.triton_quantize(x2, **_seg_kw(short, columnwise_pad=16))
+
+
 def stacked_weights(E, N, Kd):
     """The experts' row-wise Q(W_e) [N, K] stacked as [E, N, K] with scales [E, N]."""
     qs = [_q(outliers(N, Kd), "row", True) for _ in range(E)]

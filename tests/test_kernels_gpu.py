@@ -748,3 +748,47 @@ def test_mlp_with_swiglu_maxima_bit_identical(granularity):
         results.append((out, *(t.grad for t in leaves)))
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def test_moe_routing_tables_do_not_synchronize():
+    """The small host-built tables of an MoE routing (strip owners, strip offsets, the aligned rows) reach
+    the GPU without a stream synchronization (pinned memory, non-blocking), and hold the right values.
+    Control: a plain torch.tensor(..., device="cuda") does synchronize, so the check can fail."""
+    pytest.importorskip("megatron.core")
+    from megatron_int8.experts import _aligned_rows
+
+    counts = [130, 0, 7, 300]
+    seg = qref.Segments.for_counts(counts)
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.tensor([1, 2, 3], device=dev)
+        strips, offsets = seg.strip_experts(dev), seg.strip_offsets(dev)
+        rows = _aligned_rows(counts, seg, dev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert strips.tolist() == [0, 0, 2, 3, 3, 3] and offsets.tolist() == [0, 2, 2, 3, 6]
+    want = list(range(0, 130)) + list(range(256, 263)) + list(range(384, 684))
+    assert rows.tolist() == want
+
+
+@pytest.mark.parametrize("N,Kd", [(37, 53), (1024, 4096)])
+def test_quantize_into_stacked_slots(K, REF, N, Kd):
+    """Weights quantized straight into their slots of stacked buffers (backend.quantize's `out`), every slot
+    in turn: with odd shapes the slots' data and scales sit at offsets that are not 16-byte aligned, which
+    Triton specializes on (the plan key holds the alignment). Bit-identical to the reference, slot by slot."""
+    E = 3
+    row = qref.QTensor(torch.empty((E, N, Kd), dtype=torch.int8, device="cuda"),
+                       torch.empty((E, N), device="cuda"), "row", 128)
+    col = qref.QTensor(torch.empty((E, Kd, N), dtype=torch.int8, device="cuda"),
+                       torch.empty((E, Kd), device="cuda"), "row", 128)
+    kw = dict(granularity="row", block_size=128, weight=True, rowwise=True, columnwise=True)
+    ws = [outliers(N, Kd) for _ in range(E)]
+    for e, w in enumerate(ws):
+        K.triton_quantize(w, out=tuple(qref.QTensor(t.data[e], t.scale[e], "row", 128) for t in (row, col)), **kw)
+    for e, w in enumerate(ws):
+        r0, c0 = ref_quantize(REF, w, **kw)
+        assert torch.equal(row.data[e], r0.data) and torch.equal(row.scale[e], r0.scale), e
+        assert torch.equal(col.data[e], c0.data) and torch.equal(col.scale[e], c0.scale), e

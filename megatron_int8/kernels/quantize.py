@@ -507,6 +507,7 @@ def triton_quantize(
     columnwise_amax: Optional[torch.Tensor] = None,
     columnwise_segments: Optional[ref.Segments] = None,
     rowwise_amax: Optional[torch.Tensor] = None,
+    out: Optional[Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]] = None,
 ) -> Tuple[Optional[ref.QTensor], Optional[ref.QTensor]]:
     """Same contract as ReferenceBackend.quantize: (Q(x) [R, C] or None, Q(x^T) [C, R'] or None).
 
@@ -521,56 +522,70 @@ def triton_quantize(
     rows, in the same 3 launches and passes over x: the amax launch writes its column partials per
     SEGMENT_ALIGN strip of rows, the reduce launch turns each segment's strips into its column scales,
     and each quantize tile (inside one strip) uses its segment's scales.
+    `out` (row-wise only): destinations for Q(x) / Q(x^T) and their scales (quantize.check_quantize_out).
 
     Host cost: the arguments are checked, and the grids, buffer sizes and launches worked out, once per
-    plan key (x's shape, strides, dtype and 16-byte alignment, the options, the given amaxes' shapes); a
-    call with a known key allocates the outputs and calls the bound launches (launch.BoundLaunch).
-    Segments change with every routing, so their plans are not kept."""
+    plan key (x's shape, strides, dtype and 16-byte alignment, the options, the given amaxes' shapes, the
+    number of segments, the destinations' 16-byte alignment); a call with a known key allocates the outputs
+    and calls the bound launches (launch.BoundLaunch). Segments and destinations, which change from call to
+    call (every MoE routing), are checked on every call."""
+    if columnwise_segments is not None:
+        ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
+    if out is not None:
+        ref.check_quantize_out(x, granularity, rowwise, columnwise, columnwise_pad, columnwise_segments, out)
     # the argument types too: the checks reject e.g. a bool or float pad, and a known plan skips them
     key = (x.device, x.dtype, x.shape, x.stride(), x.data_ptr() % 16 == 0, granularity, block_size,
            type(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
            None if amax is None else amax.shape, columnwise_pad, type(columnwise_pad),
-           None if columnwise_amax is None else columnwise_amax.shape, columnwise_segments,
-           None if rowwise_amax is None else rowwise_amax.shape)
+           None if columnwise_amax is None else columnwise_amax.shape,
+           None if columnwise_segments is None else columnwise_segments.num_segments,
+           None if rowwise_amax is None else rowwise_amax.shape, _out_alignment(out))
     plan = _PLANS.get(key)
     if plan is None:
         ref.check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax, rowwise_amax)
-        if columnwise_segments is not None:
-            ref.check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
         plan = _plan(x, granularity, int(block_size), weight, rowwise, columnwise, stochastic, name, check_finite,
                      amax is not None, columnwise_pad, columnwise and columnwise_amax is not None,
-                     columnwise_segments if columnwise else None, rowwise and rowwise_amax is not None)
-        if columnwise_segments is None:
-            _PLANS.put(key, plan)
+                     columnwise_segments.num_segments if columnwise and columnwise_segments is not None else None,
+                     rowwise and rowwise_amax is not None)
+        _PLANS.put(key, plan)
     if not columnwise:  # checked above; only Q(x^T) uses them
         columnwise_amax = columnwise_segments = None
     if not rowwise:  # likewise, only Q(x) uses it
         rowwise_amax = None
-    return plan(x, amax, columnwise_amax, columnwise_segments, rowwise_amax)
+    return plan(x, amax, columnwise_amax, columnwise_segments, rowwise_amax, out)
+
+
+def _out_alignment(out) -> Optional[tuple]:
+    """What Triton specializes on in `out`'s tensors (16-byte alignment), for the plan key: a bound launch
+    must get pointers aligned like its first call's."""
+    if out is None:
+        return None
+    return tuple(None if d is None else (d.data.data_ptr() % 16 == 0, d.scale.data_ptr() % 16 == 0) for d in out)
 
 
 def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, given_amax,
-          columnwise_pad, given_col, segs, given_row) -> Callable:
-    """`run(x, amax, columnwise_amax, segments, rowwise_amax) -> (row, col)` for every x of this plan key."""
+          columnwise_pad, given_col, n_segments, given_row) -> Callable:
+    """`run(x, amax, columnwise_amax, segments, rowwise_amax, out) -> (row, col)` for every x of this plan key
+    (`n_segments`: the number of segments of a segmented Q(x^T), else None; `out` is row-wise only)."""
     R, C = x.shape
     if not (rowwise or columnwise):
         return lambda *_: (None, None)
     if R == 0 or C == 0 or not x.is_floating_point():  # degenerate: nothing for a kernel to do
         from ..backend import ReferenceBackend
 
-        def reference(x, amax, columnwise_amax, segments, rowwise_amax):
+        def reference(x, amax, columnwise_amax, segments, rowwise_amax, out):
             return ReferenceBackend().quantize(
                 x, granularity=granularity, block_size=block_size, weight=weight, rowwise=rowwise,
                 columnwise=columnwise, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax,
                 columnwise_pad=columnwise_pad, columnwise_amax=columnwise_amax, columnwise_segments=segments,
-                rowwise_amax=rowwise_amax)
+                rowwise_amax=rowwise_amax, out=out)
         return reference
     RP = ref.padded_length(R, columnwise_pad) if columnwise else R  # Q(x^T)'s row length
     if granularity == "block":
         return _block_plan(x, block_size, weight, rowwise, columnwise, stochastic, name, check_finite, RP)
     if granularity == "tensor":
         return _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, given_amax, RP)
-    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs,
+    return _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, n_segments,
                      given_row)
 
 
@@ -588,11 +603,15 @@ def _slots(flag: bool, device, name: str, dummy: torch.Tensor) -> torch.Tensor:
     return ref.nonfinite_slot(device, name)[0] if flag else dummy
 
 
-def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, device):
+def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, device, out=None):
     """(Q(x) or None, Q(x^T) or None, and the two pointers for the kernels: an output not requested is
-    stood in for by the other, which the kernel then does not store to)."""
-    q = torch.empty((R, C), dtype=torch.int8, device=device) if rowwise else None
-    qt = torch.empty((C, RP), dtype=torch.int8, device=device) if columnwise else None
+    stood in for by the other, which the kernel then does not store to). `out`'s destinations are used
+    where given."""
+    row_out, col_out = out if out is not None else (None, None)
+    q = (row_out.data if row_out is not None else torch.empty((R, C), dtype=torch.int8, device=device)
+         ) if rowwise else None
+    qt = (col_out.data if col_out is not None else torch.empty((C, RP), dtype=torch.int8, device=device)
+          ) if columnwise else None
     q_arg = q if q is not None else qt
     return q, qt, q_arg, qt if qt is not None else q_arg
 
@@ -630,7 +649,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
 
-    def run(x, amax, columnwise_amax, segments, rowwise_amax):
+    def run(x, amax, columnwise_amax, segments, rowwise_amax, out):  # out: row-wise only (never given here)
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         if given_amax:
             scale = torch.empty((), dtype=torch.float32, device=dev)
@@ -649,7 +668,8 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     return run
 
 
-def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, segs, given_row):
+def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, n_segments,
+              given_row):
     """Row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
     segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns.
     A given row / column amax stands in for that axis's partials; with nothing left to reduce, the amax and
@@ -657,18 +677,19 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
-    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic, column_scales=segs is None)
-    n_seg = segs.num_segments if segs is not None else 1  # segments come with Q(x^T) only (triton_quantize)
+    segs = n_segments is not None  # segments come with Q(x^T) only (triton_quantize)
+    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic, column_scales=not segs)
+    n_seg = n_segments if segs else 1
     n_scales = R * rowwise + n_seg * C * columnwise
     row_partials = rowwise and not given_row
     col_partials = columnwise and not given_col
-    col_maxima = col_partials and segs is None  # segmented: the reduce launch stores the scales themselves
+    col_maxima = col_partials and not segs  # segmented: the reduce launch stores the scales themselves
     reduce_first = row_partials or col_partials
     if reduce_first:
         ATR, ATC = _AMAX_TILE
         BG, BP = _REDUCE_TILE
         n_ct = cdiv(C, ATC)
-        RB = ref.SEGMENT_ALIGN if segs is not None else _amax_rows_per_program(R, n_ct, False)
+        RB = ref.SEGMENT_ALIGN if segs else _amax_rows_per_program(R, n_ct, False)
         n_rs = cdiv(R, RB)
         n_row = R * n_ct if row_partials else 0
         n_col = n_rs * C if col_partials else 0
@@ -681,21 +702,28 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
                                     num_warps=_AMAX_WARPS)
         reduce = _REDUCE.prepare((n_row_programs + n_seg * n_cb,),
                                  (ARG, R_red, n_ct, n_row_programs, ARG, C_red, n_rs, ARG, ARG, ARG, n_cb),
-                                 BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs is not None, num_warps=4)
+                                 BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs, num_warps=4)
     # the kernel flags every scale array it stores (not the segments' column scales, which the reduce launch
     # stores): a given amax may hold an Inf/NaN that x does not (another rank's rows), so the row scales
     # alone would not tell. Segmented Q(x^T) alone is checked on the host.
-    flag, slot = _finite_slot(check_finite, dev, name, rowwise or segs is None)
+    flag, slot = _finite_slot(check_finite, dev, name, rowwise or not segs)
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, 1, ARG, ARG,
-                                          ARG, slot), BP=1, SEG=segs is not None, FLAG=flag, **common)
+                                          ARG, slot), BP=1, SEG=segs, FLAG=flag, **common)
 
-    def run(x, amax, columnwise_amax, segments, rowwise_amax):
-        q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
-        scales = torch.empty(n_scales, dtype=torch.float32, device=dev)
-        s_row = scales[:R] if rowwise else None
-        s_col = scales[R * rowwise:] if columnwise else None
-        if segs is not None:
-            s_col = s_col.view(n_seg, C)
+    def run(x, amax, columnwise_amax, segments, rowwise_amax, out):
+        q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev, out)
+        if out is None:  # both scale arrays in one buffer
+            scales = torch.empty(n_scales, dtype=torch.float32, device=dev)
+            s_row = scales[:R] if rowwise else None
+            s_col = scales[R * rowwise:] if columnwise else None
+            if segs:
+                s_col = s_col.view(n_seg, C)
+        else:  # into the given destinations (never segmented); a scale array not given gets its own buffer
+            s_row = (out[0].scale if out[0] is not None else torch.empty(R, dtype=torch.float32, device=dev)
+                     ) if rowwise else None
+            s_col = (out[1].scale if out[1] is not None else torch.empty(C, dtype=torch.float32, device=dev)
+                     ) if columnwise else None
+            scales = s_row if s_row is not None else s_col
         a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
         if segments is not None:
             strips, seg_strips = segments.strip_experts(dev), segments.strip_offsets(dev)
@@ -773,7 +801,7 @@ def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finit
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
         FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
 
-    def run(x, amax, columnwise_amax, segments, rowwise_amax):
+    def run(x, amax, columnwise_amax, segments, rowwise_amax, out):  # out: row-wise only (never given here)
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)
         s = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
         st = torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise else None
