@@ -1,4 +1,4 @@
-"""MoE experts whose INT8 linears run grouped: one quantization and one GEMM launch for all local experts.
+"""MoE experts whose linears run grouped: one quantization and one GEMM launch for all local experts.
 
 `Int8GroupedMLP` is megatron's SequentialMLP (same `local_experts.{i}` MLPs, same parameters, state dicts
 and sharded checkpoints, so checkpoints interchange with the per-expert layers and with BF16) with a
@@ -6,10 +6,11 @@ grouped forward: the token-sorted input is laid out with each expert's rows at a
 expert linears run through `grouped_int8_linear`, and the activation (with the router probabilities)
 is megatron's own MLP code applied once to all experts' rows. Per expert, this trades ~4 quantize
 launches and 6 short GEMMs for a share of 4 quantizes and 2 grouped GEMMs (wgrad stays one GEMM per
-expert, on aligned slices).
+expert, on aligned slices). BF16 experts (the baseline) run the same way through `grouped_hp_linear`,
+as Transformer Engine's grouped experts would run them, rather than SequentialMLP's loop.
 
-Where the grouped op does not apply (BF16 or FP8 experts, a tensorwise/block or partly high-precision
-recipe, biases), it is SequentialMLP, and says why once at construction.
+Where the grouped op does not apply (FP8 experts, a tensorwise/block or partly high-precision INT8
+recipe, experts of both precisions, biases), it is SequentialMLP, and says why once at construction.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from .grouped_linear import grouped_int8_linear, grouped_recipe_problem
+from .grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
 from .layers import Int8LinearMixin
 from .quantize import Segments, device_tensor
 
@@ -35,6 +36,8 @@ class _ExpertLinears:
         weights = [lin.weight for lin in self.linears]
         first = self.linears[0]
         fuse = bool(first.gradient_accumulation_fusion)
+        if not first.int8:
+            return grouped_hp_linear(x, self.segments, weights, fuse_wgrad=fuse), None
         return grouped_int8_linear(x, self.segments, weights, first.int8_recipe, fuse_wgrad=fuse), None
 
 
@@ -51,7 +54,8 @@ class _GroupedExperts:
 
 
 class Int8GroupedMLP(SequentialMLP):
-    """SequentialMLP with its INT8 expert linears run grouped (see the module docstring)."""
+    """SequentialMLP with its expert linears (INT8, or BF16 for the baseline) run grouped (see the module
+    docstring)."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
@@ -61,17 +65,18 @@ class Int8GroupedMLP(SequentialMLP):
 
     def _grouped_problem(self) -> Optional[str]:
         linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
-        if not all(isinstance(lin, Int8LinearMixin) and lin.int8 for lin in linears):
-            return "the expert linears are not INT8"
+        if not all(isinstance(lin, Int8LinearMixin) for lin in linears):
+            return "the expert linears are not this package's INT8/BF16 linears (FP8 peer?)"
+        if len({lin.int8 for lin in linears}) != 1:
+            return "experts of both precisions"
+        if any(lin.bias is not None for lin in linears):
+            return "expert linears with biases"
+        if not linears[0].int8:
+            return None  # BF16: grouped_hp_linear takes any such experts
         recipes = {lin.int8_recipe for lin in linears}
         if len(recipes) != 1:
             return "the expert linears use different recipes"
-        problem = grouped_recipe_problem(recipes.pop())
-        if problem:
-            return problem
-        if any(lin.bias is not None for lin in linears):
-            return "expert linears with biases"
-        return None
+        return grouped_recipe_problem(recipes.pop())
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

@@ -14,6 +14,13 @@ be a per-expert one (`grouped_recipe_problem`).
 
 Weights: the stacked Q(W) and Q(W)^T are cached on the first expert's weight until any expert weight
 changes (the key of `linear.weight_cache_key`, per weight), in place of the per-expert caches.
+
+`grouped_hp_linear` is the same op in the input's precision (BF16 experts), so that the BF16 baseline's
+experts run grouped too, as Transformer Engine's or megatron's GroupedMLP would run them, instead of
+SequentialMLP's loop: fprop and dgrad as one `torch._grouped_mm` each over the experts' stacked weights
+(cached per optimizer step like the INT8 stacks: 2 bytes per expert parameter in BF16), wgrad one GEMM per
+expert into `main_grad`. Where `torch._grouped_mm` does not run (CPU, GPUs before Hopper, other dtypes)
+each expert's rows take a plain matmul.
 """
 from __future__ import annotations
 
@@ -23,11 +30,12 @@ from typing import Optional, Sequence
 import torch
 
 from .backend import get_backend
-from .linear import _main_grad_placeholder, _quantize_kwargs, weight_cache_key
-from .quantize import QTensor, Segments, segment_operand
+from .linear import _main_grad_placeholder, _quantize_kwargs, hp_wgrad_into, weight_cache_key, weight_version_key
+from .quantize import QTensor, Segments, device_tensor, segment_operand
 from .recipe import Int8Recipe
 
 _STACK_ATTR = "_megatron_int8_stacked"
+_HP_STACK_ATTR = "_megatron_int8_stacked_hp"
 
 
 def grouped_recipe_problem(recipe: Int8Recipe) -> Optional[str]:
@@ -124,6 +132,81 @@ class _GroupedInt8LinearFunction(torch.autograd.Function):
         return (grad_input, None, None, None, *grad_weights)
 
 
+def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights [N, K] stacked as [E, N, K] in their dtype; cached while none changes."""
+    key = tuple(weight_version_key(w) for w in weights)
+    entry = getattr(weights[0], _HP_STACK_ATTR, None)
+    if entry is None or entry[0] != key:
+        entry = (key, torch.stack([w.detach() for w in weights]))
+        setattr(weights[0], _HP_STACK_ATTR, entry)
+    return entry[1]
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, segments: Segments, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of segment e of a [R, K] times b[e] [K, N] -> [R, N] (b may be a transposed view): one
+    torch._grouped_mm on Hopper in bf16, else a matmul per non-empty segment (rows of empty ones: none)."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0):
+        return torch._grouped_mm(a, b, offs=offsets)
+    out = a.new_empty((a.shape[0], b.shape[-1]))
+    for e in range(segments.num_segments):
+        lo, hi = segments.bounds(e)
+        torch.mm(a[lo:hi], b[e], out=out[lo:hi])
+    return out
+
+
+class _GroupedHpLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, segments: Segments, fuse_wgrad: bool, *weights):
+        offsets = device_tensor(list(segments.offsets[1:]), torch.int32, x.device)  # segment ends, as _grouped_mm takes
+        out = _grouped_mm(x, stacked_weights(weights).transpose(1, 2), segments, offsets)
+        ctx.segments, ctx.fuse_wgrad, ctx.offsets = segments, fuse_wgrad, offsets
+        ctx.save_for_backward(x, *weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        segments = ctx.segments
+        x, *weights = ctx.saved_tensors
+        g = grad_output.contiguous()
+        grad_input = _grouped_mm(g, stacked_weights(weights), segments, ctx.offsets) if ctx.needs_input_grad[0] else None
+        grad_weights = []
+        for e, w in enumerate(weights):
+            if not ctx.needs_input_grad[3 + e]:
+                grad_weights.append(None)
+                continue
+            lo, hi = segments.bounds(e)
+            main_grad = getattr(w, "main_grad", None) if ctx.fuse_wgrad else None
+            if main_grad is not None:
+                if hi > lo:
+                    hp_wgrad_into(main_grad, g[lo:hi], x[lo:hi])
+                grad_weights.append(_main_grad_placeholder(w))
+            else:
+                grad_weights.append((g[lo:hi].t() @ x[lo:hi]).to(w.dtype))
+        return (grad_input, None, None, *grad_weights)
+
+
+def _check_grouped_input(name: str, x: torch.Tensor, segments: Segments, weights: Sequence[torch.Tensor]) -> None:
+    if len(weights) != segments.num_segments:
+        raise ValueError(f"{name}: {len(weights)} weights for {segments.num_segments} segments")
+    if x.dim() != 2 or x.shape[0] != segments.rows:
+        raise ValueError(f"{name}: input {tuple(x.shape)} does not hold the segments' {segments.rows} rows")
+    shape = tuple(weights[0].shape)
+    if any(tuple(w.shape) != shape for w in weights) or len(shape) != 2 or shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: expert weights must all be [N, {x.shape[1]}], got {[tuple(w.shape) for w in weights]}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: input must be floating point, got {x.dtype}")
+
+
+def grouped_hp_linear(x: torch.Tensor, segments: Segments, weights: Sequence[torch.Tensor], *,
+                      fuse_wgrad: bool = False) -> torch.Tensor:
+    """`grouped_int8_linear` in the input's precision: x [R, K] in the layout of `segments` -> [R, N], rows of
+    expert e times weights[e]^T, for BF16 experts (see the module docstring)."""
+    _check_grouped_input("grouped_hp_linear", x, segments, weights)
+    if any(w.dtype != x.dtype for w in weights):
+        raise TypeError(f"grouped_hp_linear: weights must have the input's dtype {x.dtype}")
+    return _GroupedHpLinearFunction.apply(x, segments, fuse_wgrad, *weights)
+
+
 def grouped_int8_linear(x: torch.Tensor, segments: Segments, weights: Sequence[torch.Tensor], recipe: Int8Recipe,
                         *, fuse_wgrad: bool = False) -> torch.Tensor:
     """x [R, K] in the layout of `segments` -> [R, N]: rows of expert e times weights[e]^T ([N, K]), INT8.
@@ -133,14 +216,5 @@ def grouped_int8_linear(x: torch.Tensor, segments: Segments, weights: Sequence[t
     problem = grouped_recipe_problem(recipe)
     if problem:
         raise ValueError(f"grouped_int8_linear: {problem}")
-    if len(weights) != segments.num_segments:
-        raise ValueError(f"grouped_int8_linear: {len(weights)} weights for {segments.num_segments} segments")
-    if x.dim() != 2 or x.shape[0] != segments.rows:
-        raise ValueError(f"grouped_int8_linear: input {tuple(x.shape)} does not hold the segments' {segments.rows} rows")
-    shape = tuple(weights[0].shape)
-    if any(tuple(w.shape) != shape for w in weights) or len(shape) != 2 or shape[1] != x.shape[1]:
-        raise ValueError(f"grouped_int8_linear: expert weights must all be [N, {x.shape[1]}], got "
-                         f"{[tuple(w.shape) for w in weights]}")
-    if not x.is_floating_point():
-        raise TypeError(f"grouped_int8_linear: input must be floating point, got {x.dtype}")
+    _check_grouped_input("grouped_int8_linear", x, segments, weights)
     return _GroupedInt8LinearFunction.apply(x, segments, recipe, fuse_wgrad, *weights)

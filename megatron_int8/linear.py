@@ -52,11 +52,15 @@ class _CachedWeight:
 _CACHE_ATTR = "_megatron_int8_quantized"  # stored on the weight tensor itself, so it dies with it
 
 
+def weight_version_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's current values: its storage and version, and the optimizer-step generation."""
+    return (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+
+
 def weight_cache_key(weight: torch.Tensor, recipe: Int8Recipe, backend) -> tuple:
-    """What a cached quantization of `weight` depends on: its storage and version, the optimizer-step
-    generation, and the recipe's quantization settings."""
-    return (_weight_generation, weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape),
-            recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
+    """What a cached quantization of `weight` depends on: its current values (`weight_version_key`) and the
+    recipe's quantization settings."""
+    return weight_version_key(weight) + (recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
 
 
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):

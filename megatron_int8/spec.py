@@ -97,18 +97,17 @@ class Int8SpecProvider(LocalSpecProvider):
     ) -> Tuple[type, Optional[MLPSubmodules]]:
         """Experts over this backend's linears (LocalSpecProvider hard-codes BF16 ones).
 
-        `moe_grouped_gemm` with INT8 experts: `Int8GroupedMLP` (SequentialMLP's modules and checkpoints,
-        grouped INT8 quantization and GEMMs). Otherwise SequentialMLP, one GEMM per local expert: BF16
-        and FP8 experts have no grouped GEMM here, and say so.
+        `moe_grouped_gemm` with INT8 or BF16 experts: `Int8GroupedMLP` (SequentialMLP's modules and
+        checkpoints; grouped INT8 quantization and GEMMs, or grouped BF16 GEMMs for the baseline).
+        Otherwise SequentialMLP, one GEMM per local expert: FP8 experts have no grouped GEMM here, and say so.
         """
         submodules = MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear())
         if not (moe_use_grouped_gemm or moe_use_legacy_grouped_gemm):
             return SequentialMLP, submodules
-        if self.fp8_recipe is None and self.int8:
+        if self.fp8_recipe is None:
             return Int8GroupedMLP, submodules
-        kind = "FP8" if self.fp8_recipe is not None else "BF16"
-        warnings.warn(f"megatron-int8: moe_grouped_gemm has no {kind} grouped GEMM here; "
-                      f"experts run as SequentialMLP with {kind} linears")
+        warnings.warn("megatron-int8: moe_grouped_gemm has no FP8 grouped GEMM here; "
+                      "experts run as SequentialMLP with FP8 linears")
         return SequentialMLP, submodules
 
 

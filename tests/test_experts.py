@@ -13,7 +13,8 @@ import warnings
 import pytest
 import torch
 
-from megatron_int8.grouped_linear import grouped_int8_linear, stacked_quantized_weights
+from megatron_int8.grouped_linear import grouped_hp_linear, grouped_int8_linear, stacked_quantized_weights, \
+    stacked_weights
 from megatron_int8.linear import int8_linear
 from megatron_int8.quantize import Segments
 from megatron_int8.recipe import Int8Recipe
@@ -21,7 +22,8 @@ from mcore_helpers import assert_layers_bit_identical, outlier_tensor, qgemm_bou
     tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
-COUNTS = [37, 0, 130, 5]  # an empty expert, one spanning two aligned strips, ragged counts
+COUNTS = [37, 0, 130, 5]
+EPS32 = torch.finfo(torch.float32).eps  # an empty expert, one spanning two aligned strips, ragged counts
 
 
 def _aligned(parts, segments):
@@ -91,6 +93,79 @@ def test_grouped_linear_equals_per_expert_linears_and_fp64_bound():
     assert (out[pad] == 0).all() and (x.grad[pad] == 0).all()
     assert torch.equal(grouped_dw[1], torch.zeros_like(grouped_dw[1]))
     assert all(g.abs().sum() > 0 for e, g in enumerate(grouped_dw) if COUNTS[e])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_hp_linear_equals_per_expert_linears(dtype):
+    """The BF16 baseline's grouped experts against float64 per expert: outputs x_e W_e^T, input gradients
+    g_e W_e and weight gradients g_e^T x_e (over the expert's rows, its zero alignment rows included), each
+    within the fp32 accumulation bound plus one rounding to the dtype (the matmuls see other shapes than a
+    per-expert F.linear, so BLAS may block the sums differently: no bit-identity promised); the alignment
+    rows zero both ways, an empty expert's gradient zero."""
+    gen = torch.Generator().manual_seed(13)
+    K, N = 48, 40
+    seg = Segments.for_counts(COUNTS)
+    xs = [t.to(dtype) for t in _tokens(COUNTS, K, gen)]
+    gs = [t.to(dtype) for t in _tokens(COUNTS, N, gen)]
+    ws = [w.detach().to(dtype).requires_grad_(True) for w in _experts(gen, len(COUNTS), N, K)]
+    x = _aligned(xs, seg).requires_grad_(True)
+    out = grouped_hp_linear(x, seg, ws)
+    out.backward(_aligned(gs, seg))
+    grouped_dw = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    def within(got, a, b, depth):  # got ~ a @ b, with a, b float64
+        exact = a @ b
+        bound = depth * EPS32 * (a.abs() @ b.abs()) + torch.finfo(dtype).eps * exact.abs()
+        return ((got.double() - exact).abs() <= bound).all()
+
+    for e, (xe, ge, we) in enumerate(zip(xs, gs, ws)):
+        lo, n = seg.offsets[e], xe.shape[0]
+        if not n:
+            continue
+        x64, g64, w64 = xe.double(), ge.double(), we.detach().double()
+        assert within(out[lo:lo + n], x64, w64.T, K), e
+        assert within(x.grad[lo:lo + n], g64, w64, N), e
+        assert within(grouped_dw[e], g64.T, x64, seg.offsets[e + 1] - lo), e
+    pad = torch.ones(seg.rows, dtype=torch.bool)
+    for e, c in enumerate(COUNTS):
+        pad[seg.offsets[e]:seg.offsets[e] + c] = False
+    assert (out[pad] == 0).all() and (x.grad[pad] == 0).all()
+    assert torch.equal(grouped_dw[1], torch.zeros_like(grouped_dw[1]))
+    assert all(g.abs().sum() > 0 for e, g in enumerate(grouped_dw) if COUNTS[e])
+
+
+def test_grouped_hp_linear_main_grad_and_stack_cache():
+    """fuse_wgrad adds each expert's fp32 product into its main_grad (megatron's placeholder returned); the
+    stacked weights are reused until a weight changes, then rebuilt; bad input is refused."""
+    gen = torch.Generator().manual_seed(14)
+    counts = [20, 0, 140]
+    seg = Segments.for_counts(counts)
+    ws = _experts(gen, 3, 24, 32)
+    for w in ws:
+        w.main_grad = torch.full_like(w, 0.5)
+        w.grad_added_to_main_grad = False
+    x = _aligned(_tokens(counts, 32, gen), seg)
+    g = _aligned(_tokens(counts, 24, gen), seg)
+    grouped_hp_linear(x, seg, ws, fuse_wgrad=True).backward(g)
+    assert all(w.grad_added_to_main_grad for w in ws)
+    for e, w in enumerate(ws):
+        lo, hi = seg.bounds(e)
+        g64, x64 = g[lo:hi].double(), x[lo:hi].double()
+        bound = ((hi - lo) + 1) * EPS32 * (0.5 + g64.abs().T @ x64.abs())
+        assert ((w.main_grad.double() - (0.5 + g64.T @ x64)).abs() <= bound).all(), e
+    assert torch.equal(ws[1].main_grad, torch.full_like(ws[1], 0.5))  # the empty expert: nothing added
+    stack = stacked_weights(ws)
+    assert stacked_weights(ws) is stack and torch.equal(stack[2], ws[2].detach())
+    with torch.no_grad():
+        ws[2].mul_(2.0)
+    assert torch.equal(stacked_weights(ws)[2], ws[2].detach()) and stacked_weights(ws) is not stack
+    with pytest.raises(ValueError, match="segments"):
+        grouped_hp_linear(x, seg, ws[:2])
+    with pytest.raises(ValueError, match="rows"):
+        grouped_hp_linear(x[:-1], seg, ws)
+    with pytest.raises(TypeError, match="dtype"):
+        grouped_hp_linear(x.bfloat16(), seg, ws)
 
 
 def test_grouped_wgrad_accumulates_into_main_grad():
@@ -210,8 +285,32 @@ def test_grouped_moe_falls_back_with_a_reason():
 
         from megatron_int8.spec import get_gpt_int8_layer_spec
 
-        with pytest.warns(UserWarning, match="no BF16 grouped GEMM"):
-            spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=True, int8=False)
-        bf16 = build_module(spec.submodules.mlp, config=tiny_config(**MOE, moe_grouped_gemm=True))
-        assert type(bf16.experts) is SequentialMLP
+        # experts of both precisions in one layer cannot share one grouped op
+        mixed = _moe_mlp(True)
+        mixed.experts.local_experts[1].linear_fc2.int8 = False
+        assert mixed.experts._grouped_problem() == "experts of both precisions"
+
+
+def test_grouped_bf16_moe_layer_equals_sequential_experts():
+    """The BF16 baseline's experts with moe_grouped_gemm run grouped (grouped_hp_linear) with SequentialMLP's
+    parameters, and give bit-identical outputs and gradients."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.experts import Int8GroupedMLP
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    gen = torch.Generator().manual_seed(12)
+    x0 = outlier_tensor(24, 2, 32, generator=gen)
+    g0 = outlier_tensor(24, 2, 32, generator=gen)
+    with single_process_megatron():
+        layers = []
+        for grouped in (False, True):
+            spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, int8=False)
+            layers.append(build_module(spec.submodules.mlp, config=tiny_config(**MOE, moe_grouped_gemm=grouped)))
+        seq, grp = layers
+        assert type(seq.experts) is SequentialMLP
+        assert isinstance(grp.experts, Int8GroupedMLP) and grp.experts.grouped_problem is None
+        grp.load_state_dict(seq.state_dict())
+        assert_layers_bit_identical(seq, grp, x0, g0)
 

@@ -227,3 +227,49 @@ def test_bench_layer_tiny_fp8_rows_on_gpu(tmp_path, moe):
     table, stdout = _run_bench_layer(tmp_path, *argv, timeout=600)
     assert "| FP8 torchao tensorwise |" in table and "| FP8 torchao tensorwise compiled |" in table, \
         table + stdout[-3000:]
+
+
+def test_grouped_bf16_experts_on_gpu():
+    """The BF16 baseline's grouped experts on the GPU (torch._grouped_mm on Hopper, else a matmul per expert):
+    outputs, input gradients and the weight gradients added into fp32 main_grad against float64 per expert,
+    within the fp32 accumulation bound plus a bf16 rounding; alignment rows zero; an empty expert's
+    main_grad untouched. Mixtral-like width, ragged counts."""
+    from megatron_int8.grouped_linear import grouped_hp_linear
+    from megatron_int8.quantize import Segments
+
+    gen = torch.Generator().manual_seed(22)
+    counts, K, N = [300, 0, 45, 1000, 128], 512, 1024
+    seg = Segments.for_counts(counts)
+    ws = [(outlier_tensor(N, K, generator=gen) * 0.05).to("cuda", torch.bfloat16).requires_grad_(True)
+          for _ in counts]
+    for w in ws:
+        w.main_grad = torch.zeros(N, K, device="cuda")
+        w.grad_added_to_main_grad = False
+    x = torch.zeros(seg.rows, K, device="cuda", dtype=torch.bfloat16)
+    g = torch.zeros(seg.rows, N, device="cuda", dtype=torch.bfloat16)
+    for e, c in enumerate(counts):
+        lo = seg.offsets[e]
+        if c:
+            x[lo:lo + c] = outlier_tensor(c, K, generator=gen).to("cuda", torch.bfloat16)
+            g[lo:lo + c] = outlier_tensor(c, N, generator=gen).to("cuda", torch.bfloat16)
+    x.requires_grad_(True)
+    out = grouped_hp_linear(x, seg, ws, fuse_wgrad=True)
+    out.backward(g)
+    eps = torch.finfo(torch.float32).eps  # with 2**-8: bf16's unit roundoff, one rounding of the result
+
+    def within(got, a, b, depth, rounding):
+        exact = a @ b
+        bound = depth * eps * (a.abs() @ b.abs()) + rounding * exact.abs()
+        return ((got.double() - exact).abs() <= bound).all().item()
+
+    for e, (c, w) in enumerate(zip(counts, ws)):
+        lo, hi = seg.bounds(e)
+        if not c:
+            assert torch.equal(w.main_grad, torch.zeros_like(w.main_grad))
+            continue
+        x64, g64, w64 = x[lo:hi].detach().double(), g[lo:hi].double(), w.detach().double()
+        assert within(out[lo:lo + c], x64[:c], w64.T, K, 2.0**-8), e
+        assert within(x.grad[lo:lo + c], g64[:c], w64, N, 2.0**-8), e
+        assert within(w.main_grad, g64.T, x64, hi - lo, 0.0), e
+        assert (out[lo + c:hi] == 0).all() and (x.grad[lo + c:hi] == 0).all(), e
+    assert all(w.grad_added_to_main_grad for w in ws)
