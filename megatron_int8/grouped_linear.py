@@ -144,8 +144,10 @@ def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, segments: Segments, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of segment e of a [R, K] times b[e] [K, N] -> [R, N] (b may be a transposed view): one
-    torch._grouped_mm on Hopper in bf16, else a matmul per non-empty segment (rows of empty ones: none)."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0):
+    torch._grouped_mm in bf16 on the GPUs it serves (Hopper, datacenter Blackwell), else a matmul per
+    segment."""
+    if (a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(a.device)[0] in (9, 10)):
         return torch._grouped_mm(a, b, offs=offsets)
     out = a.new_empty((a.shape[0], b.shape[-1]))
     for e in range(segments.num_segments):
