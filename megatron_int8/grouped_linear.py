@@ -109,27 +109,35 @@ class _GroupedInt8LinearFunction(torch.autograd.Function):
         if need_dgrad:
             _, qw_col = stacked_quantized_weights(weights, backend, recipe)
             grad_input = backend.grouped_gemm(qg_row, qw_col, segments, out_dtype=ctx.input_dtype)
-        grad_weights = []
         if any(need_wgrad):
             qx_col = QTensor(saved[0], saved[1], "row", ctx.qx_block_size)
-        for e, (w, need) in enumerate(zip(weights, need_wgrad)):
-            if not need:
-                grad_weights.append(None)
-                continue
-            lo, hi = segments.bounds(e)
-            main_grad = getattr(w, "main_grad", None) if ctx.fuse_wgrad else None
-            if main_grad is not None:
-                if hi > lo:
-                    backend.gemm(segment_operand(qg_col, segments, e), segment_operand(qx_col, segments, e),
-                                 out_dtype=torch.float32, accumulate_into=main_grad, autotune=recipe.autotune)
-                grad_weights.append(_main_grad_placeholder(w))
-            elif hi > lo:
-                grad_weights.append(backend.gemm(segment_operand(qg_col, segments, e),
-                                                 segment_operand(qx_col, segments, e), out_dtype=w.dtype,
-                                                 autotune=recipe.autotune))
-            else:
-                grad_weights.append(torch.zeros_like(w))  # an expert that received no tokens
+
+        def wgrad(e, dtype, accumulate_into):
+            return backend.gemm(segment_operand(qg_col, segments, e), segment_operand(qx_col, segments, e),
+                                out_dtype=dtype, accumulate_into=accumulate_into, autotune=recipe.autotune)
+
+        grad_weights = _expert_weight_grads(weights, need_wgrad, segments, ctx.fuse_wgrad, wgrad)
         return (grad_input, None, None, None, *grad_weights)
+
+
+def _expert_weight_grads(weights, needed, segments: Segments, fuse_wgrad: bool, wgrad) -> list:
+    """Each expert's weight gradient for autograd, from `wgrad(e, dtype, accumulate_into)`, which computes
+    expert e's product over its aligned rows (as `dtype`, or added into `accumulate_into`): None where not
+    needed; megatron's placeholder once added into main_grad (fuse_wgrad); zeros for an expert without
+    tokens."""
+    grads = []
+    for e, (w, need) in enumerate(zip(weights, needed)):
+        lo, hi = segments.bounds(e)
+        main_grad = getattr(w, "main_grad", None) if fuse_wgrad else None
+        if not need:
+            grads.append(None)
+        elif main_grad is not None:
+            if hi > lo:
+                wgrad(e, torch.float32, main_grad)
+            grads.append(_main_grad_placeholder(w))
+        else:
+            grads.append(wgrad(e, w.dtype, None) if hi > lo else torch.zeros_like(w))
+    return grads
 
 
 def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -171,19 +179,15 @@ class _GroupedHpLinearFunction(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         g = grad_output.contiguous()
         grad_input = _grouped_mm(g, stacked_weights(weights), segments, ctx.offsets) if ctx.needs_input_grad[0] else None
-        grad_weights = []
-        for e, w in enumerate(weights):
-            if not ctx.needs_input_grad[3 + e]:
-                grad_weights.append(None)
-                continue
+
+        def wgrad(e, dtype, accumulate_into):
             lo, hi = segments.bounds(e)
-            main_grad = getattr(w, "main_grad", None) if ctx.fuse_wgrad else None
-            if main_grad is not None:
-                if hi > lo:
-                    hp_wgrad_into(main_grad, g[lo:hi], x[lo:hi])
-                grad_weights.append(_main_grad_placeholder(w))
-            else:
-                grad_weights.append((g[lo:hi].t() @ x[lo:hi]).to(w.dtype))
+            if accumulate_into is not None:
+                return hp_wgrad_into(accumulate_into, g[lo:hi], x[lo:hi])
+            return (g[lo:hi].t() @ x[lo:hi]).to(dtype)
+
+        needed = ctx.needs_input_grad[3:]
+        grad_weights = _expert_weight_grads(weights, needed, segments, ctx.fuse_wgrad, wgrad)
         return (grad_input, None, None, *grad_weights)
 
 

@@ -59,6 +59,17 @@ def _experts(gen, E, N, K):
     return [outlier_tensor(N, K, generator=gen).mul_(0.05).requires_grad_(True) for _ in range(E)]
 
 
+def _assert_alignment_rows_and_empty_expert(seg, out, dx, dws):
+    """Over COUNTS' layout: the alignment rows stay zero in both directions, the empty expert's weight
+    gradient is zero, every other expert's is not."""
+    pad = torch.ones(seg.rows, dtype=torch.bool)
+    for e, c in enumerate(COUNTS):
+        pad[seg.offsets[e]:seg.offsets[e] + c] = False
+    assert (out[pad] == 0).all() and (dx[pad] == 0).all()
+    assert torch.equal(dws[1], torch.zeros_like(dws[1]))
+    assert all(g.abs().sum() > 0 for e, g in enumerate(dws) if COUNTS[e])
+
+
 def test_grouped_linear_equals_per_expert_linears_and_fp64_bound():
     gen = torch.Generator().manual_seed(3)
     K, N = 48, 40
@@ -86,13 +97,7 @@ def test_grouped_linear_equals_per_expert_linears_and_fp64_bound():
             exact = xe.double() @ we.double().T
             bound = qgemm_bound(xe.double(), we.detach().double(), granularity="row")
             assert ((ye.double() - exact).abs() <= bound).all()
-    # the alignment rows stay zero in both directions, and the empty expert's gradient is zero
-    pad = torch.ones(seg.rows, dtype=torch.bool)
-    for e, c in enumerate(COUNTS):
-        pad[seg.offsets[e]:seg.offsets[e] + c] = False
-    assert (out[pad] == 0).all() and (x.grad[pad] == 0).all()
-    assert torch.equal(grouped_dw[1], torch.zeros_like(grouped_dw[1]))
-    assert all(g.abs().sum() > 0 for e, g in enumerate(grouped_dw) if COUNTS[e])
+    _assert_alignment_rows_and_empty_expert(seg, out, x.grad, grouped_dw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -127,12 +132,7 @@ def test_grouped_hp_linear_equals_per_expert_linears(dtype):
         assert within(out[lo:lo + n], x64, w64.T, K), e
         assert within(x.grad[lo:lo + n], g64, w64, N), e
         assert within(grouped_dw[e], g64.T, x64, seg.offsets[e + 1] - lo), e
-    pad = torch.ones(seg.rows, dtype=torch.bool)
-    for e, c in enumerate(COUNTS):
-        pad[seg.offsets[e]:seg.offsets[e] + c] = False
-    assert (out[pad] == 0).all() and (x.grad[pad] == 0).all()
-    assert torch.equal(grouped_dw[1], torch.zeros_like(grouped_dw[1]))
-    assert all(g.abs().sum() > 0 for e, g in enumerate(grouped_dw) if COUNTS[e])
+    _assert_alignment_rows_and_empty_expert(seg, out, x.grad, grouped_dw)
 
 
 def test_grouped_hp_linear_main_grad_and_stack_cache():
