@@ -4,7 +4,10 @@
 and sharded checkpoints, so checkpoints interchange with the per-expert layers and with BF16) with a
 grouped forward: the token-sorted input is laid out with each expert's rows at a multiple of 128, both
 expert linears run through `grouped_int8_linear`, and the activation (with the router probabilities)
-is megatron's own MLP code applied once to all experts' rows. Per expert, this trades ~4 quantize
+runs once over all experts' rows. Where megatron would fuse it (`bias_activation_fusion`, SwiGLU) that
+is `swiglu.weighted_swiglu`: one Triton kernel each way, same math as megatron's torch.compile'd weighted
+SwiGLU (fp32, one rounding), which took two passes backward and ~3x the time of a copy (Mixtral, H200).
+Otherwise it is megatron's own MLP code. Per expert, this trades ~4 quantize
 launches and 6 short GEMMs for a share of 4 quantizes and 2 grouped GEMMs (wgrad stays one GEMM per
 expert, on aligned slices). BF16 experts (the baseline) run the same way through `grouped_hp_linear`,
 as Transformer Engine's grouped experts would run them, rather than SequentialMLP's loop.
@@ -18,12 +21,14 @@ import warnings
 from typing import List, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from .grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
 from .layers import Int8LinearMixin
 from .quantize import Segments, device_tensor
+from .swiglu import weighted_swiglu
 
 
 class _ExpertLinears:
@@ -62,6 +67,11 @@ class Int8GroupedMLP(SequentialMLP):
         self.grouped_problem = self._grouped_problem()
         if self.grouped_problem is not None:
             warnings.warn(f"megatron-int8: experts run one by one (SequentialMLP): {self.grouped_problem}")
+        # where megatron fuses the weighted SwiGLU; the trainer's --no-fused-swiglu turns it off
+        self.fused_swiglu = bool(
+            config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu
+            and not config.use_te_activation_func and getattr(config, "activation_func_clamp_value", None) is None
+            and getattr(config, "glu_linear_offset", 0.0) == 0.0)
 
     def _grouped_problem(self) -> Optional[str]:
         linears = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
@@ -96,7 +106,12 @@ class Int8GroupedMLP(SequentialMLP):
         rows = _aligned_rows(counts, segments, hidden.device)
         x = hidden.new_zeros((segments.rows, hidden.shape[-1])).index_copy(0, rows, hidden)
         p = probs.new_zeros(segments.rows).index_copy(0, rows, probs)
-        out, _ = MLP.forward(_GroupedExperts(self.local_experts, segments), x, per_token_scale=p)
+        experts = _GroupedExperts(self.local_experts, segments)
+        if self.fused_swiglu:
+            h, _ = experts.linear_fc1(x)
+            out, _ = experts.linear_fc2(weighted_swiglu(h, p))
+        else:
+            out, _ = MLP.forward(experts, x, per_token_scale=p)
         return _SelectRows.apply(out, rows), None
 
 

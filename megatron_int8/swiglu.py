@@ -11,6 +11,9 @@ set (a name from Transformer Engine, whose modules fill that slot otherwise); th
 there and the trainer sets the flag for dense SwiGLU models, BF16 runs included, so both precisions run the
 same activation kernels. Without the flag megatron applies its own SwiGLU and nothing changes.
 
+`weighted_swiglu` is the same with one weight per row, the router probability: megatron's weighted SwiGLU
+for MoE experts, which the grouped experts (megatron_int8.experts) run in both precisions.
+
 Numerics: fp32 math, one rounding to the input's dtype, forward and backward, as megatron's fused
 (torch.compile'd) SwiGLU. On CPU, or without Triton, `swiglu_reference` computes the same with PyTorch ops.
 """
@@ -59,6 +62,44 @@ def swiglu(x: torch.Tensor, emit_maxima: bool = False) -> torch.Tensor:
     if x.dtype in _KERNEL_DTYPES and triton_runs_on(x.device) and triton_available():
         return _TritonSwiGLU.apply(x, bool(emit_maxima))  # the kernels check x's shape, as the reference does
     return swiglu_reference(x)
+
+
+def weighted_swiglu_reference(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b * probs (one weight per row, as megatron's weighted SwiGLU for MoE experts), in fp32,
+    rounded once to x's dtype. Differentiable through PyTorch's autograd (x and probs)."""
+    if tuple(probs.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"weighted swiglu: probs {tuple(probs.shape)} must match x's rows {tuple(x.shape[:-1])}")
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
+    a, b = x.float().chunk(2, dim=-1)
+    return (F.silu(a) * b * probs.float().unsqueeze(-1)).to(x.dtype)
+
+
+class _TritonWeightedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs):
+        from .kernels.swiglu import triton_swiglu_forward
+
+        y, _, _ = triton_swiglu_forward(x, probs=probs)
+        ctx.save_for_backward(x, probs)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from .kernels.swiglu import triton_weighted_swiglu_backward
+
+        x, probs = ctx.saved_tensors
+        return triton_weighted_swiglu_backward(dy, x, probs)
+
+
+def weighted_swiglu(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b * probs for x = [a | b] and one weight per row (the router probability of the token-expert
+    pair): megatron's weighted SwiGLU for MoE experts, one Triton kernel each way where they run. Both x's and
+    probs' gradients flow; probs' is the fp32 row sum of silu(a) b dy, rounded once to probs' dtype."""
+    if (x.dtype in _KERNEL_DTYPES and probs.is_floating_point() and triton_runs_on(x.device)
+            and triton_available()):
+        return _TritonWeightedSwiGLU.apply(x, probs)  # the kernels check the shapes
+    return weighted_swiglu_reference(x, probs)
 
 
 class SwiGLU(torch.nn.Module):

@@ -111,6 +111,13 @@ def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
         ("weight gradient", dw, want_dw, want_dw.abs() * torch.finfo(weight.dtype).eps * rounding_ulps
          + (dy64 * xhat).abs().reshape(-1, W).sum(0) * (x.numel() // W + W + 8) * f32),
     ]
+    if probs is not None:
+        terms = a * s * b * dy.double()
+        want_dp = terms.sum(-1)
+        magnitude = ((a * b).abs() * (s + tiny) * dy.double().abs()).sum(-1)
+        checks.append(("gradient of the row weights", dprobs, want_dp,
+                       (a.shape[-1] + 8) * f32 * magnitude + want_dp.abs() * torch.finfo(probs.dtype).eps
+                       * rounding_ulps + tiny))
     for what, got, want, bound in checks:
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
         err = (got.double() - want).abs()
@@ -118,27 +125,39 @@ def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
                                       f"at {(err - bound).argmax().item()}")
 
 
-def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5):
+def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5, probs=None, dprobs=None):
     """SwiGLU's forward y = silu(a) b and input gradient dx = [da | db] (x = [a | b] on the last dimension)
     against float64. Bounds: one rounding to the output dtype (`rounding_ulps` of it) plus fp32 arithmetic,
     bounded on the magnitudes each formula combines: da = dy b s (1 + a (1 - s)) cancels near a = -1.28.
     sigmoid(a) of a very negative a underflows in fp32 (subnormal or 0): an absolute error of up to the
-    smallest normal fp32 number in s, times the factors it meets."""
+    smallest normal fp32 number in s, times the factors it meets.
+
+    With `probs` (one weight p per row), the weighted SwiGLU: y = silu(a) b p, dx as above for dy p, and
+    `dprobs` = the row sums of silu(a) b dy, within an fp32 sum's bound over the row plus one rounding to
+    probs' dtype."""
     f32 = torch.finfo(torch.float32).eps
     tiny = torch.finfo(torch.float32).tiny
     out_eps = torch.finfo(x.dtype).eps * rounding_ulps
     a, b = x.double().chunk(2, dim=-1)
-    g = dy.double()
+    p = torch.ones(a.shape[:-1], dtype=torch.float64) if probs is None else probs.double()
+    g = dy.double() * p.unsqueeze(-1)
     s = torch.sigmoid(a)
-    want_y = a * s * b
+    want_y = a * s * b * p.unsqueeze(-1)
     want_da, want_db = g * b * s * (1 + a * (1 - s)), g * a * s
     checks = [
-        ("forward", y, want_y, want_y.abs() * (out_eps + 8 * f32) + ((a * b).abs() + 1) * tiny),
+        ("forward", y, want_y, want_y.abs() * (out_eps + 8 * f32) + ((a * b * p.unsqueeze(-1)).abs() + 1) * tiny),
         ("gradient of a", dx[..., :a.shape[-1]], want_da,
          want_da.abs() * out_eps + (g * b).abs() * (1 + a.abs()) * (s * 16 * f32 + tiny) + tiny),
         ("gradient of b", dx[..., a.shape[-1]:], want_db,
          want_db.abs() * (out_eps + 8 * f32) + ((g * a).abs() + 1) * tiny),
     ]
+    if probs is not None:
+        terms = a * s * b * dy.double()
+        want_dp = terms.sum(-1)
+        magnitude = ((a * b).abs() * (s + tiny) * dy.double().abs()).sum(-1)
+        checks.append(("gradient of the row weights", dprobs, want_dp,
+                       (a.shape[-1] + 8) * f32 * magnitude + want_dp.abs() * torch.finfo(probs.dtype).eps
+                       * rounding_ulps + tiny))
     for what, got, want, bound in checks:
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
         err = (got.double() - want).abs()

@@ -314,3 +314,45 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
         grp.load_state_dict(seq.state_dict())
         assert_layers_bit_identical(seq, grp, x0, g0)
 
+
+
+def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
+    """With megatron's activation fusion on, the grouped experts run megatron_int8.swiglu.weighted_swiglu
+    (on CPU its fp32 reference; the Triton kernels are checked in test_kernels.py): outputs and every
+    gradient, the router's through the probabilities included, agree in fp32 with SequentialMLP's unfused
+    SwiGLU (a few fp32 roundings apart), and --no-fused-swiglu's switch sends it back to megatron's code."""
+    import megatron_int8.experts as experts_mod
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    calls = []
+    real = experts_mod.weighted_swiglu
+    monkeypatch.setattr(experts_mod, "weighted_swiglu", lambda h, p: calls.append(h.shape) or real(h, p))
+    gen = torch.Generator().manual_seed(13)
+    x0 = outlier_tensor(24, 2, 32, generator=gen)
+    g0 = outlier_tensor(24, 2, 32, generator=gen)
+    with single_process_megatron():
+        layers = []
+        for grouped, fusion in ((False, False), (True, True)):
+            spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, int8=False)
+            cfg = tiny_config(**MOE, moe_grouped_gemm=grouped, bias_activation_fusion=fusion)
+            layers.append(build_module(spec.submodules.mlp, config=cfg))
+        seq, grp = layers
+        assert grp.experts.fused_swiglu and not hasattr(seq.experts, "fused_swiglu")
+        grp.load_state_dict(seq.state_dict())
+        results = []
+        for layer in (seq, grp):
+            x = x0.clone().requires_grad_(True)
+            out, _ = layer(x)
+            out.backward(g0)
+            results.append([("output", out.detach()), ("input gradient", x.grad)]
+                           + [(n, p.grad) for n, p in layer.named_parameters()])
+        assert len(calls) == 1
+        for (name, want), (_, got) in zip(*results):
+            assert want.abs().sum() > 0, name
+            err = (got.double() - want.double()).abs().max() / want.double().abs().max()
+            assert err <= 1e-5, f"{name}: relative error {err:.3g}"
+        grp.experts.fused_swiglu = False  # what the trainer's --no-fused-swiglu sets
+        grp(x0)
+        assert len(calls) == 1

@@ -1117,6 +1117,46 @@ def test_swiglu_kernel_forward_backward_and_maxima(dtype, emit_maxima):
         assert known_maxima(y) is None
 
 
+@pytest.mark.parametrize("dtype,probs_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_weighted_swiglu_kernel_forward_backward(dtype, probs_dtype):
+    """The Triton weighted SwiGLU (grouped MoE experts) on strided rows, F spanning several column blocks:
+    y = silu(a) b p, dx, and p's gradient (row sums added up over the column blocks) against float64. A row
+    with weight 0 gets zero output and zero input gradient, and still its weight's gradient."""
+    from int8_bounds import assert_swiglu_close
+
+    from megatron_int8.swiglu import weighted_swiglu
+
+    ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
+    R, F = 45, 37
+    x = outliers(R, 2 * F + 6, dtype, zero_rows=(4,))[:, :2 * F]
+    assert not x.is_contiguous()
+    probs = torch.rand(R, dtype=torch.float64) * 1.5
+    probs[7] = 0
+    probs = probs.to(probs_dtype)
+    leaf, p_leaf = x.detach().requires_grad_(True), probs.clone().requires_grad_(True)
+    y = weighted_swiglu(leaf, p_leaf)
+    assert "TritonWeightedSwiGLU" in type(y.grad_fn).__name__ and y.shape == (R, F) and y.dtype == dtype
+    dy = outliers(R, F, dtype)
+    y.backward(dy)
+    assert leaf.grad.dtype == dtype and p_leaf.grad.dtype == probs_dtype
+    assert_swiglu_close(x, dy, y.detach(), leaf.grad, ulps, probs=probs, dprobs=p_leaf.grad)
+    assert (y[7] == 0).all() and (leaf.grad[7] == 0).all() and p_leaf.grad[7] != 0
+
+
+def test_weighted_swiglu_kernel_empty_and_bad_weights():
+    from megatron_int8.kernels.swiglu import triton_swiglu_forward, triton_weighted_swiglu_backward
+
+    x, p = torch.empty(0, 8), torch.empty(0)
+    y, _, _ = triton_swiglu_forward(x, probs=p)
+    dx, dp = triton_weighted_swiglu_backward(torch.empty(0, 4), x, p)
+    assert y.shape == (0, 4) and dx.shape == (0, 8) and dp.shape == (0,)
+    x = outliers(6, 8)
+    for bad in (torch.rand(5), torch.rand(6, 1), torch.arange(6)):
+        with pytest.raises(ValueError, match="probs"):
+            triton_swiglu_forward(x, probs=bad)
+
+
 def test_swiglu_kernel_non_finite_maxima():
     """An Inf or NaN in SwiGLU's output makes its row's and column's maxima inf (a NaN scale downstream)."""
     from megatron_int8.kernels.swiglu import triton_swiglu_backward, triton_swiglu_forward

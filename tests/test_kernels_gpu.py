@@ -730,6 +730,28 @@ def test_swiglu_real_shapes_and_maxima(R, F):
         assert torch.equal(known.rows, a.amax(1)) and torch.equal(known.cols, a.amax(0))
 
 
+@pytest.mark.parametrize("R,F", [(4224, 14336), (1031, 1377)])
+def test_weighted_swiglu_real_shapes(R, F):
+    """The Triton weighted SwiGLU at a Mixtral expert layout (14336 columns; 4224 rows, about one micro-batch of
+    two experts' tokens) and at a ragged size: y, dx and the router probabilities' gradient against float64
+    (one bf16 rounding plus fp32 arithmetic; an fp32 sum over 14336 columns for the probabilities)."""
+    from int8_bounds import assert_swiglu_close
+
+    from megatron_int8.swiglu import weighted_swiglu
+
+    x = outliers(R, 2 * F)
+    probs = torch.rand(R, device="cuda")
+    probs[:64] = 0  # padding rows of the aligned layout carry weight 0
+    leaf, p_leaf = x.detach().requires_grad_(True), probs.clone().requires_grad_(True)
+    y = weighted_swiglu(leaf, p_leaf)
+    assert "TritonWeightedSwiGLU" in type(y.grad_fn).__name__
+    dy = outliers(R, F)
+    y.backward(dy)
+    assert_swiglu_close(x.cpu(), dy.cpu(), y.detach().cpu(), leaf.grad.cpu(), probs=probs.cpu(),
+                        dprobs=p_leaf.grad.cpu())
+    assert (y[:64] == 0).all() and (leaf.grad[:64] == 0).all()
+
+
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
 def test_mlp_with_swiglu_maxima_bit_identical(granularity):
     """fc1 -> SwiGLU -> fc2 with INT8 linears at Qwen3-4B's MLP shapes: with the SwiGLU's maxima handed to the

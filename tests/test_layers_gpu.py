@@ -148,6 +148,42 @@ def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():
     assert_layers_bit_identical(seq, grp, x0, g0)
 
 
+def test_grouped_moe_fused_weighted_swiglu_on_gpu():
+    """The grouped BF16 experts with megatron's activation fusion on, run twice: with megatron_int8's Triton
+    weighted SwiGLU, and with megatron's torch.compile'd one (fused_swiglu off). Both compute in fp32 and round
+    once to bf16, so the activations differ by at most one bf16 step (2^-7 relative) where the two sigmoids
+    round differently. Output, input gradient and router gradient (through the probabilities) must agree in
+    relative norm within 2^-6; a wrong weighting or probability gradient is off by O(1)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    gen = torch.Generator().manual_seed(22)
+    config = tiny_config(hidden_size=256, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=384,
+                         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                         moe_aux_loss_coeff=0.0, params_dtype=torch.bfloat16, bf16=True, moe_grouped_gemm=True,
+                         bias_activation_fusion=True)
+    spec = get_gpt_int8_layer_spec(num_experts=8, moe_grouped_gemm=True, int8=False)
+    layer = build_module(spec.submodules.mlp, config=config).cuda()
+    assert layer.experts.fused_swiglu
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(outlier_tensor(*p.shape, generator=gen, scale=8.0) * 0.05)
+    x0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
+    g0 = outlier_tensor(128, 4, 256, generator=gen).to("cuda", torch.bfloat16)
+    results = []
+    for fused in (True, False):
+        layer.experts.fused_swiglu = fused
+        layer.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        out, _ = layer(x)
+        out.backward(g0)
+        results.append((out.detach().float(), x.grad.float(), layer.router.weight.grad.float().clone()))
+    for name, got, want in zip(("output", "input gradient", "router gradient"), *results):
+        rel = (got - want).norm() / want.norm()
+        assert want.norm() > 0 and rel < 2 ** -6, f"{name}: relative difference {rel:.3g}"
+
+
 # ------------------------------------------------------------------------ FP8 peer (torchao float8)
 
 

@@ -24,6 +24,23 @@ def test_reference_forward_and_backward_against_float64(dtype):
     assert_swiglu_close(x.detach(), dy, y.detach(), x.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weighted_reference_against_float64(dtype):
+    """The weighted SwiGLU of the MoE experts (one router probability per row) on CPU: y, dx and the
+    probabilities' gradient against float64."""
+    from megatron_int8.swiglu import weighted_swiglu
+
+    x = heavy_tailed(21, 2 * 19, scale=12.0, dtype=dtype).requires_grad_(True)
+    probs = torch.rand(21, dtype=torch.float32).requires_grad_(True)
+    y = weighted_swiglu(x, probs)
+    dy = heavy_tailed(21, 19, dtype=dtype)
+    y.backward(dy)
+    assert y.dtype == dtype and x.grad.dtype == dtype and probs.grad.dtype == torch.float32
+    assert_swiglu_close(x.detach(), dy, y.detach(), x.grad, probs=probs.detach(), dprobs=probs.grad)
+    with pytest.raises(ValueError, match="probs"):
+        weighted_swiglu(x, probs[:-1])
+
+
 def test_rejects_odd_last_dimension_and_bad_configs():
     with pytest.raises(ValueError, match="even"):
         swiglu(torch.zeros(4, 5))

@@ -6,6 +6,11 @@ dimension); every row stride is allowed, the last stride must be 1.
     backward  da = dy b s (1 + a (1 - s)),  db = dy a s       dx = [da | db] [R, 2F], s = sigmoid(a)
 fp32 math, one rounding to x's dtype, as megatron's fused SwiGLU (torch.compile) does.
 
+WEIGHTED (MoE experts, megatron's weighted SwiGLU): each row r carries the router probability p[r],
+    forward   y = silu(a) b p
+    backward  dx as above with dy p in place of dy;  dp[r] = sum over the row of silu(a) b dy
+The row sums are written as partial sums per column block, [n_ct, R] fp32, added up by one torch.sum.
+
 MAXIMA: the kernel also writes partial maxima of |output| (of the rounded values, Inf/NaN as inf) in the
 layout of kernels/quantize's amax pass, prow [n_ct, R] and pcol [n_rs, C], and one reduce launch turns them
 into the output's per-row and per-column maxima. The INT8 linear that quantizes y (fc2's input) or dx
@@ -33,8 +38,9 @@ def _swiglu_fwd_kernel(
     x_ptr, stride_xr,  # [R, 2F], last stride 1
     y_ptr,  # [R, F], contiguous
     prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, F] partial maxima of |y|
+    p_ptr,  # WEIGHTED: [R] row weights (router probabilities)
     R, F, RB,
-    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
+    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
     acc = tl.zeros((TR, TC), tl.float32)
@@ -43,7 +49,10 @@ def _swiglu_fwd_kernel(
         src = x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :]
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
-        y = (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty)
+        y = a * tl.sigmoid(a) * b
+        if WEIGHTED:
+            y = y * tl.load(p_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
+        y = y.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
         if MAXIMA:
             m = tl.abs(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
@@ -59,8 +68,9 @@ def _swiglu_bwd_kernel(
     x_ptr, stride_xr,  # forward input [R, 2F], last stride 1
     dx_ptr,  # [R, 2F], contiguous
     prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, 2F] partial maxima of |dx|
+    p_ptr, dp_ptr,  # WEIGHTED: [R] row weights; [n_ct, R] fp32 partial sums of their gradient
     R, F, RB,
-    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr,
+    TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
     acc_a = tl.zeros((TR, TC), tl.float32)
@@ -73,6 +83,9 @@ def _swiglu_bwd_kernel(
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(a)
+        if WEIGHTED:  # masked lanes: a = 0 adds nothing to the row sums
+            tl.store(dp_ptr + ct.to(tl.int64) * R + offs_r, tl.sum(a * s * b * g, 1), mask=mask_r)
+            g = g * tl.load(p_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
         da = (g * b * s * (1.0 + a * (1.0 - s))).to(dx_ptr.dtype.element_ty)
         db = (g * a * s).to(dx_ptr.dtype.element_ty)
         dst = dx_ptr + rows * (2 * F) + offs_c[None, :]
@@ -113,9 +126,10 @@ def _strips(R: int, F: int, TR: int, TC: int) -> Tuple[int, int, int]:
     return RB, cdiv(R, RB), cdiv(F, TC)
 
 
-def _launch(cache: LaunchCache, lead: tuple, R: int, F: int, C: int, maxima: bool, device,
+def _launch(cache: LaunchCache, lead: tuple, weights: tuple, R: int, F: int, C: int, maxima: bool, device,
             tile: Optional[tuple] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Launch one pass over [R, F] with C output columns; (row maxima [R], column maxima [C]) if `maxima`."""
+    """Launch one pass over [R, F] with C output columns; (row maxima [R], column maxima [C]) if `maxima`.
+    `weights`: the WEIGHTED pointers (forward: p; backward: p and dp's partial sums), or () for plain SwiGLU."""
     TR, TC = tile or _TILE
     RB, n_rs, n_ct = _strips(R, F, TR, TC)
     if maxima:
@@ -123,8 +137,9 @@ def _launch(cache: LaunchCache, lead: tuple, R: int, F: int, C: int, maxima: boo
         pcol = torch.empty((n_rs, C), dtype=torch.float32, device=device)
     else:
         prow = pcol = lead[0]  # never touched
-    cache.launch((n_rs, n_ct), *lead, prow, pcol, R, F, RB, TR=TR, TC=TC, STAGES=_STAGES, MAXIMA=maxima,
-                 num_warps=_WARPS)
+    unused = (lead[0],) * (1 if cache is _FWD else 2)  # WEIGHTED off: never touched
+    cache.launch((n_rs, n_ct), *lead, prow, pcol, *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES,
+                 MAXIMA=maxima, WEIGHTED=bool(weights), num_warps=_WARPS)
     if not maxima:
         return None, None
     return reduce_partial_maxima(prow, pcol)
@@ -150,29 +165,60 @@ def _check(x: torch.Tensor) -> int:
     return x.shape[-1] // 2
 
 
-def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None):
+def _row_weights(probs: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The router probabilities as a contiguous [R] vector, checked against x [..., 2F]."""
+    if probs is None:
+        return None
+    if tuple(probs.shape) != tuple(x.shape[:-1]) or not probs.is_floating_point() or probs.device != x.device:
+        raise ValueError(f"weighted swiglu: probs must be floating point of shape {tuple(x.shape[:-1])} on "
+                         f"{x.device}, got {probs.dtype} {tuple(probs.shape)} on {probs.device}")
+    return probs.reshape(-1).contiguous()
+
+
+def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None,
+                          probs: Optional[torch.Tensor] = None):
     """(y, row maxima [R] or None, column maxima [F] or None) of x [..., 2F]; y [..., F] contiguous,
-    R = rows of y. `tile`: (TR, TC) instead of the default register tile (for tuning)."""
+    R = rows of y. `probs` [...]: each row's weight (the weighted SwiGLU). `tile`: (TR, TC) instead of the
+    default register tile (for tuning)."""
     F = _check(x)
+    p = _row_weights(probs, x)
     x2 = _rows(x)
     R = x2.shape[0]
     y = torch.empty((*x.shape[:-1], F), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return (y, *_zero_maxima(R, F, x.device, maxima))
-    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), R, F, F, maxima, x.device, tile)
+    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device, tile)
     return y, rows, cols
+
+
+def _backward(dy, x, maxima, tile, probs):
+    F = _check(x)
+    if dy.shape != (*x.shape[:-1], F):
+        raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
+    p = _row_weights(probs, x)
+    x2, dy2 = _rows(x), _rows(dy)
+    R = x2.shape[0]
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        dp = None if p is None else torch.zeros_like(probs)
+        return (dx, *_zero_maxima(R, 2 * F, x.device, maxima), dp)
+    partial_dp = None if p is None else torch.empty((cdiv(F, (tile or _TILE)[1]), R), dtype=torch.float32,
+                                                    device=x.device)
+    rows, cols = _launch(_BWD, (dy2, dy2.stride(0), x2, x2.stride(0), dx), () if p is None else (p, partial_dp),
+                         R, F, 2 * F, maxima, x.device, tile)
+    dp = None if p is None else partial_dp.sum(0).to(probs.dtype).view(probs.shape)
+    return dx, rows, cols, dp
 
 
 def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None):
     """(dx, row maxima [R] or None, column maxima [2F] or None) for dy [..., F] and x [..., 2F]; dx of x's
     shape, contiguous."""
-    F = _check(x)
-    if dy.shape != (*x.shape[:-1], F):
-        raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
-    x2, dy2 = _rows(x), _rows(dy)
-    R = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if dx.numel() == 0:
-        return (dx, *_zero_maxima(R, 2 * F, x.device, maxima))
-    rows, cols = _launch(_BWD, (dy2, dy2.stride(0), x2, x2.stride(0), dx), R, F, 2 * F, maxima, x.device, tile)
-    return dx, rows, cols
+    return _backward(dy, x, maxima, tile, None)[:3]
+
+
+def triton_weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor,
+                                    tile: Optional[tuple] = None):
+    """(dx, dprobs) of the weighted SwiGLU y = silu(a) b probs: dx as x, contiguous; dprobs as probs (the row
+    sums in fp32, rounded once to probs' dtype)."""
+    dx, _, _, dp = _backward(dy, x, False, tile, probs)
+    return dx, dp

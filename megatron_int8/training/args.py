@@ -60,7 +60,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="Dense SwiGLU MLPs: megatron's own SwiGLU (torch.compile'd on CUDA) instead of "
                         "megatron_int8.swiglu (one Triton kernel each way, handing its outputs' maxima to the "
-                        "INT8 linears so that they skip an amax pass). MoE experts always run megatron's.")
+                        "INT8 linears so that they skip an amax pass); grouped MoE experts: megatron's "
+                        "weighted SwiGLU instead of megatron_int8.swiglu.weighted_swiglu.")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")

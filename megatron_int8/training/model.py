@@ -86,6 +86,10 @@ def build_config(args, log):
     if config.use_te_activation_func:  # set by transformer_config_from_args for dense SwiGLU models
         log("note: SwiGLU fused (megatron_int8.swiglu, a Triton kernel on CUDA that hands its outputs' maxima "
             "to the INT8 linears; --no-fused-swiglu for megatron's)")
+    if config.num_moe_experts and config.moe_grouped_gemm and config.bias_activation_fusion and args.swiglu \
+            and args.fused_swiglu:
+        log("note: the grouped experts' weighted SwiGLU fused (megatron_int8.swiglu.weighted_swiglu, a Triton "
+            "kernel each way on CUDA; --no-fused-swiglu for megatron's)")
     if config.apply_rope_fusion:
         from megatron.core.models.common.embeddings import rope_utils
 
@@ -146,6 +150,12 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
     )
+    if not args.fused_swiglu:
+        from ..experts import Int8GroupedMLP
+
+        for module in model.modules():
+            if isinstance(module, Int8GroupedMLP):
+                module.fused_swiglu = False  # megatron's weighted SwiGLU
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if getattr(args, "fuse_wgrad_in_layers", False):
