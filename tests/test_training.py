@@ -478,7 +478,7 @@ def test_train_step_stops_before_the_update_on_a_nonfinite_int8_input():
 
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_graphed_step_gradient_check_finds_nonfinite_values_in_any_buffer(monkeypatch, bad):
-    """With --cuda-graph-impl local, DDP's in-step NaN check is off; this check replaces it after the replay."""
+    """DDP's in-step NaN check is off (it syncs twice per bucket); this check replaces it once per step."""
     from types import SimpleNamespace
 
     import torch
@@ -496,3 +496,46 @@ def test_graphed_step_gradient_check_finds_nonfinite_values_in_any_buffer(monkey
     else:
         with pytest.raises(FloatingPointError, match="Inf or NaN in the gradients"):
             loop._raise_if_grads_nonfinite([chunk])
+
+
+def test_eager_step_checks_gradients_before_the_update(monkeypatch):
+    """An eager step (no CUDA graph) runs the once-per-step gradient check before the optimizer: a NaN in a
+    gradient buffer stops it without an update."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_int8.training import loop
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)  # one rank
+    grads = torch.randn(64)
+    chunk = SimpleNamespace(buffers=[SimpleNamespace(grad_data=grads)], expert_parallel_buffers=[],
+                            zero_grad_buffer=lambda: None)
+    stepped = []
+    optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: stepped.append(1) or (True, 1.0, None))
+
+    def forward_backward(**kw):
+        grads[5] = float("nan")  # the backward produced a NaN
+        return []
+
+    args = SimpleNamespace(num_micro_batches=1, seq_length=8, micro_batch_size=1, cuda_graph_impl="none")
+    with pytest.raises(FloatingPointError, match="Inf or NaN in the gradients"):
+        loop.train_step(forward_backward, None, [chunk], optimizer, None, args)
+    assert not stepped
+
+
+@pytest.mark.parametrize("sizes,kept", [((1, 1), False), ((2, 1), True), ((1, 2), True)])
+def test_grad_reduce_overlap_off_without_data_parallelism(monkeypatch, sizes, kept):
+    """overlap_grad_reduce is dropped (with a note) only where neither the data-parallel nor the expert
+    data-parallel group communicates gradients."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_int8.training.model import settle_grad_reduce_overlap
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda **kw: sizes[0])
+    monkeypatch.setattr(parallel_state, "get_expert_data_parallel_world_size", lambda **kw: sizes[1])
+    args, notes = SimpleNamespace(overlap_grad_reduce=True, num_experts=8), []
+    settle_grad_reduce_overlap(args, notes.append)
+    assert args.overlap_grad_reduce is kept and bool(notes) is not kept

@@ -17,7 +17,7 @@ from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .metrics import StepPhases, TrainingLogger
 from .model import (build_config, build_model, build_optimizer, configure_torch_adam, initialize_distributed,
-                    set_random_seed, unwrap)
+                    set_random_seed, settle_grad_reduce_overlap, unwrap)
 from .profiling import StepProfiler
 
 
@@ -70,9 +70,11 @@ def _reduce_loss(losses_reduced) -> float:
 
 
 def _raise_if_grads_nonfinite(model) -> None:
-    """DDP's check_for_nan_in_grad for graphed steps (its own check syncs with the host inside the step):
-    the largest |gradient| of every gradient buffer, Inf/NaN anywhere on any rank stops all ranks before
-    the update. One reduction pass over the buffers and one host sync per step."""
+    """DDP's check_for_nan_in_grad, once per step: the largest |gradient| of every gradient buffer, Inf/NaN
+    anywhere on any rank stops all ranks before the update. One reduction pass over the buffers (DDP's
+    check reads them as often) and one host sync per step, where DDP's syncs twice per bucket inside the
+    backward (a GPU-idle gap each) and could not run inside a CUDA graph. It runs after the gradient
+    reduction, so it does not say which rank produced the Inf/NaN."""
     largest = [torch.linalg.vector_norm(buffer.grad_data, float("inf"))  # a NaN propagates through max
                for chunk in model for buffer in chunk.buffers + chunk.expert_parallel_buffers]
     if not largest:
@@ -80,7 +82,7 @@ def _raise_if_grads_nonfinite(model) -> None:
     bad = torch.stack(largest).isfinite().logical_not().any().to(torch.float32)
     torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
     if bad.item():
-        raise FloatingPointError("Inf or NaN in the gradients (checked after the CUDA-graph step, before the "
+        raise FloatingPointError("Inf or NaN in the gradients (checked after the backward, before the "
                                  "optimizer update)")
 
 
@@ -97,8 +99,7 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
     phases.mark("forward_backward")
     raise_if_nonfinite()  # INT8 inputs with Inf/NaN (deferred check): stop before the update, naming them
-    if args.cuda_graph_impl != "none":
-        _raise_if_grads_nonfinite(model)
+    _raise_if_grads_nonfinite(model)
     phases.mark("nonfinite_check")
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
@@ -167,6 +168,7 @@ def pretrain(args) -> dict:
          f"{args.num_micro_batches} micro-batches; device {_device()}")
     _log(f"tokenizer {args.tokenizer_type}: {tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}")
     config = build_config(args, _log)
+    settle_grad_reduce_overlap(args, _log)
     model = build_model(args, config, policy, args.padded_vocab_size)
     num_params = sum(p.numel() for p in unwrap(model)[0].parameters())
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
