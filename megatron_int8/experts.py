@@ -70,7 +70,8 @@ class Int8GroupedMLP(SequentialMLP):
         # where megatron fuses the weighted SwiGLU; the trainer's --no-fused-swiglu turns it off
         self.fused_swiglu = bool(
             config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu
-            and not config.use_te_activation_func and getattr(config, "activation_func_clamp_value", None) is None
+            and not config.use_te_activation_func and not config.activation_func_fp8_input_store
+            and getattr(config, "activation_func_clamp_value", None) is None
             and getattr(config, "glu_linear_offset", 0.0) == 0.0)
 
     def _grouped_problem(self) -> Optional[str]:

@@ -31,10 +31,15 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension), in fp32, rounded once to x's dtype.
     Differentiable through PyTorch's autograd."""
+    a, b = _halves(x)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+def _halves(x: torch.Tensor):
+    """(a, b) in fp32 for x = [a | b]; x's last dimension must be even."""
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
-    a, b = x.float().chunk(2, dim=-1)
-    return (F.silu(a) * b).to(x.dtype)
+    return x.float().chunk(2, dim=-1)
 
 
 class _TritonSwiGLU(torch.autograd.Function):
@@ -69,9 +74,7 @@ def weighted_swiglu_reference(x: torch.Tensor, probs: torch.Tensor) -> torch.Ten
     rounded once to x's dtype. Differentiable through PyTorch's autograd (x and probs)."""
     if tuple(probs.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"weighted swiglu: probs {tuple(probs.shape)} must match x's rows {tuple(x.shape[:-1])}")
-    if x.dim() < 1 or x.shape[-1] % 2:
-        raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
-    a, b = x.float().chunk(2, dim=-1)
+    a, b = _halves(x)
     return (F.silu(a) * b * probs.float().unsqueeze(-1)).to(x.dtype)
 
 
@@ -89,7 +92,8 @@ class _TritonWeightedSwiGLU(torch.autograd.Function):
         from .kernels.swiglu import triton_weighted_swiglu_backward
 
         x, probs = ctx.saved_tensors
-        return triton_weighted_swiglu_backward(dy, x, probs)
+        dx, dprobs = triton_weighted_swiglu_backward(dy, x, probs)
+        return dx, (dprobs if ctx.needs_input_grad[1] else None)
 
 
 def weighted_swiglu(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -1151,6 +1151,9 @@ def test_weighted_swiglu_kernel_empty_and_bad_weights():
     y, _, _ = triton_swiglu_forward(x, probs=p)
     dx, dp = triton_weighted_swiglu_backward(torch.empty(0, 4), x, p)
     assert y.shape == (0, 4) and dx.shape == (0, 8) and dp.shape == (0,)
+    x, p = torch.empty(3, 0), torch.rand(3)  # rows without columns: the weights' gradient is zero
+    dx, dp = triton_weighted_swiglu_backward(torch.empty(3, 0), x, p)
+    assert dx.shape == (3, 0) and torch.equal(dp, torch.zeros(3))
     x = outliers(6, 8)
     for bad in (torch.rand(5), torch.rand(6, 1), torch.arange(6)):
         with pytest.raises(ValueError, match="probs"):

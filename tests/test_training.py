@@ -477,7 +477,7 @@ def test_train_step_stops_before_the_update_on_a_nonfinite_int8_input():
 
 
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-def test_graphed_step_gradient_check_finds_nonfinite_values_in_any_buffer(monkeypatch, bad):
+def test_step_gradient_check_finds_nonfinite_values_in_any_buffer(monkeypatch, bad):
     """DDP's in-step NaN check is off (it syncs twice per bucket); this check replaces it once per step."""
     from types import SimpleNamespace
 
@@ -524,10 +524,11 @@ def test_eager_step_checks_gradients_before_the_update(monkeypatch):
     assert not stepped
 
 
-@pytest.mark.parametrize("sizes,kept", [((1, 1), False), ((2, 1), True), ((1, 2), True)])
-def test_grad_reduce_overlap_off_without_data_parallelism(monkeypatch, sizes, kept):
+@pytest.mark.parametrize("sizes,experts,kept", [((1, 1), 8, False), ((2, 1), 8, True), ((1, 2), 8, True),
+                                                ((1, 2), None, False)])
+def test_grad_reduce_overlap_off_without_data_parallelism(monkeypatch, sizes, experts, kept):
     """overlap_grad_reduce is dropped (with a note) only where neither the data-parallel nor the expert
-    data-parallel group communicates gradients."""
+    data-parallel group communicates gradients (the latter only counts with experts); never turned on."""
     from types import SimpleNamespace
 
     from megatron.core import parallel_state
@@ -536,6 +537,9 @@ def test_grad_reduce_overlap_off_without_data_parallelism(monkeypatch, sizes, ke
 
     monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda **kw: sizes[0])
     monkeypatch.setattr(parallel_state, "get_expert_data_parallel_world_size", lambda **kw: sizes[1])
-    args, notes = SimpleNamespace(overlap_grad_reduce=True, num_experts=8), []
+    args, notes = SimpleNamespace(overlap_grad_reduce=True, num_experts=experts), []
     settle_grad_reduce_overlap(args, notes.append)
     assert args.overlap_grad_reduce is kept and bool(notes) is not kept
+    args.overlap_grad_reduce = False
+    settle_grad_reduce_overlap(args, notes.append)
+    assert args.overlap_grad_reduce is False

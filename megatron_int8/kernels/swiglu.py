@@ -22,6 +22,7 @@ column maxima accumulate in registers and are stored once per strip, as the amax
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional, Tuple
 
@@ -155,7 +156,7 @@ def _zero_maxima(R: int, C: int, device, maxima: bool):
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, last dimension] with the last stride 1: a view where the leading dimensions merge."""
-    t2 = t.reshape(-1, t.shape[-1])
+    t2 = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a last dimension of 0 leaves it ambiguous
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 

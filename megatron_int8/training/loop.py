@@ -169,7 +169,7 @@ def pretrain(args) -> dict:
     _log(f"tokenizer {args.tokenizer_type}: {tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}")
     config = build_config(args, _log)
     settle_grad_reduce_overlap(args, _log)
-    model = build_model(args, config, policy, args.padded_vocab_size)
+    model = build_model(args, config, policy, args.padded_vocab_size, _log)
     num_params = sum(p.numel() for p in unwrap(model)[0].parameters())
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
     print_precision_table(unwrap(model), policy, print_fn=_log)

@@ -86,10 +86,6 @@ def build_config(args, log):
     if config.use_te_activation_func:  # set by transformer_config_from_args for dense SwiGLU models
         log("note: SwiGLU fused (megatron_int8.swiglu, a Triton kernel on CUDA that hands its outputs' maxima "
             "to the INT8 linears; --no-fused-swiglu for megatron's)")
-    if config.num_moe_experts and config.moe_grouped_gemm and config.bias_activation_fusion and args.swiglu \
-            and args.fused_swiglu:
-        log("note: the grouped experts' weighted SwiGLU fused (megatron_int8.swiglu.weighted_swiglu, a Triton "
-            "kernel each way on CUDA; --no-fused-swiglu for megatron's)")
     if config.apply_rope_fusion:
         from megatron.core.models.common.embeddings import rope_utils
 
@@ -139,7 +135,19 @@ def settle_grad_reduce_overlap(args, log) -> None:
         log("note: overlap_grad_reduce off: data-parallel size 1, no gradient communication to overlap")
 
 
-def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.Module]:
+def _settle_expert_swiglu(model: torch.nn.Module, fused: bool, log) -> None:
+    """--no-fused-swiglu sends the grouped experts to megatron's weighted SwiGLU; a note says where ours runs."""
+    from ..experts import Int8GroupedMLP
+
+    grouped = [m for m in model.modules() if isinstance(m, Int8GroupedMLP) and m.grouped_problem is None]
+    for module in grouped:
+        module.fused_swiglu = module.fused_swiglu and fused
+    if any(m.fused_swiglu for m in grouped):
+        log("note: the grouped experts' weighted SwiGLU fused (megatron_int8.swiglu.weighted_swiglu, a Triton "
+            "kernel each way on CUDA; --no-fused-swiglu for megatron's)")
+
+
+def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List[torch.nn.Module]:
     """[DDP(Float16Module?(GPTModel))] for this pipeline stage, on the current device."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -165,12 +173,7 @@ def build_model(args, config, policy, padded_vocab_size: int) -> List[torch.nn.M
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
     )
-    if not args.fused_swiglu:
-        from ..experts import Int8GroupedMLP
-
-        for module in model.modules():
-            if isinstance(module, Int8GroupedMLP):
-                module.fused_swiglu = False  # megatron's weighted SwiGLU
+    _settle_expert_swiglu(model, args.fused_swiglu, log)
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if getattr(args, "fuse_wgrad_in_layers", False):
