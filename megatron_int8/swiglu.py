@@ -35,6 +35,11 @@ def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(a) * b).to(x.dtype)
 
 
+def _kernels_run_on(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take x (its dtype, its device, Triton installed)."""
+    return x.dtype in _KERNEL_DTYPES and triton_runs_on(x.device) and triton_available()
+
+
 def _halves(x: torch.Tensor):
     """(a, b) in fp32 for x = [a | b]; x's last dimension must be even."""
     if x.dim() < 1 or x.shape[-1] % 2:
@@ -64,7 +69,7 @@ class _TritonSwiGLU(torch.autograd.Function):
 def swiglu(x: torch.Tensor, emit_maxima: bool = False) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension); the Triton kernels where they run.
     `emit_maxima`: attach the output's and the input gradient's row/column maxima (quantize.known_maxima)."""
-    if x.dtype in _KERNEL_DTYPES and triton_runs_on(x.device) and triton_available():
+    if _kernels_run_on(x):
         return _TritonSwiGLU.apply(x, bool(emit_maxima))  # the kernels check x's shape, as the reference does
     return swiglu_reference(x)
 
@@ -100,8 +105,7 @@ def weighted_swiglu(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """silu(a) * b * probs for x = [a | b] and one weight per row (the router probability of the token-expert
     pair): megatron's weighted SwiGLU for MoE experts, one Triton kernel each way where they run. Both x's and
     probs' gradients flow; probs' is the fp32 row sum of silu(a) b dy, rounded once to probs' dtype."""
-    if (x.dtype in _KERNEL_DTYPES and probs.is_floating_point() and triton_runs_on(x.device)
-            and triton_available()):
+    if _kernels_run_on(x) and probs.is_floating_point():
         return _TritonWeightedSwiGLU.apply(x, probs)  # the kernels check the shapes
     return weighted_swiglu_reference(x, probs)
 

@@ -193,6 +193,7 @@ def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[
 
 
 def _backward(dy, x, maxima, tile, probs):
+    """(dx, row maxima, column maxima, dprobs) for both backward entry points; None where not asked for."""
     F = _check(x)
     if dy.shape != (*x.shape[:-1], F):
         raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
