@@ -9,25 +9,25 @@ reciprocal per scale (`tl.math.div_rn`) and an fp32 multiply per element, so the
 are bit-identical to the PyTorch reference.
 
 Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so every launch counts):
-- tensor granularity: 2 (1 with a given `amax`). `_amax_partials_kernel` reads x once and writes <= 1024
-  partial maxima (no atomics, so no zero-initialised buffer and no memset launch; each program walks a
-  tall strip of rows, `_amax_rows_per_program`); `_quantize_kernel` reads x again, and every program
-  reduces the partials itself (4 KB from L2), so there is no separate "finalize" launch.
+- tensor granularity: 2 (1 with a given `amax`). `_amax_kernel` reads x once and writes <= 1024 partial
+  maxima (no atomics, so no zero-initialised buffer and no memset; each program walks a tall strip of
+  rows, `_amax_rows_per_program`); `_quantize_kernel` reads x again, and every program reduces the
+  partials itself (4 KB from L2), so there is no separate "finalize" launch.
 - row granularity: 3 (1 with the maxima of every requested output given: `rowwise_amax` for Q(x),
-  `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x). The same amax kernel writes row and
-  column partial maxima; `_reduce_partials_kernel` reduces them to one amax per row and per column (up
-  to ~1 MB of partials for 8192 x 4096), once, where each 64 x 64 quantize tile used to reduce ~12 KB of
-  partials for its 8 KB of data: Q(x) and Q(x^T) of 8192 x 4096 went from 131 to 91 us on an H200
-  (8192 x 22016: 891 to 430 us). With `columnwise_segments` (MoE experts) still 3: the amax programs
-  take strips of exactly SEGMENT_ALIGN rows (one segment each), and the reduce launch turns each
-  segment's column partials into its column scales [E, C].
+  `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x): a memset of the maxima buffer, then
+  `_amax_kernel` folds each strip's row and column maxima into it by atomic max (int32 compares of
+  non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima reduced by a third
+  kernel (26th session: the amax part 3-32% faster on an H100, docs/benchmarks.md); before that, each
+  64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With `columnwise_segments` (MoE
+  experts) still 3: the amax programs take strips of exactly SEGMENT_ALIGN rows (one segment each) and
+  fold their column maxima into their segment's row of [E, C] maxima.
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
 - check_finite: "deferred" (default): the quantize programs that store the scales also store NaN into the
   name's device slot when a scale is NaN (no launch of its own); "immediate": one small reduction and the
   host sync that reads it; "off": nothing. Any Inf/NaN element makes its groups' scales NaN (a NaN amax
   is mapped to inf), so one scale array tells.
 Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
-alive with the scale; row: the row and column scales, with the partials in a second buffer freed on
+alive with the scale; row: the row and column scales, with the maxima in a second, zeroed buffer freed on
 return); no host sync (segments: their two small strip tables, `Segments.strip_experts` and `strip_offsets`, are copied
 to the device once per routing).
 
@@ -183,19 +183,31 @@ def _tile_uniforms(seed, offs_r, offs_c, col0, C, TR: tl.constexpr, TC: tl.const
 
 # ------------------------------------------------------------------------- tensor / row granularity
 @triton.jit
-def _amax_partials_kernel(
+def _atomic_max_of(ptr, values, mask):
+    """Atomic max of non-negative fp32 values (Inf/NaN already mapped to inf) into a buffer that started at
+    zero. Their int32 bit patterns order like the floats, so one integer atomic per value does it."""
+    tl.atomic_max(ptr.to(tl.pointer_type(tl.int32)), values.to(tl.int32, bitcast=True), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _amax_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
-    ptile_ptr, prow_ptr, pcol_ptr,
-    RB,  # rows per program (a multiple of TR): few row strips, so few partials per column
+    ptile_ptr,  # TILE_MAX: [n_rs * n_ct] partial maxima
+    rmax_ptr, cmax_ptr,  # ROW_MAX: row maxima [R]; COL_MAX: column maxima [C] (SEG: [E, C]); zeroed
+    strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows (RB == SEGMENT_ALIGN)
+    RB,  # rows per program (a multiple of TR)
     TR: tl.constexpr, TC: tl.constexpr,
-    TILE_MAX: tl.constexpr, ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,
+    TILE_MAX: tl.constexpr, ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr, SEG: tl.constexpr,
 ):
-    """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps and writes
-    ptile[i, j] (max |x| of its block), prow[j, r] (each row's max over the block's columns) and/or
-    pcol[i, c] (each column's max over the block's rows). Maxima accumulate elementwise in the loop and are
-    reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality pass). The loop is
-    software-pipelined (loads of the next steps in flight while one is reduced): with 4 warps per program,
-    the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md, eighteenth session)."""
+    """Program (i, j) reads rows [i*RB, (i+1)*RB) x columns [j*TC, (j+1)*TC) of x in TR-row steps. Tensorwise
+    it writes ptile[i, j], max |x| of its block (<= 1024 partials, which each quantize program reduces).
+    Row granularity it folds each step's row maxima into rmax and, once per strip, its column maxima into
+    cmax (SEG: the strip's segment's row of cmax), by atomic max: the maxima are final when the launch
+    ends, with no reduce launch (one memset of R + C words instead). Maxima accumulate elementwise in the
+    loop and are reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality
+    pass). The loop is software-pipelined (loads of the next steps in flight while one is reduced): with 4
+    warps per program, the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md,
+    eighteenth session)."""
     rs, ct, n_ct, offs_c, mask_c = _strip_program(C, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=3):
@@ -203,71 +215,16 @@ def _amax_partials_kernel(
         x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc,
                     mask=mask, other=0.0)
         a = tl.abs(x.to(tl.float32))
-        if ROW_MAX:  # prow [n_ct, R]: each step stores its rows' maxima contiguously
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _max_to_inf(a, 1), mask=mask_r)
+        if ROW_MAX:
+            _atomic_max_of(rmax_ptr + offs_r, _max_to_inf(a, 1), mask_r)
         if TILE_MAX or COL_MAX:
             acc = _max_keep_nan(acc, a)
-    if COL_MAX:  # pcol [n_rs, C]
-        tl.store(pcol_ptr + rs.to(tl.int64) * C + offs_c, _max_to_inf(acc, 0), mask=mask_c)
+    if COL_MAX:
+        if SEG:
+            cmax_ptr += tl.load(strip_ptr + rs).to(tl.int64) * C
+        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc, 0), mask_c)
     if TILE_MAX:  # ptile [n_rs * n_ct]
         tl.store(ptile_ptr + rs * n_ct + ct, _max_to_inf(acc, None))
-
-
-@triton.jit
-def _store_group_maxima(p_ptr, blk, n_groups, n_parts, stride_g, stride_p, out_ptr,
-                        BG: tl.constexpr, BP: tl.constexpr, GROUPS_INNER: tl.constexpr, AS_SCALE: tl.constexpr):
-    """out[g] = max_j p[g * stride_g + j * stride_p] for the BG groups of block `blk`. GROUPS_INNER: groups
-    are the contiguous axis (column partials), so the tile is [BP, BG] and loads stay coalesced. AS_SCALE
-    (column groups only): store the scale of that amax instead."""
-    offs_g = blk * BG + tl.arange(0, BG)
-    mask_g = offs_g < n_groups
-    if GROUPS_INNER:
-        acc = tl.zeros((BP, BG), tl.float32)
-        for j0 in range(0, n_parts, BP):
-            offs_p = j0 + tl.arange(0, BP)
-            m = (offs_p < n_parts)[:, None] & mask_g[None, :]
-            acc = tl.maximum(acc, tl.load(p_ptr + offs_p[:, None].to(tl.int64) * stride_p + offs_g[None, :] * stride_g,
-                                          mask=m, other=0.0))
-        amax = tl.max(acc, axis=0)
-        if AS_SCALE:
-            tl.store(out_ptr + offs_g, _scale_from_amax(amax), mask=mask_g)
-        else:
-            tl.store(out_ptr + offs_g, amax, mask=mask_g)
-    else:
-        acc = tl.zeros((BG, BP), tl.float32)
-        for j0 in range(0, n_parts, BP):
-            offs_p = j0 + tl.arange(0, BP)
-            m = mask_g[:, None] & (offs_p < n_parts)[None, :]
-            acc = tl.maximum(acc, tl.load(p_ptr + offs_g[:, None].to(tl.int64) * stride_g + offs_p[None, :] * stride_p,
-                                          mask=m, other=0.0))
-        tl.store(out_ptr + offs_g, tl.max(acc, axis=1), mask=mask_g)
-
-
-@triton.jit
-def _reduce_partials_kernel(
-    prow_ptr, R, n_ct, n_row_programs,  # row maxima: prow [n_ct, R] -> out[:R]
-    pcol_ptr, C, n_rs,  # column maxima: pcol [n_rs, C] -> out_col, by the programs after the rows'
-    out_ptr, out_col_ptr,
-    seg_ptr, n_cb,  # SEG: the segments' first strips [E + 1]; column blocks per segment
-    BG: tl.constexpr, BP: tl.constexpr, SEG: tl.constexpr,
-):
-    """Row granularity: the partial maxima of _amax_partials_kernel reduced to one amax per row and per
-    column, once, so each quantize tile loads only the maxima of its own rows and columns.
-    SEG (columnwise_segments): pcol holds one row per SEGMENT_ALIGN strip, and program (e, column block)
-    reduces segment e's strips straight to its column scales out_col[e, :] (scale 1 for an empty segment,
-    which no quantize tile visits)."""
-    pid = tl.program_id(0)
-    if pid < n_row_programs:
-        _store_group_maxima(prow_ptr, pid, R, n_ct, 1, R, out_ptr, BG, BP, True, False)
-    elif SEG:
-        j = pid - n_row_programs
-        e = j // n_cb
-        s0 = tl.load(seg_ptr + e)
-        s1 = tl.load(seg_ptr + e + 1)
-        _store_group_maxima(pcol_ptr + s0.to(tl.int64) * C, j % n_cb, C, s1 - s0, 1, C,
-                            out_col_ptr + e.to(tl.int64) * C, BG, BP, True, True)
-    else:
-        _store_group_maxima(pcol_ptr, pid - n_row_programs, C, n_rs, 1, C, out_col_ptr, BG, BP, True, False)
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed per call: no recompiles, and BoundLaunch needs it
@@ -277,7 +234,7 @@ def _quantize_kernel(
     RP,  # row length of Q(x^T): R, or R zero-padded (rows of x past R read as 0 and store 0)
     s_ptr, st_ptr,  # scales written here: [] (tensor, both point to it) or [R] and [C] (row)
     a_ptr, at_ptr,  # tensor: n_a partial maxima (both point to them); row: row maxima [R], column maxima [C]
-    n_a, seed,
+    n_a, seed,  # row granularity: n_a = the number of column scales, C (SEG: E * C)
     strip_ptr,  # SEG: the segment owning each SEGMENT_ALIGN strip of rows
     flag_ptr, flag_idx,  # FLAG: the deferred finite check's slot, set to NaN when a scale is NaN
     TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,  # register tile; tensorwise partials BP at a time
@@ -291,13 +248,13 @@ def _quantize_kernel(
     each program first reduces the <= 1024 partials itself (4 KB from L2): cheaper than a reduce launch
     (measured 75 vs 79 us for 8192 x 4096 on an H200).
     The programs past the tiles store the scales: tensorwise one; row granularity SB at a time, row
-    scales then column scales (not with SEG). Stored by the tiles of row 0 / column 0 instead, they cost
-    every tile of the row-wise pass 8-9% on an H200 (docs/benchmarks.md, 22nd session).
-    SEG (columnwise_segments): Q(x^T)'s scales [E, C] are already stored by the reduce launch; the tile
-    (TR divides SEGMENT_ALIGN, so its rows belong to one segment) loads its segment's row of them.
+    scales then column scales. Stored by the tiles of row 0 / column 0 instead, they cost every tile of
+    the row-wise pass 8-9% on an H200 (docs/benchmarks.md, 22nd session).
+    SEG (columnwise_segments): the column maxima and Q(x^T)'s scales are [E, C] (an empty segment's maxima
+    stay 0: scale 1); the tile (TR divides SEGMENT_ALIGN, so its rows belong to one segment) takes its
+    segment's row of the maxima.
     FLAG: the programs that store the scales also flag a NaN among them: the row scales and the column
-    scales (not with SEG, whose scales the reduce launch stores). Either would do for x's own maxima, but a
-    given amax may hold an Inf/NaN that x does not."""
+    scales. Either would do for x's own maxima, but a given amax may hold an Inf/NaN that x does not."""
     n_ct = tl.cdiv(C, TC)
     n_tiles = tl.cdiv(RP, TR) * n_ct
     if tl.program_id(0) >= n_tiles:  # the scale programs
@@ -311,8 +268,8 @@ def _quantize_kernel(
             if ROW:
                 _store_scales(j, R, a_ptr, s_ptr, flag_ptr, flag_idx, SB, FLAG)
                 j -= tl.cdiv(R, SB)
-            if COL and not SEG:
-                _store_scales(j, C, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
+            if COL:
+                _store_scales(j, n_a, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
     else:
         _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a,
                        seed, strip_ptr, flag_ptr, flag_idx, n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR,
@@ -374,10 +331,8 @@ def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, 
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
             if SEG:
-                e = tl.load(strip_ptr + (rt * TR) // _SEGMENT_ALIGN)
-                s_c = tl.load(st_ptr + e.to(tl.int64) * C + offs_c, mask=mask_c, other=1.0)
-            else:
-                s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
+                at_ptr += tl.load(strip_ptr + (rt * TR) // _SEGMENT_ALIGN).to(tl.int64) * C
+            s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
             tl.store(qt_ptr + qt_offs, _round_clamp_transposed(x_in, x, s_c[None, :], s_c[:, None], u, STOCHASTIC),
                      mask=mask_t)
 
@@ -446,36 +401,36 @@ def _quantize_block_kernel(
 
 
 # ------------------------------------------------------------------------------------------- host side
-_AMAX, _REDUCE, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (
-    _amax_partials_kernel, _reduce_partials_kernel, _quantize_kernel, _quantize_block_kernel))
+_AMAX, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (_amax_kernel, _quantize_kernel, _quantize_block_kernel))
 
 
 # Tile shapes. The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise
 # multi-tile reductions, multi-step amax strips and ragged edges on tiny inputs.
 if _INTERPRET:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
-    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 3, (4, 2), 4, 4, 16
+    _MAX_STRIPS, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 3, 4, 4, 16
     _AMAX_WARPS = _Q_T_WARPS = _WARPS
 else:
     # amax: 64 x 128 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
-    # 64 x 128 with 4 warps (both outputs); reduce: 64 groups x 32 partials per step. On an H200 (22nd session),
+    # 64 x 128 with 4 warps (both outputs). On an H200 (22nd session),
     # once the scale stores had left the tiles, 64 x 128 ran the both-axes pass 2-6% faster than 64 x 64 and
     # the amax tile 64 x 128 took 2-17% off the amax pass against 32 x 256 (docs/benchmarks.md).
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (64, 128), (16, 256), (64, 128)
-    _MAX_STRIPS, _REDUCE_TILE, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 32, (64, 32), 8, 4096, 1024
+    _MAX_STRIPS, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 32, 8, 4096, 1024
     _AMAX_WARPS, _Q_T_WARPS = 4, 4  # the amax pass's and the both-axes quantize tile's (tuned apart)
-_MAX_TILE_PARTIALS = 1024  # tensorwise: partials reduced by the single reduce program
+_MAX_TILE_PARTIALS = 1024  # tensorwise: partials that each quantize program reduces
 
 
 def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
-    """Rows per amax program: enough programs to fill the GPU, few enough partials to reduce cheaply."""
+    """Rows per amax program: enough programs to fill the GPU, few enough tensorwise partials to reduce
+    cheaply (row granularity: few column atomics), and at least two steps each where x has the rows, so
+    the pipelined loop has a load to overlap (2048 x 28672 row-wise: 64 -> 48 us on an H100, 26th session)."""
     TR = _AMAX_TILE[0]
     n_rt = cdiv(R, TR)
-    strips = _MAX_STRIPS
+    strips = min(_MAX_STRIPS, n_rt // 2)
     if tensor:
-        strips = min(strips, max(1, _MAX_TILE_PARTIALS // n_ct))
-    strips = max(1, min(strips, n_rt))
-    return cdiv(n_rt, strips) * TR
+        strips = min(strips, _MAX_TILE_PARTIALS // n_ct)
+    return cdiv(n_rt, max(1, strips)) * TR
 
 
 def _seed(stochastic: bool) -> int:
@@ -515,13 +470,13 @@ def triton_quantize(
     x's own; it then stands in for the partials, so the amax launch is skipped. `columnwise_pad`: R' is R
     rounded up to a multiple of it; the kernels store the zero columns along with the data.
     `columnwise_amax` (row-wise only): x's per-column amax [C] for Q(x^T)'s scales; it stands in for the
-    column partials, so the amax launch only computes row maxima (none when Q(x) is not requested).
+    column maxima, so the amax launch only computes row maxima (none when Q(x) is not requested).
     `rowwise_amax` (row-wise only): x's per-row amax [R] for Q(x)'s scales, likewise. With both given (or
     one given and only its output requested) x is read once: a single quantize launch.
     `columnwise_segments` (row-wise only, MoE experts): Q(x^T) gets scales [E, C], each over one segment's
-    rows, in the same 3 launches and passes over x: the amax launch writes its column partials per
-    SEGMENT_ALIGN strip of rows, the reduce launch turns each segment's strips into its column scales,
-    and each quantize tile (inside one strip) uses its segment's scales.
+    rows, in the same launches and passes over x: each amax program (one SEGMENT_ALIGN strip of rows)
+    folds its column maxima into its segment's row of [E, C] maxima, and each quantize tile (inside one
+    strip) takes its segment's maxima.
     `out` (row-wise only): destinations for Q(x) / Q(x^T) and their scales (quantize.check_quantize_out).
 
     Host cost: the arguments are checked, and the grids, buffer sizes and launches worked out, once per
@@ -617,13 +572,12 @@ def _int8_outputs(R: int, C: int, RP: int, rowwise: bool, columnwise: bool, devi
 
 
 def _common_meta(R: int, C: int, RP: int, tensor: bool, rowwise: bool, columnwise: bool, stochastic: bool,
-                 column_scales: bool = True):
+                 n_col_scales: int = 0):
     """(grid, constexprs) of _quantize_kernel for tensor / row granularity, with the programs that store the
-    scales: one for the tensor's; row granularity's for the row scales (rowwise) and the column scales
-    (columnwise and `column_scales`)."""
+    scales: one for the tensor's; row granularity's for the row scales (rowwise) and the n_col_scales
+    column scales (columnwise)."""
     TR, TC = _Q_TILE_T if columnwise else _Q_TILE
-    n_scale_programs = 1 if tensor else cdiv(R, _SCALE_BLOCK) * rowwise + cdiv(C, _SCALE_BLOCK) * (
-        columnwise and column_scales)
+    n_scale_programs = 1 if tensor else cdiv(R, _SCALE_BLOCK) * rowwise + cdiv(n_col_scales, _SCALE_BLOCK) * columnwise
     grid = (cdiv(RP, TR) * cdiv(C, TC) + n_scale_programs,)
     return grid, dict(TR=TR, TC=TC, SB=_SCALE_BLOCK, TENSOR=tensor, ROW=rowwise, COL=columnwise,
                       STOCHASTIC=stochastic, FOUR=_four(TC, TC, cdiv(C, TC)),
@@ -642,10 +596,11 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
     else:
         RB = _amax_rows_per_program(R, n_ct, True)
         n_p = cdiv(R, RB) * n_ct
-        amax_launch = _AMAX.prepare((cdiv(R, RB), n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
-                                    TILE_MAX=True, ROW_MAX=False, COL_MAX=False, num_warps=_AMAX_WARPS)
+        amax_launch = _AMAX.prepare((cdiv(R, RB), n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, ARG, RB), TR=ATR,
+                                    TC=ATC, TILE_MAX=True, ROW_MAX=False, COL_MAX=False, SEG=False,
+                                    num_warps=_AMAX_WARPS)
     flag, slot = _finite_slot(check_finite, dev, name, True)
-    BP = _REDUCE_TILE[1] if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS)
+    BP = 2 if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS)  # the interpreter loops over them
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
 
@@ -658,7 +613,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
         else:
             buf = torch.empty(1 + n_p, dtype=torch.float32, device=dev)  # [scale, partials...]
             scale, parts = buf[0], buf[1:]
-            amax_launch(x, parts, parts, parts)
+            amax_launch(x, parts, parts, parts, parts)
         quantize(x, q_arg, qt_arg, scale, scale, parts, parts, _seed(stochastic), parts,
                  _slots(flag, dev, name, parts))
         if not flag:
@@ -671,44 +626,32 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
 def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite, RP, given_col, n_segments,
               given_row):
     """Row granularity: scales per row of x (rowwise) and per column of x (columnwise; per segment too with
-    segments: [E, C]), in one buffer; the partials and maxima in a second one, freed when the call returns.
-    A given row / column amax stands in for that axis's partials; with nothing left to reduce, the amax and
-    reduce launches are skipped."""
+    segments: [E, C]), in one buffer; the maxima the amax launch folds atomically, in a second one zeroed by
+    one memset and freed when the call returns. A given row / column amax stands in for that axis's maxima;
+    with nothing left to compute, the memset and the amax launch are skipped."""
     R, C = x.shape
     dev = x.device
     sx_r, sx_c = x.stride()
     segs = n_segments is not None  # segments come with Q(x^T) only (triton_quantize)
-    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic, column_scales=not segs)
     n_seg = n_segments if segs else 1
+    grid_q, common = _common_meta(R, C, RP, False, rowwise, columnwise, stochastic, n_col_scales=n_seg * C)
     n_scales = R * rowwise + n_seg * C * columnwise
-    row_partials = rowwise and not given_row
-    col_partials = columnwise and not given_col
-    col_maxima = col_partials and not segs  # segmented: the reduce launch stores the scales themselves
-    reduce_first = row_partials or col_partials
-    if reduce_first:
+    row_maxima = rowwise and not given_row
+    col_maxima = columnwise and not given_col
+    amax_first = row_maxima or col_maxima
+    if amax_first:
         ATR, ATC = _AMAX_TILE
-        BG, BP = _REDUCE_TILE
-        n_ct = cdiv(C, ATC)
-        RB = ref.SEGMENT_ALIGN if segs else _amax_rows_per_program(R, n_ct, False)
-        n_rs = cdiv(R, RB)
-        n_row = R * n_ct if row_partials else 0
-        n_col = n_rs * C if col_partials else 0
-        # [row partials, column partials, row maxima, column maxima]
-        n_work = n_row + n_col + R * row_partials + C * col_maxima
-        R_red, C_red = R * row_partials, C * col_partials
-        n_row_programs, n_cb = cdiv(R_red, BG), cdiv(C_red, BG)
-        amax_launch = _AMAX.prepare((n_rs, n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, RB), TR=ATR, TC=ATC,
-                                    TILE_MAX=False, ROW_MAX=row_partials, COL_MAX=col_partials,
-                                    num_warps=_AMAX_WARPS)
-        reduce = _REDUCE.prepare((n_row_programs + n_seg * n_cb,),
-                                 (ARG, R_red, n_ct, n_row_programs, ARG, C_red, n_rs, ARG, ARG, ARG, n_cb),
-                                 BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=segs, num_warps=4)
-    # the kernel flags every scale array it stores (not the segments' column scales, which the reduce launch
-    # stores): a given amax may hold an Inf/NaN that x does not (another rank's rows), so the row scales
-    # alone would not tell. Segmented Q(x^T) alone is checked on the host.
-    flag, slot = _finite_slot(check_finite, dev, name, rowwise or not segs)
-    quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, 1, ARG, ARG,
-                                          ARG, slot), BP=1, SEG=segs, FLAG=flag, **common)
+        RB = ref.SEGMENT_ALIGN if segs else _amax_rows_per_program(R, cdiv(C, ATC), False)
+        n_row = R * row_maxima  # [row maxima, column maxima (per segment)]
+        n_maxima = n_row + n_seg * C * col_maxima
+        amax_launch = _AMAX.prepare((cdiv(R, RB), cdiv(C, ATC)), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, ARG, RB),
+                                    TR=ATR, TC=ATC, TILE_MAX=False, ROW_MAX=row_maxima, COL_MAX=col_maxima,
+                                    SEG=segs, num_warps=_AMAX_WARPS)
+    # the kernel flags every scale array it stores: a given amax may hold an Inf/NaN that x does not (another
+    # rank's rows), so the row scales alone would not tell
+    flag, slot = _finite_slot(check_finite, dev, name, True)
+    quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_seg * C, ARG,
+                                          ARG, ARG, slot), BP=1, SEG=segs, FLAG=flag, **common)
 
     def run(x, amax, columnwise_amax, segments, rowwise_amax, out):
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev, out)
@@ -724,18 +667,16 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
             s_col = (out[1].scale if out[1] is not None else torch.empty(C, dtype=torch.float32, device=dev)
                      ) if columnwise else None
             scales = s_row if s_row is not None else s_col
-        a_row = a_col = strips = seg_strips = scales  # placeholders for pointers a launch does not read
+        a_row = a_col = strips = scales  # placeholders for pointers a launch does not read
         if segments is not None:
-            strips, seg_strips = segments.strip_experts(dev), segments.strip_offsets(dev)
-        if reduce_first:
-            work = torch.empty(n_work, dtype=torch.float32, device=dev)
-            prow, pcol, maxima = work[:max(n_row, 1)], work[n_row:n_row + max(n_col, 1)], work[n_row + n_col:]
-            amax_launch(x, work, prow, pcol)
-            if row_partials:
+            strips = segments.strip_experts(dev)
+        if amax_first:
+            maxima = torch.zeros(n_maxima, dtype=torch.float32, device=dev)
+            if row_maxima:
                 a_row = maxima[:R]
             if col_maxima:
-                a_col = maxima[R_red:]
-            reduce(prow, pcol, maxima, s_col if segments is not None else a_col, seg_strips)
+                a_col = maxima[n_row:]
+            amax_launch(x, maxima, a_row, a_col, strips)
         # given maxima are loaded as they are: _scale_from_amax turns a NaN (like an inf) into a NaN scale
         if given_row:
             a_row = rowwise_amax.to(device=dev, dtype=torch.float32).contiguous()
@@ -754,21 +695,6 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
         return (ref.QTensor(q, s_row, "row", block_size) if rowwise else None,
                 ref.QTensor(qt, s_col, "row", block_size) if columnwise else None)
     return run
-
-
-def reduce_partial_maxima(prow: torch.Tensor, pcol: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(row maxima [R], column maxima [C]) from partial maxima in the amax pass's layout, prow [n_ct, R] (each
-    row's maximum over a block of columns) and pcol [n_rs, C] (each column's maximum over a strip of rows),
-    both contiguous fp32: one reduce launch, for kernels that produce a tensor and its maxima together
-    (kernels/swiglu.py). Both results are views of one [R + C] buffer."""
-    (n_ct, R), (n_rs, C) = prow.shape, pcol.shape
-    BG, BP = _REDUCE_TILE
-    maxima = torch.empty(R + C, dtype=torch.float32, device=prow.device)
-    n_row_programs = cdiv(R, BG)
-    if R + C:
-        _REDUCE.launch((n_row_programs + cdiv(C, BG),), prow, R, n_ct, n_row_programs, pcol, C, n_rs, maxima,
-                       maxima[R:], maxima, 1, BG=BG, BP=min(BP, next_pow2(max(n_ct, n_rs))), SEG=False, num_warps=4)
-    return maxima[:R], maxima[R:]
 
 
 def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finite, RP):

@@ -11,14 +11,14 @@ WEIGHTED (MoE experts, megatron's weighted SwiGLU): each row r carries the route
     backward  dx as above with dy p in place of dy;  dp[r] = sum over the row of silu(a) b dy
 The row sums are written as partial sums per column block, [n_ct, R] fp32, added up by one torch.sum.
 
-MAXIMA: the kernel also writes partial maxima of |output| (of the rounded values, Inf/NaN as inf) in the
-layout of kernels/quantize's amax pass, prow [n_ct, R] and pcol [n_rs, C], and one reduce launch turns them
-into the output's per-row and per-column maxima. The INT8 linear that quantizes y (fc2's input) or dx
+MAXIMA: the kernel also writes the per-row and per-column maxima of |output| (of the rounded values, Inf/NaN
+as inf), folded by atomic max into one zeroed buffer as kernels/quantize's amax pass does. The INT8 linear
+that quantizes y (fc2's input) or dx
 (fc1's output gradient) row-wise then skips its own amax pass over a tensor of 8192 x 9728 or
 8192 x 19456 elements in a Qwen3-4B layer (megatron_int8.swiglu hands the maxima over).
 
 Each program walks a strip of RB rows of a TC-column block in TR-row steps (software-pipelined), so its
-column maxima accumulate in registers and are stored once per strip, as the amax pass does.
+column maxima accumulate in registers and are folded in once per strip, as the amax pass does.
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _max_keep_nan, _max_to_inf, _strip_program, _strip_step, reduce_partial_maxima
+from .quantize import _atomic_max_of, _max_keep_nan, _max_to_inf, _strip_program, _strip_step
 
 
 @triton.jit
 def _swiglu_fwd_kernel(
     x_ptr, stride_xr,  # [R, 2F], last stride 1
     y_ptr,  # [R, F], contiguous
-    prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, F] partial maxima of |y|
+    rmax_ptr, cmax_ptr,  # MAXIMA: [R] and [F] maxima of |y|, zeroed
     p_ptr,  # WEIGHTED: [R] row weights (router probabilities)
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -57,10 +57,10 @@ def _swiglu_fwd_kernel(
         tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
         if MAXIMA:
             m = tl.abs(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, _max_to_inf(m, 1), mask=mask_r)
+            _atomic_max_of(rmax_ptr + offs_r, _max_to_inf(m, 1), mask_r)
             acc = _max_keep_nan(acc, m)
     if MAXIMA:
-        tl.store(pcol_ptr + rs.to(tl.int64) * F + offs_c, _max_to_inf(acc, 0), mask=mask_c)
+        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc, 0), mask_c)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _swiglu_bwd_kernel(
     g_ptr, stride_gr,  # dy [R, F], last stride 1
     x_ptr, stride_xr,  # forward input [R, 2F], last stride 1
     dx_ptr,  # [R, 2F], contiguous
-    prow_ptr, pcol_ptr,  # MAXIMA: [n_ct, R] and [n_rs, 2F] partial maxima of |dx|
+    rmax_ptr, cmax_ptr,  # MAXIMA: [R] and [2F] maxima of |dx|, zeroed
     p_ptr, dp_ptr,  # WEIGHTED: [R] row weights; [n_ct, R] fp32 partial sums of their gradient
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -95,14 +95,12 @@ def _swiglu_bwd_kernel(
         if MAXIMA:
             ma = tl.abs(da.to(tl.float32))
             mb = tl.abs(db.to(tl.float32))
-            tl.store(prow_ptr + ct.to(tl.int64) * R + offs_r, tl.maximum(_max_to_inf(ma, 1), _max_to_inf(mb, 1)),
-                     mask=mask_r)
+            _atomic_max_of(rmax_ptr + offs_r, tl.maximum(_max_to_inf(ma, 1), _max_to_inf(mb, 1)), mask_r)
             acc_a = _max_keep_nan(acc_a, ma)
             acc_b = _max_keep_nan(acc_b, mb)
     if MAXIMA:
-        dst = pcol_ptr + rs.to(tl.int64) * (2 * F) + offs_c
-        tl.store(dst, _max_to_inf(acc_a, 0), mask=mask_c)
-        tl.store(dst + F, _max_to_inf(acc_b, 0), mask=mask_c)
+        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc_a, 0), mask_c)
+        _atomic_max_of(cmax_ptr + F + offs_c, _max_to_inf(acc_b, 0), mask_c)
 
 
 _FWD = LaunchCache(_swiglu_fwd_kernel)
@@ -120,7 +118,7 @@ else:
 
 
 def _strips(R: int, F: int, TR: int, TC: int) -> Tuple[int, int, int]:
-    """(rows per program RB, row strips n_rs, column blocks n_ct): few strips, so few column partials."""
+    """(rows per program RB, row strips n_rs, column blocks n_ct): few strips, so few column atomics."""
     n_rt = cdiv(R, TR)
     strips = max(1, min(_MAX_STRIPS, n_rt))
     RB = cdiv(n_rt, strips) * TR
@@ -134,16 +132,14 @@ def _launch(cache: LaunchCache, lead: tuple, weights: tuple, R: int, F: int, C: 
     TR, TC = tile or _TILE
     RB, n_rs, n_ct = _strips(R, F, TR, TC)
     if maxima:
-        prow = torch.empty((n_ct, R), dtype=torch.float32, device=device)
-        pcol = torch.empty((n_rs, C), dtype=torch.float32, device=device)
+        buf = torch.zeros(R + C, dtype=torch.float32, device=device)
+        rmax, cmax = buf[:R], buf[R:]
     else:
-        prow = pcol = lead[0]  # never touched
+        rmax = cmax = lead[0]  # never touched
     unused = (lead[0],) * (1 if cache is _FWD else 2)  # WEIGHTED off: never touched
-    cache.launch((n_rs, n_ct), *lead, prow, pcol, *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES,
+    cache.launch((n_rs, n_ct), *lead, rmax, cmax, *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES,
                  MAXIMA=maxima, WEIGHTED=bool(weights), num_warps=_WARPS)
-    if not maxima:
-        return None, None
-    return reduce_partial_maxima(prow, pcol)
+    return (rmax, cmax) if maxima else (None, None)
 
 
 def _zero_maxima(R: int, C: int, device, maxima: bool):
