@@ -17,7 +17,7 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x): a memset of the maxima buffer, then
   `_amax_kernel` folds each strip's row and column maxima into it by atomic max (int32 compares of
   non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima reduced by a third
-  kernel (26th session: the amax part 3-32% faster on an H100, docs/benchmarks.md); before that, each
+  kernel (26th session: the amax part 6-31% faster on an H100, docs/benchmarks.md); before that, each
   64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With `columnwise_segments` (MoE
   experts) still 3: the amax programs take strips of exactly SEGMENT_ALIGN rows (one segment each) and
   fold their column maxima into their segment's row of [E, C] maxima.
