@@ -127,11 +127,6 @@ class Segments:
                                                                   // SEGMENT_ALIGN)]
         return device_tensor(owner, torch.int32, device)
 
-    @functools.lru_cache(maxsize=4)
-    def strip_offsets(self, device: torch.device) -> torch.Tensor:
-        """int32 [E + 1]: the offsets in SEGMENT_ALIGN strips (segment e owns strips [s[e], s[e + 1]))."""
-        return device_tensor([o // SEGMENT_ALIGN for o in self.offsets], torch.int32, device)
-
 
 def check_segments(x: torch.Tensor, granularity: str, segments: Segments, columnwise_amax,
                    columnwise_pad: int = 1) -> None:

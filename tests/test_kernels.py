@@ -835,10 +835,10 @@ def test_segmented_quantize_rejects_bad_arguments(K):
 @pytest.mark.parametrize("rowwise", [True, False])
 def test_segmented_quantize_launch_count_and_no_extra_ops(K, launch_log, rowwise):
     """Segments keep the row-wise launches (2, after the maxima's memset) and allocations: no pass over x
-    and no torch op of their own (the strip tables are made once per routing)."""
+    and no torch op of their own (the strip table is made once per routing)."""
     x, seg = moe_input([0, 130], 16)
     kw = _seg_kw(seg, rowwise, check_finite="off")
-    K.triton_quantize(x, **kw)  # makes this routing's strip tables
+    K.triton_quantize(x, **kw)  # makes this routing's strip table
     launch_log.clear()
     with _OpLog() as ops:
         r, c = K.triton_quantize(x, **kw)

@@ -19,7 +19,7 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima reduced by a third
   kernel (26th session: the amax part 6-31% faster on an H100, docs/benchmarks.md); before that, each
   64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With `columnwise_segments` (MoE
-  experts) still 3: the amax programs take strips of exactly SEGMENT_ALIGN rows (one segment each) and
+  experts) the same launches: the amax programs take strips of exactly SEGMENT_ALIGN rows (one segment each) and
   fold their column maxima into their segment's row of [E, C] maxima.
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
 - check_finite: "deferred" (default): the quantize programs that store the scales also store NaN into the
@@ -28,8 +28,8 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   is mapped to inf), so one scale array tells.
 Allocations: the int8 outputs, one scale buffer (tensorwise: shared with the partials, a few KB, kept
 alive with the scale; row: the row and column scales, with the maxima in a second, zeroed buffer freed on
-return); no host sync (segments: their two small strip tables, `Segments.strip_experts` and `strip_offsets`, are copied
-to the device once per routing).
+return); no host sync (segments: their strip table, `Segments.strip_experts`, is copied to the device once
+per routing).
 
 Quantize+transpose: Q(x) and Q(x)^T come from the same tile of x, read once. Q(x^T) is rounded from the
 transposed 16-bit tile (`tl.trans`, a shared-memory layout change), which measured 10-15% faster on an
