@@ -22,8 +22,8 @@ from mcore_helpers import assert_layers_bit_identical, outlier_tensor, qgemm_bou
     tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
-COUNTS = [37, 0, 130, 5]
-EPS32 = torch.finfo(torch.float32).eps  # an empty expert, one spanning two aligned strips, ragged counts
+COUNTS = [37, 0, 130, 5]  # an empty expert, one spanning two aligned strips, ragged counts
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def _aligned(parts, segments):

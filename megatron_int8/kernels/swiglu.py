@@ -131,19 +131,18 @@ def _launch(cache: LaunchCache, lead: tuple, weights: tuple, R: int, F: int, C: 
     `weights`: the WEIGHTED pointers (forward: p; backward: p and dp's partial sums), or () for plain SwiGLU."""
     TR, TC = tile or _TILE
     RB, n_rs, n_ct = _strips(R, F, TR, TC)
-    if maxima:
-        buf = torch.zeros(R + C, dtype=torch.float32, device=device)
-        rmax, cmax = buf[:R], buf[R:]
-    else:
-        rmax = cmax = lead[0]  # never touched
-    unused = (lead[0],) * (1 if cache is _FWD else 2)  # WEIGHTED off: never touched
-    cache.launch((n_rs, n_ct), *lead, rmax, cmax, *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES,
-                 MAXIMA=maxima, WEIGHTED=bool(weights), num_warps=_WARPS)
-    return (rmax, cmax) if maxima else (None, None)
+    rmax, cmax = _zeroed_maxima(R, C, device, maxima)
+    stand_in = lead[0]  # for the pointers of a mode that is off: never touched
+    unused = (stand_in,) * (1 if cache is _FWD else 2)
+    cache.launch((n_rs, n_ct), *lead, rmax if maxima else stand_in, cmax if maxima else stand_in,
+                 *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES, MAXIMA=maxima,
+                 WEIGHTED=bool(weights), num_warps=_WARPS)
+    return rmax, cmax
 
 
-def _zero_maxima(R: int, C: int, device, maxima: bool):
-    """The maxima of an empty output: zeros (an all-zero group's scale is 1), or None, None."""
+def _zeroed_maxima(R: int, C: int, device, maxima: bool):
+    """(row maxima [R], column maxima [C]) views of one zeroed buffer for the kernels to fold into (an empty
+    output keeps the zeros: an all-zero group's scale is 1), or None, None."""
     if not maxima:
         return None, None
     zeros = torch.zeros(R + C, dtype=torch.float32, device=device)
@@ -183,7 +182,7 @@ def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[
     R = x2.shape[0]
     y = torch.empty((*x.shape[:-1], F), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
-        return (y, *_zero_maxima(R, F, x.device, maxima))
+        return (y, *_zeroed_maxima(R, F, x.device, maxima))
     rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device, tile)
     return y, rows, cols
 
@@ -199,8 +198,8 @@ def _backward(dy, x, maxima, tile, probs):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         dp = None if p is None else torch.zeros_like(probs)
-        return (dx, *_zero_maxima(R, 2 * F, x.device, maxima), dp)
-    partial_dp = None if p is None else torch.empty((cdiv(F, (tile or _TILE)[1]), R), dtype=torch.float32,
+        return (dx, *_zeroed_maxima(R, 2 * F, x.device, maxima), dp)
+    partial_dp = None if p is None else torch.empty((_strips(R, F, *(tile or _TILE))[2], R), dtype=torch.float32,
                                                     device=x.device)
     rows, cols = _launch(_BWD, (dy2, dy2.stride(0), x2, x2.stride(0), dx), () if p is None else (p, partial_dp),
                          R, F, 2 * F, maxima, x.device, tile)
