@@ -11,9 +11,9 @@
 // (mbarrier full/empty pairs), two consumer warpgroups each run wgmma m64n256k32 on half of a 128 x 256
 // output tile. Persistent grid, group-M tile order. The epilogue writes the dequantized tile into a
 // 128-byte-swizzled staging buffer (conflict-free) and leaves through asynchronous TMA stores (fp32:
-// TMA reduce-adds into main_grad), so the next tile's mainloop does not wait for global memory; the
-// producer meanwhile runs ahead into the next tile. Ragged M/N/K edges: TMA fills out-of-bounds reads with
-// zeros and clips out-of-bounds writes.
+// TMA reduce-adds into main_grad, which the producer prefetches into L2 late in the mainloop when K is short),
+// so the next tile's mainloop does not wait for global memory; the producer meanwhile runs ahead into the next
+// tile. Ragged M/N/K edges: TMA fills out-of-bounds reads with zeros and clips out-of-bounds writes.
 //
 // Grouped mode (MoE fprop/dgrad, `strip_experts` not null): a's rows hold every expert's tokens in strips of
 // `strip_rows` (a multiple of kBlockM) that each belong to one expert, b is the experts' operands stacked
@@ -29,6 +29,9 @@ namespace {
 constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 128, kStages = 3, kGroupM = 8;
 constexpr int kConsumers = 2;
 constexpr int kSlots = 4;  // output staging slots of 128 rows x 128 bytes (16 KB each)
+// fp32 accumulation: main_grad's tile is prefetched into L2 in boxes of 64 rows x 32 columns (its tensor map's)
+constexpr int kMainGradBoxes = (kBlockM / 64) * (kBlockN / 32);
+constexpr int kPrefetchMaxKBlocks = 48;  // up to K = 6144: beyond it the prefetch did not pay (see prefetch_main_grad)
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;
 
@@ -83,6 +86,10 @@ __device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* sr
   else
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
                  ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(src)), "r"(inner), "r"(outer) : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int inner, int outer) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(inner), "r"(outer) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -152,6 +159,24 @@ __device__ __forceinline__ void stage_pair(uint8_t* slot, int row, int byte, flo
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
 }
 
+// fp32 accumulation, issued by the producer after k-block kb's loads: main_grad's tile into L2, spread over the
+// last eighth of the tile's k-blocks. Without it the epilogue's reduce-adds read main_grad from HBM, every CTA at
+// once (the tiles run in lockstep), and that burst stalls the next tiles' operand loads: a Mixtral expert's wgrad
+// (K = 2048 tokens) took 1.9x the time of the same GEMM with a bf16 output, 1.5x with the prefetch. At K = 8192
+// the burst is a small share of the tile and the prefetch changed nothing (docs/kernels.md, "CUDA GEMM").
+// Prefetching the whole tile when it starts had slowed every wgrad (seventeenth session).
+__device__ __forceinline__ void prefetch_main_grad(const CUtensorMap* map_c, int kb, int k_blocks, int tm, int tn,
+                                                   int M, int N) {
+  if (k_blocks > kPrefetchMaxKBlocks) return;
+  const int first = k_blocks * 7 / 8, last = max(first + 1, k_blocks - 1);
+  if (kb < first || kb >= last) return;
+  const int span = last - first;
+  for (int j = (kb - first) * kMainGradBoxes / span; j < (kb - first + 1) * kMainGradBoxes / span; ++j) {
+    const int row = tm * kBlockM + j / (kBlockN / 32) * 64, col = tn * kBlockN + j % (kBlockN / 32) * 32;
+    if (row < M && col < N) tma_prefetch_l2(map_c, col, row);
+  }
+}
+
 template <bool kAccumulate>
 __global__ void __launch_bounds__(kThreads, 1)
     int8_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -192,6 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_expect_tx(&s.full[stage], kStageBytes);
           tma_load(s.a[stage], &map_a, &s.full[stage], kb * kBlockK, tm * kBlockM);
           tma_load(s.b[stage], &map_b, &s.full[stage], kb * kBlockK, b_row0 + tn * kBlockN);
+          if constexpr (kAccumulate) prefetch_main_grad(&map_c, kb, k_blocks, tm, tn, M, N);
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       }
