@@ -29,8 +29,9 @@ namespace {
 constexpr int kBlockM = 128, kBlockN = 256, kBlockK = 128, kStages = 3, kGroupM = 8;
 constexpr int kConsumers = 2;
 constexpr int kSlots = 4;  // output staging slots of 128 rows x 128 bytes (16 KB each)
-// fp32 accumulation: main_grad's tile is prefetched into L2 in boxes of 64 rows x 32 columns (its tensor map's)
-constexpr int kMainGradBoxes = (kBlockM / 64) * (kBlockN / 32);
+// main_grad's tensor map moves boxes of 64 rows x 32 fp32 columns: a consumer's half of one staging slot
+constexpr int kMainGradBoxRows = 64, kMainGradBoxCols = 128 / 4;
+constexpr int kMainGradBoxes = (kBlockM / kMainGradBoxRows) * (kBlockN / kMainGradBoxCols);  // per tile
 constexpr int kPrefetchMaxKBlocks = 48;  // up to K = 6144: beyond it the prefetch did not pay (see prefetch_main_grad)
 constexpr int kThreads = 128 * (kConsumers + 1);
 constexpr uint32_t kStageBytes = (kBlockM + kBlockN) * kBlockK;
@@ -171,8 +172,9 @@ __device__ __forceinline__ void prefetch_main_grad(const CUtensorMap* map_c, int
   const int first = k_blocks * 7 / 8, last = max(first + 1, k_blocks - 1);
   if (kb < first || kb >= last) return;
   const int span = last - first;
+  constexpr int kPerRow = kBlockN / kMainGradBoxCols;  // boxes across the tile
   for (int j = (kb - first) * kMainGradBoxes / span; j < (kb - first + 1) * kMainGradBoxes / span; ++j) {
-    const int row = tm * kBlockM + j / (kBlockN / 32) * 64, col = tn * kBlockN + j % (kBlockN / 32) * 32;
+    const int row = tm * kBlockM + j / kPerRow * kMainGradBoxRows, col = tn * kBlockN + j % kPerRow * kMainGradBoxCols;
     if (row < M && col < N) tma_prefetch_l2(map_c, col, row);
   }
 }
@@ -364,7 +366,8 @@ int launch_on_current(const void* a, long lda, const void* b, long ldb, int b_ro
   const bool ok =
       make_map(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, a, M, K, lda, kBlockK, kBlockM) &&
       make_map(&map_b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, b, b_rows, K, ldb, kBlockK, kBlockN) &&
-      (accumulate ? make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, M, N, ldc, 32, 64)
+      (accumulate ? make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, out, M, N, ldc, kMainGradBoxCols,
+                             kMainGradBoxRows)
                   : make_map(&map_c, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, M, N, ldc, 64, 64));
   if (!ok) return 3;
   return accumulate
