@@ -13,14 +13,15 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   maxima (no atomics, so no zero-initialised buffer and no memset; each program walks a tall strip of
   rows, `_amax_rows_per_program`); `_quantize_kernel` reads x again, and every program reduces the
   partials itself (4 KB from L2), so there is no separate "finalize" launch.
-- row granularity: 3 (1 with the maxima of every requested output given: `rowwise_amax` for Q(x),
-  `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x): a memset of the maxima buffer, then
-  `_amax_kernel` folds each strip's row and column maxima into it by atomic max (int32 compares of
-  non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima reduced by a third
-  kernel (26th session: the amax part 6-31% faster on an H100, docs/benchmarks.md); before that, each
-  64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With `columnwise_segments` (MoE
-  experts) the same launches: the amax programs take strips of exactly SEGMENT_ALIGN rows (one segment each) and
-  fold their column maxima into their segment's row of [E, C] maxima.
+- row granularity: 2 and a memset (1 launch with the maxima of every requested output given:
+  `rowwise_amax` for Q(x), `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x): a memset of
+  the maxima buffer, then `_amax_kernel` folds each strip's row and column maxima into it by atomic max
+  (int32 compares of non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima
+  reduced by a third kernel (26th session: the amax part 6-31% faster on an H100, docs/benchmarks.md);
+  before that, each 64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With
+  `columnwise_segments` (MoE experts) the same launches: the amax programs take strips of exactly
+  SEGMENT_ALIGN rows (one segment each) and fold their column maxima into their segment's row of [E, C]
+  maxima.
 - block granularity: 1. `_quantize_block_kernel` computes each group's scale inside its tile.
 - check_finite: "deferred" (default): the quantize programs that store the scales also store NaN into the
   name's device slot when a scale is NaN (no launch of its own); "immediate": one small reduction and the
