@@ -2,10 +2,10 @@
 
 Only the four linears of a transformer layer (linear_qkv, linear_proj, linear_fc1, linear_fc2, also
 inside routed and shared experts) change class; the embedding, the output layer and the MoE router
-are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (SDPA, or TE's when
-Transformer Engine is installed) and the norms (SP-capable torch norms, or TENorm) are the same for
-the INT8, the BF16 baseline and the FP8 peer spec (torchao float8 linears, `fp8_peer.py`), so they
-differ only in the linears.
+are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (megatron's SelfAttention
+with an in-place query norm, over SDPA, or TE's core attention when Transformer Engine is installed)
+and the norms (SP-capable torch norms, or TENorm) are the same for the INT8, the BF16 baseline and the
+FP8 peer spec (torchao float8 linears, `fp8_peer.py`), so they differ only in the linears.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from .attention import SDPAttention
+from .attention import QueryNormInPlaceSelfAttention, SDPAttention
 from .compat import SequenceParallelNorm, apply_no_te_compat
 from .experts import Int8GroupedMLP
 from .fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
@@ -152,7 +152,7 @@ def get_gpt_int8_layer_spec(
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=QueryNormInPlaceSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),

@@ -267,3 +267,32 @@ def assert_layers_bit_identical(first, second, x0, g0):
     for name, grad in grads_a.items():
         assert grad.abs().sum() > 0, name
         assert torch.equal(grad, grads_b[name]), name
+
+
+def query_norm_layer_pair(config, int8: bool, generator, device="cpu"):
+    """(ours, stock, contiguous): two TransformerLayers of this package's spec with the same outlier weights,
+    `ours` with its QueryNormInPlaceSelfAttention and `stock` with megatron's SelfAttention; `contiguous`
+    maps each to whether its query norm's inputs were contiguous (forward hooks, one entry per call)."""
+    import dataclasses
+
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_int8.spec import get_gpt_int8_layer_spec
+
+    spec = get_gpt_int8_layer_spec(qk_layernorm=config.qk_layernorm, recipe=nearest_recipe(granularity="row"),
+                                   int8=int8)
+    attention = dataclasses.replace(spec.submodules.self_attention, module=SelfAttention)
+    stock_spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+    ours = build_module(spec, config=config, layer_number=1).to(device)
+    stock = build_module(stock_spec, config=config, layer_number=1).to(device)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(outlier_tensor(*p.shape, generator=generator, scale=4.0) * 0.1 + (p.dim() == 1))
+    stock.load_state_dict(ours.state_dict())
+    contiguous = {"ours": [], "stock": []}
+    for name, layer in (("ours", ours), ("stock", stock)):
+        norm = layer.self_attention.q_layernorm
+        if norm is not None:
+            norm.register_forward_hook(lambda m, inputs, out, name=name: contiguous[name].append(inputs[0].is_contiguous()))
+    return ours, stock, contiguous

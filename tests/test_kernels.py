@@ -1034,23 +1034,25 @@ def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("layout", ["k head slice", "rows of 40", "wide rows, several per program"])
+@pytest.mark.parametrize("layout", ["k head slice", "q heads in place", "rows of 40", "wide rows, several per program"])
 def test_rms_norm_kernel_forward_and_backward(dtype, layout):
     """The Triton RMSNorm (megatron_int8.rms_norm.FusedRMSNorm) on the shapes it meets: a strided k slice
-    of a fused qkv output (rows of one head, normalized without a copy), ragged rows narrower than the
-    block (masked columns, many rows per program), and rows wide enough that each backward program loops
-    over many of them. Heavy-tailed data with zero rows; forward, input and weight gradients against
-    float64."""
+    of a fused qkv output (rows of one head, normalized without a copy), the query heads of every group in
+    place ([S, B, G, heads per group, D], as QueryNormInPlaceSelfAttention passes them, also without a copy),
+    ragged rows narrower than the block (masked columns, many rows per program), and rows wide enough that
+    each backward program loops over many of them. Heavy-tailed data with zero rows; forward, input and
+    weight gradients against float64."""
     from int8_bounds import assert_rms_norm_close
 
+    from megatron_int8.kernels.rms_norm import _rows
     from megatron_int8.rms_norm import FusedRMSNorm
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
-    if layout == "k head slice":
+    if layout in ("k head slice", "q heads in place"):
         S, B, G, D = 5, 3, 4, 16
-        qkv = outliers(S * B * G, 4 * D, dtype, zero_rows=(7,)).view(S, B, G, 4 * D)
-        x = qkv[..., 2 * D:3 * D]  # [S, B, G, D], strides (B*G*4D, G*4D, 4D, 1)
-        assert not x.is_contiguous()
+        qkv = outliers(S * B * G, 5 * D, dtype, zero_rows=(7,)).view(S, B, G, 5 * D)  # 3 q heads, k, v per group
+        x = qkv[..., 3 * D:4 * D] if layout == "k head slice" else qkv[..., :3 * D].unflatten(-1, (3, D))
+        assert not x.is_contiguous() and _rows(x).data_ptr() == x.data_ptr()  # the kernel reads x in place
     elif layout == "rows of 40":
         x = outliers(300, 40, dtype, zero_rows=(3,))
     else:

@@ -671,7 +671,8 @@ def test_fused_rope_real_shapes(heads, groups, rot):
 
 
 @pytest.mark.parametrize("shape,layout", [
-    ((4096, 2, 32, 128), "q heads"),  # Qwen3's q: a contiguous copy after megatron's reshape
+    ((4096, 2, 32, 128), "q heads"),  # Qwen3's q, contiguous (megatron's own SelfAttention copies it)
+    ((4096, 2, 8, 4, 128), "q heads in place"),  # Qwen3's q as QueryNormInPlaceSelfAttention passes it
     ((4096, 2, 8, 128), "k head slice"),  # Qwen3's k: a strided slice of the fused qkv output
     ((4096, 2, 4096), "hidden"),
     ((4096, 2, 2560), "hidden"),  # Qwen3-4B: rows narrower than the power-of-two block
@@ -687,6 +688,10 @@ def test_fused_rms_norm_real_shapes(shape, layout):
     if layout == "k head slice":
         S, B, G, D = shape
         x = outliers(S * B * G, 6 * D).view(S, B, G, 6 * D)[..., 4 * D:5 * D]  # 4 q heads, k, v per group
+        assert not x.is_contiguous()
+    elif layout == "q heads in place":
+        S, B, G, H, D = shape
+        x = outliers(S * B * G, (H + 2) * D).view(S, B, G, (H + 2) * D)[..., :H * D].unflatten(-1, (H, D))
         assert not x.is_contiguous()
     else:
         x = outliers(math.prod(shape[:-1]), W).view(shape)

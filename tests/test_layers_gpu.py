@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from mcore_helpers import assert_fp8_linear_within_bounds, assert_layers_bit_identical, fp8_linear_checks, \
-    nearest_recipe, outlier_tensor, qgemm_bound, single_process_megatron, tiny_config
+    nearest_recipe, outlier_tensor, qgemm_bound, query_norm_layer_pair, single_process_megatron, tiny_config
 
 pytestmark = pytest.mark.gpu
 BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
@@ -123,6 +123,21 @@ def _moe_mlp_on_gpu(grouped: bool, config):
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped,
                                    recipe=nearest_recipe(granularity="row"))
     return build_module(spec.submodules.mlp, config=config).cuda()
+
+
+def test_query_norm_in_place_matches_megatron_self_attention_on_gpu():
+    """Qwen3-like GQA attention (8 query heads in 2 groups, head dim 128, q/k norms) in an INT8 layer: with the
+    Triton norm reading the query heads in place from the fused QKV output, outputs and gradients are
+    bit-identical to megatron's SelfAttention, whose norm reads a contiguous copy."""
+    gen = torch.Generator().manual_seed(5)
+    config = tiny_config(hidden_size=256, num_attention_heads=8, num_query_groups=2, kv_channels=128,
+                         qk_layernorm=True, layernorm_epsilon=1e-6, params_dtype=torch.bfloat16, bf16=True)
+    ours, stock, contiguous = query_norm_layer_pair(config, True, gen, device="cuda")
+    assert ours.self_attention.q_layernorm.use_triton
+    x0 = outlier_tensor(128, 2, 256, generator=gen).to("cuda", torch.bfloat16)
+    g0 = outlier_tensor(128, 2, 256, generator=gen).to("cuda", torch.bfloat16)
+    assert_layers_bit_identical(ours, stock, x0, g0)
+    assert contiguous == {"ours": [False], "stock": [True]}
 
 
 def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():

@@ -2,7 +2,8 @@
 spec, checkpoint interchange with BF16 models, and SDPA attention vs megatron's DotProductAttention."""
 import pytest
 import torch
-from mcore_helpers import single_process_megatron, tiny_config
+from mcore_helpers import assert_layers_bit_identical, outlier_tensor, query_norm_layer_pair, single_process_megatron, \
+    tiny_config
 
 from megatron_int8.policy import Int8Policy
 from megatron_int8.recipe import Int8Recipe
@@ -210,6 +211,22 @@ def test_sdpa_attention_dropout_uses_model_parallel_rng():
     assert torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
     sdpa.train()
     assert not torch.equal(sdpa(q, k, v, None), sdpa(q, k, v, None))
+
+
+@pytest.mark.parametrize("groups,qk_norm,int8", [(2, True, True), (2, True, False), (4, True, False),
+                                                (1, True, False), (2, False, False)])
+def test_query_norm_in_place_matches_megatron_self_attention(groups, qk_norm, int8):
+    """QueryNormInPlaceSelfAttention against megatron's SelfAttention in the same layer: bit-identical outputs
+    and gradients, and its query norm reads the heads in place (a strided view) where megatron's reads a copy."""
+    gen = torch.Generator().manual_seed(groups)
+    config = tiny_config(num_attention_heads=4, num_query_groups=groups, kv_channels=16, qk_layernorm=qk_norm,
+                         layernorm_epsilon=1e-6)
+    ours, stock, contiguous = query_norm_layer_pair(config, int8, gen)
+    x0 = outlier_tensor(12, 2, 64, generator=gen)
+    g0 = torch.randn(12, 2, 64, generator=gen)
+    assert_layers_bit_identical(ours, stock, x0, g0)
+    if qk_norm:  # megatron copies the query heads when 1 < groups < heads; ours always reads them in place
+        assert contiguous == {"ours": [False], "stock": [1 < groups < 4]}
 
 
 @pytest.mark.parametrize("moe", [False, True])
