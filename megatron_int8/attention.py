@@ -21,6 +21,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.attention import SplitAlongDim as _split_along_dim  # TE's, or None
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -136,14 +137,15 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
     megatron merges them into [sq, b, np, hn] with a reshape, which under GQA is a strided copy (85 us per
     layer and micro-batch for Qwen3-4B on an H200, in every precision), and then normalizes the copy. The
     norm acts on the head dimension only, so it can read the heads in place, as a view [sq, b, ng, np/ng, hn],
-    and write them contiguous: same result, one pass fewer. Parameters and state-dict keys are megatron's.
-    Without a query norm, and in megatron's special cases (output gate, unsplit QKV, fewer query groups than
-    tensor-parallel ranks, test mode), this is megatron's own method.
+    and write them contiguous: same result, one pass fewer (with this package's norms; Transformer Engine's
+    TENorm makes its input contiguous itself, so there the copy only moves into it). Parameters and
+    state-dict keys are megatron's. Without a query norm, and in megatron's special cases (output gate,
+    unsplit QKV, fewer query groups than tensor-parallel ranks, test mode), this is megatron's own method.
     """
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
-        if (self.q_layernorm is None or output_gate or not split_qkv or self.config.test_mode
-                or self.config.num_query_groups < self.world_size):
+        if (self.q_layernorm is None or isinstance(self.q_layernorm, IdentityOp) or output_gate or not split_qkv
+                or self.config.test_mode or self.config.num_query_groups < self.world_size):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
         groups = self.num_query_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups

@@ -272,7 +272,8 @@ def assert_layers_bit_identical(first, second, x0, g0):
 def query_norm_layer_pair(config, int8: bool, generator, device="cpu"):
     """(ours, stock, contiguous): two TransformerLayers of this package's spec with the same outlier weights,
     `ours` with its QueryNormInPlaceSelfAttention and `stock` with megatron's SelfAttention; `contiguous`
-    maps each to whether its query norm's inputs were contiguous (forward hooks, one entry per call)."""
+    maps each to whether its query norm's inputs were contiguous (forward hooks, one entry per call). Under
+    tensor parallelism every rank gets the same local weights, which is all the comparison needs."""
     import dataclasses
 
     from megatron.core.transformer.attention import SelfAttention

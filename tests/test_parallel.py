@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from mcore_helpers import (init_megatron, nearest_recipe, outlier_tensor, qgemm_bound, rank_device, run_distributed,
-                           tiny_config)
+from mcore_helpers import (assert_layers_bit_identical, init_megatron, nearest_recipe, outlier_tensor, qgemm_bound,
+                           query_norm_layer_pair, rank_device, run_distributed, tiny_config)
 
 pytestmark = pytest.mark.slow
 
@@ -249,6 +249,25 @@ def _moe_worker(rank, world_size, init_file, grouped):
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-expert", "grouped"])
 def test_moe_expert_parallel_matches_ep1(grouped):
     run_distributed(_moe_worker, 2, grouped)
+
+
+def _query_norm_tp_worker(rank, world_size, init_file):
+    init_megatron(world_size, rank, init_file, tp=2)
+    gen = torch.Generator().manual_seed(3)
+    config = tiny_config(num_attention_heads=8, num_query_groups=4, kv_channels=8, qk_layernorm=True,
+                         layernorm_epsilon=1e-6, tensor_model_parallel_size=2)
+    ours, stock, contiguous = query_norm_layer_pair(config, True, gen)
+    assert ours.self_attention.num_query_groups_per_partition == 2
+    x0 = outlier_tensor(12, 2, 64, generator=gen)
+    g0 = torch.randn(12, 2, 64, generator=gen)
+    assert_layers_bit_identical(ours, stock, x0, g0)
+    assert contiguous == {"ours": [False], "stock": [True]}  # 4 query heads in 2 groups per rank: megatron copies
+
+
+def test_query_norm_in_place_matches_megatron_under_tensor_parallelism():
+    """QueryNormInPlaceSelfAttention at TP=2 (each rank holds 2 of the 4 key/value groups and their query heads)
+    against megatron's SelfAttention: bit-identical INT8 layer outputs and gradients on every rank."""
+    run_distributed(_query_norm_tp_worker, 2)
 
 
 def _pp_table_worker(rank, world_size, init_file):
