@@ -213,10 +213,13 @@ def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: boo
     megatron_int8.swiglu's kernels), so that quantizing skips its amax pass; {} when there are none."""
     if known is None:
         return {}
-    if recipe.granularity == "row":
+    if recipe.granularity == "row" and known.rows is not None:
         return dict(rowwise_amax=known.rows if rowwise else None, columnwise_amax=known.cols if columnwise else None)
-    if recipe.granularity == "tensor" and known.cols.numel():
-        return dict(amax=known.cols.amax())
+    if recipe.granularity == "tensor":
+        if known.amax is not None:
+            return dict(amax=known.amax)
+        if known.cols is not None and known.cols.numel():
+            return dict(amax=known.cols.amax())
     return {}
 
 

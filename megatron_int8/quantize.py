@@ -249,14 +249,16 @@ def handle_nonfinite(scale: torch.Tensor, name: str, check_finite: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KnownMaxima:
-    """max |t| per row [R] and per column [C] of a tensor t viewed as [R, C] (C = its last dimension), as
-    the kernel that wrote t computed them (Inf/NaN as inf). Valid while t keeps the shape and version it had
-    then (`known_maxima` checks both), so an in-place change or a reshaped view never reuses them."""
+    """max |t| per row [R] and per column [C] of a tensor t viewed as [R, C] (C = its last dimension), or
+    only max |t| over the whole tensor (`amax`, a 0-d tensor; rows and cols None), as the kernels that wrote t
+    computed them (Inf/NaN as inf or NaN). Valid while t keeps the shape and version it had then
+    (`known_maxima` checks both), so an in-place change or a reshaped view never reuses them."""
 
-    rows: torch.Tensor
-    cols: torch.Tensor
+    rows: Optional[torch.Tensor]
+    cols: Optional[torch.Tensor]
     shape: Tuple[int, ...]
     version: int
+    amax: Optional[torch.Tensor] = None
 
 
 _MAXIMA_ATTR = "_megatron_int8_maxima"  # stored on the tensor itself, so they die with it
@@ -272,8 +274,18 @@ def attach_maxima(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> to
     return t
 
 
+def attach_amax(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Record max |t| (a 0-d fp32 tensor) so that quantizing t tensorwise skips its own amax pass; row-wise
+    quantization still computes its maxima. Returns t."""
+    if amax.dim() != 0 or amax.dtype != torch.float32:
+        raise ValueError(f"attach_amax: expected a 0-d float32 amax, got {tuple(amax.shape)} {amax.dtype}")
+    setattr(t, _MAXIMA_ATTR, KnownMaxima(None, None, tuple(t.shape), t._version, amax))
+    return t
+
+
 def known_maxima(t: torch.Tensor) -> Optional[KnownMaxima]:
-    """The maxima `attach_maxima` recorded on this very tensor object, if it is unchanged since; else None."""
+    """The maxima `attach_maxima` / `attach_amax` recorded on this very tensor object, if it is unchanged
+    since; else None."""
     known = getattr(t, _MAXIMA_ATTR, None)
     if known is None or known.shape != tuple(t.shape) or known.version != t._version:
         return None

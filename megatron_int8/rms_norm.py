@@ -62,12 +62,19 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         choice = norm_kernel_choice()
         self.use_triton = choice == "triton" or (choice == "auto" and self.normalized_shape[0] <= TRITON_MAX_WIDTH)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def runs_triton(self, x: torch.Tensor) -> bool:
+        """Whether the forward of input x runs the Triton kernels (see the class docstring)."""
         weight = self.weight
-        if (self.use_triton and weight is not None and x.dtype == weight.dtype and triton_runs_on(x.device)
-                and triton_available()):
-            if x.shape[-1] != weight.shape[0]:
-                raise ValueError(f"FusedRMSNorm({weight.shape[0]}): input of shape {tuple(x.shape)}")
-            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-            return _TritonRMSNorm.apply(x, weight, eps)
+        return (self.use_triton and weight is not None and x.dtype == weight.dtype and triton_runs_on(x.device)
+                and triton_available())
+
+    def eps_for(self, x: torch.Tensor) -> float:
+        """The epsilon applied to input x: torch.nn.RMSNorm's default (x's dtype's) when none was set."""
+        return self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_triton(x):
+            if x.shape[-1] != self.weight.shape[0]:
+                raise ValueError(f"FusedRMSNorm({self.weight.shape[0]}): input of shape {tuple(x.shape)}")
+            return _TritonRMSNorm.apply(x, self.weight, self.eps_for(x))
         return super().forward(x)

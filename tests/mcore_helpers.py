@@ -269,7 +269,7 @@ def assert_layers_bit_identical(first, second, x0, g0):
         assert torch.equal(grad, grads_b[name]), name
 
 
-def query_norm_layer_pair(config, int8: bool, generator, device="cpu"):
+def query_norm_layer_pair(config, int8: bool, generator, device="cpu", granularity="row"):
     """(ours, stock, contiguous): two TransformerLayers of this package's spec with the same outlier weights,
     `ours` with its QueryNormInPlaceSelfAttention and `stock` with megatron's SelfAttention; `contiguous`
     maps each to whether its query norm's inputs were contiguous (forward hooks, one entry per call). Under
@@ -281,7 +281,7 @@ def query_norm_layer_pair(config, int8: bool, generator, device="cpu"):
 
     from megatron_int8.spec import get_gpt_int8_layer_spec
 
-    spec = get_gpt_int8_layer_spec(qk_layernorm=config.qk_layernorm, recipe=nearest_recipe(granularity="row"),
+    spec = get_gpt_int8_layer_spec(qk_layernorm=config.qk_layernorm, recipe=nearest_recipe(granularity=granularity),
                                    int8=int8)
     attention = dataclasses.replace(spec.submodules.self_attention, module=SelfAttention)
     stock_spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))

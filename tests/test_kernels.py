@@ -1070,6 +1070,104 @@ def test_rms_norm_kernel_forward_and_backward(dtype, layout):
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_qkv_normed_writes_the_qkv_gradient_in_place(dtype):
+    """attention._SplitQKVNormed (the split of a fused QKV output plus the Triton q/k norms as one autograd node)
+    against the same norms run separately on views of the split, whose backward is autograd's cat: bit-identical
+    query, key and value, gradients of the fused input and of both norm weights, and value still a view of the
+    input. Then both against float64 (assert_rms_norm_close): the query heads, the key heads, and the value
+    gradient passed through exactly."""
+    from int8_bounds import assert_rms_norm_close
+
+    from megatron_int8.attention import _qkv_parts, _SplitQKVNormed
+    from megatron_int8.rms_norm import FusedRMSNorm
+
+    ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
+    S, B, G, P, D = 9, 2, 3, 2, 16  # 3 groups of 2 query heads, a key and a value head each
+    mixed = outliers(S * B, G * (P + 2) * D, dtype, zero_rows=(5,)).view(S, B, -1)
+    norms = [FusedRMSNorm(D, eps=1e-6, dtype=dtype) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_((1 + torch.randn(D)).to(dtype))
+    grads = [outliers(S * B * n, D, dtype).view(S, B, n, D) for n in (G * P, G, G)]
+
+    results = []
+    for fused in (True, False):
+        leaf = mixed.detach().requires_grad_(True)
+        for n in norms:
+            n.weight.grad = None
+        if fused:
+            outs = _SplitQKVNormed.apply(leaf, norms[0].weight, norms[1].weight, 1e-6, 1e-6, G, D)
+            assert outs[2]._base is leaf  # the value is a view, no copy
+        else:
+            q_in, k_in, v = _qkv_parts(leaf, G, D)
+            outs = (norms[0](q_in).flatten(2, 3), norms[1](k_in), v)
+        torch.autograd.backward(outs, grads)
+        results.append(([o.detach() for o in outs], leaf.grad, [n.weight.grad.clone() for n in norms]))
+    (outs_f, dmix_f, dw_f), (outs_s, dmix_s, dw_s) = results
+    for a, b in zip(outs_f + [dmix_f] + dw_f, outs_s + [dmix_s] + dw_s):
+        assert torch.equal(a, b)
+
+    q_in, k_in, v = _qkv_parts(mixed, G, D)
+    dq_in, dk_in, dv_in = _qkv_parts(dmix_f, G, D)
+    assert torch.equal(dv_in, grads[2]) and torch.equal(outs_f[2], v)
+    for x, n, y, dy, dx, dw in ((q_in, norms[0], outs_f[0].view(q_in.shape), grads[0].view(q_in.shape), dq_in, dw_f[0]),
+                                (k_in, norms[1], outs_f[1], grads[1], dk_in, dw_f[1])):
+        assert_rms_norm_close(x, n.weight.detach(), 1e-6, dy, y, dx, dw, ulps)
+
+
+@pytest.mark.parametrize("poison", [None, "inf in dq", "nan in dk", "nan in dv"])
+def test_split_qkv_normed_hands_the_linear_its_gradient_amax(poison):
+    """With emit_amax, the QKV-shaped gradient reaches the layer before the node (the QKV linear; here a probe)
+    as the same object, carrying max |gradient| exactly (quantize.known_maxima). An Inf/NaN in the query or
+    key gradient makes that norm's dx non-finite and the amax inf; a NaN in the value gradient makes it NaN.
+    Either way the quantizer's scale is NaN (the non-finite check), never a finite wrong one."""
+    from megatron_int8.attention import _SplitQKVNormed
+    from megatron_int8.quantize import known_maxima
+
+    S, B, G, P, D = 7, 2, 2, 3, 16
+    leaf = outliers(S * B, G * (P + 2) * D, zero_rows=(3,)).view(S, B, -1).requires_grad_(True)
+    wq, wk = ((1 + torch.randn(D)).bfloat16().requires_grad_(True) for _ in range(2))
+    grads = [outliers(S * B * n, D).view(S, B, n, D) for n in (G * P, G, G)]
+    if poison is not None:
+        which = {"inf in dq": 0, "nan in dk": 1, "nan in dv": 2}[poison]
+        grads[which][2, 1, 0, 5] = float("inf") if poison.startswith("inf") else float("nan")
+    _GradProbe.seen.clear()
+    outs = _SplitQKVNormed.apply(_GradProbe.apply(leaf), wq, wk, 1e-6, 1e-6, G, D, True)
+    torch.autograd.backward(outs, grads)
+    (seen,) = _GradProbe.seen
+    known = known_maxima(seen)
+    assert known is not None and known.rows is None and known.amax.dim() == 0
+    want = seen.float().abs().amax()
+    if poison is None:
+        assert want > 0 and torch.equal(known.amax, want)
+    elif poison == "nan in dv":
+        assert known.amax.isnan()
+    else:
+        assert known.amax == float("inf")
+    _GradProbe.seen.clear()
+    outs = _SplitQKVNormed.apply(_GradProbe.apply(leaf), wq, wk, 1e-6, 1e-6, G, D, False)
+    torch.autograd.backward(outs, grads)
+    assert known_maxima(_GradProbe.seen[0]) is None  # nothing attached without emit_amax
+
+
+def test_rms_norm_backward_rejects_a_destination_it_cannot_write_in_place():
+    """A dx destination whose strides do not merge into the input's rows is refused, never silently copied."""
+    from megatron_int8.kernels.rms_norm import triton_rms_norm_backward, triton_rms_norm_forward
+
+    x = outliers(2 * 3 * 4, 16).view(2, 3, 4, 16)  # rows [6, 4, 16] for the kernel
+    w = torch.ones(16, dtype=torch.bfloat16)
+    y, rstd = triton_rms_norm_forward(x, w, 1e-6)
+    bad = torch.empty(3, 2, 4, 16, dtype=torch.bfloat16).transpose(0, 1)  # [2, 3, 4, 16]: dims 0, 1 do not merge
+    with pytest.raises(ValueError, match="do not merge"):
+        triton_rms_norm_backward(y, x, w, rstd, dx=bad)
+    with pytest.raises(ValueError, match="destination"):
+        triton_rms_norm_backward(y, x, w, rstd, dx=torch.empty(2, 3, 4, 16, dtype=torch.float32))
+    strided = torch.empty(4, 2, 3, 16, dtype=torch.bfloat16).permute(1, 2, 0, 3)  # merges: written in place
+    dx, _ = triton_rms_norm_backward(y, x, w, rstd, dx=strided)
+    assert dx is strided and torch.equal(strided, triton_rms_norm_backward(y, x, w, rstd)[0])
+
+
 class _GradProbe(torch.autograd.Function):
     """Identity that records the gradient object it receives, as the INT8 linear before SwiGLU (fc1) does."""
     seen = []

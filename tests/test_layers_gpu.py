@@ -125,19 +125,50 @@ def _moe_mlp_on_gpu(grouped: bool, config):
     return build_module(spec.submodules.mlp, config=config).cuda()
 
 
-def test_query_norm_in_place_matches_megatron_self_attention_on_gpu():
+def _graph_node_names(t: torch.Tensor) -> set:
+    """The names of every autograd node behind t."""
+    seen, stack, names = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_query_norm_in_place_matches_megatron_self_attention_on_gpu(granularity, monkeypatch):
     """Qwen3-like GQA attention (8 query heads in 2 groups, head dim 128, q/k norms) in an INT8 layer: with the
-    Triton norm reading the query heads in place from the fused QKV output, outputs and gradients are
-    bit-identical to megatron's SelfAttention, whose norm reads a contiguous copy."""
+    Triton norms reading the query and key heads in place from the fused QKV output, and their backward writing
+    the QKV gradient in place (one _SplitQKVNormed node, no cat), outputs and gradients are bit-identical to
+    megatron's SelfAttention, whose query norm reads a contiguous copy and whose split backward is a cat.
+    Tensorwise, ours hands the QKV linear its gradient's amax (once per backward), stock's linear computes it:
+    still bit-identical, so the handed amax is exact."""
+    import megatron_int8.attention as attention
+
     gen = torch.Generator().manual_seed(5)
     config = tiny_config(hidden_size=256, num_attention_heads=8, num_query_groups=2, kv_channels=128,
                          qk_layernorm=True, layernorm_epsilon=1e-6, params_dtype=torch.bfloat16, bf16=True)
-    ours, stock, contiguous = query_norm_layer_pair(config, True, gen, device="cuda")
-    assert ours.self_attention.q_layernorm.use_triton
+    ours, stock, contiguous = query_norm_layer_pair(config, True, gen, device="cuda", granularity=granularity)
+    ours, stock = ours.bfloat16(), stock.bfloat16()  # as megatron's Float16Module casts them: bf16 norm weights
     x0 = outlier_tensor(128, 2, 256, generator=gen).to("cuda", torch.bfloat16)
+    assert ours.self_attention.q_layernorm.runs_triton(x0) and stock.self_attention.q_layernorm.runs_triton(x0)
     g0 = outlier_tensor(128, 2, 256, generator=gen).to("cuda", torch.bfloat16)
     assert_layers_bit_identical(ours, stock, x0, g0)
-    assert contiguous == {"ours": [False], "stock": [True]}
+    # ours never calls the norm modules (the fused node runs their kernels); stock's query norm reads a copy
+    assert contiguous == {"ours": [], "stock": [True]}
+    names = {which: _graph_node_names(layer(x0.clone().requires_grad_(True))[0]) for which, layer in
+             (("ours", ours), ("stock", stock))}
+    assert "_SplitQKVNormedBackward" in names["ours"] and "_SplitQKVNormedBackward" not in names["stock"]
+    attached = []
+    real = attention.attach_amax
+    monkeypatch.setattr(attention, "attach_amax", lambda t, amax: real(t, attached.append((t, amax)) or amax))
+    ours(x0.clone().requires_grad_(True))[0].backward(g0)
+    assert len(attached) == (granularity == "tensor")
+    for grad, amax in attached:
+        assert torch.equal(amax, grad.float().abs().amax())
 
 
 def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():

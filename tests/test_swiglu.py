@@ -10,7 +10,7 @@ from int8_bounds import assert_swiglu_close, heavy_tailed
 from mcore_helpers import single_process_megatron, tiny_config
 
 from megatron_int8 import Int8Recipe, int8_linear
-from megatron_int8.quantize import attach_maxima, known_maxima
+from megatron_int8.quantize import attach_amax, attach_maxima, known_maxima
 from megatron_int8.swiglu import SwiGLU, swiglu, swiglu_reference
 
 
@@ -62,6 +62,39 @@ def test_known_maxima_follow_the_tensor():
     assert known_maxima(t) is None
     with pytest.raises(ValueError, match="do not match"):
         attach_maxima(t, cols, rows)
+    amax = t.abs().amax()
+    attach_amax(t, amax)
+    assert known_maxima(t).amax is amax and known_maxima(t).rows is None and known_maxima(t.view(4, 6)) is None
+    for bad in (amax.reshape(1), amax.double()):
+        with pytest.raises(ValueError, match="0-d float32"):
+            attach_amax(t, bad)
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_int8_linear_uses_an_attached_amax_tensorwise_only(granularity):
+    """An amax attached to the output gradient (as the fused QKV split hands it over) replaces the gradient's
+    own under tensorwise quantization: the exact amax gives the plain result, a 2x one changes the input and
+    weight gradients. Row-wise quantization needs per-row maxima, so it ignores a lone amax (same result
+    either way)."""
+    recipe = Int8Recipe(granularity=granularity, backend="reference")
+    x, w, g = heavy_tailed(16, 24), heavy_tailed(8, 24) / 4, heavy_tailed(16, 8)
+
+    def run(factor):
+        xi = x.clone().requires_grad_(True)
+        wi = w.clone().requires_grad_(True)
+        out = int8_linear(xi, wi, None, recipe)
+        gi = g.clone()
+        if factor is not None:
+            attach_amax(gi, g.abs().amax() * factor)
+        out.backward(gi)
+        return xi.grad, wi.grad
+
+    plain = run(None)
+    for got, want in zip(run(1.0), plain):
+        assert torch.equal(got, want)
+    scaled = run(2.0)
+    for got, want in zip(scaled, plain):
+        assert torch.equal(got, want) == (granularity == "row")
 
 
 @pytest.mark.parametrize("granularity", ["row", "tensor"])

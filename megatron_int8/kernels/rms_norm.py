@@ -8,7 +8,8 @@ slower per byte there than over a 4096-wide row (docs/benchmarks.md, fourteenth 
     forward   r = 1 / sqrt(mean(x^2) + eps),  y = x r w           (fp32 math, one rounding of y)
     backward  g = dy w,  dx = r (g - x r mean(g x r)),  dw = sum over rows of dy x r
 The weight gradient is summed per program in fp32 over a contiguous run of rows, then the per-program
-partial sums are added by the caller: no atomics, the same order every run.
+partial sums by a second, small launch (`_sum_rows_kernel`): no atomics, the same order every run. dx can be
+written into a strided destination (a head slice of a fused QKV gradient), so that no cat gathers it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv, device_index, next_pow2, num_sms
+from .quantize import _atomic_max_of, _max_keep_nan, _max_to_inf
 
 
 @triton.jit
@@ -44,16 +46,20 @@ def _rms_norm_bwd_kernel(
     dy_ptr, sdy_n, sdy_h,  # output gradient [N, H, W], last stride 1
     x_ptr, sx_n, sx_h,  # forward input [N, H, W], last stride 1
     w_ptr, rstd_ptr,
-    dx_ptr, dw_part_ptr,  # contiguous [N * H, W]; fp32 [programs, W]
+    dx_ptr, sdx_n, sdx_h,  # input gradient [N, H, W], last stride 1
+    dw_part_ptr,  # fp32 [programs, W]
+    amax_ptr,  # AMAX: fp32 max |dx| (as stored; Inf/NaN as inf) folded into it by atomic max
     R, H, W, ROWS_PER_PROGRAM,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, AMAX: tl.constexpr,
 ):
-    """Program p: rows [p * ROWS_PER_PROGRAM, (p + 1) * ROWS_PER_PROGRAM), BLOCK_R at a time."""
+    """Program p: rows [p * ROWS_PER_PROGRAM, (p + 1) * ROWS_PER_PROGRAM), BLOCK_R at a time. AMAX: max |dx|
+    for a tensorwise quantization of a gradient that holds dx, so that it skips its own amax pass."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_W)
     mask_c = cols < W
     w = tl.load(w_ptr + cols, mask=mask_c, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
+    dx_max = tl.zeros((BLOCK_R, BLOCK_W), dtype=tl.float32)
     first = pid.to(tl.int64) * ROWS_PER_PROGRAM
     end = tl.minimum(first + ROWS_PER_PROGRAM, R)
     for start in range(first, end, BLOCK_R):
@@ -68,15 +74,36 @@ def _rms_norm_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / W
         dx = (g - xhat * c[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + rows[:, None] * W + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dx = dx.to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + (n * sdx_n + h * sdx_h)[:, None] + cols[None, :], dx, mask=mask)
         dw += dy * xhat
+        if AMAX:  # of the stored values; NaN kept (a plain max would drop it), mapped to inf below
+            dx_max = _max_keep_nan(dx_max, tl.abs(dx.to(tl.float32)))
     tl.store(dw_part_ptr + pid * W + cols, tl.sum(dw, axis=0), mask=mask_c)
+    if AMAX:
+        _atomic_max_of(amax_ptr, _max_to_inf(dx_max, None), None)
+
+
+@triton.jit
+def _sum_rows_kernel(part_ptr, out_ptr, P, W, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr):
+    """out[c] = sum over p of part[p, c] (fp32 [P, W] contiguous), in out's dtype; program j takes BLOCK_W
+    columns and walks the P rows in order."""
+    cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask_c = cols < W
+    acc = tl.zeros((BLOCK_P, BLOCK_W), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        acc += tl.load(part_ptr + rows[:, None] * W + cols[None, :], mask=(rows < P)[:, None] & mask_c[None, :],
+                       other=0.0)
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=mask_c)
 
 
 _FWD = LaunchCache(_rms_norm_fwd_kernel)
 _BWD = LaunchCache(_rms_norm_bwd_kernel)
+_SUM = LaunchCache(_sum_rows_kernel)
 _TILE = 4096  # elements per program and step (at least): 16 fp32 values per thread at 8 warps
 _WARPS = 8
+_SUM_COLUMNS = 32  # columns per program of the weight-gradient sum
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +115,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 2:
         return t.unsqueeze(1)
     return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _rows_in_place(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A destination `t` (shape and dtype of `like`, last stride 1) as the [N, H, W] view that _rows gives
+    `like`; a ValueError where that would need a copy, since the kernel must write t itself."""
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device or t.stride(-1) != 1:
+        raise ValueError(f"rms_norm: a dx destination {tuple(t.shape)} {t.dtype} (strides {t.stride()}) for an "
+                         f"input {tuple(like.shape)} {like.dtype}")
+    try:
+        return t.view(_rows(like).shape)
+    except RuntimeError as e:
+        raise ValueError(f"rms_norm: the dx destination's strides {t.stride()} do not merge into rows") from e
 
 
 def _blocks(W: int) -> tuple:
@@ -117,12 +156,17 @@ def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     return y, rstd
 
 
-def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
-    """(dx, dw): dx of x's shape and dtype, contiguous; dw of weight's dtype."""
+def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                              dx: torch.Tensor = None, amax: torch.Tensor = None):
+    """(dx, dw): dx of x's shape and dtype, contiguous, or written into the given `dx` (any strides that merge
+    into rows like x's, e.g. a head slice of a fused QKV gradient); dw of weight's dtype. `amax`: a 1-element
+    fp32 tensor, zero or holding a max of other values, into which max |dx| is folded (Inf/NaN as inf)."""
     W = x.shape[-1]
     x3, dy3 = _rows(x), _rows(dy)
     R, H = x3.shape[0] * x3.shape[1], x3.shape[1]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx is None:
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx3 = _rows_in_place(dx, x)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight)
     block_r, block_w = _blocks(W)
@@ -133,6 +177,14 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     rows_per_program = cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r
     programs = cdiv(R, rows_per_program)
     dw_part = torch.empty((programs, W), dtype=torch.float32, device=x.device)
+    if amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device):
+        raise ValueError(f"rms_norm: amax must be one float32 element on {x.device}, got {tuple(amax.shape)} "
+                         f"{amax.dtype} on {amax.device}")
     _BWD.launch((programs,), dy3, dy3.stride(0), dy3.stride(1), x3, x3.stride(0), x3.stride(1), weight, rstd,
-                dx, dw_part, R, H, W, rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=_WARPS)
-    return dx, dw_part.sum(0).to(weight.dtype)
+                dx3, dx3.stride(0), dx3.stride(1), dw_part, dw_part if amax is None else amax, R, H, W,
+                rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, AMAX=amax is not None, num_warps=_WARPS)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    sum_w = min(block_w, _SUM_COLUMNS)
+    _SUM.launch((cdiv(W, sum_w),), dw_part, dw, programs, W, BLOCK_P=max(1, _TILE // sum_w), BLOCK_W=sum_w,
+                num_warps=4)
+    return dx, dw
