@@ -297,3 +297,26 @@ def query_norm_layer_pair(config, int8: bool, generator, device="cpu", granulari
         if norm is not None:
             norm.register_forward_hook(lambda m, inputs, out, name=name: contiguous[name].append(inputs[0].is_contiguous()))
     return ours, stock, contiguous
+
+
+def split_qkv_both_ways(mixed, norms, grads, groups: int, head: int):
+    """[fused, separate]: attention._SplitQKVNormed on the fused QKV tensor `mixed`, then the same split as views
+    with the two FusedRMSNorm modules `norms` run separately (autograd's backward). Each is [query, key, value,
+    gradient of mixed, gradients of the two norm weights] for output gradients `grads`. The fused value must
+    be a view of its input."""
+    from megatron_int8.attention import _qkv_parts, _SplitQKVNormed
+
+    results = []
+    for fused in (True, False):
+        leaf = mixed.detach().requires_grad_(True)
+        for n in norms:
+            n.weight.grad = None
+        if fused:
+            outs = _SplitQKVNormed.apply(leaf, norms[0].weight, norms[1].weight, 1e-6, 1e-6, groups, head)
+            assert outs[2]._base is leaf  # the value is a view, no copy
+        else:
+            q_in, k_in, v = _qkv_parts(leaf, groups, head)
+            outs = (norms[0](q_in).flatten(2, 3), norms[1](k_in), v)
+        torch.autograd.backward(outs, grads)
+        results.append([o.detach() for o in outs] + [leaf.grad] + [n.weight.grad.clone() for n in norms])
+    return results

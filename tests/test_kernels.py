@@ -1078,8 +1078,9 @@ def test_split_qkv_normed_writes_the_qkv_gradient_in_place(dtype):
     input. Then both against float64 (assert_rms_norm_close): the query heads, the key heads, and the value
     gradient passed through exactly."""
     from int8_bounds import assert_rms_norm_close
+    from mcore_helpers import split_qkv_both_ways
 
-    from megatron_int8.attention import _qkv_parts, _SplitQKVNormed
+    from megatron_int8.attention import _qkv_parts
     from megatron_int8.rms_norm import FusedRMSNorm
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
@@ -1091,22 +1092,10 @@ def test_split_qkv_normed_writes_the_qkv_gradient_in_place(dtype):
             n.weight.copy_((1 + torch.randn(D)).to(dtype))
     grads = [outliers(S * B * n, D, dtype).view(S, B, n, D) for n in (G * P, G, G)]
 
-    results = []
-    for fused in (True, False):
-        leaf = mixed.detach().requires_grad_(True)
-        for n in norms:
-            n.weight.grad = None
-        if fused:
-            outs = _SplitQKVNormed.apply(leaf, norms[0].weight, norms[1].weight, 1e-6, 1e-6, G, D)
-            assert outs[2]._base is leaf  # the value is a view, no copy
-        else:
-            q_in, k_in, v = _qkv_parts(leaf, G, D)
-            outs = (norms[0](q_in).flatten(2, 3), norms[1](k_in), v)
-        torch.autograd.backward(outs, grads)
-        results.append(([o.detach() for o in outs], leaf.grad, [n.weight.grad.clone() for n in norms]))
-    (outs_f, dmix_f, dw_f), (outs_s, dmix_s, dw_s) = results
-    for a, b in zip(outs_f + [dmix_f] + dw_f, outs_s + [dmix_s] + dw_s):
+    fused, separate = split_qkv_both_ways(mixed, norms, grads, G, D)
+    for a, b in zip(fused, separate):
         assert torch.equal(a, b)
+    outs_f, dmix_f, dw_f = fused[:3], fused[3], fused[4:]
 
     q_in, k_in, v = _qkv_parts(mixed, G, D)
     dq_in, dk_in, dv_in = _qkv_parts(dmix_f, G, D)

@@ -713,7 +713,9 @@ def test_split_qkv_normed_real_shape():
     backward), and within the float64 bounds of the norm on the query heads."""
     from int8_bounds import assert_rms_norm_close
 
-    from megatron_int8.attention import _qkv_parts, _SplitQKVNormed
+    from mcore_helpers import split_qkv_both_ways
+
+    from megatron_int8.attention import _qkv_parts
     from megatron_int8.rms_norm import FusedRMSNorm
 
     S, B, G, P, D = 4096, 2, 8, 4, 128
@@ -723,18 +725,7 @@ def test_split_qkv_normed_real_shape():
         for n in norms:
             n.weight.copy_(1 + torch.randn(D, device="cuda"))
     grads = [outliers(S * B * n, D).view(S, B, n, D) for n in (G * P, G, G)]
-    results = []
-    for fused in (True, False):
-        leaf = mixed.detach().requires_grad_(True)
-        for n in norms:
-            n.weight.grad = None
-        if fused:
-            outs = _SplitQKVNormed.apply(leaf, norms[0].weight, norms[1].weight, 1e-6, 1e-6, G, D)
-        else:
-            q_in, k_in, v = _qkv_parts(leaf, G, D)
-            outs = (norms[0](q_in).flatten(2, 3), norms[1](k_in), v)
-        torch.autograd.backward(outs, grads)
-        results.append([o.detach() for o in outs] + [leaf.grad] + [n.weight.grad.clone() for n in norms])
+    results = split_qkv_both_ways(mixed, norms, grads, G, D)
     for a, b in zip(*results):
         assert torch.equal(a, b)
     q_in = _qkv_parts(mixed, G, D)[0]
