@@ -162,8 +162,7 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
         mixed_qkv, _ = self.linear_qkv(hidden_states)
         norms = (self.q_layernorm, self.k_layernorm)
         if all(isinstance(n, FusedRMSNorm) and n.runs_triton(mixed_qkv) and n.weight.shape == (head,) for n in norms):
-            recipe = getattr(self.linear_qkv, "_linear_recipe", None)  # this package's linears only
-            emit_amax = recipe is not None and recipe.granularity == "tensor" and (recipe.dgrad or recipe.wgrad)
+            emit_amax = getattr(self.linear_qkv, "takes_grad_output_amax", False)  # this package's linears only
             return _SplitQKVNormed.apply(mixed_qkv, self.q_layernorm.weight, self.k_layernorm.weight,
                                          self.q_layernorm.eps_for(mixed_qkv), self.k_layernorm.eps_for(mixed_qkv),
                                          groups, head, emit_amax)
@@ -179,7 +178,9 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
 
 def _qkv_parts(qkv: torch.Tensor, groups: int, head: int):
     """Views of a fused QKV tensor [sq, b, groups * (per_group + 2) * head]: the query heads
-    [sq, b, groups, per_group, head], the key and the value heads [sq, b, groups, head]."""
+    [sq, b, groups, per_group, head], the key and the value heads [sq, b, groups, head]. For _SplitQKVNormed,
+    whose backward is its own: autograd through these slices would zero-fill a full-size gradient per part
+    (megatron's path keeps its split, whose backward is one cat)."""
     qkv = qkv.view(*qkv.shape[:-1], groups, -1)
     per_group = qkv.shape[-1] // head - 2
     return (qkv[..., :per_group * head].unflatten(-1, (per_group, head)), qkv[..., per_group * head:-head],

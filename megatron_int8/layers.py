@@ -73,6 +73,13 @@ class Int8LinearMixin:
     def _linear_recipe(self) -> Int8Recipe:
         return self.int8_recipe if self.int8 else HIGH_PRECISION
 
+    @property
+    def takes_grad_output_amax(self) -> bool:
+        """Whether this layer quantizes its output gradient tensorwise, so that an amax attached to that
+        gradient (quantize.attach_amax, e.g. by attention._SplitQKVNormed) spares it an amax pass."""
+        recipe = self._linear_recipe
+        return recipe.granularity == "tensor" and (recipe.dgrad or recipe.wgrad)
+
     def _forward_impl(
         self,
         input: torch.Tensor,

@@ -174,3 +174,18 @@ def test_recipe_and_flag_come_from_the_spec():
     layer = build_module(ModuleSpec(module=col, params={"recipe": recipe, "int8": True}), 64, 48,
                          config=tiny_config(), init_method=torch.nn.init.xavier_normal_, bias=False)
     assert layer.int8 and layer.int8_recipe is recipe
+
+
+def test_takes_grad_output_amax_only_when_it_quantizes_that_gradient_tensorwise():
+    """An INT8 layer whose recipe quantizes the output gradient tensorwise (dgrad or wgrad in INT8) takes a
+    handed-over amax (attention._SplitQKVNormed asks this); row-wise, a BF16 layer, or both backward GEMMs in
+    high precision do not."""
+    config = tiny_config()
+    cases = [(dict(recipe=nearest_recipe(granularity="tensor")), True),
+             (dict(recipe=Int8Recipe(granularity="tensor", dgrad=False)), True),
+             (dict(recipe=nearest_recipe(granularity="row")), False),
+             (dict(recipe=nearest_recipe(granularity="tensor"), int8=False), False),
+             (dict(recipe=Int8Recipe(granularity="tensor", dgrad=False, wgrad=False)), False)]
+    for kw, want in cases:
+        for kind in ("column", "row"):
+            assert _build(kind, config, **kw).takes_grad_output_amax is want, (kw, kind)
