@@ -314,7 +314,9 @@ class _Int8LinearFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(weight)
         lead = (total_shape[0] // world,) + total_shape[1:-1] if tp.scatter_output else total_shape[:-1]
-        return out2d.view(*lead, weight.shape[0])
+        # not a view for autograd (as torch.matmul's own reshape): a caller may modify the output in place,
+        # as megatron's vocab-parallel cross entropy does with the output layer's logits
+        return torch.ops.aten._unsafe_view(out2d, (*lead, weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_output):
