@@ -121,6 +121,19 @@ class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
         self._finish_int8_init(config, recipe, int8, kwargs.get("tp_comm_buffer_name"))
 
 
+def fuse_output_layer_wgrad(module: ColumnParallelLinear) -> Int8ColumnParallelLinear:
+    """Turn megatron's own ColumnParallelLinear (GPTModel's output layer) into this package's high-precision
+    layer in place, with gradient-accumulation fusion: its wgrad GEMM then adds into main_grad
+    (linear.hp_wgrad_into) instead of writing a [vocab, hidden] weight.grad that DDP's hook adds afterwards.
+    The class changes, nothing else: parameters, state dict and forward values stay megatron's."""
+    if type(module) is not ColumnParallelLinear:
+        raise TypeError(f"fuse_output_layer_wgrad needs megatron's ColumnParallelLinear, got {type(module).__name__}")
+    module.__class__ = Int8ColumnParallelLinear
+    module._finish_int8_init(module.config, None, int8=False)
+    module.gradient_accumulation_fusion = True
+    return module
+
+
 class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
     """RowParallelLinear with INT8 fprop/dgrad/wgrad. Extra keywords: `recipe`, `int8`."""
 

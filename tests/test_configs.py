@@ -67,6 +67,7 @@ def test_builds_at_tiny_width(name, megatron_world):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from megatron_int8.embedding import MainGradEmbedding
     from megatron_int8.layers import Int8LinearMixin
     from megatron_int8.training.model import build_config, build_model, fused_wgrad_available, unwrap
 
@@ -80,7 +81,7 @@ def test_builds_at_tiny_width(name, megatron_world):
     assert attention.linear_qkv.weight.shape[0] == (heads + 2 * groups) * 16
     assert isinstance(attention.q_layernorm, IdentityOp) != qk_norm
     assert model.share_embeddings_and_output_weights == tied
-    inv_freq = model.rotary_pos_emb.inv_freq.double()
+    inv_freq = model.rotary_pos_emb.inv_freq.double().cpu()
     plain = 1.0 / base ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     if scaling:  # Llama-3.1: the lowest frequencies are divided by the factor 8, the highest kept
         assert inv_freq[0] == pytest.approx(plain[0]) and inv_freq[-1] == pytest.approx(plain[-1] / 8)
@@ -92,18 +93,22 @@ def test_builds_at_tiny_width(name, megatron_world):
 
         assert isinstance(mlp, MoELayer) and mlp.router.topk == topk and len(mlp.experts.local_experts) == experts
         assert isinstance(mlp.experts, Int8GroupedMLP) and mlp.experts.grouped_problem is None  # the YAML's grouped GEMM
-    linears = [m for m in model.modules() if isinstance(m, Int8LinearMixin)]
+    linears = [m for m in model.decoder.modules() if isinstance(m, Int8LinearMixin)]
     assert linears and all(m.int8 for m in linears)
+    assert not getattr(model.output_layer, "int8", False)  # BF16 by the policy, whichever class computes it
     device = model.embedding.word_embeddings.weight.device  # the GPU where there is one
     tokens = torch.randint(0, 200, (1, 32), device=device)
     loss = model(tokens, torch.arange(32, device=device)[None], None, labels=tokens)
     assert loss.shape == (1, 32) and torch.isfinite(loss.float()).all()
-    # gradient-accumulation fusion: the layers' linears always; megatron's output layer only with APEX
+    # gradient-accumulation fusion: the layers' linears, the output layer and (without APEX, ours) the embedding
     assert all(m.gradient_accumulation_fusion for m in linears)
-    assert model.output_layer.gradient_accumulation_fusion == fused_wgrad_available()
+    assert model.output_layer.gradient_accumulation_fusion
+    embedding = model.embedding.word_embeddings
+    assert isinstance(embedding, MainGradEmbedding) != fused_wgrad_available()
     loss.float().mean().backward()
     qkv = attention.linear_qkv.weight
     assert qkv.grad_added_to_main_grad and qkv.main_grad.abs().sum() > 0
+    assert embedding.weight.grad is None and embedding.weight.main_grad[tokens.unique()].abs().sum(1).gt(0).all()
     if experts:  # the grouped experts' wgrads too (an expert without tokens adds nothing, but is marked)
         fc1 = [e.linear_fc1.weight for e in mlp.experts.local_experts]
         assert all(w.grad_added_to_main_grad for w in fc1) and any(w.main_grad.abs().sum() > 0 for w in fc1)

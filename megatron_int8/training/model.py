@@ -68,16 +68,16 @@ def fused_wgrad_available() -> bool:
 
 def build_config(args, log):
     """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
-    Without APEX the config turns it off, and `build_model` turns it back on for the transformer layers'
-    linears, which are this package's in both precisions (`args.fuse_wgrad_in_layers`): an INT8 wgrad GEMM
-    adds into main_grad in its epilogue, a BF16 one through cuBLAS (linear.hp_wgrad_into), as APEX would."""
+    Without APEX the config turns it off, and `build_model` turns it back on where this package computes
+    the weight gradients (`args.fuse_wgrad_in_layers`, see `fuse_wgrad`): an INT8 wgrad GEMM adds into
+    main_grad in its epilogue, a BF16 one through cuBLAS (linear.hp_wgrad_into), as APEX would."""
     requested = args.gradient_accumulation_fusion or getattr(args, "fuse_wgrad_in_layers", False)  # idempotent
     args.fuse_wgrad_in_layers = False
     if requested and not fused_wgrad_available():
         args.fuse_wgrad_in_layers = True
-        log("note: gradient accumulation fusion on for the transformer layers' linears (INT8 and BF16 wgrad "
-            "GEMMs add into main_grad); off for the output layer (APEX fused_weight_gradient_mlp_cuda not "
-            "available)")
+        log("note: gradient accumulation fusion on for the transformer layers' linears, the output layer and "
+            "the word embedding without APEX (INT8 and BF16 wgrad GEMMs add into main_grad, the embedding its "
+            "tokens' rows)")
         args.gradient_accumulation_fusion = False
     on_gpu = torch.cuda.is_available()
     # megatron compiles its fused SwiGLU with torch.compile: seconds of CPU compile time for no gain there.
@@ -109,15 +109,37 @@ def build_config(args, log):
     return config
 
 
-def fuse_wgrad_in_layers(model: torch.nn.Module) -> None:
-    """Gradient-accumulation fusion on every linear of this package in `model`, INT8 or BF16 (megatron reads
-    the layer's flag at each forward). Megatron's own output layer keeps weight.grad, which its DDP adds
-    into main_grad."""
-    from ..layers import Int8LinearMixin
+def fuse_wgrad(model: torch.nn.Module) -> None:
+    """Gradient-accumulation fusion without APEX for `model` (a GPTModel): on every linear of this package,
+    INT8 or BF16 (megatron reads the layer's flag at each forward), and on the output layer and the word
+    embedding, which become this package's classes (layers.fuse_output_layer_wgrad,
+    embedding.fuse_embedding_wgrad). Their [vocab, hidden] gradients then never exist in bf16: per
+    micro-batch the output layer's GEMM adds into main_grad, the embedding its tokens' rows.
+
+    Tied weights on one pipeline stage: megatron marks the shared weight `zero_out_wgrad` so that its DDP
+    hook adds the summed weight.grad despite its output layer's fused placeholder. Here both gradients are
+    in main_grad already: the mark goes, the output layer returns the one placeholder DDP's hook needs, and
+    the embedding returns none."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+
+    from ..embedding import fuse_embedding_wgrad
+    from ..layers import Int8LinearMixin, fuse_output_layer_wgrad
 
     for module in model.modules():
         if isinstance(module, Int8LinearMixin):
             module.gradient_accumulation_fusion = True
+    output = getattr(model, "output_layer", None)
+    embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if type(output) is ColumnParallelLinear:
+        fuse_output_layer_wgrad(output)
+    if not isinstance(embedding, VocabParallelEmbedding):
+        return
+    tied_here = output is not None and output.weight is None  # the output layer multiplies by this weight
+    if tied_here and not (isinstance(output, Int8LinearMixin) and output.gradient_accumulation_fusion):
+        return  # an output layer of another kind returns weight.grad: the embedding's must join it there
+    fuse_embedding_wgrad(embedding, placeholder=not tied_here)
+    if tied_here:
+        embedding.weight.zero_out_wgrad = False
 
 
 def settle_grad_reduce_overlap(args, log) -> None:
@@ -177,7 +199,7 @@ def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if getattr(args, "fuse_wgrad_in_layers", False):
-        fuse_wgrad_in_layers(model)
+        fuse_wgrad(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.bf16:
