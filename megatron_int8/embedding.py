@@ -9,8 +9,9 @@ those rows of `main_grad`, like megatron's gradient-accumulation fusion does for
 (`grad_added_to_main_grad` and a placeholder gradient for the DDP hook).
 
 Sync-free (a captured CUDA graph replays it) and deterministic: each id's rows are summed without atomics,
-and each row of `main_grad` then gets its id's sum plus, at most, exact zeros. On the CPU it reproduces
-megatron's numbers bit for bit: one addition per row of its tokens' sum, taken in token order.
+and each row of `main_grad` then gets its id's sum plus, at most, exact zeros. With fp32 parameters on the CPU it
+reproduces megatron's numbers bit for bit: one addition per row of its tokens' sum, taken in token order (with
+bf16 parameters megatron rounds each sum to bf16 first; here it stays fp32).
 """
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ def add_rows_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_rows: torch.T
     tokens do not serialize). Each slot is then added to its id's row; the empty slots, all zeros, go to rows
     of their own, so that no row takes more than a few additions (one index crowded with thousands of them cost
     1.9 ms per call in a sorted index_put_, 30th session) and adding exact zeros keeps the result exact."""
-    ids = ids.reshape(-1)
+    ids = ids.reshape(-1).long()
     tokens = ids.numel()
-    rows = grad_rows.reshape(tokens, -1).to(main_grad.dtype)
+    rows = grad_rows.reshape(tokens, grad_rows.shape[-1]).to(main_grad.dtype)
     sorted_ids, order = torch.sort(ids)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = sorted_ids[1:] != sorted_ids[:-1]

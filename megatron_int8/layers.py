@@ -125,11 +125,13 @@ def fuse_output_layer_wgrad(module: ColumnParallelLinear) -> Int8ColumnParallelL
     """Turn megatron's own ColumnParallelLinear (GPTModel's output layer) into this package's high-precision
     layer in place, with gradient-accumulation fusion: its wgrad GEMM then adds into main_grad
     (linear.hp_wgrad_into) instead of writing a [vocab, hidden] weight.grad that DDP's hook adds afterwards.
-    The class changes, nothing else: parameters, state dict and forward values stay megatron's."""
+    The class changes, nothing else: parameters, state dict and forward values stay megatron's, and so does its
+    communication (no tp_comm_overlap pipelining, which megatron's output layer does not do without TE)."""
     if type(module) is not ColumnParallelLinear:
         raise TypeError(f"fuse_output_layer_wgrad needs megatron's ColumnParallelLinear, got {type(module).__name__}")
     module.__class__ = Int8ColumnParallelLinear
     module._finish_int8_init(module.config, None, int8=False)
+    module.tp_comm_overlap = False
     module.gradient_accumulation_fusion = True
     return module
 

@@ -40,6 +40,21 @@ def test_add_rows_into_adds_each_ids_rows_once(vocab, tokens, distinct):
     assert torch.equal(main_grad, before + dense)
 
 
+def test_add_rows_into_takes_int32_ids_and_no_tokens():
+    """int32 ids (F.embedding takes them) give the int64 result; an empty micro-batch adds nothing."""
+    from megatron_int8.embedding import add_rows_into
+
+    gen = torch.Generator().manual_seed(6)
+    ids, rows = torch.randint(0, 12, (40,), generator=gen), outlier_tensor(40, 8, generator=gen)
+    start = outlier_tensor(12, 8, generator=gen)
+    wide, narrow = start.clone(), start.clone()
+    add_rows_into(wide, ids, rows)
+    add_rows_into(narrow, ids.int(), rows)
+    assert torch.equal(wide, narrow) and not torch.equal(wide, start)
+    add_rows_into(narrow, ids[:0], rows[:0])
+    assert torch.equal(wide, narrow)
+
+
 def _vocab_parallel_worker(rank, world_size, init_file, reduce_scatter):
     # a gloo test: megatron's sequence-parallel mappings allocate on the current CUDA device wherever one is visible
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -102,8 +117,9 @@ def megatron_world():
 def test_embedding_and_output_layer_wgrads_reach_main_grad_exactly_once(name, megatron_world):
     """The trainer's model (fp32 so the reference is exact to fp32 rounding), two micro-batches through megatron's
     DDP: main_grad of the embedding and output weights equals, in float64, the output layer's g^T x plus each
-    token's embedding-gradient row added to its id's row, summed over both micro-batches. No weight.grad is left;
-    with tied weights megatron's zero_out_wgrad mark is gone and no placeholder was added."""
+    token's embedding-gradient row added to its id's row, summed over both micro-batches. DDP's hook runs once per
+    weight and micro-batch (overlap_grad_reduce counts on it) and leaves no weight.grad; with tied weights
+    megatron's zero_out_wgrad mark is gone."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     from megatron_int8.embedding import MainGradEmbedding
@@ -143,6 +159,10 @@ def test_embedding_and_output_layer_wgrads_reach_main_grad_exactly_once(name, me
         output.register_forward_hook(lambda m, inputs, out: (_Tap.apply(out[0], taps["logits"]), out[1])),
         embedding.register_forward_hook(lambda m, inputs, out: _Tap.apply(out, taps["embedding_rows"])),
     ]
+    hook_calls = {k: 0 for k in weights}
+    for key, w in weights.items():  # a second hook on the accumulator DDP hooks, as megatron registers its own
+        accumulator = w.expand_as(w).grad_fn.next_functions[0][0]
+        accumulator.register_hook(lambda *unused, key=key: hook_calls.__setitem__(key, hook_calls[key] + 1))
     gen = torch.Generator().manual_seed(2)
     token_batches = [torch.randint(0, 200, (1, 32), generator=gen) for _ in range(2)]
     token_batches[1][0, :8] = token_batches[0][0, 0]  # repeats, also across micro-batches
@@ -151,6 +171,7 @@ def test_embedding_and_output_layer_wgrads_reach_main_grad_exactly_once(name, me
         loss = ddp(tokens, torch.arange(32, device=device)[None], None, labels=tokens.roll(-1, 1))
         loss.float().mean().backward()
         assert all(w.grad is None for w in weights.values())
+    assert hook_calls == {k: 2 for k in weights}
     for hook in hooks:
         hook.remove()
     out_key = "embedding" if tied else "output"
@@ -177,7 +198,7 @@ def test_embedding_and_output_layer_wgrads_reach_main_grad_exactly_once(name, me
 @pytest.mark.gpu
 def test_add_rows_into_on_the_gpu_replays_in_a_cuda_graph_bit_for_bit():
     """Qwen3-4B's vocabulary, 8192 tokens with a few ids repeated hundreds of times (as frequent tokens are): the
-    CUDA path (sorted index_put_) is within the float64 bound, deterministic, and a captured graph's replay (the
+    CUDA path (segment sums, then index_add_) is within the float64 bound, deterministic, and a captured graph's replay (the
     trainer's graphed steps) gives the same bits as the eager call."""
     from megatron_int8.embedding import add_rows_into
 
