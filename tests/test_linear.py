@@ -263,6 +263,18 @@ def test_hp_wgrad_into_accumulates_the_bf16_product_in_fp32():
     assert_fp32_accumulation_close(main_grad, before, g, x, "CPU")
 
 
+def test_hp_wgrad_into_on_the_cpu_is_megatrons_unfused_arithmetic():
+    """The CPU reference adds the fp32 product as megatron's DDP hook adds an unfused weight.grad, bit for bit,
+    also where a GEMM splits K (4096 tokens): the fused and unfused trainer runs then stay bitwise equal."""
+    from megatron_int8.linear import hp_wgrad_into
+
+    g, x = heavy_tailed(4096, 48), heavy_tailed(4096, 40)
+    main_grad = heavy_tailed(48, 40)
+    expected = main_grad + g.t() @ x
+    hp_wgrad_into(main_grad, g, x)
+    assert torch.equal(main_grad, expected)
+
+
 def test_cached_weight_is_not_reused_across_check_finite_settings():
     w = torch.randn(8, 32)
     w[1, 2] = float("inf")
