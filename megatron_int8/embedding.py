@@ -62,10 +62,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_output):
         ids, weight = ctx.saved_tensors
         add_rows_into(weight.main_grad, ids, grad_output)
-        if ctx.placeholder:
-            return None, _main_grad_placeholder(weight), None
-        weight.grad_added_to_main_grad = True
-        return None, None, None
+        return None, _main_grad_placeholder(weight) if ctx.placeholder else None, None
 
 
 class MainGradEmbedding(VocabParallelEmbedding):
