@@ -69,12 +69,12 @@ def fused_wgrad_available() -> bool:
 def build_config(args, log):
     """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
     Without APEX the config turns it off, and `build_model` turns it back on where this package computes
-    the weight gradients (`args.fuse_wgrad_in_layers`, see `fuse_wgrad`): an INT8 wgrad GEMM adds into
+    the weight gradients (`args.fuse_wgrad_without_apex`, see `fuse_wgrad`): an INT8 wgrad GEMM adds into
     main_grad in its epilogue, a BF16 one through cuBLAS (linear.hp_wgrad_into), as APEX would."""
-    requested = args.gradient_accumulation_fusion or getattr(args, "fuse_wgrad_in_layers", False)  # idempotent
-    args.fuse_wgrad_in_layers = False
+    requested = args.gradient_accumulation_fusion or getattr(args, "fuse_wgrad_without_apex", False)  # idempotent
+    args.fuse_wgrad_without_apex = False
     if requested and not fused_wgrad_available():
-        args.fuse_wgrad_in_layers = True
+        args.fuse_wgrad_without_apex = True
         log("note: gradient accumulation fusion on for the transformer layers' linears, the output layer and "
             "the word embedding without APEX (INT8 and BF16 wgrad GEMMs add into main_grad, the embedding its "
             "tokens' rows)")
@@ -198,7 +198,7 @@ def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List
     _settle_expert_swiglu(model, args.fused_swiglu, log)
     for param in model.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    if getattr(args, "fuse_wgrad_in_layers", False):
+    if getattr(args, "fuse_wgrad_without_apex", False):
         fuse_wgrad(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
