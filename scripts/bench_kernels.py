@@ -12,11 +12,16 @@ section: a few minutes, for a check after a kernel change.
    (TOP/s), and ours / BF16.
 2. Quantize kernels on an 8192 x 4096 bf16 activation: GB/s by the minimal-bytes model (read the input
    once, write each int8 output once) next to a device-to-device copy's GB/s (read + write).
-   Also each quantize pass alone with the maxima given (x read once), as the linear runs it after a
-   producer that wrote the maxima (SwiGLU) or with a TP group's amax.
-3. A whole linear, fwd + bwd, all quantization included (weights re-quantized every step): ours vs BF16
-   nn.Linear vs torchao's int8_mixed_precision_training, eager and CUDA-graphed (GPU time only, as in the
-   trainer's graphed steps); torch.compile on a subset.
+   Also each of a current-scaling call's two kernels on its own: the quantize pass with the maxima given
+   (x read once), as the linear runs it after a producer that wrote the maxima (SwiGLU) or with a TP
+   group's amax, and the amax pass (the whole call less that pass; it only reads x).
+3. A whole linear, fwd + bwd, all quantization included: ours (the default recipe) vs BF16 nn.Linear vs
+   torchao's int8_mixed_precision_training. Table 1: every call is a new optimizer step, so the weights are
+   quantized in every call (as in training without gradient accumulation), eager and CUDA-graphed (GPU time
+   only, as in the trainer's graphed steps); also the recipe without the weight cache, which quantizes the
+   weight in forward and again in backward instead of keeping Q(W^T). Table 2: a training step of 4
+   micro-batches, graphed: the weights are quantized once per step (torchao re-quantizes them every call
+   by design). torch.compile on a subset.
 Medians of triton.testing.do_bench (which also flushes L2 before each call), inputs rotated among several
 copies. Tables also go to $OUT/bench_kernels.md (or --out).
 """
@@ -35,7 +40,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_int8 import Int8Recipe, int8_linear  # noqa: E402
+from megatron_int8 import Int8Recipe, int8_linear, invalidate_weight_caches  # noqa: E402
 from megatron_int8.backend import ReferenceBackend  # noqa: E402
 from megatron_int8.kernels import triton_gemm, triton_quantize  # noqa: E402
 
@@ -44,6 +49,7 @@ import importlib  # noqa: E402
 qref = importlib.import_module("megatron_int8.quantize")
 REF = ReferenceBackend()
 T = 8192
+MICRO_BATCHES = 4  # table 2's training step
 
 # (model, linear, in_features, out_features, tokens)
 LINEARS = [
@@ -159,15 +165,16 @@ def quantize_table(R=8192, C=4096):
     alone with the maxima given, as when the producer of x wrote them (SwiGLU) or the TP group's amax is
     passed in: then x is read once."""
     lines = [f"| quantize kernel ({R} x {C} bf16 in) | outputs | us | GB/s (minimal bytes) | % of D2D copy |"
-             " quantize pass alone (maxima given) us | its % of copy | eager reference us |",
-             "|---|---|---|---|---|---|---|---|"]
+             " quantize pass alone (maxima given) us | its % of copy | amax pass us (the rest) | its % of copy |"
+             " eager reference us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     n = 3
     xs = rotating(lambda: data(R, C), n)
     dsts = rotating(lambda: torch.empty(R, C, dtype=torch.bfloat16, device="cuda"), n)
     t_copy = bench(lambda: dsts().copy_(xs()))
     copy_gbs = 4.0 * R * C / (t_copy * 1e-3) / 1e9
-    lines.append(f"| device-to-device copy | bf16 | {t_copy * 1e3:.0f} | {copy_gbs:.0f} | 100% | | | |")
-    fracs, fracs_given = [], []
+    lines.append(f"| device-to-device copy | bf16 | {t_copy * 1e3:.0f} | {copy_gbs:.0f} | 100% | | | | | |")
+    fracs, fracs_given, fracs_amax = [], [], []
     cases = [
         ("tensorwise quantize", "tensor", False, True, False, False),
         ("tensorwise quantize+transpose", "tensor", False, True, True, False),
@@ -200,9 +207,12 @@ def quantize_table(R=8192, C=4096):
             t_given = bench(lambda: triton_quantize(x1, **kw_given))
             frac = nbytes / (t_given * 1e-3) / 1e9 / copy_gbs
             fracs_given.append((label, frac))
-            given = f"{t_given * 1e3:.0f} | {100 * frac:.0f}%"
+            t_amax = t - t_given  # reads x once: 2 bytes per element
+            frac_amax = 2 * R * C / (t_amax * 1e-3) / 1e9 / copy_gbs
+            fracs_amax.append((label, frac_amax))
+            given = f"{t_given * 1e3:.0f} | {100 * frac:.0f}% | {t_amax * 1e3:.0f} | {100 * frac_amax:.0f}%"
         else:
-            given = "(one pass) | "
+            given = "(one pass) | | | "
         lines.append(f"| {label} | {outs} x int8 | {t * 1e3:.0f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {given} | "
                      f"{t_ref * 1e3:.0f} |")
         print(lines[-1], flush=True)
@@ -212,8 +222,8 @@ def quantize_table(R=8192, C=4096):
                   check_finite=mode)
         t = bench(lambda: triton_quantize(xs(), **kw))
         lines.append(f"| tensorwise quantize+transpose, check_finite={mode} ({what}) | 2 x int8 | {t * 1e3:.0f} | "
-                     f"{R * C * 4 / (t * 1e-3) / 1e9:.0f} | {100 * R * C * 4 / (t * 1e-3) / 1e9 / copy_gbs:.0f}% | | | |")
-    return lines, fracs, fracs_given
+                     f"{R * C * 4 / (t * 1e-3) / 1e9:.0f} | {100 * R * C * 4 / (t * 1e-3) / 1e9 / copy_gbs:.0f}% | | | | | |")
+    return lines, fracs, fracs_given, fracs_amax
 
 
 def graphed(step, what):
@@ -245,11 +255,13 @@ def linear_table(quick):
     except Exception as e:  # noqa: BLE001
         print(f"torchao unavailable: {e}")
         Int8MixedPrecisionTrainingConfig = quantize_ = None
-    lines = ["| model | linear | tokens, in -> out | BF16 nn.Linear ms | ours ms (deferred check) | ours ms (check off) |"
-             " torchao int8 ms | graphed: BF16 ms | ours ms | torchao ms | ours / BF16 eager | graphed |"
+    lines = ["| model | linear | tokens, in -> out | BF16 nn.Linear ms | ours ms | torchao int8 ms | graphed: BF16 ms |"
+             " ours ms | ours, no weight cache, ms | torchao ms | ours / BF16 eager | graphed |"
              " torchao / ours eager | graphed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios, vs_ao, ratios_g, vs_ao_g = [], [], [], []
+    step_lines = ["| model | linear | tokens, in -> out | BF16 ms | ours ms | torchao ms | ours / BF16 | torchao / ours |",
+                  "|---|---|---|---|---|---|---|---|"]
+    ratios, vs_ao, ratios_g, vs_ao_g, ratios_s, vs_ao_s = [], [], [], [], [], []
     linears = LINEARS[:4] if quick else LINEARS  # quick: Llama2-7B
     nan = float("nan")
     for model, name, fin, fout, tok in linears:
@@ -262,21 +274,38 @@ def linear_table(quick):
             lin(x).backward(dy)
 
         w = lin.weight
-        r_default = Int8Recipe(backend="triton", cache_weights=False)
-        r_off = Int8Recipe(backend="triton", cache_weights=False, check_finite="off")
+        r_default = Int8Recipe(backend="triton")  # as a user gets it: weights cached within an optimizer step
+        r_nocache = Int8Recipe(backend="triton", cache_weights=False)
 
         def step_ours(recipe=r_default):
             x.grad = w.grad = None
             int8_linear(x, w, None, recipe).backward(dy)
 
+        def new_step_ours():
+            """Table 1: every call is a new optimizer step (what the optimizer's post-step hook does)."""
+            invalidate_weight_caches()
+            step_ours()
+
+        def training_step(micro_batch):
+            """Table 2: one optimizer step's micro-batches (weights unchanged within it)."""
+            def run():
+                invalidate_weight_caches()  # as the optimizer step does: the first micro-batch re-quantizes
+                for _ in range(MICRO_BATCHES):
+                    micro_batch()
+            return run
+
         t_bf16 = bench(step_bf16, rep=100)
-        step_ours()
-        t_default = bench(step_ours, rep=100)
-        t_off = bench(lambda: step_ours(r_off), rep=100)
-        g_bf16, g_ours = graphed(step_bf16, "BF16"), graphed(step_ours, "ours")
+        new_step_ours()
+        t_default = bench(new_step_ours, rep=100)
+        g_bf16, g_ours = graphed(step_bf16, "BF16"), graphed(new_step_ours, "ours")
+        g_nocache = graphed(lambda: step_ours(r_nocache), "ours, no weight cache")
         tg_bf16 = bench(g_bf16, rep=100) if g_bf16 else nan
         tg_ours = bench(g_ours, rep=100) if g_ours else nan
-        t_ao = tg_ao = nan
+        tg_nocache = bench(g_nocache, rep=100) if g_nocache else nan
+        s_bf16, s_ours = graphed(training_step(step_bf16), "BF16 step"), graphed(training_step(step_ours), "ours step")
+        ts_bf16 = bench(s_bf16, rep=100) / MICRO_BATCHES if s_bf16 else nan
+        ts_ours = bench(s_ours, rep=100) / MICRO_BATCHES if s_ours else nan
+        t_ao = tg_ao = ts_ao = nan
         if quantize_ is not None:
             try:
                 ao = torch.nn.Sequential(torch.nn.Linear(fin, fout, bias=False, device="cuda", dtype=torch.bfloat16))
@@ -290,6 +319,8 @@ def linear_table(quick):
                 t_ao = bench(step_ao, rep=100)
                 g_ao = graphed(step_ao, "torchao")
                 tg_ao = bench(g_ao, rep=100) if g_ao else nan
+                s_ao = graphed(training_step(step_ao), "torchao step")
+                ts_ao = bench(s_ao, rep=100) / MICRO_BATCHES if s_ao else nan
             except Exception as e:  # noqa: BLE001
                 print(f"torchao failed on {model} {name}: {type(e).__name__}: {e}")
         # the default recipe, as a user gets it
@@ -297,18 +328,23 @@ def linear_table(quick):
         vs_ao.append(t_ao / t_default)
         ratios_g.append(tg_bf16 / tg_ours)
         vs_ao_g.append(tg_ao / tg_ours)
+        ratios_s.append(ts_bf16 / ts_ours)
+        vs_ao_s.append(ts_ao / ts_ours)
 
         def f(t):
             return "n/a" if t != t else f"{t:.2f}"
 
-        lines.append(f"| {model} | {name} | {tok}, {fin} -> {fout} | {t_bf16:.2f} | {t_default:.2f} | {t_off:.2f} | "
-                     f"{f(t_ao)} | {f(tg_bf16)} | {f(tg_ours)} | {f(tg_ao)} | {f(ratios[-1])}x | {f(ratios_g[-1])}x | "
-                     f"{f(vs_ao[-1])}x | {f(vs_ao_g[-1])}x |")
+        lines.append(f"| {model} | {name} | {tok}, {fin} -> {fout} | {t_bf16:.2f} | {t_default:.2f} | {f(t_ao)} | "
+                     f"{f(tg_bf16)} | {f(tg_ours)} | {f(tg_nocache)} | {f(tg_ao)} | {f(ratios[-1])}x | "
+                     f"{f(ratios_g[-1])}x | {f(vs_ao[-1])}x | {f(vs_ao_g[-1])}x |")
         print(lines[-1], flush=True)
+        step_lines.append(f"| {model} | {name} | {tok}, {fin} -> {fout} | {f(ts_bf16)} | {f(ts_ours)} | {f(ts_ao)} | "
+                          f"{f(ratios_s[-1])}x | {f(vs_ao_s[-1])}x |")
+        print(step_lines[-1], flush=True)
         del x, dy, lin
-        g_bf16 = g_ours = g_ao = None
+        g_bf16 = g_ours = g_nocache = g_ao = s_bf16 = s_ours = s_ao = None
         torch.cuda.empty_cache()
-    return lines, (ratios, vs_ao), (ratios_g, vs_ao_g)
+    return lines, step_lines, (ratios, vs_ao), (ratios_g, vs_ao_g), (ratios_s, vs_ao_s)
 
 
 def compiled_table(subset):
@@ -374,18 +410,26 @@ def main():
         print(f"[gemm section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "quantize" not in skip:
-        lines, fracs, fracs_given = quantize_table()
+        lines, fracs, fracs_given, fracs_amax = quantize_table()
         out += ["## Quantize kernels", ""] + lines + [""]
-        for what, fr in (("whole call (amax pass + quantize pass)", fracs),
-                         ("quantize pass alone, maxima given", fracs_given)):
+        for what, fr in (("whole call (amax pass + quantize pass), minimal bytes", fracs),
+                         ("quantize pass alone, maxima given", fracs_given),
+                         ("amax pass alone (reads x)", fracs_amax)):
             summary.append(f"quantize GB/s vs D2D copy, {what}: median {100 * statistics.median(f for _, f in fr):.0f}% "
                            "(target >= 85%); " + ", ".join(f"{label}: {100 * f:.0f}%" for label, f in fr))
         print(f"[quantize section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "linear" not in skip:
-        lines, eager, graph = linear_table(args.quick)
-        out += ["## Linear fwd+bwd (all quantization included, weights re-quantized every step)", ""] + lines + [""]
-        for what, (ratios, vs_ao) in (("eager", eager), ("CUDA-graphed", graph)):
+        lines, step_lines, eager, graph, step = linear_table(args.quick)
+        out += ["## Linear fwd+bwd, table 1: all quantization included, every call a new optimizer step (weights "
+                "quantized in every call)", ""]
+        out += lines + [""]
+        out += [f"## Linear fwd+bwd, table 2: a training step of {MICRO_BATCHES} micro-batches, CUDA-graphed, ms per "
+                "micro-batch (ours: weights quantized once per step; torchao re-quantizes them every call)", ""]
+        out += step_lines + [""]
+        for what, (ratios, vs_ao) in (("eager, weights quantized in every call", eager),
+                                      ("CUDA-graphed, weights quantized in every call", graph),
+                                      (f"CUDA-graphed, a step of {MICRO_BATCHES} micro-batches", step)):
             good = [v for v in ratios if v == v]
             good_ao = [v for v in vs_ao if v == v]
             summary.append(
