@@ -163,7 +163,7 @@ def gemm_table(quick):
 def quantize_table(R=8192, C=4096):
     """Each quantize call as the linear makes it (amax pass, then the quantize pass), and its quantize pass
     alone with the maxima given, as when the producer of x wrote them (SwiGLU) or the TP group's amax is
-    passed in: then x is read once."""
+    passed in: then x is read once. The difference of the two is the amax pass (x read once more)."""
     lines = [f"| quantize kernel ({R} x {C} bf16 in) | outputs | us | GB/s (minimal bytes) | % of D2D copy |"
              " quantize pass alone (maxima given) us | its % of copy | amax pass us (the rest) | its % of copy |"
              " eager reference us |",
