@@ -43,6 +43,7 @@ MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mix
 PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
                  "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
 PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
+RESIDENT_MEMORY = re.compile(r"memory between steps \(GB\): ([0-9.]+)")
 # the trainer's log line: iteration time and model TFLOP/s per GPU over the same interval
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
@@ -143,18 +144,20 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
     timed = [s["step_time_s"] for s in steps[opts.warmup:]]
     if not timed:
         raise RuntimeError(f"{model}: no timed iterations (iters {opts.iters} <= warmup {opts.warmup})")
-    peaks = PEAK_MEMORY.findall(proc.stdout)
+    peaks, residents = PEAK_MEMORY.findall(proc.stdout), RESIDENT_MEMORY.findall(proc.stdout)
     intervals, tflops = ITERATION_MS.findall(proc.stdout), TFLOPS.findall(proc.stdout)
     # model TFLOP per GPU and iteration (the trainer's formula, fixed for a run) over the median step time
     tflop_per_gpu = float(tflops[-1]) * float(intervals[-1]) / 1e3 if tflops and intervals else float("nan")
     result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
               "losses": [round(s["lm_loss"], 5) for s in steps],
-              "peak_gb": float(peaks[-1]) if peaks else float("nan"), "wall_s": time.time() - start}
+              "peak_gb": float(peaks[-1]) if peaks else float("nan"),
+              "resident_gb": float(residents[-1]) if residents else float("nan"), "wall_s": time.time() - start}
     result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
     where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""
     label = "int8" if int8 else ("fp8" if fp8 else "bf16")
     print(f"  {model:16s} L={layers:2d} {label}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
-          f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB, run {result['wall_s']:.0f} s", flush=True)
+          f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB "
+          f"({result['resident_gb']:.1f} GB between steps), run {result['wall_s']:.0f} s", flush=True)
     return result
 
 
@@ -212,6 +215,7 @@ def measure_model(model: str, opts, env=None) -> dict:
             row[f"{p}_full_tok_s"] = tokens / project(res[(p, l1)]["step_s"], res[(p, deep)]["step_s"], l1, deep, full)
             row["projected"] = True
         row[f"{p}_peak_gb"] = res[(p, deep)]["peak_gb"]
+        row[f"{p}_resident_gb"] = res[(p, deep)]["resident_gb"]
         row[f"{p}_loss"] = res[(p, deep)]["loss"]
     row["runs"] = {f"{p} L={l}": r for (p, l), r in res.items()}  # every step's loss, for the JSON record
     return row
@@ -268,6 +272,15 @@ def main(argv=None):
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
+NAN = float("nan")
+
+
+def step_memory(row: dict, precision: str) -> float:
+    """Peak less the memory held between steps: what one step adds (activations, gradients in flight,
+    temporaries). Weights, gradients, optimizer states and INT8 weight caches stay between steps."""
+    return row[f"{precision}_peak_gb"] - row.get(f"{precision}_resident_gb", NAN)
+
+
 def format_table(rows, opts) -> str:
     gpus = f"{opts.nproc} GPU{'s' if opts.nproc > 1 else ''}" + (f" ({opts.layout})" if opts.layout else "")
     if getattr(opts, "gpus", None):
@@ -280,14 +293,16 @@ def format_table(rows, opts) -> str:
     fp8 = "fp8" in precisions(opts)
     if not fp8:
         lines += ["| model | layers measured / full | BF16 tok/s | INT8 tok/s | speedup (measured) | speedup full depth "
-                  "| paper | peak GB BF16 / INT8 | INT8/BF16 memory | loss BF16 / INT8 |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| paper | peak GB BF16 / INT8 | INT8/BF16 memory | between steps GB BF16 / INT8 "
+                  "| INT8/BF16 above between steps | loss BF16 / INT8 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     else:
         lines[0] += f"; FP8: the FP8 peer (torchao float8 {opts.fp8_peer}{', compiled' if opts.fp8_compile else ''})"
         lines += ["| model | layers measured / full | BF16 tok/s | INT8 tok/s | FP8 tok/s | INT8 speedup (measured) "
                   "| INT8 speedup full depth | FP8/BF16 (measured) | FP8/BF16 full depth | paper (INT8) "
-                  "| peak GB BF16 / INT8 / FP8 | INT8/BF16 memory | loss BF16 / INT8 / FP8 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| peak GB BF16 / INT8 / FP8 | INT8/BF16 memory | between steps GB BF16 / INT8 / FP8 "
+                  "| INT8/BF16 above between steps | loss BF16 / INT8 / FP8 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         projected = " (P)" if r["projected"] else ""
         full_speedup = r["int8_full_tok_s"] / r["bf16_full_tok_s"]
@@ -300,11 +315,15 @@ def format_table(rows, opts) -> str:
             cells += [f"{r['fp8_tok_s'] / r['bf16_tok_s']:.3f}x" if has_fp8 else "n/a",
                       f"{r['fp8_full_tok_s'] / r['bf16_full_tok_s']:.3f}x{projected}" if has_fp8 else "n/a"]
         peaks = f"{r['bf16_peak_gb']:.1f} / {r['int8_peak_gb']:.1f}"
+        # older JSON rows have no between-steps figure: NaN prints as nan
+        residents = f"{r.get('bf16_resident_gb', NAN):.1f} / {r.get('int8_resident_gb', NAN):.1f}"
         loss = f"{r['bf16_loss']:.3f} / {r['int8_loss']:.3f}"
         if fp8:
             peaks += f" / {r['fp8_peak_gb']:.1f}" if has_fp8 else " / n/a"
+            residents += f" / {r.get('fp8_resident_gb', NAN):.1f}" if has_fp8 else " / n/a"
             loss += f" / {r['fp8_loss']:.3f}" if has_fp8 else " / n/a"
-        cells += [f"{PAPER_SPEEDUP[r['model']]:.2f}x", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}", loss]
+        cells += [f"{PAPER_SPEEDUP[r['model']]:.2f}x", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}",
+                  residents, f"{step_memory(r, 'int8') / step_memory(r, 'bf16'):.2f}", loss]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

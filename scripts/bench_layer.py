@@ -13,7 +13,8 @@ Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-s
     python scripts/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
     # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
     python scripts/bench_layer.py --fp8-recipe rowwise --fp8-compile
-Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set.
+Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
+gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak.
 """
 from __future__ import annotations
 
@@ -195,6 +196,32 @@ def time_layer(layer, name, args) -> float:
     return (time.perf_counter() - start) * 1e3 / args.iters
 
 
+def layer_memory(layer, args):
+    """(saved, peak) in MiB for one eager forward + backward on CUDA: what the forward leaves allocated
+    beyond its output (the tensors kept for backward), and the highest allocation above the start. Weight
+    caches already built stay out of both; without --cache-weights the weights' quantization is inside."""
+    from megatron_int8.linear import invalidate_weight_caches
+
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    grad = torch.randn_like(x)
+    layer.zero_grad(set_to_none=True)
+    if not args.cache_weights:
+        invalidate_weight_caches()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, _ = layer(x)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - start - out.untyped_storage().nbytes()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    del out
+    layer.zero_grad(set_to_none=True)
+    return saved / 2**20, peak / 2**20
+
+
 def _graphed(layer, x, grad, mask, args):
     """One forward + backward captured in a CUDA graph, after eager warm-up on a side stream (autotuning,
     kernel builds and the weight cache happen there). The gradients are set to None before the capture, so
@@ -256,10 +283,12 @@ def main(argv=None) -> str:
 
     skipped = {}
     layers = build_layers(args, skipped)
-    times = {}
+    times, memory = {}, {}
     for name, layer in layers.items():
         try:
             times[name] = time_layer(layer, name, args)
+            if args.device == "cuda":
+                memory[name] = layer_memory(layer, args)
         except Exception as err:  # an FP8 row (e.g. torch.compile) must not cost the others
             if not name.startswith("FP8"):
                 raise
@@ -279,10 +308,16 @@ def main(argv=None) -> str:
         f"finite check {args.check_finite}" + (", CUDA-graphed" if args.cuda_graph else ", eager") + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
         "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
-        "| spec | ms / iter | speedup vs BF16 |",
-        "|---|---|---|",
+        "| spec | ms / iter | speedup vs BF16 | saved for backward MiB (bytes / token) | fwd+bwd peak MiB |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {name} | {ms:.2f} | {times['BF16'] / ms:.2f}x |" for name, ms in times.items()]
+    tokens = args.seq * args.micro_batch
+    for name, ms in times.items():
+        cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a"]
+        if name in memory:
+            saved, peak = memory[name]
+            cells[3:] = [f"{saved:.0f} ({saved * 2**20 / tokens:.0f})", f"{peak:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     if skipped:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]
     table = "\n".join(lines)

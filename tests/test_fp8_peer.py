@@ -273,8 +273,11 @@ def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
         if fp8 and model == "qwen3_4b":
             raise RuntimeError("trainer failed (no torchao)")
         step = layers * (0.8 if int8 else 0.7 if fp8 else 1.0)
-        return {"step_s": step, "loss": 5.0, "losses": [5.0], "peak_gb": 10.0 + layers, "wall_s": 1.0,
-                "tflops_per_gpu": 1.0}
+        precision = "int8" if int8 else fp8 or "bf16"
+        peak = {"bf16": 14.0, "int8": 13.2, "tensorwise": 12.0}[precision] + layers - 4
+        resident = {"bf16": 8.0, "int8": 8.4, "tensorwise": 8.2}[precision] + layers - 4
+        return {"step_s": step, "loss": 5.0, "losses": [5.0], "peak_gb": peak, "resident_gb": resident,
+                "wall_s": 1.0, "tflops_per_gpu": 1.0}
 
     monkeypatch.setattr(bench_e2e, "run_trainer", fake_run)
     out = tmp_path / "e2e.md"
@@ -285,7 +288,9 @@ def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
     llama = next(line for line in table.splitlines() if line.startswith("| llama2_7b"))
     qwen = next(line for line in table.splitlines() if line.startswith("| qwen3_4b"))
     assert "| 1.429x |" in llama and "| 1.250x |" in llama  # FP8/BF16 = 1/0.7, INT8/BF16 = 1/0.8
-    assert qwen.count("n/a") == 5 and "| 1.250x |" in qwen
+    # peak 13.2 / 14.0 GB; above what stays between steps: (13.2 - 8.4) / (14.0 - 8.0)
+    assert "| 14.0 / 13.2 / 12.0 | 0.94 | 8.0 / 8.4 / 8.2 | 0.80 |" in llama
+    assert qwen.count("n/a") == 6 and "| 1.250x |" in qwen
     header, rule = table.splitlines()[2:4]
     assert header.count("|") == rule.count("|") == llama.count("|") == qwen.count("|")
     records = json.loads(out.with_suffix(".json").read_text())

@@ -248,4 +248,5 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
     assert ("4 experts (top-2)" in table) == moe
     for name in ("| INT8 |", "| BF16 |", "| BF16 stock local spec |"):
         assert name in table
+    assert "| n/a | n/a |" in table  # memory columns: CUDA only
     assert ("| INT8 per-expert |" in table) == moe

@@ -76,6 +76,9 @@ def test_tiny_pretraining_loss_decreases(data, tmp_path, precision):
     assert (tmp_path / "iter_0000030" / "rng" / "rank_00000.pt").exists()
     assert "INT8 precision table" in out and ("| int8 |" in out) == (precision == "int8")
     assert "lm loss:" in out and "TFLOP/s/GPU" in out and "validation loss at iteration 15" in out
+    # on CPU the peak is the process's RSS; what stays between steps is a GPU allocator figure
+    assert losses(tmp_path / "train_log.jsonl", "peak_memory_gb")[30] > 0.05
+    assert losses(tmp_path / "train_log.jsonl", "memory_between_steps_gb")[30] is None
 
 
 @pytest.mark.parametrize("precision", ["int8", "bf16"])

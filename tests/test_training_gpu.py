@@ -4,6 +4,7 @@ report and its CUDA-graph steps; the FP8 peer
 resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint saved at TP=2 + SP on two GPUs
 resumed at TP=1 on one."""
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -20,6 +21,11 @@ def test_gpu_tiny_pretraining_bf16_int8(data, tmp_path):  # noqa: F811
     first, last = curve[1], sum(curve[i] for i in range(27, 31)) / 4
     assert last < first - 1.0, f"loss did not go down: {first:.3f} -> {last:.3f}"
     assert "device cuda" in out and "| int8 |" in out and "peak memory (GB)" in out
+    assert re.search(r"memory between steps \(GB\): [0-9.]+", out)
+    # weights and optimizer states stay between steps; the step's activations come and go
+    peak, resident = (losses(tmp_path / "train_log.jsonl", key)[30] for key in ("peak_memory_gb",
+                                                                              "memory_between_steps_gb"))
+    assert 0 < resident < peak
     if not APEX_FUSED_WGRAD:  # the lent machines: the INT8 wgrads add into main_grad in the GEMM (TMA reduce-add)
         assert "gradient accumulation fusion on for the transformer layers' linears" in out
 

@@ -40,6 +40,12 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def resident_memory_gb() -> Optional[float]:
+    """GPU memory allocated between steps (None on CPU): weights, gradients, optimizer states, INT8 weight
+    caches and CUDA-graph buffers. Peak less this is what the step itself needs, mostly activations."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
@@ -167,13 +173,16 @@ class TrainingLogger:
         if not self.is_writer:
             return
         tokens_per_s = args.global_batch_size * args.seq_length / max(step_seconds, 1e-9)
+        resident = resident_memory_gb()
         gc_count, gc_seconds = self.gc_pauses.take()
         self.interval_gc[0] += gc_count
         self.interval_gc[1] += gc_seconds
         self._write({"iteration": iteration, "consumed_samples": consumed_samples, "lm_loss": loss, "lr": lr,
                      "grad_norm": grad_norm, "skipped": skipped, "step_time_s": round(step_seconds, 6),
                      "gc_collections": gc_count, "gc_ms": round(gc_seconds * 1000, 3),
-                     "tokens_per_s": round(tokens_per_s, 1), "int8": bool(args.int8_linear),
+                     "tokens_per_s": round(tokens_per_s, 1), "peak_memory_gb": round(peak_memory_gb(), 4),
+                     "memory_between_steps_gb": None if resident is None else round(resident, 4),
+                     "int8": bool(args.int8_linear),
                      "fp8_peer": getattr(args, "fp8_peer", None), **(phases.record() if phases else {})})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("lm loss", loss, iteration)
@@ -194,6 +203,7 @@ class TrainingLogger:
             f"throughput per GPU (TFLOP/s/GPU): {tflops:.2f} | learning rate: {lr:.6E} | "
             f"global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} | grad norm: {norm} | "
             f"peak memory (GB): {peak_memory_gb():.2f} | "
+            + (f"memory between steps (GB): {resident:.2f} | " if resident is not None else "") +
             f"gc: {self.interval_gc[0]} collections, {self.interval_gc[1] * 1000 / max(self.interval_iterations, 1):.1f} ms "
             f"per iteration | "
             f"ETA: {format_duration(per_iteration * (args.train_iters - iteration))}"
