@@ -272,13 +272,10 @@ def main(argv=None):
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
-NAN = float("nan")
-
-
 def step_memory(row: dict, precision: str) -> float:
     """Peak less the memory held between steps: what one step adds (activations, gradients in flight,
     temporaries). Weights, gradients, optimizer states and INT8 weight caches stay between steps."""
-    return row[f"{precision}_peak_gb"] - row.get(f"{precision}_resident_gb", NAN)
+    return row[f"{precision}_peak_gb"] - row[f"{precision}_resident_gb"]
 
 
 def format_table(rows, opts) -> str:
@@ -315,12 +312,11 @@ def format_table(rows, opts) -> str:
             cells += [f"{r['fp8_tok_s'] / r['bf16_tok_s']:.3f}x" if has_fp8 else "n/a",
                       f"{r['fp8_full_tok_s'] / r['bf16_full_tok_s']:.3f}x{projected}" if has_fp8 else "n/a"]
         peaks = f"{r['bf16_peak_gb']:.1f} / {r['int8_peak_gb']:.1f}"
-        # older JSON rows have no between-steps figure: NaN prints as nan
-        residents = f"{r.get('bf16_resident_gb', NAN):.1f} / {r.get('int8_resident_gb', NAN):.1f}"
+        residents = f"{r['bf16_resident_gb']:.1f} / {r['int8_resident_gb']:.1f}"
         loss = f"{r['bf16_loss']:.3f} / {r['int8_loss']:.3f}"
         if fp8:
             peaks += f" / {r['fp8_peak_gb']:.1f}" if has_fp8 else " / n/a"
-            residents += f" / {r.get('fp8_resident_gb', NAN):.1f}" if has_fp8 else " / n/a"
+            residents += f" / {r['fp8_resident_gb']:.1f}" if has_fp8 else " / n/a"
             loss += f" / {r['fp8_loss']:.3f}" if has_fp8 else " / n/a"
         cells += [f"{PAPER_SPEEDUP[r['model']]:.2f}x", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}",
                   residents, f"{step_memory(r, 'int8') / step_memory(r, 'bf16'):.2f}", loss]

@@ -285,10 +285,11 @@ def main(argv=None) -> str:
     layers = build_layers(args, skipped)
     times, memory = {}, {}
     for name, layer in layers.items():
-        try:
-            times[name] = time_layer(layer, name, args)
+        try:  # a row gets its time and its memory, or is skipped whole
+            ms = time_layer(layer, name, args)
             if args.device == "cuda":
                 memory[name] = layer_memory(layer, args)
+            times[name] = ms
         except Exception as err:  # an FP8 row (e.g. torch.compile) must not cost the others
             if not name.startswith("FP8"):
                 raise
@@ -316,7 +317,7 @@ def main(argv=None) -> str:
         cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a"]
         if name in memory:
             saved, peak = memory[name]
-            cells[3:] = [f"{saved:.0f} ({saved * 2**20 / tokens:.0f})", f"{peak:.0f}"]
+            cells[3:] = [f"{saved:.1f} ({saved * 2**20 / tokens:.0f})", f"{peak:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if skipped:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]

@@ -113,15 +113,17 @@ def test_tiny_int8_gpt_trains_on_gpu():
 def test_bench_layer_tiny_on_gpu(tmp_path):
     table, _ = _run_bench_layer(tmp_path, "--tiny", timeout=300)
     assert "| INT8 |" in table
-    saved, peak = {}, {}
+    saved, per_token, peak = {}, {}, {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0] in ("INT8", "BF16"):
-            saved[cells[0]] = float(cells[3].split("(")[1].rstrip(")"))  # bytes per token
+            total, tokens = cells[3].split("(")  # "MiB (bytes per token)"
+            saved[cells[0]], per_token[cells[0]] = float(total), float(tokens.rstrip(")"))
             peak[cells[0]] = float(cells[4])
-    # the INT8 linears keep their inputs as int8: fewer bytes kept per token, and a backward on top
-    assert 0 < saved["INT8"] < saved["BF16"]
-    assert all(peak[n] * 2**20 > saved[n] for n in saved)
+    # the INT8 linears keep their inputs as int8: fewer bytes kept per token
+    assert 0 < per_token["INT8"] < per_token["BF16"]
+    # the peak holds what forward kept plus forward's output and backward's gradients on top
+    assert all(peak[n] > saved[n] > 0 for n in saved)
 
 
 def _moe_mlp_on_gpu(grouped: bool, config):
