@@ -1,10 +1,10 @@
 """megatron-int8: INT8 linear layers for pretraining LLMs with megatron-core.
 
 The core (recipe, quantization, the INT8 autograd linear) imports without megatron-core or triton;
-the megatron-core layers and specs live in `megatron_int8.layers` / `megatron_int8.spec`.
+the megatron-core layers and specs live in `megatron_int8.megatron.layers` / `megatron_int8.megatron.spec`.
 """
-from .linear import TPOptions, int8_linear, invalidate_weight_caches
-from .quantize import NonFiniteError, QTensor, dequantize, quantize, raise_if_nonfinite
+from .ops.linear import TPOptions, int8_linear, invalidate_weight_caches
+from .reference import NonFiniteError, QTensor, dequantize, quantize, raise_if_nonfinite
 from .recipe import DEFAULT_RECIPE, Int8Recipe
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Callable, List, Optional
 
-from .policy import add_int8_arguments, policy_from_args
+from .megatron.cli import add_int8_arguments, policy_from_args
 
 # Flags of this project's trainer that Megatron-LM's pretrain_gpt.py does not have.
 TRAINER_ONLY_KEYS = frozenset({"log_jsonl"})
@@ -38,7 +38,7 @@ def get_gpt_int8_spec_from_args(args, config, vp_stage: Optional[int] = None):
     """
     import megatron.core
 
-    from .spec import get_gpt_int8_block_spec
+    from .megatron.spec import get_gpt_int8_block_spec
 
     if not megatron.core.__version__.startswith(SUPPORTED_MEGATRON_CORE):
         raise RuntimeError(f"megatron-int8 supports megatron-core {SUPPORTED_MEGATRON_CORE}.x (Megatron-LM "

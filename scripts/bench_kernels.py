@@ -41,12 +41,12 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_int8 import Int8Recipe, int8_linear, invalidate_weight_caches  # noqa: E402
-from megatron_int8.backend import ReferenceBackend  # noqa: E402
+from megatron_int8.reference import ReferenceBackend  # noqa: E402
 from megatron_int8.kernels import triton_gemm, triton_quantize  # noqa: E402
 
 import importlib  # noqa: E402
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 REF = ReferenceBackend()
 T = 8192
 MICRO_BATCHES = 4  # table 2's training step

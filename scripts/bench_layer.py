@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_int8.policy import FP8_RECIPES  # noqa: E402
+from megatron_int8.megatron.policy import FP8_RECIPES  # noqa: E402
 from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def parse_args(argv=None):
                         "sync per quantize) or off")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
-                   help="dense MLPs: megatron's SwiGLU instead of megatron_int8.swiglu (as the trainer's flag)")
+                   help="dense MLPs: megatron's SwiGLU instead of megatron_int8.ops.swiglu (as the trainer's flag)")
     p.add_argument("--no-fp8", action="store_true", help="skip the FP8 peer (torchao float8) row")
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="tensorwise",
                    help="torchao float8 scaling recipe of the FP8 peer")
@@ -87,7 +87,7 @@ def setup(device: str):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
+    from megatron_int8.megatron.compat import apply_cpu_compat, model_parallel_seed
 
     apply_cpu_compat()
     if not torch.distributed.is_initialized():
@@ -104,7 +104,7 @@ def fp8_skip_reason(args):
         return "--no-fp8"
     if args.device != "cuda":
         return "FP8 GEMMs need a CUDA GPU (--device cpu)"
-    from megatron_int8.fp8_peer import fp8_unavailable_reason
+    from megatron_int8.peers.fp8 import fp8_unavailable_reason
 
     return fp8_unavailable_reason()
 
@@ -116,7 +116,7 @@ def build_layers(args, skipped):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_int8.recipe import Int8Recipe
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     dtype = torch.bfloat16
     moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.topk, moe_ffn_hidden_size=args.ffn,
@@ -126,7 +126,7 @@ def build_layers(args, skipped):
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, **moe, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=dtype,
         use_cpu_initialization=args.device == "cpu", bias_activation_fusion=True, bias_dropout_fusion=True)
-    # our specs' dense MLPs run megatron_int8.swiglu through the activation module slot (as the trainer does);
+    # our specs' dense MLPs run megatron_int8.ops.swiglu through the activation module slot (as the trainer does);
     # megatron's stock spec has no such module and keeps its fused SwiGLU
     stock_config = config
     if args.fused_swiglu and not args.num_experts:
@@ -166,7 +166,7 @@ def build_layers(args, skipped):
 
 def time_layer(layer, name, args) -> float:
     """Mean ms of one forward + backward."""
-    from megatron_int8.linear import invalidate_weight_caches
+    from megatron_int8.ops.linear import invalidate_weight_caches
 
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
                     requires_grad=True)
@@ -200,7 +200,7 @@ def layer_memory(layer, args):
     """(saved, peak) in MiB for one eager forward + backward on CUDA: what the forward leaves allocated
     beyond its output (the tensors kept for backward), and the highest allocation above the start. Weight
     caches already built stay out of both; without --cache-weights the weights' quantization is inside."""
-    from megatron_int8.linear import invalidate_weight_caches
+    from megatron_int8.ops.linear import invalidate_weight_caches
 
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
@@ -229,7 +229,7 @@ def _graphed(layer, x, grad, mask, args):
     gradients left in place, every replay would add into them, kernels the eager loop does not run and the
     trainer's INT8 linears fuse into their wgrad GEMMs. Without --cache-weights the graph quantizes the
     weights itself."""
-    from megatron_int8.linear import invalidate_weight_caches
+    from megatron_int8.ops.linear import invalidate_weight_caches
 
     def body():
         out, _ = layer(x, attention_mask=mask)
@@ -278,7 +278,7 @@ def main(argv=None) -> str:
     if args.cuda_graph and args.device != "cuda":
         raise SystemExit("--cuda-graph needs --device cuda")
     setup(args.device)
-    from megatron_int8.backend import resolve_backend_name
+    from megatron_int8.dispatch import resolve_backend_name
     from megatron_int8.recipe import Int8Recipe
 
     skipped = {}

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_int8.kernels import triton_gemm, triton_grouped_gemm, triton_quantize  # noqa: E402
 from megatron_int8.kernels.int8_gemm import ENV_KERNEL  # noqa: E402
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 QKW = dict(granularity="row", block_size=128, check_finite="off")
 COLUMNS = ("bf16 loop", "bf16 grouped", "int8 loop", "int8 grouped", "int8 grouped triton")
 

@@ -1,4 +1,4 @@
-"""RMSNorm forward + backward: torch.nn.RMSNorm's CUDA kernels vs megatron_int8.rms_norm's Triton kernel.
+"""RMSNorm forward + backward: torch.nn.RMSNorm's CUDA kernels vs megatron_int8.ops.rms_norm's Triton kernel.
 
 One row per norm of a layer at one micro-batch: the hidden norms (input and pre-MLP) and Qwen3's q/k head
 norms (k a strided slice of the fused qkv output, as megatron passes it). Two timings per kernel kind:
@@ -46,7 +46,7 @@ def gpu_ms(fn, steps: int = 5) -> float:
 
 def main(argv=None) -> None:
     opts = token_args(__doc__, "bench_norm.py", argv)
-    from megatron_int8.rms_norm import FusedRMSNorm
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
 
     T = opts.seq * opts.micro_batch
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {opts.seq} x {opts.micro_batch} tokens, "

@@ -1,4 +1,4 @@
-"""RoPE forward + backward: megatron-core's unfused ops vs megatron_int8.rope's Triton kernel (one GPU).
+"""RoPE forward + backward: megatron-core's unfused ops vs megatron_int8.ops.rope's Triton kernel (one GPU).
 
 q and k are strided slices of a fused qkv output, as in megatron's attention; one row per shape. The
 bytes column counts one read and one write of q (or k) in each direction, the least a RoPE can move.
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     opts = token_args(__doc__, "bench_rope.py", argv)
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from megatron_int8.rope import fused_rope
+    from megatron_int8.ops.rope import fused_rope
 
     S, B = opts.seq, opts.micro_batch
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {S} x micro-batch {B}, bf16, "

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_int8.kernels import int8_gemm as G  # noqa: E402
 from megatron_int8.kernels import triton_gemm, triton_quantize  # noqa: E402
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 
 # (label, M = out features, N = in features, K = tokens)
 SHAPES = [

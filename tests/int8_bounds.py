@@ -7,7 +7,7 @@ has |e| < 1: its S/2 becomes S.
 """
 import torch
 
-from megatron_int8.quantize import QTensor, quantize
+from megatron_int8.reference import QTensor, quantize
 
 
 def heavy_tailed(*shape, outliers=0.01, scale=30.0, generator=None, dtype=torch.float32):

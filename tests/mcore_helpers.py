@@ -147,7 +147,7 @@ def init_megatron(world_size=1, rank=0, init_file=None, *, tp=1, pp=1, ep=1, vpp
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
+    from megatron_int8.megatron.compat import apply_cpu_compat, model_parallel_seed
 
     dev = rank_device(rank, device)
     if dev.type == "cuda":
@@ -279,7 +279,7 @@ def query_norm_layer_pair(config, int8: bool, generator, device="cpu", granulari
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     spec = get_gpt_int8_layer_spec(qk_layernorm=config.qk_layernorm, recipe=nearest_recipe(granularity=granularity),
                                    int8=int8)
@@ -304,7 +304,7 @@ def split_qkv_both_ways(mixed, norms, grads, groups: int, head: int):
     with the two FusedRMSNorm modules `norms` run separately (autograd's backward). Each is [query, key, value,
     gradient of mixed, gradients of the two norm weights] for output gradients `grads`. The fused value must
     be a view of its input."""
-    from megatron_int8.attention import _qkv_parts, _SplitQKVNormed
+    from megatron_int8.megatron.attention import _qkv_parts, _SplitQKVNormed
 
     results = []
     for fused in (True, False):

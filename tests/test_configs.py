@@ -6,7 +6,7 @@ import pytest
 import torch
 from mcore_helpers import single_process_megatron
 
-from megatron_int8.policy import policy_from_args
+from megatron_int8.megatron.cli import policy_from_args
 from megatron_int8.training.args import parse_args, validate_args
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -67,8 +67,8 @@ def test_builds_at_tiny_width(name, megatron_world):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_int8.embedding import MainGradEmbedding
-    from megatron_int8.layers import Int8LinearMixin
+    from megatron_int8.ops.embedding import MainGradEmbedding
+    from megatron_int8.megatron.layers import Int8LinearMixin
     from megatron_int8.training.model import build_config, build_model, fused_wgrad_available, unwrap
 
     args = validate_args(parse_args(["--config", _yaml(name)] + TINY), world_size=1)
@@ -89,7 +89,7 @@ def test_builds_at_tiny_width(name, megatron_world):
         assert torch.allclose(inv_freq, plain)
     mlp = model.decoder.layers[0].mlp
     if experts:
-        from megatron_int8.experts import Int8GroupedMLP
+        from megatron_int8.megatron.experts import Int8GroupedMLP
 
         assert isinstance(mlp, MoELayer) and mlp.router.topk == topk and len(mlp.experts.local_experts) == experts
         assert isinstance(mlp.experts, Int8GroupedMLP) and mlp.experts.grouped_problem is None  # the YAML's grouped GEMM

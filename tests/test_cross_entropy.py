@@ -1,4 +1,4 @@
-"""Fused vocab-parallel cross entropy (megatron_int8.cross_entropy) against float64, on CPU.
+"""Fused vocab-parallel cross entropy (megatron_int8.ops.cross_entropy) against float64, on CPU.
 
 - the PyTorch path (what runs on the CPU) and the Triton kernels (under TRITON_INTERPRET=1, in a subprocess:
   Triton decides at import time whether it interprets, so, as tests/test_kernels.py does, a driver test
@@ -24,7 +24,7 @@ import torch
 from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 from mcore_helpers import init_megatron, run_distributed, single_process_megatron
 
-from megatron_int8 import cross_entropy as ce
+from megatron_int8.ops import cross_entropy as ce
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 U = 2.0 ** -24
@@ -357,7 +357,7 @@ def test_trainer_installs_it_with_cross_entropy_fusion(megatron_binding):
     config = build_config(args, lines.append)
     assert config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "native"
     assert megatron_binding.fused_vocab_parallel_cross_entropy is ce.vocab_parallel_cross_entropy
-    assert any(line.startswith("note: cross entropy fused (megatron's native path calling megatron_int8.cross_entropy")
+    assert any(line.startswith("note: cross entropy fused (megatron's native path calling megatron_int8.ops.cross_entropy")
                for line in lines), lines
 
 

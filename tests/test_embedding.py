@@ -1,4 +1,4 @@
-"""The word embedding's and the output layer's weight gradients go straight into main_grad (megatron_int8.embedding,
+"""The word embedding's and the output layer's weight gradients go straight into main_grad (megatron_int8.ops.embedding,
 layers.fuse_output_layer_wgrad, training.model.fuse_wgrad): against float64 references, tied and untied."""
 import os
 
@@ -15,7 +15,7 @@ def test_add_rows_into_adds_each_ids_rows_once(vocab, tokens, distinct):
     """main_grad[i] += the sum of the rows of the tokens with id i (many repeats, ids 0 and vocab - 1, a single
     token, all tokens alike); rows of absent ids stay bit for bit. On the CPU the result equals megatron's route,
     F.embedding's dense gradient added once, bit for bit."""
-    from megatron_int8.embedding import add_rows_into
+    from megatron_int8.ops.embedding import add_rows_into
 
     gen = torch.Generator().manual_seed(vocab)
     hidden = 24
@@ -42,7 +42,7 @@ def test_add_rows_into_adds_each_ids_rows_once(vocab, tokens, distinct):
 
 def test_add_rows_into_takes_int32_ids_and_no_tokens():
     """int32 ids (F.embedding takes them) give the int64 result; an empty micro-batch adds nothing."""
-    from megatron_int8.embedding import add_rows_into
+    from megatron_int8.ops.embedding import add_rows_into
 
     gen = torch.Generator().manual_seed(6)
     ids, rows = torch.randint(0, 12, (40,), generator=gen), outlier_tensor(40, 8, generator=gen)
@@ -60,7 +60,7 @@ def _vocab_parallel_worker(rank, world_size, init_file, reduce_scatter):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    from megatron_int8.embedding import fuse_embedding_wgrad
+    from megatron_int8.ops.embedding import fuse_embedding_wgrad
 
     init_megatron(world_size, rank, init_file, tp=2)
     config = tiny_config(tensor_model_parallel_size=2, sequence_parallel=reduce_scatter)
@@ -122,9 +122,9 @@ def test_embedding_and_output_layer_wgrads_reach_main_grad_exactly_once(name, me
     megatron's zero_out_wgrad mark is gone."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron_int8.embedding import MainGradEmbedding
-    from megatron_int8.layers import Int8LinearMixin
-    from megatron_int8.policy import policy_from_args
+    from megatron_int8.ops.embedding import MainGradEmbedding
+    from megatron_int8.megatron.layers import Int8LinearMixin
+    from megatron_int8.megatron.cli import policy_from_args
     from megatron_int8.training.args import parse_args, validate_args
     from megatron_int8.training.model import build_config, build_model, unwrap
 
@@ -200,7 +200,7 @@ def test_add_rows_into_on_the_gpu_replays_in_a_cuda_graph_bit_for_bit():
     """Qwen3-4B's vocabulary, 8192 tokens with a few ids repeated hundreds of times (as frequent tokens are): the
     CUDA path (segment sums, then index_add_) is within the float64 bound, deterministic, and a captured graph's replay (the
     trainer's graphed steps) gives the same bits as the eager call."""
-    from megatron_int8.embedding import add_rows_into
+    from megatron_int8.ops.embedding import add_rows_into
 
     gen = torch.Generator().manual_seed(3)
     vocab, hidden, tokens = 151936, 256, 8192

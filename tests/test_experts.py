@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 
-from megatron_int8.grouped_linear import grouped_hp_linear, grouped_int8_linear, stacked_quantized_weights, \
+from megatron_int8.ops.grouped_linear import grouped_hp_linear, grouped_int8_linear, stacked_quantized_weights, \
     stacked_weights
-from megatron_int8.linear import int8_linear
-from megatron_int8.quantize import Segments
+from megatron_int8.ops.linear import int8_linear
+from megatron_int8.reference import Segments
 from megatron_int8.recipe import Int8Recipe
 from mcore_helpers import assert_layers_bit_identical, outlier_tensor, qgemm_bound, single_process_megatron, \
     tiny_config
@@ -189,7 +189,7 @@ def test_grouped_wgrad_accumulates_into_main_grad():
 def test_stacked_weights_are_each_experts_quantization():
     """The experts are quantized straight into their slots of the stacks (backend.quantize's `out`): every
     slot holds exactly that expert's own row-wise Q(W_e), Q(W_e)^T and scales."""
-    from megatron_int8.backend import ReferenceBackend
+    from megatron_int8.reference import ReferenceBackend
 
     gen = torch.Generator().manual_seed(9)
     ws = [w.detach() for w in _experts(gen, 3, 24, 40)]
@@ -206,7 +206,7 @@ def test_stacked_weights_are_each_experts_quantization():
 def test_stacked_weight_cache_follows_weight_changes():
     gen = torch.Generator().manual_seed(5)
     ws = [w.detach() for w in _experts(gen, 3, 16, 32)]
-    from megatron_int8.backend import ReferenceBackend
+    from megatron_int8.reference import ReferenceBackend
 
     backend = ReferenceBackend()
     row, col = stacked_quantized_weights(ws, backend, ROW)
@@ -241,7 +241,7 @@ MOE = dict(hidden_size=32, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_
 def _moe_mlp(grouped: bool, recipe=ROW, **config):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     cfg = tiny_config(**MOE, moe_grouped_gemm=grouped, **config)
     spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, recipe=recipe)
@@ -251,7 +251,7 @@ def _moe_mlp(grouped: bool, recipe=ROW, **config):
 def test_grouped_moe_layer_equals_sequential_experts():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from megatron_int8.experts import Int8GroupedMLP
+    from megatron_int8.megatron.experts import Int8GroupedMLP
 
     gen = torch.Generator().manual_seed(11)
     x0 = outlier_tensor(24, 2, 32, generator=gen)
@@ -282,7 +282,7 @@ def test_grouped_moe_falls_back_with_a_reason():
 
         from megatron.core.transformer.spec_utils import build_module
 
-        from megatron_int8.spec import get_gpt_int8_layer_spec
+        from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
         # experts of both precisions in one layer cannot share one grouped op
         mixed = _moe_mlp(True)
@@ -296,8 +296,8 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.experts import Int8GroupedMLP
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.experts import Int8GroupedMLP
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     gen = torch.Generator().manual_seed(12)
     x0 = outlier_tensor(24, 2, 32, generator=gen)
@@ -316,14 +316,14 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
 
 
 def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
-    """With megatron's activation fusion on, the grouped experts run megatron_int8.swiglu.weighted_swiglu
+    """With megatron's activation fusion on, the grouped experts run megatron_int8.ops.swiglu.weighted_swiglu
     (on CPU its fp32 reference; the Triton kernels are checked in test_kernels.py): outputs and every
     gradient, the router's through the probabilities included, agree in fp32 with SequentialMLP's unfused
     SwiGLU (a few fp32 roundings apart), and --no-fused-swiglu's switch sends it back to megatron's code."""
-    import megatron_int8.experts as experts_mod
+    import megatron_int8.megatron.experts as experts_mod
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     calls = []
     real = experts_mod.weighted_swiglu

@@ -13,8 +13,10 @@ import torch
 from mcore_helpers import assert_fp8_linear_within_bounds, fp8_linear_checks, outlier_tensor, single_process_megatron, \
     tiny_config
 
-from megatron_int8 import fp8_peer
-from megatron_int8.policy import Int8Policy, format_precision_table, policy_from_args, precision_table_rows
+from megatron_int8.peers import fp8 as fp8_peer
+from megatron_int8.megatron.cli import policy_from_args
+from megatron_int8.megatron.policy import Int8Policy
+from megatron_int8.megatron.precision_table import format_precision_table, precision_table_rows
 from megatron_int8.training.args import ArgumentError, parse_args, validate_args
 
 BASE_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -102,9 +104,9 @@ def _modules(spec, path=""):
 def test_spec_swaps_only_the_linears(moe):
     from megatron.core.transformer.mlp import MLP
 
-    from megatron_int8.fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
-    from megatron_int8.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
-    from megatron_int8.spec import get_gpt_int8_block_spec
+    from megatron_int8.peers.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
 
     kw = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64) if moe else {}
     config = tiny_config(qk_layernorm=True, **kw)
@@ -132,8 +134,8 @@ def test_model_precision_table_and_state_dict_keys(fake_fp8_device, moe):
     shapes) is the BF16 model's, so checkpoints interchange."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_int8.fp8_peer import Fp8LinearMixin
-    from megatron_int8.spec import get_gpt_int8_block_spec
+    from megatron_int8.peers.fp8 import Fp8LinearMixin
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
 
     kw = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64) if moe else {}
     config = tiny_config(num_query_groups=2, **kw)
@@ -165,7 +167,7 @@ def test_model_precision_table_and_state_dict_keys(fake_fp8_device, moe):
 
 
 def _column(config, **kw):
-    from megatron_int8.fp8_peer import Fp8ColumnParallelLinear
+    from megatron_int8.peers.fp8 import Fp8ColumnParallelLinear
 
     return Fp8ColumnParallelLinear(64, 48, config=config, init_method=torch.nn.init.xavier_normal_, bias=False, **kw)
 
@@ -180,7 +182,7 @@ def test_tensor_parallel_and_unknown_recipe_raise(fake_fp8_device):
     with pytest.raises(ValueError, match="fp8_recipe must be one of"):
         _column(tiny_config(), fp8_recipe="delayed")
     with pytest.raises(ValueError, match="16-aligned"):
-        from megatron_int8.fp8_peer import Fp8RowParallelLinear
+        from megatron_int8.peers.fp8 import Fp8RowParallelLinear
         Fp8RowParallelLinear(60, 48, config=tiny_config(), init_method=torch.nn.init.xavier_normal_, bias=False,
                              input_is_parallel=True, skip_bias_add=False)
 
@@ -212,7 +214,7 @@ def test_no_fp8_gpu_raises_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_emulated_forward_backward_within_fp8_bound(recipe, kind):
-    from megatron_int8.fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_int8.peers.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     gen = torch.Generator().manual_seed(1)
     extra = {} if kind == "column" else {"input_is_parallel": True, "skip_bias_add": False}

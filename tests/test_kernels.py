@@ -26,10 +26,10 @@ if not INTERPRETING:
         run_file_interpreted(__file__, timeout=900)
 
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
-from megatron_int8.backend import ReferenceBackend  # noqa: E402
+from megatron_int8.reference import ReferenceBackend  # noqa: E402
 from int8_bounds import assert_rope_close  # noqa: E402
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 REF = ReferenceBackend()
 VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
 
@@ -1013,7 +1013,7 @@ def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
     """The Triton RoPE on a strided q (a slice of a fused qkv tensor), 20 heads (masked head blocks),
     a partial rotary dimension and per-batch angles: forward and the transposed rotation of backward
     against float64; the dimensions past the rotary ones are copied exactly."""
-    from megatron_int8 import rope
+    from megatron_int8.ops import rope
 
     # a whole ulp of rounding: the interpreter's fp32 -> bf16 cast truncates (tests/test_kernels_gpu.py
     # holds the GPU kernel to half an ulp)
@@ -1036,7 +1036,7 @@ def test_rope_kernel_forward_and_backward(dtype, rot_of_d, batch_freqs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("layout", ["k head slice", "q heads in place", "rows of 40", "wide rows, several per program"])
 def test_rms_norm_kernel_forward_and_backward(dtype, layout):
-    """The Triton RMSNorm (megatron_int8.rms_norm.FusedRMSNorm) on the shapes it meets: a strided k slice
+    """The Triton RMSNorm (megatron_int8.ops.rms_norm.FusedRMSNorm) on the shapes it meets: a strided k slice
     of a fused qkv output (rows of one head, normalized without a copy), the query heads of every group in
     place ([S, B, G, heads per group, D], as QueryNormInPlaceSelfAttention passes them, also without a copy),
     ragged rows narrower than the block (masked columns, many rows per program), and rows wide enough that
@@ -1045,7 +1045,7 @@ def test_rms_norm_kernel_forward_and_backward(dtype, layout):
     from int8_bounds import assert_rms_norm_close
 
     from megatron_int8.kernels.rms_norm import _rows
-    from megatron_int8.rms_norm import FusedRMSNorm
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
     if layout in ("k head slice", "q heads in place"):
@@ -1080,8 +1080,8 @@ def test_split_qkv_normed_writes_the_qkv_gradient_in_place(dtype):
     from int8_bounds import assert_rms_norm_close
     from mcore_helpers import split_qkv_both_ways
 
-    from megatron_int8.attention import _qkv_parts
-    from megatron_int8.rms_norm import FusedRMSNorm
+    from megatron_int8.megatron.attention import _qkv_parts
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
     S, B, G, P, D = 9, 2, 3, 2, 16  # 3 groups of 2 query heads, a key and a value head each
@@ -1111,8 +1111,8 @@ def test_split_qkv_normed_hands_the_linear_its_gradient_amax(poison):
     as the same object, carrying max |gradient| exactly (quantize.known_maxima). An Inf/NaN in the query or
     key gradient makes that norm's dx non-finite and the amax inf; a NaN in the value gradient makes it NaN.
     Either way the quantizer's scale is NaN (the non-finite check), never a finite wrong one."""
-    from megatron_int8.attention import _SplitQKVNormed
-    from megatron_int8.quantize import known_maxima
+    from megatron_int8.megatron.attention import _SplitQKVNormed
+    from megatron_int8.reference import known_maxima
 
     S, B, G, P, D = 7, 2, 2, 3, 16
     leaf = outliers(S * B, G * (P + 2) * D, zero_rows=(3,)).view(S, B, -1).requires_grad_(True)
@@ -1174,13 +1174,13 @@ class _GradProbe(torch.autograd.Function):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("emit_maxima", [False, True])
 def test_swiglu_kernel_forward_backward_and_maxima(dtype, emit_maxima):
-    """The Triton SwiGLU (megatron_int8.swiglu) on a ragged 3-D input whose rows are strided (a slice of a
+    """The Triton SwiGLU (megatron_int8.ops.swiglu) on a ragged 3-D input whose rows are strided (a slice of a
     wider tensor): forward and input gradient against float64; with emit_maxima, the maxima attached to the
     output and to the input gradient are exactly those tensors' row and column maxima."""
     from int8_bounds import assert_swiglu_close
 
-    from megatron_int8.quantize import known_maxima
-    from megatron_int8.swiglu import swiglu
+    from megatron_int8.reference import known_maxima
+    from megatron_int8.ops.swiglu import swiglu
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
     S, B, F = 5, 9, 37
@@ -1215,7 +1215,7 @@ def test_weighted_swiglu_kernel_forward_backward(dtype, probs_dtype):
     with weight 0 gets zero output and zero input gradient, and still its weight's gradient."""
     from int8_bounds import assert_swiglu_close
 
-    from megatron_int8.swiglu import weighted_swiglu
+    from megatron_int8.ops.swiglu import weighted_swiglu
 
     ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
     R, F = 45, 37
@@ -1273,7 +1273,7 @@ def test_mlp_with_swiglu_maxima_skips_two_amax_passes(launch_log, granularity):
     """fc1 -> SwiGLU -> fc2 with INT8 linears: with the SwiGLU's maxima handed over, fc2's input and fc1's
     output gradient are quantized without an amax pass of their own, and every output and gradient is
     bit-identical to the run without them (the maxima are exact)."""
-    from megatron_int8.swiglu import swiglu
+    from megatron_int8.ops.swiglu import swiglu
 
     recipe = Int8Recipe(granularity=granularity, backend="triton", cache_weights=False)
     T, H, F = 40, 24, 36

@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
 EPS = torch.finfo(torch.float32).eps
 
@@ -33,7 +33,7 @@ def K():
 
 @pytest.fixture(scope="module")
 def REF():
-    from megatron_int8.backend import ReferenceBackend
+    from megatron_int8.reference import ReferenceBackend
 
     return ReferenceBackend()
 
@@ -459,7 +459,7 @@ def test_hp_wgrad_into_main_grad_is_one_fp32_accumulation_on_gpu():
     on a ragged shape."""
     from int8_bounds import assert_fp32_accumulation_close
 
-    from megatron_int8.linear import hp_wgrad_into
+    from megatron_int8.ops.main_grad import hp_wgrad_into
 
     g, x = outliers(256, 392).to(torch.bfloat16), outliers(256, 328).to(torch.bfloat16)
     main_grad = outliers(392, 328).float().contiguous()
@@ -653,7 +653,7 @@ def test_fused_rope_real_shapes(heads, groups, rot):
     within one round-to-nearest of the float64 values (the interpreter test allows a whole ulp)."""
     from int8_bounds import assert_rope_close
 
-    from megatron_int8 import rope
+    from megatron_int8.ops import rope
 
     S, B, D = 4096, 2, 128
     qkv = outliers(S * B * (heads + 2 * groups), D).view(S, B, heads + 2 * groups, D)
@@ -682,7 +682,7 @@ def test_fused_rms_norm_real_shapes(shape, layout):
     norms: forward, input and weight gradients within one round-to-nearest of float64 plus fp32 sums."""
     from int8_bounds import assert_rms_norm_close
 
-    from megatron_int8.rms_norm import FusedRMSNorm
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
 
     W = shape[-1]
     if layout == "k head slice":
@@ -715,8 +715,8 @@ def test_split_qkv_normed_real_shape():
 
     from mcore_helpers import split_qkv_both_ways
 
-    from megatron_int8.attention import _qkv_parts
-    from megatron_int8.rms_norm import FusedRMSNorm
+    from megatron_int8.megatron.attention import _qkv_parts
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
 
     S, B, G, P, D = 4096, 2, 8, 4, 128
     mixed = outliers(S * B, G * (P + 2) * D).view(S, B, -1)
@@ -740,8 +740,8 @@ def test_swiglu_real_shapes_and_maxima(R, F):
     attaches are exactly the outputs' row and column maxima."""
     from int8_bounds import assert_swiglu_close
 
-    from megatron_int8.quantize import known_maxima
-    from megatron_int8.swiglu import swiglu
+    from megatron_int8.reference import known_maxima
+    from megatron_int8.ops.swiglu import swiglu
 
     x = outliers(R, 2 * F)
     leaf = x.detach().requires_grad_(True)
@@ -768,7 +768,7 @@ def test_weighted_swiglu_real_shapes(R, F):
     (one bf16 rounding plus fp32 arithmetic; an fp32 sum over 14336 columns for the probabilities)."""
     from int8_bounds import assert_swiglu_close
 
-    from megatron_int8.swiglu import weighted_swiglu
+    from megatron_int8.ops.swiglu import weighted_swiglu
 
     x = outliers(R, 2 * F)
     probs = torch.rand(R, device="cuda")
@@ -788,7 +788,7 @@ def test_mlp_with_swiglu_maxima_bit_identical(granularity):
     """fc1 -> SwiGLU -> fc2 with INT8 linears at Qwen3-4B's MLP shapes: with the SwiGLU's maxima handed to the
     linears, outputs and every gradient are bit-identical to the run without them."""
     from megatron_int8 import Int8Recipe, int8_linear
-    from megatron_int8.swiglu import swiglu
+    from megatron_int8.ops.swiglu import swiglu
 
     recipe = Int8Recipe(granularity=granularity, backend="triton")
     T, H, F = 4096, 2560, 9728
@@ -808,7 +808,7 @@ def test_moe_routing_tables_do_not_synchronize():
     the GPU without a stream synchronization (pinned memory, non-blocking), and hold the right values.
     Control: a plain torch.tensor(..., device="cuda") does synchronize, so the check can fail."""
     pytest.importorskip("megatron.core")
-    from megatron_int8.experts import _aligned_rows
+    from megatron_int8.megatron.experts import _aligned_rows
 
     counts = [130, 0, 7, 300]
     seg = qref.Segments.for_counts(counts)

@@ -14,7 +14,7 @@ def megatron_world():
 
 
 def _layers():
-    from megatron_int8.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 
     return Int8ColumnParallelLinear, Int8RowParallelLinear
 

@@ -20,7 +20,7 @@ BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
 def _fp8_unavailable():
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
-    from megatron_int8.fp8_peer import fp8_unavailable_reason
+    from megatron_int8.peers.fp8 import fp8_unavailable_reason
 
     return fp8_unavailable_reason()
 
@@ -60,7 +60,7 @@ def _run_bench_layer(tmp_path, *argv, timeout):
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_int8_column_layer_on_gpu_within_bound(granularity):
-    from megatron_int8.layers import Int8ColumnParallelLinear
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear
 
     gen = torch.Generator().manual_seed(0)
     config = tiny_config(params_dtype=torch.bfloat16, bf16=True)
@@ -81,7 +81,7 @@ def _tiny_gpt(policy):
     """A tiny bf16 GQA GPTModel on the GPU whose transformer layers follow `policy`."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_int8.spec import get_gpt_int8_block_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
 
     torch.manual_seed(0)
     config = tiny_config(num_query_groups=2, params_dtype=torch.bfloat16, bf16=True)
@@ -105,7 +105,7 @@ def _assert_trains(model):
 
 
 def test_tiny_int8_gpt_trains_on_gpu():
-    from megatron_int8.policy import Int8Policy
+    from megatron_int8.megatron.policy import Int8Policy
 
     _assert_trains(_tiny_gpt(Int8Policy()))
 
@@ -129,7 +129,7 @@ def test_bench_layer_tiny_on_gpu(tmp_path):
 def _moe_mlp_on_gpu(grouped: bool, config):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped,
                                    recipe=nearest_recipe(granularity="row"))
@@ -157,7 +157,7 @@ def test_query_norm_in_place_matches_megatron_self_attention_on_gpu(granularity,
     megatron's SelfAttention, whose query norm reads a contiguous copy and whose split backward is a cat.
     Tensorwise, ours hands the QKV linear its gradient's amax (once per backward), stock's linear computes it:
     still bit-identical, so the handed amax is exact."""
-    import megatron_int8.attention as attention
+    import megatron_int8.megatron.attention as attention
 
     gen = torch.Generator().manual_seed(5)
     config = tiny_config(hidden_size=256, num_attention_heads=8, num_query_groups=2, kv_channels=128,
@@ -186,7 +186,7 @@ def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():
     """Int8GroupedMLP (Triton grouped GEMM, segmented quantize, strided wgrad operands) against
     SequentialMLP's per-expert INT8 linears (whose bounds against float64 the tests above check): same
     int32 products and epilogues, so bit-identical outputs and gradients."""
-    from megatron_int8.experts import Int8GroupedMLP
+    from megatron_int8.megatron.experts import Int8GroupedMLP
 
     gen = torch.Generator().manual_seed(21)
     config = tiny_config(hidden_size=256, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=384,
@@ -213,7 +213,7 @@ def test_grouped_moe_fused_weighted_swiglu_on_gpu():
     relative norm within 2^-6; a wrong weighting or probability gradient is off by O(1)."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     gen = torch.Generator().manual_seed(22)
     config = tiny_config(hidden_size=256, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=384,
@@ -245,7 +245,7 @@ def test_grouped_moe_fused_weighted_swiglu_on_gpu():
 
 
 def _fp8_layer(kind, in_f, out_f, recipe, config=None, **kw):
-    from megatron_int8.fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_int8.peers.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     config = config or tiny_config(params_dtype=torch.bfloat16, bf16=True)
     extra = {} if kind == "column" else {"input_is_parallel": True, "skip_bias_add": False}
@@ -304,8 +304,8 @@ def test_fp8_gradients_reach_ddp_main_grad_once_on_gpu():
 @needs_fp8
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_tiny_fp8_gpt_trains_on_gpu(recipe):
-    from megatron_int8.fp8_peer import Fp8LinearMixin
-    from megatron_int8.policy import Int8Policy
+    from megatron_int8.peers.fp8 import Fp8LinearMixin
+    from megatron_int8.megatron.policy import Int8Policy
 
     model = _tiny_gpt(Int8Policy(enabled=False, fp8_peer=recipe))
     assert sum(isinstance(m, Fp8LinearMixin) for m in model.modules()) == 4 * model.config.num_layers
@@ -327,8 +327,8 @@ def test_grouped_bf16_experts_on_gpu():
     outputs, input gradients and the weight gradients added into fp32 main_grad against float64 per expert,
     within the fp32 accumulation bound plus a bf16 rounding; alignment rows zero; an empty expert's
     main_grad untouched. Mixtral-like width, ragged counts."""
-    from megatron_int8.grouped_linear import grouped_hp_linear
-    from megatron_int8.quantize import Segments
+    from megatron_int8.ops.grouped_linear import grouped_hp_linear
+    from megatron_int8.reference import Segments
 
     gen = torch.Generator().manual_seed(22)
     counts, K, N = [300, 0, 45, 1000, 128], 512, 1024

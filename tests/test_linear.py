@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from int8_bounds import assert_fp32_accumulation_close, assert_within_int8_bound, heavy_tailed
 from megatron_int8 import Int8Recipe, NonFiniteError, TPOptions, int8_linear, invalidate_weight_caches, raise_if_nonfinite
-from megatron_int8.backend import ReferenceBackend
+from megatron_int8.reference import ReferenceBackend
 
 RECIPES = [Int8Recipe(grad_rounding=r, **g) for r in ("nearest", "stochastic")
            for g in (dict(), dict(granularity="row"), dict(granularity="block", block_size=32))]
@@ -104,7 +104,7 @@ def test_wgrad_contracts_over_tokens_padded_to_16(monkeypatch, granularity):
     16-byte aligned rows for vector loads. Both Q(dY)^T and Q(X)^T come zero-padded to a multiple of 16,
     and the gradient equals the unpadded product exactly."""
     spy = _GemmShapes()
-    monkeypatch.setattr("megatron_int8.linear.get_backend", lambda device, recipe: spy)
+    monkeypatch.setattr("megatron_int8.ops.linear.get_backend", lambda device, recipe: spy)
     recipe = Int8Recipe(granularity=granularity, block_size=32)
     x, w, gy = heavy_tailed(37, 64), heavy_tailed(24, 64), heavy_tailed(37, 24)
     xl, wl = _leaf(x, torch.float32), _leaf(w, torch.float32)
@@ -133,7 +133,7 @@ class _CountingBackend(ReferenceBackend):
 
 def _patch_backend(monkeypatch):
     counting = _CountingBackend()
-    monkeypatch.setattr("megatron_int8.linear.get_backend", lambda device, recipe: counting)
+    monkeypatch.setattr("megatron_int8.ops.linear.get_backend", lambda device, recipe: counting)
     return counting
 
 
@@ -238,7 +238,7 @@ def test_stochastic_recipe_rounds_only_gradients_stochastically():
 
 def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
     """BF16 layers (e.g. fused main_grad accumulation without apex) must not depend on the INT8 backend."""
-    from megatron_int8.backend import ENV_BACKEND
+    from megatron_int8.dispatch import ENV_BACKEND
     from megatron_int8.recipe import HIGH_PRECISION
 
     monkeypatch.setenv(ENV_BACKEND, "triton")  # unusable on CPU without the interpreter
@@ -253,7 +253,7 @@ def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
 def test_hp_wgrad_into_accumulates_the_bf16_product_in_fp32():
     """The BF16 linears' fused wgrad (gradient-accumulation fusion without APEX): main_grad += g^T x with no
     bf16 rounding of the product, on top of what main_grad already holds (a second micro-batch)."""
-    from megatron_int8.linear import hp_wgrad_into
+    from megatron_int8.ops.main_grad import hp_wgrad_into
 
     g = heavy_tailed(256, 48).to(torch.bfloat16)
     x = heavy_tailed(256, 40).to(torch.bfloat16)
@@ -266,7 +266,7 @@ def test_hp_wgrad_into_accumulates_the_bf16_product_in_fp32():
 def test_hp_wgrad_into_on_the_cpu_is_megatrons_unfused_arithmetic():
     """The CPU reference adds the fp32 product as megatron's DDP hook adds an unfused weight.grad, bit for bit,
     also where a GEMM splits K (4096 tokens): the fused and unfused trainer runs then stay bitwise equal."""
-    from megatron_int8.linear import hp_wgrad_into
+    from megatron_int8.ops.main_grad import hp_wgrad_into
 
     g, x = heavy_tailed(4096, 48), heavy_tailed(4096, 40)
     main_grad = heavy_tailed(48, 40)

@@ -56,7 +56,7 @@ def test_spec_hook_builds_the_policy_per_layer(megatron_world):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_int8.layers import Int8ColumnParallelLinear
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear
 
     config = TransformerConfig(num_layers=3, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
                                use_cpu_initialization=True)
@@ -108,7 +108,7 @@ UPSTREAM_BUILD = r'''
 import os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
-from megatron_int8.compat import apply_cpu_compat, model_parallel_seed
+from megatron_int8.megatron.compat import apply_cpu_compat, model_parallel_seed
 apply_cpu_compat()
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 from megatron_int8.megatron_lm import add_int8_args, environment_argv, yaml_to_argv
@@ -124,7 +124,7 @@ from megatron.core import parallel_state
 parallel_state.initialize_model_parallel()
 model_parallel_seed(1)
 import gpt_builders
-from megatron_int8.layers import Int8LinearMixin
+from megatron_int8.megatron.layers import Int8LinearMixin
 model = gpt_builders.gpt_builder(args, True, True)
 int8 = sum(isinstance(m, Int8LinearMixin) and m.int8 for m in model.modules())
 tokens = torch.randint(0, 200, (1, 32))

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron_int8.ops.backend import triton_available
 from mcore_helpers import (assert_layers_bit_identical, init_megatron, nearest_recipe, outlier_tensor, qgemm_bound,
                            query_norm_layer_pair, rank_device, run_distributed, tiny_config)
 
@@ -41,7 +42,7 @@ def _chain_bounds(x, w1, w2, g):
 def _tp1_int8_chain(x, w1, w2, g, device="cpu"):
     """The TP=1 INT8 model on full tensors (fp32 on `device`, round-to-nearest like the TP=2 layers);
     results on the CPU."""
-    from megatron_int8.linear import int8_linear
+    from megatron_int8.ops.linear import int8_linear
 
     x = x.to(device, torch.float32).requires_grad_(True)
     w1 = w1.to(device, torch.float32).requires_grad_(True)
@@ -59,10 +60,15 @@ def _gather(t, dim):
 
 def _record_gemm_backends():
     """Wrap both backends' GEMM: the returned list gets (backend name, device type) of every INT8 GEMM."""
-    from megatron_int8 import backend
+    from megatron_int8.reference import ReferenceBackend
 
+    classes = [ReferenceBackend]
+    if triton_available():
+        from megatron_int8.kernels import TritonBackend
+
+        classes.append(TritonBackend)
     calls = []
-    for cls in (backend.ReferenceBackend, backend.TritonBackend):
+    for cls in classes:
         def gemm(self, a, b, _original=cls.gemm, **kwargs):
             calls.append((self.name, a.data.device.type))
             return _original(self, a, b, **kwargs)
@@ -72,10 +78,10 @@ def _record_gemm_backends():
 
 def _record_pipelined_collectives():
     """Wrap linear's pipelined collectives: the returned list gets "gather" / "reduce_scatter" per call."""
-    from megatron_int8 import linear
+    from megatron_int8.ops import linear
 
     calls = []
-    for name, kind in (("_gather_pipelined", "gather"), ("_reduce_scatter_pipelined", "reduce_scatter")):
+    for name, kind in (("gather_pipelined", "gather"), ("reduce_scatter_pipelined", "reduce_scatter")):
         def wrapped(*args, _original=getattr(linear, name), _kind=kind, **kwargs):
             calls.append(_kind)
             return _original(*args, **kwargs)
@@ -87,8 +93,8 @@ def _tp_chain_worker(rank, world_size, init_file, device="cpu"):
     """fc1 -> gelu -> fc2 at TP=2 (+-SP), fp32, round-to-nearest: INT8 against float64, the TP=1 INT8
     chain and the high-precision layers, within the propagated scale bounds. `device="cuda"`: rank r on
     cuda:r, NCCL, the default (Triton) backend; the bounds are the same (fp32 in and out)."""
-    from megatron_int8.backend import resolve_backend_name
-    from megatron_int8.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
+    from megatron_int8.dispatch import resolve_backend_name
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 
     init_megatron(world_size, rank, init_file, tp=2, device=device)
     dev = rank_device(rank, device)
@@ -190,7 +196,7 @@ def _moe_layer(config, grouped=False):
     """Tensorwise per-expert INT8 experts, or (grouped) row-wise ones run by Int8GroupedMLP."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     recipe = nearest_recipe(granularity="row") if grouped else nearest_recipe()
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, recipe=recipe, moe_grouped_gemm=grouped)
@@ -202,7 +208,7 @@ def _moe_layer(config, grouped=False):
 def _moe_worker(rank, world_size, init_file, grouped):
     from megatron.core import parallel_state
 
-    from megatron_int8.layers import Int8ColumnParallelLinear
+    from megatron_int8.megatron.layers import Int8ColumnParallelLinear
 
     moe = dict(hidden_size=32, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
                moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
@@ -273,8 +279,9 @@ def test_query_norm_in_place_matches_megatron_under_tensor_parallelism():
 def _pp_table_worker(rank, world_size, init_file):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_int8.policy import Int8Policy, print_precision_table
-    from megatron_int8.spec import get_gpt_int8_block_spec
+    from megatron_int8.megatron.policy import Int8Policy
+    from megatron_int8.megatron.precision_table import print_precision_table
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
 
     policy = Int8Policy(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
     for num_layers, vpp in ((4, None), (8, 2)):
@@ -290,7 +297,7 @@ def _pp_table_worker(rank, world_size, init_file):
             chunks.append(GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, policy, vp_stage=stage),
                                    vocab_size=64, max_sequence_length=16, pre_process=pre, post_process=post,
                                    vp_stage=stage))
-        table = print_precision_table(chunks, policy, print_fn=lambda s: None)
+        table = print_precision_table(chunks, policy, print_fn=lambda s: None, full=True)
         if rank != 0:
             assert table is None
             continue

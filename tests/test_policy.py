@@ -4,7 +4,9 @@ import types
 
 import pytest
 
-from megatron_int8.policy import Int8Policy, add_int8_arguments, format_precision_table, policy_from_args
+from megatron_int8.megatron.cli import add_int8_arguments, policy_from_args
+from megatron_int8.megatron.policy import Int8Policy
+from megatron_int8.megatron.precision_table import format_precision_table, summarize_precision_table
 from megatron_int8.recipe import Int8Recipe
 
 
@@ -86,3 +88,16 @@ def test_table_is_sorted_and_deduplicated():
     lines = table.splitlines()
     assert lines[0] == "T" and lines[1].startswith("| layer | module")
     assert [line.split("|")[1].strip() for line in lines[3:]] == ["embedding", "1", "2", "output"]
+
+
+def test_summary_counts_linears_and_weight_share_by_precision():
+    rows = [((2, 0, 9), "output", "output_layer", "96x64", "bf16", "-"),
+            ((1, 2, 3), "2", "mlp.linear_fc1", "256x64", "int8", "int8[row]"),
+            ((1, 2, 4), "2", "mlp.linear_fc2", "64x256", "int8", "int8[row]"),
+            ((0, 0, 1), "embedding", "embedding.word_embeddings", "96x64", "bf16", "-")]
+    summary = summarize_precision_table(rows + rows[:1], "T")  # a repeated row (another rank's) counts once
+    assert "\n" not in summary and summary.startswith("T: ")
+    # int8: 2 x 16384 of 45056 weight elements; bf16: 2 x 6144
+    assert "2 int8 int8[row] (72.7% of weights)" in summary
+    assert "2 bf16 (27.3% of weights)" in summary
+    assert summary.index("int8") < summary.index("bf16")  # the larger share first

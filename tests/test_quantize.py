@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from int8_bounds import assert_within_int8_bound, expanded_scale, heavy_tailed
-from megatron_int8.quantize import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize, raise_if_nonfinite
+from megatron_int8.reference import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize, raise_if_nonfinite
 
 GRANULARITIES = [("tensor", False), ("row", False), ("block", False), ("block", True)]
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -223,7 +223,7 @@ def test_quantize_rejects_non_2d():
 
 @pytest.mark.parametrize("granularity,weight", [("tensor", False), ("row", False), ("block", False), ("block", True)])
 def test_reference_backend_pads_the_transposed_rows(granularity, weight):
-    from megatron_int8.backend import ReferenceBackend
+    from megatron_int8.reference import ReferenceBackend
 
     x = heavy_tailed(21, 40)
     kw = dict(granularity=granularity, block_size=16, weight=weight, rowwise=True, columnwise=True)

@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from megatron_int8 import Int8Recipe
-from megatron_int8.backend import ENV_BACKEND, ReferenceBackend, get_backend, resolve_backend_name
+from megatron_int8.dispatch import ENV_BACKEND, resolve_backend_name
+from megatron_int8.ops.backend import get_backend
+from megatron_int8.reference import ReferenceBackend
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""FusedRMSNorm (megatron_int8.rms_norm) on CPU: torch's module there, bit for bit, with its parameter
+"""FusedRMSNorm (megatron_int8.ops.rms_norm) on CPU: torch's module there, bit for bit, with its parameter
 and state-dict key; the kernel choice; the norm that the specs build. The Triton kernel itself runs in
 tests/test_kernels.py (under the interpreter) and tests/test_kernels_gpu.py."""
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ import pytest
 import torch
 from int8_bounds import heavy_tailed
 
-from megatron_int8.compat import SequenceParallelNorm
-from megatron_int8.rms_norm import ENV_NORM_KERNEL, TRITON_MAX_WIDTH, FusedRMSNorm
+from megatron_int8.megatron.compat import SequenceParallelNorm
+from megatron_int8.ops.rms_norm import ENV_NORM_KERNEL, TRITON_MAX_WIDTH, FusedRMSNorm
 
 
 def test_cpu_forward_and_backward_are_torchs():

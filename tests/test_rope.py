@@ -1,4 +1,4 @@
-"""Fused RoPE (megatron_int8.rope) on CPU: the reference math against float64, the hook into megatron's
+"""Fused RoPE (megatron_int8.ops.rope) on CPU: the reference math against float64, the hook into megatron's
 `apply_rope_fusion` path, and the trainer's flag. The Triton kernel runs in tests/test_kernels.py (under
 the interpreter) and tests/test_kernels_gpu.py."""
 import os
@@ -8,7 +8,7 @@ import torch
 from int8_bounds import assert_rope_close, heavy_tailed
 from mcore_helpers import single_process_megatron
 
-from megatron_int8 import rope
+from megatron_int8.ops import rope
 from megatron_int8.training.args import parse_args, transformer_config_from_args, validate_args
 
 TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 S = importlib.import_module("megatron_int8.kernels.sm90_gemm")
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 
 
 @pytest.fixture(scope="module")

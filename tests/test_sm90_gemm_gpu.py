@@ -14,7 +14,7 @@ from test_kernels_gpu import RAGGED_COUNTS, _kw, mixtral_counts, moe_input, outl
 
 pytestmark = pytest.mark.gpu
 
-qref = importlib.import_module("megatron_int8.quantize")
+qref = importlib.import_module("megatron_int8.reference")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def S():
 
 @pytest.fixture(scope="module")
 def REF():
-    from megatron_int8.backend import ReferenceBackend
+    from megatron_int8.reference import ReferenceBackend
 
     return ReferenceBackend()
 

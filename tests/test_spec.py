@@ -5,7 +5,7 @@ import torch
 from mcore_helpers import assert_layers_bit_identical, outlier_tensor, query_norm_layer_pair, single_process_megatron, \
     tiny_config
 
-from megatron_int8.policy import Int8Policy
+from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.recipe import Int8Recipe
 
 # Tiny stand-ins of the targets (see docs / research notes): what distinguishes each architecture
@@ -37,7 +37,7 @@ def megatron_world():
 def _gpt(config, policy, **model_kw):
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_int8.spec import get_gpt_int8_block_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
 
     model_kw.setdefault("share_embeddings_and_output_weights", False)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, policy),
@@ -58,7 +58,7 @@ def _linears(model):
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_architecture_builds_and_trains(arch):
-    from megatron_int8.layers import Int8LinearMixin
+    from megatron_int8.megatron.layers import Int8LinearMixin
 
     torch.manual_seed(0)
     config_kw, model_kw = ARCHITECTURES[arch]
@@ -99,7 +99,7 @@ def test_bf16_baseline_has_same_modules_and_no_int8():
 
 
 def test_bf16_modules_and_first_last_policy_in_spec():
-    from megatron_int8.spec import get_gpt_int8_layer_specs
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_specs
 
     config = tiny_config(num_layers=4, num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[0, 1, 1, 0])
     policy = Int8Policy(first_last_layers_bf16=True, num_layers_at_end_in_bf16=0,
@@ -117,7 +117,7 @@ def test_bf16_modules_and_first_last_policy_in_spec():
 def test_swiglu_writes_maxima_only_for_an_int8_linear():
     """The dense MLP's SwiGLU writes its outputs' maxima while fc1 or fc2 quantizes; with both kept in BF16
     by `bf16_modules` (or the whole layer BF16), nothing would read them, so it writes none."""
-    from megatron_int8.spec import get_gpt_int8_layer_specs
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_specs
 
     config = tiny_config(num_layers=3)
 
@@ -171,7 +171,7 @@ def _attention_pair(config):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_int8.attention import SDPAttention
+    from megatron_int8.megatron.attention import SDPAttention
 
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     return SDPAttention(**kw), DotProductAttention(**kw)

@@ -1,4 +1,4 @@
-"""SwiGLU (megatron_int8.swiglu) on CPU: the reference path against float64, the module megatron's MLP builds
+"""SwiGLU (megatron_int8.ops.swiglu) on CPU: the reference path against float64, the module megatron's MLP builds
 from the spec, the trainer's config, and how the INT8 linear uses maxima attached to its operand. The
 Triton kernels themselves run in tests/test_kernels.py (interpreter) and tests/test_kernels_gpu.py."""
 import dataclasses
@@ -10,8 +10,8 @@ from int8_bounds import assert_swiglu_close, heavy_tailed
 from mcore_helpers import single_process_megatron, tiny_config
 
 from megatron_int8 import Int8Recipe, int8_linear
-from megatron_int8.quantize import attach_amax, attach_maxima, known_maxima
-from megatron_int8.swiglu import SwiGLU, swiglu, swiglu_reference
+from megatron_int8.reference import attach_amax, attach_maxima, known_maxima
+from megatron_int8.ops.swiglu import SwiGLU, swiglu, swiglu_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -28,7 +28,7 @@ def test_reference_forward_and_backward_against_float64(dtype):
 def test_weighted_reference_against_float64(dtype):
     """The weighted SwiGLU of the MoE experts (one router probability per row) on CPU: y, dx and the
     probabilities' gradient against float64."""
-    from megatron_int8.swiglu import weighted_swiglu
+    from megatron_int8.ops.swiglu import weighted_swiglu
 
     x = heavy_tailed(21, 2 * 19, scale=12.0, dtype=dtype).requires_grad_(True)
     probs = torch.rand(21, dtype=torch.float32).requires_grad_(True)
@@ -130,7 +130,7 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
     outputs and gradients equal those of megatron's own SwiGLU path up to bf16 rounding of the activation."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     with single_process_megatron():
         ours = tiny_config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
@@ -182,7 +182,7 @@ def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-    from megatron_int8.spec import get_gpt_int8_layer_spec
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     with single_process_megatron():
         metadata = ensure_metadata_has_dp_cp_group(None)

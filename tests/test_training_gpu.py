@@ -104,7 +104,7 @@ def test_gpu_cuda_graph_steps_on_two_gpus_train_like_eager_steps(data, tmp_path,
 def _fp8_unavailable():
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
-    from megatron_int8.fp8_peer import fp8_unavailable_reason
+    from megatron_int8.peers.fp8 import fp8_unavailable_reason
 
     return fp8_unavailable_reason()
 

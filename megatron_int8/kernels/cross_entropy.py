@@ -12,7 +12,7 @@ giving the local max m, the local sum of exp(x - m) l, and x[r, t - vocab_start]
 (0 otherwise). With the whole vocabulary local (`FINISH`) the program also finishes the row:
     loss = log(l) - (x_t - m)   (log(l) alone when t is outside [0, V): megatron's semantics)
     lse  = m + log(l)
-Under tensor parallelism the caller combines (m, l, x_t) over the ranks (megatron_int8.cross_entropy).
+Under tensor parallelism the caller combines (m, l, x_t) over the ranks (megatron_int8.ops.cross_entropy).
 
 Backward, program (row, chunk of BLOCK columns), with lse the global log-sum-exp of the row:
     grad[r, v] = g[r] * (exp(x[r, v] - lse[r]) - [v == t[r] - vocab_start])
@@ -122,7 +122,7 @@ def triton_cross_entropy_forward(
     finish=False: returns (m, l, xt), fp32 [S * B] each: local max, local sum of exp(x - m), target
     logit (0 where the target is not in [vocab_start, vocab_start + V)).
     `block` overrides the chunk size (rounded up to a power of two, at most next_pow2(V)), for tests.
-    Shapes, dtypes and devices are checked by the caller (megatron_int8.cross_entropy)."""
+    Shapes, dtypes and devices are checked by the caller (megatron_int8.ops.cross_entropy)."""
     S, B, V = logits.shape
     N = S * B
     new = functools.partial(torch.empty, dtype=torch.float32, device=logits.device)

@@ -4,7 +4,7 @@ out[M, N] = dequant(a[M, K] @ b[N, K]^T) [+ bias], both operands K-major (the on
 `wgmma ... s32.s8.s8` accepts), written as bf16/fp16/fp32, or added into an fp32 buffer (`accumulate_into`,
 Megatron's gradient-accumulation fusion into `main_grad`).
 
-Epilogues, in the reference's (megatron_int8.quantize.gemm) order of fp32 operations:
+Epilogues, in the reference's (megatron_int8.reference.gemm) order of fp32 operations:
 - tensor: (acc * sa) * sb; row: (acc * sa[m]) * sb[n]; then + bias, then cast or add into the buffer.
 - block: the loop walks K in blocks of `block_size`; each block's exact int32 partial is promoted to fp32
   and added as partial * sa[m, kb] * sb[n, kb] (BxB weight tiles index sb[n // B, kb]).
@@ -49,21 +49,15 @@ import triton
 import triton.language as tl
 import triton.testing
 
-import importlib
-
+from .. import reference as ref
+from ..dispatch import ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, env_choice, env_flag
 from . import sm90_gemm
 from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2, num_sms
-from .quantize import _SEGMENT_ALIGN
+from ._tl import SEGMENT_ALIGN
 
-# the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
-ref = importlib.import_module("megatron_int8.quantize")
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
-ENV_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": skip autotuning, launch one fixed tile config
-# "auto": time the candidates once per shape (the CUDA sm_90a kernel where it applies, Triton's plain and
-# TMA kernels); "cuda": the CUDA kernel (an error where it does not apply); "plain" or "tma": that Triton kernel
-ENV_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"
 
 
 @triton.jit
@@ -95,7 +89,7 @@ def _int8_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_am = offs_m % M  # wrapped rows: in bounds, computed but never stored
     if GROUPED:  # the tile's expert (BLOCK_M divides SEGMENT_ALIGN) picks its N rows of b and of sb
-        expert = tl.load(strip_ptr + (pid_m * BLOCK_M) // _SEGMENT_ALIGN)
+        expert = tl.load(strip_ptr + (pid_m * BLOCK_M) // SEGMENT_ALIGN)
         offs_bn = expert.to(tl.int64) * N + offs_n % N
     else:
         offs_bn = offs_n % N
@@ -225,7 +219,7 @@ def _int8_gemm_tma_kernel(
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
         if GROUPED:
-            bn = tl.load(strip_ptr + om // _SEGMENT_ALIGN) * N + on  # b's first row for this tile
+            bn = tl.load(strip_ptr + om // SEGMENT_ALIGN) * N + on  # b's first row for this tile
         else:
             bn = on
         iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -393,7 +387,7 @@ def triton_gemm(
     shape, strides, dtype and 16-byte alignment, the options); later calls with that key allocate the
     output and call the bound launch (launch.BoundLaunch)."""
     ad, bd, sa, sb = a.data, b.data, a.scale, b.scale
-    tuned = autotune and not _INTERPRET and os.environ.get(ENV_AUTOTUNE, "1") != "0"
+    tuned = autotune and not _INTERPRET and env_flag(ENV_GEMM_AUTOTUNE)
     key = (ad.device, ad.shape, ad.stride(), ad.dtype, ad.data_ptr() % 16, bd.shape, bd.stride(), bd.dtype,
            bd.data_ptr() % 16, a.granularity, a.block_size, a.tile2d, b.granularity, b.block_size, b.tile2d,
            sa.shape, sa.stride(), sa.dtype, sa.data_ptr() % 16, sb.shape, sb.stride(), sb.dtype, sb.data_ptr() % 16,
@@ -401,7 +395,7 @@ def triton_gemm(
            None if accumulate_into is None else (accumulate_into.shape, accumulate_into.stride(),
                                                  accumulate_into.dtype, accumulate_into.data_ptr() % 16),
            None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
-           tuned, os.environ.get(ENV_KERNEL, "auto"), ref.MAX_EXACT_K)
+           tuned, env_choice(ENV_GEMM_KERNEL), ref.MAX_EXACT_K)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -419,7 +413,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     if M == 0 or N == 0 or K == 0:
         return lambda a, b, bias, acc, out: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc,
                                                      out=out)
-    which = os.environ.get(ENV_KERNEL, "auto")
+    which = env_choice(ENV_GEMM_KERNEL)
     cuda_ok = _use_cuda(which, lambda: sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out), "operands")
     CHOSEN[(M, N, K)] = "triton"
     if not cuda_ok:
@@ -445,7 +439,7 @@ def _use_cuda(which: str, supported: Callable[[], bool], what: str) -> bool:
     kernel takes the operands (`supported()`) and is available; "cuda" raises where it cannot."""
     ok = which in ("auto", "cuda") and not _INTERPRET and supported() and sm90_gemm.available()
     if which == "cuda" and not ok:
-        raise ValueError(f"{ENV_KERNEL}=cuda: the CUDA kernel does not take these {what} or is unavailable "
+        raise ValueError(f"{ENV_GEMM_KERNEL}=cuda: the CUDA kernel does not take these {what} or is unavailable "
                          f"({sm90_gemm.unavailable_reason() or 'outside its contract: see sm90_gemm'})")
     return ok
 
@@ -566,7 +560,7 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
     M, N = args[6], args[7]
     if _INTERPRET:
         return _GEMM_PLAIN, (cdiv(M, 16) * cdiv(N, 16),), args, dict(meta, BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
-    which = os.environ.get(ENV_KERNEL, "auto")
+    which = env_choice(ENV_GEMM_KERNEL)
     if which == "tma" and not tma_ok:
         raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
     c_dtype = args[2].dtype
@@ -591,7 +585,7 @@ def _tuned_launch(args, meta, M, N, K, c, tma_ok):
     """(cache, grid, arguments, keywords) of the kernel and config selected for this dispatch key: the
     first call per key autotunes (on a scratch copy of c) and, with MEGATRON_INT8_GEMM_KERNEL=auto, times
     the plain and the TMA kernel."""
-    which = os.environ.get(ENV_KERNEL, "auto")
+    which = env_choice(ENV_GEMM_KERNEL)
     # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
     fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, *meta.values())
     selected = _fast.get(fast_key)
@@ -652,7 +646,7 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     E, N, _ = b.data.shape
     if R == 0 or N == 0 or K == 0:
         return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
-    if _use_cuda(os.environ.get(ENV_KERNEL, "auto"), lambda: sm90_gemm.supports_grouped(a, b, out_dtype),
+    if _use_cuda(env_choice(ENV_GEMM_KERNEL), lambda: sm90_gemm.supports_grouped(a, b, out_dtype),
                  "grouped operands"):
         return sm90_gemm.sm90_grouped_gemm(a, b, segments, out_dtype=out_dtype)
     c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)

@@ -31,7 +31,9 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-DIRECT = os.environ.get("MEGATRON_INT8_DIRECT_LAUNCH", "1") != "0"
+from ..dispatch import ENV_DIRECT_LAUNCH, env_flag
+
+DIRECT = env_flag(ENV_DIRECT_LAUNCH)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # a safety net: integers are keyed by class, not value, so signatures are few, but nothing else bounds them
 MAX_SIGNATURES = 4096

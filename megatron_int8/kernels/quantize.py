@@ -1,6 +1,6 @@
 """Triton INT8 quantization: amax, scale, round, clamp, and the fused quantize+transpose.
 
-Contract (identical to megatron_int8.quantize, see its docstring): an operand x [R, C] has its contraction
+Contract (identical to megatron_int8.reference, see its docstring): an operand x [R, C] has its contraction
 axis last. `rowwise` returns Q(x) [R, C], `columnwise` returns Q(x^T) [C, R] (or [C, R'], R zero-padded up
 to a multiple of `columnwise_pad`), both K-major as Hopper's INT8
 tensor cores need. scale = amax / 127 in fp32 (IEEE division, 1.0 for an all-zero group, NaN for a group
@@ -52,15 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
-import importlib
-
+from .. import reference as ref
+from ._tl import SEGMENT_ALIGN, atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
 from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
 
-# the module, not the `quantize` function that megatron_int8/__init__ re-exports under the same name
-ref = importlib.import_module("megatron_int8.quantize")
 
 QMAX = float(ref.QMAX)
-_SEGMENT_ALIGN = tl.constexpr(ref.SEGMENT_ALIGN)  # MoE segments' row alignment, for the kernels
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # modes of _quantize_block_kernel
@@ -69,44 +66,9 @@ _MODE_TILE2D, _MODE_1XB = 2, 3
 
 # ------------------------------------------------------------------------------------------ helpers
 @triton.jit
-def _max_keep_nan(a, b):
-    """max(a, b), NaN if either is NaN (PTX max.NaN): a NaN cannot vanish from a max-reduction."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _max_to_inf(m, axis):
-    """max of |x| values m along `axis` (None: all), +inf where that slice holds an Inf or NaN: amax = inf
-    marks every non-finite group. NaN is kept by the max and mapped once per reduced value, not per element
-    (a select per element less)."""
-    r = tl.reduce(m, axis, _max_keep_nan)
-    return tl.where(r == r, r, float("inf"))
-
-
-@triton.jit
 def _abs_max(x, axis):
     """max |x| along `axis` (None: all), +inf where that slice holds an Inf or NaN."""
-    return _max_to_inf(tl.abs(x), axis)
-
-
-@triton.jit
-def _strip_program(C, TC: tl.constexpr):
-    """(row strip rs, column block ct, column blocks n_ct, the block's columns, their mask) of a program on
-    the 2-D grid (row strips, column blocks) that the amax pass and the kernels writing maxima in its layout
-    share."""
-    rs = tl.program_id(0)
-    ct = tl.program_id(1)
-    offs_c = ct * TC + tl.arange(0, TC)
-    return rs, ct, tl.num_programs(1), offs_c, offs_c < C
-
-
-@triton.jit
-def _strip_step(rs, RB, r0, R, mask_c, TR: tl.constexpr):
-    """(rows, their mask, the tile's mask) of step r0 of row strip rs (RB rows per strip), for programs that walk
-    a strip of rows of one column block (mask_c): the amax pass and the kernels that write maxima in its layout."""
-    offs_r = rs * RB + r0 + tl.arange(0, TR)
-    mask_r = offs_r < R
-    return offs_r, mask_r, mask_r[:, None] & mask_c[None, :]
+    return max_to_inf(tl.abs(x), axis)
 
 
 @triton.jit
@@ -184,13 +146,6 @@ def _tile_uniforms(seed, offs_r, offs_c, col0, C, TR: tl.constexpr, TC: tl.const
 
 # ------------------------------------------------------------------------- tensor / row granularity
 @triton.jit
-def _atomic_max_of(ptr, values, mask):
-    """Atomic max of non-negative fp32 values (Inf/NaN already mapped to inf) into a buffer that started at
-    zero. Their int32 bit patterns order like the floats, so one integer atomic per value does it."""
-    tl.atomic_max(ptr.to(tl.pointer_type(tl.int32)), values.to(tl.int32, bitcast=True), mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _amax_kernel(
     x_ptr, R, C, stride_xr, stride_xc,
     ptile_ptr,  # TILE_MAX: [n_rs * n_ct] partial maxima
@@ -209,23 +164,23 @@ def _amax_kernel(
     pass). The loop is software-pipelined (loads of the next steps in flight while one is reduced): with 4
     warps per program, the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md,
     eighteenth session)."""
-    rs, ct, n_ct, offs_c, mask_c = _strip_program(C, TC)
+    rs, ct, n_ct, offs_c, mask_c = strip_program(C, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=3):
-        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
+        offs_r, mask_r, mask = strip_step(rs, RB, r0, R, mask_c, TR)
         x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :] * stride_xc,
                     mask=mask, other=0.0)
         a = tl.abs(x.to(tl.float32))
         if ROW_MAX:
-            _atomic_max_of(rmax_ptr + offs_r, _max_to_inf(a, 1), mask_r)
+            atomic_max_of(rmax_ptr + offs_r, max_to_inf(a, 1), mask_r)
         if TILE_MAX or COL_MAX:
-            acc = _max_keep_nan(acc, a)
+            acc = max_keep_nan(acc, a)
     if COL_MAX:
         if SEG:
             cmax_ptr += tl.load(strip_ptr + rs).to(tl.int64) * C
-        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc, 0), mask_c)
+        atomic_max_of(cmax_ptr + offs_c, max_to_inf(acc, 0), mask_c)
     if TILE_MAX:  # ptile [n_rs * n_ct]
-        tl.store(ptile_ptr + rs * n_ct + ct, _max_to_inf(acc, None))
+        tl.store(ptile_ptr + rs * n_ct + ct, max_to_inf(acc, None))
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed per call: no recompiles, and BoundLaunch needs it
@@ -332,7 +287,7 @@ def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, 
             tl.store(q_ptr + q_offs, q, mask=mask)
         if COL:
             if SEG:
-                at_ptr += tl.load(strip_ptr + (rt * TR) // _SEGMENT_ALIGN).to(tl.int64) * C
+                at_ptr += tl.load(strip_ptr + (rt * TR) // SEGMENT_ALIGN).to(tl.int64) * C
             s_c = _scale_from_amax(tl.load(at_ptr + offs_c, mask=mask_c, other=0.0))
             tl.store(qt_ptr + qt_offs, _round_clamp_transposed(x_in, x, s_c[None, :], s_c[:, None], u, STOCHASTIC),
                      mask=mask_t)
@@ -527,7 +482,7 @@ def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, n
     if not (rowwise or columnwise):
         return lambda *_: (None, None)
     if R == 0 or C == 0 or not x.is_floating_point():  # degenerate: nothing for a kernel to do
-        from ..backend import ReferenceBackend
+        from ..reference import ReferenceBackend
 
         def reference(x, amax, columnwise_amax, segments, rowwise_amax, out):
             return ReferenceBackend().quantize(

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv, device_index, next_pow2, num_sms
-from .quantize import _atomic_max_of, _max_keep_nan, _max_to_inf
+from ._tl import atomic_max_of, max_keep_nan, max_to_inf
 
 
 @triton.jit
@@ -78,10 +78,10 @@ def _rms_norm_bwd_kernel(
         tl.store(dx_ptr + (n * sdx_n + h * sdx_h)[:, None] + cols[None, :], dx, mask=mask)
         dw += dy * xhat
         if AMAX:  # of the stored values; NaN kept (a plain max would drop it), mapped to inf below
-            dx_max = _max_keep_nan(dx_max, tl.abs(dx.to(tl.float32)))
+            dx_max = max_keep_nan(dx_max, tl.abs(dx.to(tl.float32)))
     tl.store(dw_part_ptr + pid * W + cols, tl.sum(dw, axis=0), mask=mask_c)
     if AMAX:
-        _atomic_max_of(amax_ptr, _max_to_inf(dx_max, None), None)
+        atomic_max_of(amax_ptr, max_to_inf(dx_max, None), None)
 
 
 @triton.jit

@@ -72,7 +72,7 @@ def _heads_per_program(H: int, block_half: int) -> int:
 
 def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """The rotation of x [S, B, H, D] by the tables cos, sin [S, B', ROT] (fp32, contiguous), or its
-    transpose (`inverse`, for backward). Shapes are checked by the caller (megatron_int8.rope)."""
+    transpose (`inverse`, for backward). Shapes are checked by the caller (megatron_int8.ops.rope)."""
     S, B, H, D = x.shape
     half = cos.shape[-1] // 2
     if x.stride(-1) != 1:

@@ -23,14 +23,12 @@ from typing import Optional
 
 import torch
 
-import importlib
-
+from .. import reference as ref
+from ..dispatch import build_cache_dir
 from .launch import device_index, num_sms
 
-ref = importlib.import_module("megatron_int8.quantize")
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "int8_gemm_sm90.cu"
-ENV_CACHE = "MEGATRON_INT8_CACHE"  # where the built library goes (default ~/.cache/megatron_int8)
 TILE_M = 128  # the kernel's kBlockM: a grouped GEMM's expert strips must be whole tiles
 _ERRORS = {1: "unsupported shape, stride or alignment", 2: "the driver has no cuTensorMapEncodeTiled",
            3: "the driver rejected a tensor map"}
@@ -52,7 +50,7 @@ def build(out_dir: Optional[str] = None) -> Path:
     flags = ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--shared", "-Xcompiler", "-fPIC"]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout  # links its cudart
     digest = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
-    cache = Path(out_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "megatron_int8")
+    cache = Path(out_dir or build_cache_dir(str(Path.home() / ".cache" / "megatron_int8")))
     target = cache / f"int8_gemm_sm90-{digest}.so"
     if target.exists():
         return target

@@ -15,7 +15,7 @@ MAXIMA: the kernel also writes the per-row and per-column maxima of |output| (of
 as inf), folded by atomic max into one zeroed buffer as kernels/quantize's amax pass does. The INT8 linear
 that quantizes y (fc2's input) or dx
 (fc1's output gradient) row-wise then skips its own amax pass over a tensor of 8192 x 9728 or
-8192 x 19456 elements in a Qwen3-4B layer (megatron_int8.swiglu hands the maxima over).
+8192 x 19456 elements in a Qwen3-4B layer (megatron_int8.ops.swiglu hands the maxima over).
 
 Each program walks a strip of RB rows of a TC-column block in TR-row steps (software-pipelined), so its
 column maxima accumulate in registers and are folded in once per strip, as the amax pass does.
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _atomic_max_of, _max_keep_nan, _max_to_inf, _strip_program, _strip_step
+from ._tl import atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
 
 
 @triton.jit
@@ -43,10 +43,10 @@ def _swiglu_fwd_kernel(
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
-    rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
+    rs, ct, n_ct, offs_c, mask_c = strip_program(F, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
-        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
+        offs_r, mask_r, mask = strip_step(rs, RB, r0, R, mask_c, TR)
         src = x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :]
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
@@ -57,10 +57,10 @@ def _swiglu_fwd_kernel(
         tl.store(y_ptr + offs_r[:, None].to(tl.int64) * F + offs_c[None, :], y, mask=mask)
         if MAXIMA:
             m = tl.abs(y.to(tl.float32))  # masked lanes hold silu(0) * 0 = 0
-            _atomic_max_of(rmax_ptr + offs_r, _max_to_inf(m, 1), mask_r)
-            acc = _max_keep_nan(acc, m)
+            atomic_max_of(rmax_ptr + offs_r, max_to_inf(m, 1), mask_r)
+            acc = max_keep_nan(acc, m)
     if MAXIMA:
-        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc, 0), mask_c)
+        atomic_max_of(cmax_ptr + offs_c, max_to_inf(acc, 0), mask_c)
 
 
 @triton.jit
@@ -73,11 +73,11 @@ def _swiglu_bwd_kernel(
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
-    rs, ct, n_ct, offs_c, mask_c = _strip_program(F, TC)
+    rs, ct, n_ct, offs_c, mask_c = strip_program(F, TC)
     acc_a = tl.zeros((TR, TC), tl.float32)
     acc_b = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=STAGES):
-        offs_r, mask_r, mask = _strip_step(rs, RB, r0, R, mask_c, TR)
+        offs_r, mask_r, mask = strip_step(rs, RB, r0, R, mask_c, TR)
         rows = offs_r[:, None].to(tl.int64)
         g = tl.load(g_ptr + rows * stride_gr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         src = x_ptr + rows * stride_xr + offs_c[None, :]
@@ -95,12 +95,12 @@ def _swiglu_bwd_kernel(
         if MAXIMA:
             ma = tl.abs(da.to(tl.float32))
             mb = tl.abs(db.to(tl.float32))
-            _atomic_max_of(rmax_ptr + offs_r, tl.maximum(_max_to_inf(ma, 1), _max_to_inf(mb, 1)), mask_r)
-            acc_a = _max_keep_nan(acc_a, ma)
-            acc_b = _max_keep_nan(acc_b, mb)
+            atomic_max_of(rmax_ptr + offs_r, tl.maximum(max_to_inf(ma, 1), max_to_inf(mb, 1)), mask_r)
+            acc_a = max_keep_nan(acc_a, ma)
+            acc_b = max_keep_nan(acc_b, mb)
     if MAXIMA:
-        _atomic_max_of(cmax_ptr + offs_c, _max_to_inf(acc_a, 0), mask_c)
-        _atomic_max_of(cmax_ptr + F + offs_c, _max_to_inf(acc_b, 0), mask_c)
+        atomic_max_of(cmax_ptr + offs_c, max_to_inf(acc_a, 0), mask_c)
+        atomic_max_of(cmax_ptr + F + offs_c, max_to_inf(acc_b, 0), mask_c)
 
 
 _FWD = LaunchCache(_swiglu_fwd_kernel)

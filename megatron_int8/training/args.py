@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Sequence
 
 import yaml
 
-from ..policy import FP8_RECIPES, add_int8_arguments
+from ..megatron.cli import add_int8_arguments
+from ..megatron.policy import FP8_RECIPES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -47,7 +48,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
                    help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
-                        "(megatron_int8.rope, or Transformer Engine's when installed).")
+                        "(megatron_int8.ops.rope, or Transformer Engine's when installed).")
     g.add_argument("--cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_true",
                    default=None, help="megatron's fused vocab-parallel cross entropy (torch.compile'd; its "
                                       "logit gradients are bf16, so it needs --bf16). Default: on with CUDA "
@@ -59,9 +60,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="Dense SwiGLU MLPs: megatron's own SwiGLU (torch.compile'd on CUDA) instead of "
-                        "megatron_int8.swiglu (one Triton kernel each way, handing its outputs' maxima to the "
+                        "megatron_int8.ops.swiglu (one Triton kernel each way, handing its outputs' maxima to the "
                         "INT8 linears so that they skip an amax pass); grouped MoE experts: megatron's "
-                        "weighted SwiGLU instead of megatron_int8.swiglu.weighted_swiglu.")
+                        "weighted SwiGLU instead of megatron_int8.ops.swiglu.weighted_swiglu.")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
@@ -558,7 +559,7 @@ def transformer_config_from_args(args, **overrides):
         batch_p2p_sync=args.cuda_graph_impl == "none",
     )
     if args.position_embedding_type == "rope" and args.apply_rope_fusion:
-        from ..rope import install as install_fused_rope
+        from ..ops.rope import install as install_fused_rope
 
         kwargs.update(apply_rope_fusion=install_fused_rope())
     if args.num_experts is not None:
@@ -573,6 +574,6 @@ def transformer_config_from_args(args, **overrides):
         )
     kwargs.update(overrides)
     if args.swiglu and args.num_experts is None and getattr(args, "fused_swiglu", True):
-        # the MLP's activation module slot (megatron_int8.swiglu; the spec fills it), which this flag opens
+        # the MLP's activation module slot (megatron_int8.ops.swiglu; the spec fills it), which this flag opens
         kwargs.update(use_te_activation_func=True, bias_activation_fusion=False)
     return TransformerConfig(**kwargs)

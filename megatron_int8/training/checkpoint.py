@@ -42,11 +42,11 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
 from .model import adam_step, inner_optimizers
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-DISTOPT_FORMATS = ("fully_reshardable", "dp_reshardable")
-DISTOPT_FORMAT_ENV = "MEGATRON_INT8_DISTOPT_FORMAT"  # the format of new saves; default fully_reshardable
+DISTOPT_FORMATS = CHOICES[ENV_DISTOPT_FORMAT]  # the format of new saves; default fully_reshardable
 # Arguments that fix the parameter shapes: a mismatch on load is a user error, reported by name.
 ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "num_experts", "moe_ffn_hidden_size", "padded_vocab_size",
@@ -170,10 +170,7 @@ def _has_distributed_optimizer(optimizer) -> bool:
 
 def distopt_save_format() -> str:
     """The distributed optimizer format new checkpoints are written in ($MEGATRON_INT8_DISTOPT_FORMAT)."""
-    name = os.environ.get(DISTOPT_FORMAT_ENV, "").strip() or DISTOPT_FORMATS[0]
-    if name not in DISTOPT_FORMATS:
-        raise ValueError(f"{DISTOPT_FORMAT_ENV}={name!r}: expected one of {', '.join(DISTOPT_FORMATS)}")
-    return name
+    return env_choice(ENV_DISTOPT_FORMAT)
 
 
 distopt_save_format()  # a wrong $MEGATRON_INT8_DISTOPT_FORMAT fails at startup, not at the first save
@@ -253,7 +250,7 @@ def _dp_reshardable_message(directory: str, what: str) -> str:
     return (f"{directory}: its distributed optimizer state is in megatron's dp_reshardable format, which loads "
             f"only at the layout it was saved at (any data-parallel size), and the layout changed ({what}). "
             f"Resume at the saved layout and save again (new saves are fully_reshardable unless "
-            f"{DISTOPT_FORMAT_ENV} says otherwise), or pass --no-load-optim to load the model weights only")
+            f"{ENV_DISTOPT_FORMAT} says otherwise), or pass --no-load-optim to load the model weights only")
 
 
 @contextmanager
@@ -358,7 +355,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int,
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..linear import invalidate_weight_caches
+    from ..ops.linear import invalidate_weight_caches
     from .model import unwrap
 
     iteration = read_tracker(args.load)

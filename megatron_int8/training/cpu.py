@@ -4,7 +4,7 @@
 pipeline schedules create tensors with a hard-coded `device="cuda"` and check parameter types
 against `"torch.cuda.FloatTensor"`. On a machine without CUDA this trainer therefore rewrites those
 literals to their CPU equivalents while the few affected megatron modules are imported, so CI runs
-the same optimizer, clipping and checkpoint code as a GPU run (`megatron_int8.compat` covers the
+the same optimizer, clipping and checkpoint code as a GPU run (`megatron_int8.megatron.compat` covers the
 model side). It must be installed before anything imports megatron, and does nothing with CUDA.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Dict, List
 
 import torch
 
-from ..linear import invalidate_weight_caches
+from ..ops.linear import invalidate_weight_caches
 
 
 def use_side_stream() -> None:

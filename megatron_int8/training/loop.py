@@ -9,8 +9,9 @@ from typing import Optional
 
 import torch
 
-from ..policy import policy_from_args, print_precision_table
-from ..quantize import raise_if_nonfinite
+from ..megatron.cli import policy_from_args
+from ..megatron.precision_table import print_precision_table
+from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
@@ -145,7 +146,7 @@ def pretrain(args) -> dict:
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     if policy.fp8_peer is not None:
-        from ..fp8_peer import fp8_unavailable_reason
+        from ..peers.fp8 import fp8_unavailable_reason
 
         reason = fp8_unavailable_reason()
         if reason:
@@ -172,7 +173,7 @@ def pretrain(args) -> dict:
     model = build_model(args, config, policy, args.padded_vocab_size, _log)
     num_params = sum(p.numel() for p in unwrap(model)[0].parameters())
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
-    print_precision_table(unwrap(model), policy, print_fn=_log)
+    print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
     optimizer, scheduler = build_optimizer(args, model, _log)
     _wire_megatron_config(config, model, optimizer, args)
 

@@ -10,7 +10,7 @@ from typing import List
 import numpy as np
 import torch
 
-from ..compat import apply_cpu_compat, model_parallel_seed
+from ..megatron.compat import apply_cpu_compat, model_parallel_seed
 from .args import transformer_config_from_args
 
 
@@ -70,7 +70,7 @@ def build_config(args, log):
     """TransformerConfig for this run. Gradient-accumulation fusion: megatron's own linears need APEX for it.
     Without APEX the config turns it off, and `build_model` turns it back on where this package computes
     the weight gradients (`args.fuse_wgrad_without_apex`, see `fuse_wgrad`): an INT8 wgrad GEMM adds into
-    main_grad in its epilogue, a BF16 one through cuBLAS (linear.hp_wgrad_into), as APEX would."""
+    main_grad in its epilogue, a BF16 one through cuBLAS (ops.main_grad.hp_wgrad_into), as APEX would."""
     requested = args.gradient_accumulation_fusion or getattr(args, "fuse_wgrad_without_apex", False)  # idempotent
     args.fuse_wgrad_without_apex = False
     if requested and not fused_wgrad_available():
@@ -84,28 +84,28 @@ def build_config(args, log):
     config = transformer_config_from_args(args, use_cpu_initialization=not on_gpu,
                                           bias_activation_fusion=args.swiglu and on_gpu)
     if config.use_te_activation_func:  # set by transformer_config_from_args for dense SwiGLU models
-        log("note: SwiGLU fused (megatron_int8.swiglu, a Triton kernel on CUDA that hands its outputs' maxima "
+        log("note: SwiGLU fused (megatron_int8.ops.swiglu, a Triton kernel on CUDA that hands its outputs' maxima "
             "to the INT8 linears; --no-fused-swiglu for megatron's)")
     if config.apply_rope_fusion:
         from megatron.core.models.common.embeddings import rope_utils
 
-        from ..rope import fused_rope
+        from ..ops.rope import fused_rope
 
         ours = rope_utils.fused_apply_rotary_pos_emb is fused_rope
-        whose = "megatron_int8.rope, a Triton kernel on CUDA" if ours else "Transformer Engine"
+        whose = "megatron_int8.ops.rope, a Triton kernel on CUDA" if ours else "Transformer Engine"
         log(f"note: RoPE fused ({whose}; --no-rope-fusion for megatron's unfused ops)")
     if config.cross_entropy_loss_fusion:
-        from ..cross_entropy import install as install_fused_cross_entropy
+        from ..ops.cross_entropy import install as install_fused_cross_entropy
 
         ours = config.cross_entropy_fusion_impl == "native" and install_fused_cross_entropy()
-        whose = ("megatron's native path calling megatron_int8.cross_entropy, a Triton kernel on CUDA" if ours
+        whose = ("megatron's native path calling megatron_int8.ops.cross_entropy, a Triton kernel on CUDA" if ours
                  else f"megatron's {config.cross_entropy_fusion_impl} fused_vocab_parallel_cross_entropy")
         log(f"note: cross entropy fused ({whose}; --no-cross-entropy-loss-fusion for the unfused ops)")
     if config.tp_comm_overlap:
         parts = [name for name, on in (("all-gathers", config.tp_comm_overlap_ag),
                                        ("reduce-scatters", config.tp_comm_overlap_rs)) if on]
         log("note: tp-comm-overlap: sequence-parallel " + (" and ".join(parts) or "collectives: none")
-            + " pipelined with the linears' GEMMs (megatron_int8.linear)")
+            + " pipelined with the linears' GEMMs (megatron_int8.ops.linear)")
     return config
 
 
@@ -122,8 +122,8 @@ def fuse_wgrad(model: torch.nn.Module) -> None:
     the embedding returns none."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 
-    from ..embedding import fuse_embedding_wgrad
-    from ..layers import Int8LinearMixin, fuse_output_layer_wgrad
+    from ..ops.embedding import fuse_embedding_wgrad
+    from ..megatron.layers import Int8LinearMixin, fuse_output_layer_wgrad
 
     for module in model.modules():
         if isinstance(module, Int8LinearMixin):
@@ -159,13 +159,13 @@ def settle_grad_reduce_overlap(args, log) -> None:
 
 def _settle_expert_swiglu(model: torch.nn.Module, fused: bool, log) -> None:
     """--no-fused-swiglu sends the grouped experts to megatron's weighted SwiGLU; a note says where ours runs."""
-    from ..experts import Int8GroupedMLP
+    from ..megatron.experts import Int8GroupedMLP
 
     grouped = [m for m in model.modules() if isinstance(m, Int8GroupedMLP) and m.grouped_problem is None]
     for module in grouped:
         module.fused_swiglu = module.fused_swiglu and fused
     if any(m.fused_swiglu for m in grouped):
-        log("note: the grouped experts' weighted SwiGLU fused (megatron_int8.swiglu.weighted_swiglu, a Triton "
+        log("note: the grouped experts' weighted SwiGLU fused (megatron_int8.ops.swiglu.weighted_swiglu, a Triton "
             "kernel each way on CUDA; --no-fused-swiglu for megatron's)")
 
 
@@ -177,8 +177,10 @@ def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List
     from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
     from megatron.core.transformer.module import Float16Module
 
-    from ..spec import get_gpt_int8_block_spec
+    from ..megatron.spec import get_gpt_int8_block_spec
 
+    if policy.fp8_peer is not None:
+        from ..peers import fp8  # noqa: F401  (registers the FP8 peer's linears with the spec)
     spec = get_gpt_int8_block_spec(config, policy)
     model = GPTModel(
         config=config,

@@ -54,7 +54,7 @@ def rope_reference(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fal
 class _TritonRoPE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, freqs):
-        from .kernels.rope import triton_rope
+        from ..kernels.rope import triton_rope
 
         f = freqs.detach().float().squeeze(2)
         cos, sin = torch.cos(f).contiguous(), torch.sin(f).contiguous()
@@ -63,7 +63,7 @@ class _TritonRoPE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .kernels.rope import triton_rope
+        from ..kernels.rope import triton_rope
 
         cos, sin = ctx.saved_tensors
         return triton_rope(grad, cos, sin, inverse=True), None

@@ -5,13 +5,13 @@ inside routed and shared experts) change class; the embedding, the output layer 
 are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (megatron's SelfAttention
 with an in-place query norm, over SDPA, or TE's core attention when Transformer Engine is installed)
 and the norms (SP-capable torch norms, or TENorm) are the same for the INT8, the BF16 baseline and the
-FP8 peer spec (torchao float8 linears, `fp8_peer.py`), so they differ only in the linears.
+FP8 peer spec (torchao float8 linears, `peers/fp8.py`), so they differ only in the linears.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -33,19 +33,27 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from ..ops.swiglu import SwiGLU
+from ..recipe import DEFAULT_RECIPE, Int8Recipe
 from .attention import QueryNormInPlaceSelfAttention, SDPAttention
 from .compat import SequenceParallelNorm, apply_no_te_compat
 from .experts import Int8GroupedMLP
-from .fp8_peer import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
-from .recipe import DEFAULT_RECIPE, Int8Recipe
-from .swiglu import SwiGLU
 
 if HAVE_TE:
     from megatron.core.extensions.transformer_engine import TEDotProductAttention, TENorm
 
 _INT8_LINEARS = (Int8ColumnParallelLinear, Int8RowParallelLinear)
+
+
+# (column-parallel, row-parallel) linear classes of the benchmark peers, by name; a peer registers its own on
+# import (peers/fp8.py: "fp8"), so this module never imports a peer
+PEER_LINEARS: Dict[str, Tuple[type, type]] = {}
+
+
+def register_peer_linears(name: str, column: type, row: type) -> None:
+    PEER_LINEARS[name] = (column, row)
 
 
 class Int8SpecProvider(LocalSpecProvider):
@@ -66,7 +74,10 @@ class Int8SpecProvider(LocalSpecProvider):
 
     def _linear(self, column: bool) -> ModuleSpec:
         if self.fp8_recipe is not None:
-            cls = Fp8ColumnParallelLinear if column else Fp8RowParallelLinear
+            if "fp8" not in PEER_LINEARS:
+                raise RuntimeError("an FP8 peer spec needs the peer's linears: `import megatron_int8.peers.fp8` "
+                                   "registers them")
+            cls = PEER_LINEARS["fp8"][0 if column else 1]
             return ModuleSpec(module=cls, params={"fp8_recipe": self.fp8_recipe, "compile": self.fp8_compile})
         cls = Int8ColumnParallelLinear if column else Int8RowParallelLinear
         return ModuleSpec(module=cls, params={"recipe": self.recipe, "int8": self.int8})
@@ -86,7 +97,7 @@ class Int8SpecProvider(LocalSpecProvider):
         return TEDotProductAttention if HAVE_TE else SDPAttention
 
     def activation_func(self) -> ModuleSpec:
-        """The dense MLP's SwiGLU module, used where `config.use_te_activation_func` is set (megatron_int8.swiglu):
+        """The dense MLP's SwiGLU module, used where `config.use_te_activation_func` is set (megatron_int8.ops.swiglu):
         it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise."""
         emit = (self.fp8_recipe is None and self.int8 and self.recipe.any_int8
                 and self.recipe.granularity in ("row", "tensor"))

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-from .linear import _main_grad_placeholder
+from .main_grad import main_grad_placeholder
 
 
 def add_rows_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
@@ -62,7 +62,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     def backward(ctx, grad_output):
         ids, weight = ctx.saved_tensors
         add_rows_into(weight.main_grad, ids, grad_output)
-        return None, _main_grad_placeholder(weight) if ctx.placeholder else None, None
+        return None, main_grad_placeholder(weight) if ctx.placeholder else None, None
 
 
 class MainGradEmbedding(VocabParallelEmbedding):

@@ -28,8 +28,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide, is_torch_min_version
 
-from .quantize import attach_amax
-from .rms_norm import FusedRMSNorm
+from ..reference import attach_amax
+from ..ops.rms_norm import FusedRMSNorm
 
 _SDPA_HAS_GQA = is_torch_min_version("2.5.0a0")  # the enable_gqa keyword
 
@@ -200,7 +200,7 @@ class _SplitQKVNormed(torch.autograd.Function):
     def forward(ctx, mixed, q_weight, k_weight, q_eps, k_eps, groups, head, emit_amax=False):
         """mixed [sq, b, groups * (per_group + 2) * head] -> query [sq, b, groups * per_group, head] and key
         [sq, b, groups, head] (both contiguous), value [sq, b, groups, head] (a view of mixed)."""
-        from .kernels.rms_norm import triton_rms_norm_forward
+        from ..kernels.rms_norm import triton_rms_norm_forward
 
         q_in, k_in, value = _qkv_parts(mixed, groups, head)
         query, q_rstd = triton_rms_norm_forward(q_in, q_weight, q_eps)
@@ -211,7 +211,7 @@ class _SplitQKVNormed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_query, d_key, d_value):
-        from .kernels.rms_norm import triton_rms_norm_backward
+        from ..kernels.rms_norm import triton_rms_norm_backward
 
         mixed, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
         grad = torch.empty(mixed.shape, dtype=mixed.dtype, device=mixed.device)

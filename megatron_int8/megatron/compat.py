@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from .rms_norm import FusedRMSNorm
+from ..ops.rms_norm import FusedRMSNorm
 
 _APPLIED_FLAG = "_megatron_int8_cpu_compat"
 

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from .grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
+from ..ops.grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
 from .layers import Int8LinearMixin
-from .quantize import Segments, device_tensor
-from .swiglu import weighted_swiglu
+from ..reference import Segments, device_tensor
+from ..ops.swiglu import weighted_swiglu
 
 
 class _ExpertLinears:

@@ -12,7 +12,7 @@ there and the trainer sets the flag for dense SwiGLU models, BF16 runs included,
 same activation kernels. Without the flag megatron applies its own SwiGLU and nothing changes.
 
 `weighted_swiglu` is the same with one weight per row, the router probability: megatron's weighted SwiGLU
-for MoE experts, which the grouped experts (megatron_int8.experts) run in both precisions.
+for MoE experts, which the grouped experts (megatron_int8.megatron.experts) run in both precisions.
 
 Numerics: fp32 math, one rounding to the input's dtype, forward and backward, as megatron's fused
 (torch.compile'd) SwiGLU. On CPU, or without Triton, `swiglu_reference` computes the same with PyTorch ops.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import triton_available, triton_runs_on
-from .quantize import attach_maxima
+from ..reference import attach_maxima
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -50,7 +50,7 @@ def _halves(x: torch.Tensor):
 class _TritonSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, emit_maxima: bool):
-        from .kernels.swiglu import triton_swiglu_forward
+        from ..kernels.swiglu import triton_swiglu_forward
 
         y, rows, cols = triton_swiglu_forward(x, emit_maxima)
         ctx.save_for_backward(x)
@@ -59,7 +59,7 @@ class _TritonSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .kernels.swiglu import triton_swiglu_backward
+        from ..kernels.swiglu import triton_swiglu_backward
 
         (x,) = ctx.saved_tensors
         dx, rows, cols = triton_swiglu_backward(dy, x, ctx.emit_maxima)
@@ -86,7 +86,7 @@ def weighted_swiglu_reference(x: torch.Tensor, probs: torch.Tensor) -> torch.Ten
 class _TritonWeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs):
-        from .kernels.swiglu import triton_swiglu_forward
+        from ..kernels.swiglu import triton_swiglu_forward
 
         y, _, _ = triton_swiglu_forward(x, probs=probs)
         ctx.save_for_backward(x, probs)
@@ -94,7 +94,7 @@ class _TritonWeightedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .kernels.swiglu import triton_weighted_swiglu_backward
+        from ..kernels.swiglu import triton_weighted_swiglu_backward
 
         x, probs = ctx.saved_tensors
         dx, dprobs = triton_weighted_swiglu_backward(dy, x, probs)

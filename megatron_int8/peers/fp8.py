@@ -41,8 +41,9 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_pg_size
 
-from .layers import _config_without_apex_check
-from .policy import FP8_RECIPES
+from ..megatron.layers import config_without_apex_check
+from ..megatron.policy import FP8_RECIPES
+from ..megatron.spec import register_peer_linears
 
 MIN_COMPUTE_CAPABILITY = (8, 9)
 TORCHAO_TESTED = "0.18.0"
@@ -59,7 +60,7 @@ class _Torchao:
             from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
         except ImportError as err:
             raise ImportError(
-                "the FP8 peer (--fp8-peer, megatron_int8.fp8_peer) runs its GEMMs through torchao's float8 "
+                "the FP8 peer (--fp8-peer, megatron_int8.peers.fp8) runs its GEMMs through torchao's float8 "
                 f"training and needs torchao (tested with torchao=={TORCHAO_TESTED}): "
                 f"pip install torchao=={TORCHAO_TESTED}  [import failed: {err}]") from err
         self.Float8LinearConfig = Float8LinearConfig
@@ -156,7 +157,7 @@ class Fp8LinearMixin:
         torchao_float8()
         if not emulate:
             check_fp8_device()
-        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+        super().__init__(input_size, output_size, config=config_without_apex_check(config),
                          init_method=init_method, **kwargs)
         self._finish_fp8_init(config, fp8_recipe, emulate, compile)
 
@@ -223,3 +224,6 @@ class Fp8ColumnParallelLinear(Fp8LinearMixin, ColumnParallelLinear):
 class Fp8RowParallelLinear(Fp8LinearMixin, RowParallelLinear):
     """RowParallelLinear whose GEMMs run in FP8 through torchao. Extra keywords: `fp8_recipe`
     ('tensorwise' or 'rowwise'), `emulate` (tests), `compile`."""
+
+
+register_peer_linears("fp8", Fp8ColumnParallelLinear, Fp8RowParallelLinear)

@@ -109,7 +109,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tgt = target.reshape(-1).to(torch.int64).contiguous()
         shape = target.shape
         if use_triton:
-            from .kernels.cross_entropy import triton_cross_entropy_forward
+            from ..kernels.cross_entropy import triton_cross_entropy_forward
 
             if world == 1:
                 loss, lse = triton_cross_entropy_forward(x3, tgt, 0, finish=True, loss_shape=shape)
@@ -138,7 +138,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         S, B, _ = x3.shape
         g = grad_loss if grad_loss.dim() == 2 and tuple(grad_loss.shape) == (S, B) else grad_loss.reshape(S, B)
         if ctx.use_triton:
-            from .kernels.cross_entropy import triton_cross_entropy_backward
+            from ..kernels.cross_entropy import triton_cross_entropy_backward
 
             grad = triton_cross_entropy_backward(x3, g, lse, tgt, ctx.start)
         else:

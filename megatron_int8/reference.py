@@ -24,6 +24,9 @@ MAX_EXACT_K = (2**31 - 1) // (QMAX * QMAX) // 128 * 128
 # MoE experts' token segments start at multiples of this (see Segments): no GEMM tile (BLOCK_M <= 128) and
 # no quantize strip ever holds tokens of two experts.
 SEGMENT_ALIGN = 128
+# wgrad contracts over tokens: Q(X)^T and Q(dY)^T get their token axis zero-padded to a multiple of 16, so
+# an MoE expert's arbitrary token count still gives 16-byte aligned rows (see pad_columns)
+TOKEN_PAD = 16
 
 
 class NonFiniteError(FloatingPointError):
@@ -582,3 +585,82 @@ def check_grouped_operands(a: QTensor, b: QTensor, segments: Segments) -> None:
     if a.data.shape[0] != segments.rows or a.data.shape[1] != b.data.shape[2]:
         raise ValueError(f"grouped_gemm: a {tuple(a.data.shape)} does not match {segments.rows} segment rows "
                          f"and b {tuple(b.data.shape)}")
+
+
+class ReferenceBackend:
+    """The PyTorch backend; INT8 products through torch._int_mm (exact INT32 accumulation on CPU and CUDA).
+
+    A backend offers two calls with identical contracts (conventions: this module's docstring):
+      quantize(x2d, *, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,
+               amax=None, columnwise_pad=1, columnwise_amax=None, columnwise_segments=None, rowwise_amax=None)
+          -> (Q(x) as [R, C] or None, Q(x^T) as [C, R'] or None)
+          (`amax`: tensorwise only, a precomputed amax, e.g. reduced over the tensor-parallel group;
+          `columnwise_pad`: R' = R rounded up to a multiple of it, the extra columns of Q(x^T) zero, so that
+          a GEMM contracting over R (wgrad) gets 16-byte aligned rows; see pad_columns;
+          `columnwise_amax`: row-wise only, x's per-column amax [C] for Q(x^T)'s scales, e.g. reduced over
+          the tensor-parallel group, while Q(x) keeps its own per-row scales (unless `rowwise_amax` is given);
+          `rowwise_amax`: row-wise only, x's per-row amax [R] for Q(x)'s scales, e.g. computed by the kernel
+          that wrote x (see known_maxima): with both given, x is read once;
+          `columnwise_segments`: row-wise only, a Segments layout of x's rows (MoE experts): Q(x^T)
+          gets one scale per column per segment, [E, C], see quantize_segment_columns;
+          `out`: row-wise only, (QTensor or None, QTensor or None) to write Q(x) / Q(x^T) and their scales into,
+          e.g. an expert's slot of a stacked weight, which saves the copy; see check_quantize_out)
+      gemm(a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None) -> dequant(a @ b^T) [+ bias]
+          (`autotune`: a hint for kernels with tunable tiles; the result is the same either way; `out`: a
+          contiguous [M, N] tensor to write, e.g. a row range of a larger output)
+      grouped_gemm(a, b, segments, *, out_dtype) -> per segment e, dequant(a_e @ b[e]^T) in a's rows of e
+          (MoE experts: a row-wise [R, K] in the segments' layout, b stacked [E, N, K] with scales [E, N])
+    `rowwise` is the operand contracted over its columns, `columnwise` the one contracted over its rows;
+    a kernel may produce both in one pass (fused cast-transpose).
+    """
+
+    name = "reference"
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        granularity: str,
+        block_size: int,
+        weight: bool,
+        rowwise: bool,
+        columnwise: bool,
+        stochastic: bool = False,
+        name: str = "tensor",
+        check_finite: str = "deferred",
+        amax: Optional[torch.Tensor] = None,
+        columnwise_pad: int = 1,
+        columnwise_amax: Optional[torch.Tensor] = None,
+        columnwise_segments: Optional[Segments] = None,
+        rowwise_amax: Optional[torch.Tensor] = None,
+        out: Optional[Tuple[Optional[QTensor], Optional[QTensor]]] = None,
+    ) -> Tuple[Optional[QTensor], Optional[QTensor]]:
+        check_quantize_args(x, granularity, amax, columnwise_pad, block_size, columnwise_amax, rowwise_amax)
+        if columnwise_segments is not None:
+            check_segments(x, granularity, columnwise_segments, columnwise_amax, columnwise_pad)
+        if out is not None:
+            check_quantize_out(x, granularity, rowwise, columnwise, columnwise_pad, columnwise_segments, out)
+        tile2d = weight and granularity == "block"
+        kw = dict(block_size=block_size, stochastic=stochastic, name=name, check_finite=check_finite, amax=amax)
+        row = col = None
+        if rowwise:
+            row = quantize(x, granularity, tile2d=tile2d,
+                               **dict(kw, amax=rowwise_amax if rowwise_amax is not None else amax))
+        if columnwise and columnwise_segments is not None:  # aligned rows: no padding needed
+            col = quantize_segment_columns(x, columnwise_segments, **kw)
+        elif columnwise:
+            if row is not None and (granularity == "tensor" or tile2d):
+                col = row.transposed()  # same scales: a byte transpose, identical rounding
+            else:
+                col = quantize(x.t(), granularity, tile2d=tile2d,
+                                   **dict(kw, amax=columnwise_amax if columnwise_amax is not None else amax))
+            col = pad_columns(col, columnwise_pad)
+        if out is not None:
+            row, col = (r if dest is None else write_into(r, dest) for r, dest in zip((row, col), out))
+        return row, col
+
+    def gemm(self, a, b, *, out_dtype, bias=None, accumulate_into=None, autotune=True, out=None):
+        return gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=accumulate_into, out=out)
+
+    def grouped_gemm(self, a, b, segments, *, out_dtype):
+        return grouped_gemm(a, b, segments, out_dtype=out_dtype)

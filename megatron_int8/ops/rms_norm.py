@@ -15,21 +15,19 @@ everywhere), `triton` (the Triton kernel at every width; for A/B timing).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from ..dispatch import ENV_NORM_KERNEL, env_choice
 from .backend import triton_available, triton_runs_on
 
-NORM_KERNELS = ("auto", "torch", "triton")
 TRITON_MAX_WIDTH = 512
-ENV_NORM_KERNEL = "MEGATRON_INT8_NORM_KERNEL"
 
 
 class _TritonRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        from .kernels.rms_norm import triton_rms_norm_forward
+        from ..kernels.rms_norm import triton_rms_norm_forward
 
         y, rstd = triton_rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -37,7 +35,7 @@ class _TritonRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from .kernels.rms_norm import triton_rms_norm_backward
+        from ..kernels.rms_norm import triton_rms_norm_backward
 
         x, weight, rstd = ctx.saved_tensors
         dx, dw = triton_rms_norm_backward(dy, x, weight, rstd)
@@ -45,10 +43,7 @@ class _TritonRMSNorm(torch.autograd.Function):
 
 
 def norm_kernel_choice() -> str:
-    choice = os.environ.get(ENV_NORM_KERNEL, "auto")
-    if choice not in NORM_KERNELS:
-        raise ValueError(f"{ENV_NORM_KERNEL}={choice!r}: expected one of {NORM_KERNELS}")
-    return choice
+    return env_choice(ENV_NORM_KERNEL)
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):

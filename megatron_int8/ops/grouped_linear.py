@@ -13,7 +13,7 @@ nothing to a contraction. Row granularity only: a tensorwise scale over all expe
 be a per-expert one (`grouped_recipe_problem`).
 
 Weights: the stacked Q(W) and Q(W)^T are cached on the first expert's weight until any expert weight
-changes (the key of `linear.weight_cache_key`, per weight), in place of the per-expert caches.
+changes (the key of `weight_cache.weight_cache_key`, per weight), in place of the per-expert caches.
 
 `grouped_hp_linear` is the same op in the input's precision (BF16 experts), so that the BF16 baseline's
 experts run grouped too, as Transformer Engine's or megatron's GroupedMLP would run them, instead of
@@ -29,10 +29,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backend import get_backend
-from .linear import _main_grad_placeholder, _quantize_kwargs, hp_wgrad_into, weight_cache_key, weight_version_key
-from .quantize import QTensor, Segments, device_tensor, segment_operand
-from .recipe import Int8Recipe
+from .backend import get_backend, quantize_kwargs
+from .main_grad import hp_wgrad_into, main_grad_placeholder
+from .weight_cache import weight_cache_key, weight_version_key
+from ..reference import QTensor, Segments, device_tensor, segment_operand
+from ..recipe import Int8Recipe
 
 _STACK_ATTR = "_megatron_int8_stacked"
 _HP_STACK_ATTR = "_megatron_int8_stacked_hp"
@@ -66,7 +67,7 @@ def stacked_quantized_weights(weights: Sequence[torch.Tensor], backend, recipe: 
                   torch.empty((E, N), dtype=torch.float32, device=dev), "row", recipe.block_size)
     col = QTensor(torch.empty((E, K, N), dtype=torch.int8, device=dev),
                   torch.empty((E, K), dtype=torch.float32, device=dev), "row", recipe.block_size)
-    kw = _quantize_kwargs(recipe, "weight", weight=True)
+    kw = quantize_kwargs(recipe, "weight", weight=True)
     for e, w in enumerate(weights):  # straight into expert e's slots: no per-expert temporaries, no copies
         backend.quantize(w.detach(), rowwise=True, columnwise=True, **kw,
                          out=(QTensor(row.data[e], row.scale[e], "row", recipe.block_size),
@@ -83,7 +84,7 @@ class _GroupedInt8LinearFunction(torch.autograd.Function):
         wgrad = any(w.requires_grad for w in weights)
         qx_row, qx_col = backend.quantize(x, rowwise=True, columnwise=wgrad,
                                           columnwise_segments=segments if wgrad else None,
-                                          **_quantize_kwargs(recipe, "fprop input"))
+                                          **quantize_kwargs(recipe, "fprop input"))
         qw_row, _ = stacked_quantized_weights(weights, backend, recipe)
         out = backend.grouped_gemm(qx_row, qw_row, segments, out_dtype=x.dtype)
         ctx.segments, ctx.recipe, ctx.backend, ctx.fuse_wgrad = segments, recipe, backend, fuse_wgrad
@@ -104,7 +105,7 @@ class _GroupedInt8LinearFunction(torch.autograd.Function):
         qg_row, qg_col = backend.quantize(
             g, rowwise=need_dgrad, columnwise=any(need_wgrad),
             columnwise_segments=segments if any(need_wgrad) else None,
-            **_quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
+            **quantize_kwargs(recipe, "output gradient", recipe.grad_rounding == "stochastic"))
         grad_input = None
         if need_dgrad:
             _, qw_col = stacked_quantized_weights(weights, backend, recipe)
@@ -134,7 +135,7 @@ def _expert_weight_grads(weights, needed, segments: Segments, fuse_wgrad: bool, 
         elif main_grad is not None:
             if hi > lo:
                 wgrad(e, torch.float32, main_grad)
-            grads.append(_main_grad_placeholder(w))
+            grads.append(main_grad_placeholder(w))
         else:
             grads.append(wgrad(e, w.dtype, None) if hi > lo else torch.zeros_like(w))
     return grads

@@ -29,11 +29,11 @@ from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-from .linear import TPOptions, int8_linear
-from .recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
+from ..ops.linear import TPOptions, int8_linear
+from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 
-def _config_without_apex_check(config):
+def config_without_apex_check(config):
     """A shallow config copy that passes megatron's apex check for gradient_accumulation_fusion."""
     if config.gradient_accumulation_fusion and not mcore_layers._grad_accum_fusion_available:
         config = copy.copy(config)  # no __post_init__: only the constructor reads this copy
@@ -116,7 +116,7 @@ class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
             raise NotImplementedError(
                 "Int8ColumnParallelLinear: grad_output_buffer / embedding_activation_buffer "
                 "(defer_embedding_wgrad_compute) are not supported")
-        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+        super().__init__(input_size, output_size, config=config_without_apex_check(config),
                          init_method=init_method, **kwargs)
         self._finish_int8_init(config, recipe, int8, kwargs.get("tp_comm_buffer_name"))
 
@@ -124,7 +124,7 @@ class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
 def fuse_output_layer_wgrad(module: ColumnParallelLinear) -> Int8ColumnParallelLinear:
     """Turn megatron's own ColumnParallelLinear (GPTModel's output layer) into this package's high-precision
     layer in place, with gradient-accumulation fusion: its wgrad GEMM then adds into main_grad
-    (linear.hp_wgrad_into) instead of writing a [vocab, hidden] weight.grad that DDP's hook adds afterwards.
+    (ops.main_grad.hp_wgrad_into) instead of writing a [vocab, hidden] weight.grad that DDP's hook adds afterwards.
     The class changes, nothing else: parameters, state dict and forward values stay megatron's, and so does its
     communication (no tp_comm_overlap pipelining, which megatron's output layer does not do without TE)."""
     if type(module) is not ColumnParallelLinear:
@@ -141,7 +141,7 @@ class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, config, init_method,
                  recipe: Optional[Int8Recipe] = None, int8: bool = True, **kwargs):
-        super().__init__(input_size, output_size, config=_config_without_apex_check(config),
+        super().__init__(input_size, output_size, config=config_without_apex_check(config),
                          init_method=init_method, **kwargs)
         self._finish_int8_init(config, recipe, int8, kwargs.get("tp_comm_buffer_name"))
 

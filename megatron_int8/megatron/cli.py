@@ -1,0 +1,95 @@
+"""The `--int8-*` command-line flags, shared by this package's trainer and the upstream Megatron-LM patch."""
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+from ..recipe import BACKENDS, FINITE_CHECKS, GRANULARITIES, ROUNDINGS, Int8Recipe
+from .policy import BF16_MODULE_NAMES, GEMMS, Int8Policy
+
+
+
+def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--int8-*` flags (megatron `extra_args_provider` convention: returns the parser)."""
+    d = Int8Recipe()
+    group = parser.add_argument_group(title="INT8 linear layers (megatron-int8)")
+    group.add_argument("--int8-linear", action="store_true",
+                       help="Run the transformer layers' linears with INT8 GEMMs.")
+    group.add_argument("--int8-granularity", choices=GRANULARITIES, default=d.granularity,
+                       help="Scaling granularity of activations, weights and gradients.")
+    group.add_argument("--int8-block-size", type=int, default=d.block_size,
+                       help="Tile size for --int8-granularity block (multiple of 16).")
+    group.add_argument("--int8-bf16-gemms", type=str, default="",
+                       help="Comma-separated GEMMs kept in high precision: any of fprop,dgrad,wgrad.")
+    group.add_argument("--int8-grad-rounding", choices=ROUNDINGS, default=d.grad_rounding,
+                       help="Rounding of output gradients (default: %(default)s; activations and weights "
+                            "always round to nearest).")
+    group.add_argument("--int8-backend", choices=BACKENDS, default=d.backend,
+                       help="INT8 kernels: auto (Triton on CUDA), reference (PyTorch) or triton.")
+    group.add_argument("--int8-first-last-layers-bf16", action="store_true",
+                       help="Keep the first and last transformer layers in BF16.")
+    group.add_argument("--int8-num-layers-at-start-in-bf16", type=int, default=1,
+                       help="With --int8-first-last-layers-bf16: number of leading BF16 layers.")
+    group.add_argument("--int8-num-layers-at-end-in-bf16", type=int, default=1,
+                       help="With --int8-first-last-layers-bf16: number of trailing BF16 layers.")
+    group.add_argument("--int8-bf16-modules", nargs="*", default=[],
+                       help=f"Submodules kept in BF16 in every layer: any of {', '.join(BF16_MODULE_NAMES)}.")
+    group.add_argument("--int8-check-finite", choices=FINITE_CHECKS, default=d.check_finite,
+                       help="Inf/NaN in a quantized tensor: 'deferred' raises naming it at the end of the "
+                            "step (one host sync per step), 'immediate' inside the quantize call (one host "
+                            "sync per quantize), 'off' leaves NaN outputs to the loss and grad-norm checks.")
+    group.add_argument("--int8-no-weight-cache", action="store_true",
+                       help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
+    group.add_argument("--int8-precision-table", action="store_true",
+                       help="Print every linear's precision at start (one row per linear) instead of the "
+                            "one-line summary.")
+    group.add_argument("--int8-all-gather", action="store_true",
+                       help="With --sequence-parallel: quantize each rank's activation shard with the scales "
+                            "of the gathered tensor and all-gather INT8 instead of BF16 (tensor and row "
+                            "granularity). Half the bytes, but slower over NVLink in our runs "
+                            "(docs/scaling.md); for slow links or to save activation memory.")
+    return parser
+
+
+def _parse_bf16_gemms(text: str) -> List[str]:
+    names = [g.strip() for g in text.split(",") if g.strip()]
+    unknown = [g for g in names if g not in GEMMS]
+    if unknown:
+        raise ValueError(f"--int8-bf16-gemms: unknown GEMM(s) {unknown}; expected a comma-separated subset of {GEMMS}")
+    return names
+
+
+def policy_from_args(args) -> Int8Policy:
+    """The policy the `--int8-*` flags describe (`enabled` = `--int8-linear`); raises ValueError on bad values."""
+    bf16_gemms = _parse_bf16_gemms(getattr(args, "int8_bf16_gemms", "") or "")
+    try:
+        recipe = Int8Recipe(
+            granularity=args.int8_granularity,
+            block_size=args.int8_block_size,
+            fprop="fprop" not in bf16_gemms,
+            dgrad="dgrad" not in bf16_gemms,
+            wgrad="wgrad" not in bf16_gemms,
+            grad_rounding=args.int8_grad_rounding,
+            backend=args.int8_backend,
+            check_finite=args.int8_check_finite,
+            cache_weights=not args.int8_no_weight_cache,
+            int8_all_gather=getattr(args, "int8_all_gather", False),
+        )
+        policy = Int8Policy(
+            enabled=bool(args.int8_linear),
+            fp8_peer=getattr(args, "fp8_peer", None),
+            fp8_compile=bool(getattr(args, "fp8_peer_compile", False)),
+            recipe=recipe,
+            first_last_layers_bf16=bool(args.int8_first_last_layers_bf16),
+            num_layers_at_start_in_bf16=args.int8_num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=args.int8_num_layers_at_end_in_bf16,
+            bf16_modules=tuple(args.int8_bf16_modules or ()),
+        )
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"invalid --int8-* arguments: {err}") from err
+    if policy.enabled and not recipe.any_int8:
+        raise ValueError("--int8-bf16-gemms fprop,dgrad,wgrad leaves no INT8 GEMM; drop --int8-linear instead")
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers:
+        policy.check_num_layers(num_layers)
+    return policy
