@@ -1,6 +1,7 @@
-"""INT8 training recipe: what is quantized, how finely, and how it is rounded.
+"""INT8 training recipe: what is quantized, how finely, and how it is rounded (the numerics), and how it
+runs (the execution options).
 
-One frozen dataclass, validated on construction, so that an unsupported choice fails where it is made
+Frozen dataclasses, validated on construction, so that an unsupported choice fails where it is made
 instead of being silently ignored deep inside a training step.
 """
 from __future__ import annotations
@@ -12,6 +13,66 @@ GRANULARITIES = ("tensor", "row", "block")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
 FINITE_CHECKS = ("deferred", "immediate", "off")
+
+
+def _check_choice(owner: str, name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
+
+
+def _check_bools(owner, names) -> None:
+    for name in names:
+        if not isinstance(getattr(owner, name), bool):
+            raise TypeError(f"Int8Recipe.{name} must be a bool, got {getattr(owner, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Numerics:
+    """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
+    granularity, block_size, fprop, dgrad, wgrad, grad_rounding). Quantized-weight caches are keyed and
+    recipes described by it alone."""
+
+    granularity: str = "row"
+    block_size: int = 128
+    fprop: bool = True
+    dgrad: bool = True
+    wgrad: bool = True
+    grad_rounding: str = "nearest"
+
+    def __post_init__(self):
+        _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
+        _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
+        if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
+            raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
+        _check_bools(self, ("fprop", "dgrad", "wgrad"))
+
+    def describe(self) -> str:
+        """Short human-readable form for precision tables and logs."""
+        gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
+        gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
+        sr = ",sr" if self.grad_rounding == "stochastic" else ""
+        return f"int8[{gran},{gemms}{sr}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Execution:
+    """How the GEMMs run, with the same results either way (Int8Recipe's fields backend, check_finite,
+    cache_weights, autotune, int8_all_gather)."""
+
+    backend: str = "auto"
+    check_finite: str = "deferred"
+    cache_weights: bool = True
+    autotune: bool = True
+    int8_all_gather: bool = False
+
+    def __post_init__(self):
+        _check_choice("Int8Recipe", "check_finite", self.check_finite, FINITE_CHECKS)
+        _check_choice("Int8Recipe", "backend", self.backend, BACKENDS)
+        _check_bools(self, ("cache_weights", "autotune", "int8_all_gather"))
+
+
+NUMERICS_FIELDS = tuple(f.name for f in dataclasses.fields(Int8Numerics))
+EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(Int8Execution))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +118,9 @@ class Int8Recipe:
         0.956x tensorwise, Llama2-7B TP 2 + SP x DP 2; docs/scaling.md): the blocking amax all-reduce,
         the extra amax pass and backward's re-gather cost more than the halved bytes save. It is meant
         for slower links, or for the activation memory it saves.
+
+    Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
+    each validated on construction.
     """
 
     granularity: str = "row"
@@ -72,30 +136,25 @@ class Int8Recipe:
     int8_all_gather: bool = False
 
     def __post_init__(self):
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"Int8Recipe.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        if self.grad_rounding not in ROUNDINGS:
-            raise ValueError(f"Int8Recipe.grad_rounding must be one of {ROUNDINGS}, got {self.grad_rounding!r}")
-        if self.check_finite not in FINITE_CHECKS:
-            raise ValueError(f"Int8Recipe.check_finite must be one of {FINITE_CHECKS}, got {self.check_finite!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Int8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
-            raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        for name in ("fprop", "dgrad", "wgrad", "cache_weights", "autotune", "int8_all_gather"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Int8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+        # the parts are built once (and validated), not on every call that reads them
+        object.__setattr__(self, "_numerics", Int8Numerics(**{n: getattr(self, n) for n in NUMERICS_FIELDS}))
+        object.__setattr__(self, "_execution", Int8Execution(**{n: getattr(self, n) for n in EXECUTION_FIELDS}))
+
+    @property
+    def numerics(self) -> Int8Numerics:
+        return self._numerics
+
+    @property
+    def execution(self) -> Int8Execution:
+        return self._execution
 
     @property
     def any_int8(self) -> bool:
         return self.fprop or self.dgrad or self.wgrad
 
     def describe(self) -> str:
-        """Short human-readable form for precision tables and logs."""
-        gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
-        gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
-        sr = ",sr" if self.grad_rounding == "stochastic" else ""
-        return f"int8[{gran},{gemms}{sr}]"
+        """Short human-readable form for precision tables and logs (the numerics only)."""
+        return self._numerics.describe()
 
 
 DEFAULT_RECIPE = Int8Recipe()

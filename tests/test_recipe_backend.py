@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -54,3 +56,32 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises((ValueError, ImportError), match="triton"):
         resolve_backend_name(torch.device("cpu"), Int8Recipe(backend="triton"))
+
+
+def test_recipe_splits_into_numerics_and_execution():
+    from megatron_int8.recipe import EXECUTION_FIELDS, NUMERICS_FIELDS, Int8Execution, Int8Numerics
+
+    recipe = Int8Recipe(granularity="block", block_size=64, wgrad=False, grad_rounding="stochastic",
+                        backend="reference", autotune=False, cache_weights=False)
+    assert set(NUMERICS_FIELDS) | set(EXECUTION_FIELDS) == {f.name for f in dataclasses.fields(Int8Recipe)}
+    assert not set(NUMERICS_FIELDS) & set(EXECUTION_FIELDS)
+    assert recipe.numerics == Int8Numerics(granularity="block", block_size=64, wgrad=False, grad_rounding="stochastic")
+    assert recipe.execution == Int8Execution(backend="reference", autotune=False, cache_weights=False)
+    # the description follows from the numerics alone
+    assert recipe.describe() == dataclasses.replace(recipe, backend="auto", autotune=True).describe()
+    assert recipe.describe() != dataclasses.replace(recipe, block_size=128).describe()
+
+
+def test_weight_cache_is_shared_by_recipes_that_differ_only_in_execution():
+    from megatron_int8.ops.weight_cache import quantized_weight
+
+    backend = ReferenceBackend()
+    w = torch.randn(16, 32)
+    tuned = Int8Recipe(backend="reference")
+    row, _ = quantized_weight(w, backend, tuned, rowwise=True, columnwise=False)
+    same, _ = quantized_weight(w, backend, dataclasses.replace(tuned, autotune=False, int8_all_gather=True),
+                               rowwise=True, columnwise=False)
+    assert same is row
+    other, _ = quantized_weight(w, backend, dataclasses.replace(tuned, granularity="tensor"),
+                                rowwise=True, columnwise=False)
+    assert other is not row and other.granularity == "tensor"

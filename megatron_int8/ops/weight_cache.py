@@ -44,9 +44,12 @@ def weight_version_key(weight: torch.Tensor) -> tuple:
 
 
 def weight_cache_key(weight: torch.Tensor, recipe: Int8Recipe, backend) -> tuple:
-    """What a cached quantization of `weight` depends on: its current values (`weight_version_key`) and the
-    recipe's quantization settings."""
-    return weight_version_key(weight) + (recipe.granularity, recipe.block_size, recipe.check_finite, backend.name)
+    """What a cached quantization of `weight` depends on: its current values (`weight_version_key`), how the
+    recipe's numerics quantize a weight, and, of the execution options, only the finite check (it runs while
+    quantizing: a weight quantized unchecked must not serve a recipe that raises on Inf/NaN)."""
+    numerics = recipe.numerics
+    return weight_version_key(weight) + (numerics.granularity, numerics.block_size, recipe.check_finite,
+                                         backend.name)
 
 
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
