@@ -68,7 +68,7 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_tensor_parallel_siz
     global batch reads the same samples in the same order."""
     whole = tmp_path / "whole"
     out = train(data, *COMMON, *TP2, "--save", str(whole), "--save-interval", "3", nproc=2)
-    assert "TP 2, PP 1, DP 1" in out and "| int8 |" in out
+    assert "TP 2, PP 1, DP 1" in out and " int8 int8[" in out
 
     tp1 = _stopped_at(whole, tmp_path / "tp1", 3)
     out = train(data, *COMMON, "--save", str(tp1), "--load", str(tp1), "--save-interval", "1")
