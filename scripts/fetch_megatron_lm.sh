@@ -15,7 +15,7 @@
 # (the same Python sources as the tag, plus the prebuilt dataset helpers_cpp extension). Upstream has no
 # megatron/__init__.py, so `megatron` is a namespace package whose parts merge across sys.path:
 # megatron.training etc. from DEST, megatron.core from site-packages. Run DEST/pretrain_gpt.py as a
-# script (torchrun DEST/pretrain_gpt.py ...) so DEST is sys.path[0]; see scripts/gpu_megatron_lm_check.sh.
+# script (torchrun DEST/pretrain_gpt.py ...) so DEST is sys.path[0]; see benchmarks/gpu_megatron_lm_check.sh.
 set -euo pipefail
 
 usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }

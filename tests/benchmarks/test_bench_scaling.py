@@ -1,11 +1,11 @@
-"""scripts/bench_scaling.py's time budgeting, with the trainer replaced by a fake that advances a fake clock."""
+"""benchmarks/bench_scaling.py's time budgeting, with the trainer replaced by a fake that advances a fake clock."""
 import os
+from repo_paths import BENCHMARKS
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
 
 def _run_with_fake_trainer(monkeypatch, tmp_path, deadline, wall_s=100.0):
-    monkeypatch.syspath_prepend(SCRIPTS)
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import bench_scaling
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # main() sets NCCL and device variables
@@ -30,7 +30,7 @@ def test_each_run_ends_before_the_deadline_with_its_sigterm_grace(monkeypatch, t
     """deadline 250 s, runs of 100 s, 30 s grace: 220 s, then 120 s for the second run; the third is skipped
     (50 s left)."""
     timeouts, skipped = _run_with_fake_trainer(monkeypatch, tmp_path, deadline=250)
-    from bench_e2e import KILL_AFTER_S
+    from common import KILL_AFTER_S
 
     assert KILL_AFTER_S == 30
     assert timeouts == [220, 120]

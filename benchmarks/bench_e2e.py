@@ -11,13 +11,13 @@ also runs with `--fp8-peer RECIPE` (torchao float8 linears, same model; needs to
 the table gains FP8 tok/s and FP8/BF16 speedups; where FP8 fails, its columns say n/a and the reason
 is printed.
 
-    python scripts/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
+    python benchmarks/bench_e2e.py --models llama2_7b qwen3_4b --depths 2 4 --iters 12
     # one model per GPU at a time on a several-GPU host (each run still uses one GPU):
-    python scripts/bench_e2e.py --gpus 0 1 2
+    python benchmarks/bench_e2e.py --gpus 0 1 2
     # with the FP8 peer (torchao float8 tensorwise) as a third precision
-    python scripts/bench_e2e.py --models llama2_7b qwen3_4b --fp8-peer
+    python benchmarks/bench_e2e.py --models llama2_7b qwen3_4b --fp8-peer
     # several GPUs, full depth, a parallel layout (the scale-out runs):
-    python scripts/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
+    python benchmarks/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
         --layout "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
 """
 from __future__ import annotations
@@ -26,32 +26,16 @@ import argparse
 import json
 import os
 import queue
-import re
-import statistics
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import yaml
+import common
+from common import add_data_arguments, describe_data, full_depth, global_batch, run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mixtral_8x7b_8l")
 # End-to-end INT8/BF16 speedups reported by the base paper on its accelerator.
 PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
                  "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
-PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
-RESIDENT_MEMORY = re.compile(r"memory between steps \(GB\): ([0-9.]+)")
-# the trainer's log line: iteration time and model TFLOP/s per GPU over the same interval
-ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
-BENCH_OVERRIDES = ["--lr-warmup-iters", "0"]
-MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
-PARALLEL_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                      "--expert-model-parallel-size", "1"]
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,89 +65,6 @@ def parse_args(argv=None):
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     return p.parse_args(argv)
-
-
-def add_data_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-path", default=None, metavar="PREFIX",
-                   help="a tokenized corpus (PREFIX.bin/.idx, scripts/preprocess_data.py) instead of mock data")
-    p.add_argument("--tokenizer-model", default=None, help="its SentencePiece model (with --data-path)")
-
-
-def data_flags(opts) -> list:
-    """Trainer flags for the training data: mock tokens, or a corpus with its SentencePiece tokenizer."""
-    path = getattr(opts, "data_path", None)
-    if path is None:
-        return MOCK_DATA
-    if not getattr(opts, "tokenizer_model", None):
-        raise SystemExit("--data-path needs --tokenizer-model")
-    return ["--data-path", path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", opts.tokenizer_model]
-
-
-def describe_data(opts) -> str:
-    path = getattr(opts, "data_path", None)
-    return f"corpus {os.path.basename(path)}" if path else "mock data"
-
-
-def global_batch(opts) -> int:
-    """micro x GPUs x micro-batches per step (`grad_accum`, 1 where a caller has none)."""
-    return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
-
-
-KILL_AFTER_S = 30  # a timed-out run gets this long to stop after SIGTERM before `timeout` kills it
-
-
-def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = None) -> dict:
-    """One trainer run; returns median step time (s), final loss and every step's loss, peak memory (GB,
-    rank 0) and model TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
-    `env`: the trainer's environment (default: this process's); `fp8`: a --fp8-peer recipe (with int8 False)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "log.jsonl")
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                    str(opts.nproc)] if opts.nproc > 1 else [sys.executable]
-        layout = opts.layout.split() if opts.layout is not None else PARALLEL_OVERRIDES
-        cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
-               *data_flags(opts), "--num-layers", str(layers), "--train-iters", str(opts.iters),
-               "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
-               "--global-batch-size", str(global_batch(opts)), "--log-interval", "1",
-               "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
-               *BENCH_OVERRIDES, *layout, *opts.extra]
-        if int8:
-            cmd.append("--int8-linear")
-        if fp8:
-            cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
-        if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
-            cmd = ["timeout", "--kill-after", str(KILL_AFTER_S), str(int(opts.run_timeout)), *cmd]
-        start = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8}{f' fp8={fp8}' if fp8 else ''} "
-                               f"(exit {proc.returncode})")
-        with open(log, encoding="utf-8") as f:
-            steps = [json.loads(line) for line in f if '"lm_loss"' in line]
-    timed = [s["step_time_s"] for s in steps[opts.warmup:]]
-    if not timed:
-        raise RuntimeError(f"{model}: no timed iterations (iters {opts.iters} <= warmup {opts.warmup})")
-    peaks, residents = PEAK_MEMORY.findall(proc.stdout), RESIDENT_MEMORY.findall(proc.stdout)
-    intervals, tflops = ITERATION_MS.findall(proc.stdout), TFLOPS.findall(proc.stdout)
-    # model TFLOP per GPU and iteration (the trainer's formula, fixed for a run) over the median step time
-    tflop_per_gpu = float(tflops[-1]) * float(intervals[-1]) / 1e3 if tflops and intervals else float("nan")
-    result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
-              "losses": [round(s["lm_loss"], 5) for s in steps],
-              "peak_gb": float(peaks[-1]) if peaks else float("nan"),
-              "resident_gb": float(residents[-1]) if residents else float("nan"), "wall_s": time.time() - start}
-    result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
-    where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""
-    label = "int8" if int8 else ("fp8" if fp8 else "bf16")
-    print(f"  {model:16s} L={layers:2d} {label}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
-          f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB "
-          f"({result['resident_gb']:.1f} GB between steps), run {result['wall_s']:.0f} s", flush=True)
-    return result
-
-
-def full_depth(model: str) -> int:
-    with open(os.path.join(ROOT, "configs", f"{model}.yaml"), encoding="utf-8") as f:
-        return int(yaml.safe_load(f)["num_layers"])
 
 
 def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:
@@ -243,6 +144,7 @@ def main(argv=None):
             return
         with publishing:
             rows[model] = row
+            common.append_results("e2e_fp8" if opts.fp8_peer else "e2e", [csv_row(row, opts)])
             if out:
                 done = [rows[m] for m in opts.models if m in rows]
                 with open(out, "w", encoding="utf-8") as f:
@@ -270,6 +172,18 @@ def main(argv=None):
     print(format_table([rows[m] for m in opts.models if m in rows], opts))
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
+
+
+def csv_row(row: dict, opts) -> dict:
+    """A model's figures as one flat CSV row, with the run's settings."""
+    settings = dict(seq=opts.seq_length, micro_batch=opts.micro_batch_size, global_batch=global_batch(opts),
+                    nproc=opts.nproc, layout=opts.layout or "", data=describe_data(opts), iters=opts.iters,
+                    extra=" ".join(opts.extra))
+    columns = ["model", "measured", "full", "projected"] + [f"{p}_{figure}" for p in precisions(opts)
+                                                            for figure in ("tok_s", "full_tok_s", "peak_gb",
+                                                                           "resident_gb", "loss")]
+    figures = {k: row.get(k, "") for k in columns}  # a failed FP8 run leaves its cells empty
+    return {**{k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()}, **settings}
 
 
 def step_memory(row: dict, precision: str) -> float:

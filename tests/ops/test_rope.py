@@ -10,8 +10,9 @@ from mcore_helpers import single_process_megatron
 
 from megatron_int8.ops import rope
 from megatron_int8.training.args import parse_args, transformer_config_from_args, validate_args
+from repo_paths import CONFIGS
 
-TINY_YAML = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+TINY_YAML = os.path.join(CONFIGS, "tiny.yaml")
 
 
 def _angles(S, B, rot):

@@ -1,6 +1,6 @@
 """Benchmark Mixtral's expert GEMMs on one Hopper GPU, per-expert loops vs grouped launches; one markdown table.
 
-    PYTHONUNBUFFERED=1 python3 scripts/bench_moe_gemm.py [--quick] [--tokens 8192] [--out FILE]
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_moe_gemm.py [--quick] [--tokens 8192] [--out FILE]
 
 Mixtral-8x7B's experts (hidden 4096, ffn 14336, SwiGLU): fc1 [T, 4096] -> [T, 28672], fc2 [T, 14336] ->
 [T, 4096], with E = 8 local experts sharing `--tokens` routed tokens, mildly skewed (the counts of a
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
 
 from megatron_int8.kernels import triton_gemm, triton_grouped_gemm, triton_quantize  # noqa: E402
 from megatron_int8.kernels.int8_gemm import ENV_KERNEL  # noqa: E402

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call (nvidia-h200-x4, repo root, .whl with megatron-core carried): INT8 vs BF16 scale-out runs
-# of issue #7 through scripts/bench_scaling.py (full-depth models, mock data, NCCL). Table, per-run JSON
+# of issue #7 through benchmarks/bench_scaling.py (full-depth models, mock data, NCCL). Table, per-run JSON
 # results and logs go to $OUT; docs/scaling.md says how the calls are split and merged.
 #
-#   LAYOUTS="llama2_7b-tp2sp-dp2" VARIANTS="bf16 int8 int8-int8ag" bash scripts/gpu_scaling_check.sh  # call 1
+#   LAYOUTS="llama2_7b-tp2sp-dp2" VARIANTS="bf16 int8 int8-int8ag" bash benchmarks/gpu_scaling_check.sh  # call 1
 #   LAYOUTS="llama2_7b-tp2sp-dp2" VARIANTS="int8-tensor int8-tensor-int8ag" bash ...                # call 1b
-#   LAYOUTS="mixtral_8x7b_8l-ep4 llama2_13b-tp4sp" bash scripts/gpu_scaling_check.sh    # call 2 (4 runs)
-#   SMOKE=1 bash scripts/gpu_scaling_check.sh                                           # CPU plumbing check
+#   LAYOUTS="mixtral_8x7b_8l-ep4 llama2_13b-tp4sp" bash benchmarks/gpu_scaling_check.sh    # call 2 (4 runs)
+#   SMOKE=1 bash benchmarks/gpu_scaling_check.sh                                           # CPU plumbing check
 #
 # Environment: LAYOUTS (default: bench_scaling.py's three 4-GPU layouts), VARIANTS (bf16 int8 int8-int8ag int8-tensor int8-tensor-int8ag;
 # default: each layout's own), ITERS [50], WARMUP [5],
@@ -38,5 +38,5 @@ if [[ -z "${SMOKE:-}" ]]; then
     { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } 2>&1 | tee "$OUT/gpu.txt"
 fi
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'mcore', m.__version__, 'cuda', torch.version.cuda)" 2>&1 | tee -a "$OUT/gpu.txt"
-python3 scripts/bench_scaling.py "${ARGS[@]}" 2>&1 | tee "$OUT/bench_scaling.log" | grep -E "^==|^  [a-z]|failed|^\||INT8 SP all-gather|^table"
+python3 benchmarks/bench_scaling.py "${ARGS[@]}" 2>&1 | tee "$OUT/bench_scaling.log" | grep -E "^==|^  [a-z]|failed|^\||INT8 SP all-gather|^table"
 exit "${PIPESTATUS[0]}"

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 from mcore_helpers import init_megatron, outlier_tensor, run_distributed, single_process_megatron, tiny_config
+from repo_paths import CONFIGS
 
 FP32_EPS = 2.0**-24
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
 @pytest.mark.parametrize("vocab,tokens,distinct", [(50, (3, 100), 40), (7, (1, 1), 1), (9, (4, 16), 1)])

@@ -25,6 +25,7 @@ from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 from mcore_helpers import init_megatron, run_distributed, single_process_megatron
 
 from megatron_int8.ops import cross_entropy as ce
+from repo_paths import CONFIGS
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 U = 2.0 ** -24
@@ -350,7 +351,7 @@ def test_trainer_installs_it_with_cross_entropy_fusion(megatron_binding):
     from megatron_int8.training.args import parse_args, validate_args
     from megatron_int8.training.model import build_config
 
-    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
+    tiny = os.path.join(CONFIGS, "tiny.yaml")
     args = validate_args(parse_args(["--config", tiny, "--mock-data", "--tokenizer-type", "NullTokenizer",
                                      "--vocab-size", "512", "--bf16", "--cross-entropy-loss-fusion"]), 1)
     lines = []

@@ -12,5 +12,5 @@ python3 -c "import torch, triton, megatron.core as m; print('torch', torch.__ver
 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rf tests/test_layers_gpu.py 2>&1 | tee "$OUT/layers_tests.log" | tail -8
 for opts in "" "--cache-weights --no-stock" "--cache-weights --check-finite immediate --no-stock" ${EXTRA_BENCH:+"$EXTRA_BENCH"}; do
   echo "== bench_layer.py $opts"
-  timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bench_layer.py $opts 2>&1 | tee -a "$OUT/bench_layer.log" | grep -E "^\||fwd\+bwd|Error|error"
+  timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_layer.py $opts 2>&1 | tee -a "$OUT/bench_layer.log" | grep -E "^\||fwd\+bwd|Error|error"
 done

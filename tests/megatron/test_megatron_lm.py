@@ -13,8 +13,8 @@ import pytest
 
 from megatron_int8 import megatron_lm
 from megatron_int8.training.args import ArgumentError, parse_args
+from repo_paths import ROOT
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 MODEL_YAMLS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+from repo_paths import ROOT
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CODE = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n\n\nclass A:\n    pass\n"
 
 

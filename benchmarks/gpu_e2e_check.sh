@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call on a several-GPU host (nvidia-h200-x4; repo root, .whl with megatron-core carried):
-# the six models' end-to-end INT8 vs BF16 throughput (scripts/bench_e2e.py, one model per GPU at a time on
+# the six models' end-to-end INT8 vs BF16 throughput (benchmarks/bench_e2e.py, one model per GPU at a time on
 # E2E_GPUS) while the kernel and layer GPU tests run on TEST_GPU. Tables and logs go to $OUT.
 #
-#   bash scripts/gpu_e2e_check.sh
+#   bash benchmarks/gpu_e2e_check.sh
 #
 # Environment: E2E_GPUS [0 1 2], TEST_GPU [3] (empty: no tests), TESTS [kernels layers] (which of
 # tests/test_{kernels,layers,training}_gpu.py run there, in that order), MODELS (bench_e2e.py's order: the
@@ -40,7 +40,7 @@ if [[ -n "${TEST_GPU-3}" ]]; then
 fi
 
 MODELS=${MODELS:-"llama2_13b mixtral_8x7b_8l qwen3_8b llama3.1_8b llama2_7b qwen3_4b"}
-timeout "${E2E_TIMEOUT:-540}" python3 scripts/bench_e2e.py --gpus ${E2E_GPUS:-0 1 2} --models $MODELS \
+timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py --gpus ${E2E_GPUS:-0 1 2} --models $MODELS \
   --iters "${ITERS:-10}" --warmup "${WARMUP:-3}" --micro-batch-size "${MICRO_BATCH:-1}" --grad-accum "${GRAD_ACCUM:-8}" \
   --out "$OUT/bench_e2e.md" ${EXTRA:+--extra $EXTRA} 2>&1 \
   | tee "$OUT/bench_e2e.log"

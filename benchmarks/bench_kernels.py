@@ -1,6 +1,6 @@
 """Benchmark the INT8 kernels on one Hopper GPU and print markdown tables.
 
-    PYTHONUNBUFFERED=1 python3 scripts/bench_kernels.py [--quick] [--no-compile] [--out DIR]
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_kernels.py [--quick] [--no-compile] [--out DIR]
 
 --quick: Llama2-7B's four linears only (GEMMs and fwd+bwd) plus the quantize table, no torch.compile
 section: a few minutes, for a check after a kernel change.
@@ -31,14 +31,13 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
 
 from megatron_int8 import Int8Recipe, int8_linear, invalidate_weight_caches  # noqa: E402
 from megatron_int8.reference import ReferenceBackend  # noqa: E402

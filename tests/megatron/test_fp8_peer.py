@@ -3,6 +3,7 @@ for the transformer-layer linears only, same attention/norm/MLP modules as the I
 BF16-identical state-dict keys, and clear errors (TP>1, missing torchao, no FP8 GPU). Where torchao is
 importable, torchao's emulation (dequantize + fp32 matmul) checks the numerics against float64 and the
 gradient hand-off to megatron's DDP. The FP8 GEMMs themselves run in tests/test_layers_gpu.py."""
+import csv
 import dataclasses
 import json
 import os
@@ -18,6 +19,7 @@ from megatron_int8.megatron.cli import policy_from_args
 from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.megatron.precision_table import format_precision_table, precision_table_rows
 from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+from repo_paths import BENCHMARKS
 
 BASE_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--vocab-size", "128"]
@@ -265,7 +267,7 @@ def test_emulated_gradients_reach_ddp_main_grad_once():
 def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
     """bench_e2e.py --fp8-peer: a third run per depth with `--fp8-peer tensorwise`, FP8 columns in the table
     and JSON; a model whose FP8 run fails keeps its BF16/INT8 numbers and shows n/a."""
-    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    monkeypatch.syspath_prepend(BENCHMARKS)
     import bench_e2e
 
     calls = []
@@ -282,8 +284,14 @@ def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
                 "wall_s": 1.0, "tflops_per_gpu": 1.0}
 
     monkeypatch.setattr(bench_e2e, "run_trainer", fake_run)
+    monkeypatch.setenv("OUT", str(tmp_path))  # the results CSV goes to $OUT, not the repository
     out = tmp_path / "e2e.md"
     bench_e2e.main(["--models", "llama2_7b", "qwen3_4b", "--fp8-peer", "--out", str(out)])
+    with open(tmp_path / "e2e_fp8.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["model"] for r in csv_rows] == ["llama2_7b", "qwen3_4b"]
+    assert csv_rows[0]["gpu"] and csv_rows[0]["commit"] and "--fp8-peer" not in csv_rows[0]["extra"]
+
     assert ("llama2_7b", 4, "tensorwise") in calls and ("llama2_7b", 2, "tensorwise") in calls
     table = out.read_text()
     assert "| FP8 tok/s |" in table and "FP8/BF16 (measured)" in table and "torchao float8 tensorwise" in table
@@ -297,5 +305,7 @@ def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
     assert header.count("|") == rule.count("|") == llama.count("|") == qwen.count("|")
     records = json.loads(out.with_suffix(".json").read_text())
     assert "fp8_tok_s" in records[0] and "fp8_error" in records[1]
+    assert float(csv_rows[0]["int8_tok_s"]) == pytest.approx(records[0]["int8_tok_s"], rel=1e-3)
+    assert csv_rows[1]["fp8_tok_s"] == ""  # the failed FP8 run leaves its cell empty
     plain = bench_e2e.format_table(records, bench_e2e.parse_args(["--models", "llama2_7b"]))
     assert "FP8" not in plain and "| speedup (measured) |" in plain

@@ -6,13 +6,13 @@ installed, else skipped with the reason printed), plus megatron-core's stock loc
 (DotProductAttention) for reference.
 
 Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-store process group.
-    python scripts/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
-    python scripts/bench_layer.py --device cpu --tiny  # CI smoke test
-    python scripts/bench_layer.py --cuda-graph         # replays of captured steps: GPU time, no host overhead
+    python benchmarks/bench_layer.py                      # GPU, hidden 4096, ffn 11008, mbs 2 x seq 4096
+    python benchmarks/bench_layer.py --device cpu --tiny  # CI smoke test
+    python benchmarks/bench_layer.py --cuda-graph         # replays of captured steps: GPU time, no host overhead
     # a Mixtral-8x7B MoE layer (8 experts, top-2, SequentialMLP; one micro-batch of 4096 tokens):
-    python scripts/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
+    python benchmarks/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
     # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
-    python scripts/bench_layer.py --fp8-recipe rowwise --fp8-compile
+    python benchmarks/bench_layer.py --fp8-recipe rowwise --fp8-compile
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
 gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -29,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402,F401  (puts the repository on sys.path)
 from megatron_int8.megatron.policy import FP8_RECIPES  # noqa: E402
 from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
 

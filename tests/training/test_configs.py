@@ -8,8 +8,8 @@ from mcore_helpers import single_process_megatron
 
 from megatron_int8.megatron.cli import policy_from_args
 from megatron_int8.training.args import parse_args, validate_args
+from repo_paths import CONFIGS
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 # layers, hidden, ffn, heads, query groups, head dim, qk-norm, tied, rope base, rope scaling, eps,
 # experts, top-k, tokenizer vocabulary

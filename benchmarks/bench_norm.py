@@ -7,18 +7,16 @@ per eager step (CUDA events over back-to-back steps: includes the host time when
 is what an eager step pays when it is host-bound). GB/s counts the least an RMSNorm moves per GPU time:
 read x and write y forward; read x and dy and write dx backward.
 
-    python scripts/bench_norm.py            # seq 4096 x micro-batch 2, bf16
+    python benchmarks/bench_norm.py            # seq 4096 x micro-batch 2, bf16
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_rope import time_ms, token_args  # noqa: E402  (scripts/ is on the path when a script runs)
+from common import time_ms, token_args  # noqa: E402
 
 SHAPES = {  # name: (heads or None for a hidden norm, width, query heads + 2 key/value heads of the qkv output)
     "hidden 4096 (Llama2-7B, Llama3.1-8B, Qwen3-8B)": (None, 4096, None),

@@ -3,7 +3,7 @@
 # ONE GPU: a 4-layer Llama-style model on mock data, first with --int8-linear, then the same run in BF16
 # (upstream's local spec). One call on the GPU machine, from the repository root:
 #
-#   bash scripts/gpu_megatron_lm_check.sh
+#   bash benchmarks/gpu_megatron_lm_check.sh
 #
 # Needs third_party/megatron-lm (bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM) and, where
 # megatron-core is not installed, its wheel in .whl/ (installed into /tmp/site). Offline machines without
@@ -74,7 +74,7 @@ fi
 DATASETS=$(python3 -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))") || exit 1
 if [ ! -f "$DATASETS/Makefile" ] && [ -w "$DATASETS" ]; then
   cat > "$DATASETS/Makefile" <<'EOF'
-# written by megatron-int8's scripts/gpu_megatron_lm_check.sh (the wheel ships helpers_cpp prebuilt)
+# written by megatron-int8's benchmarks/gpu_megatron_lm_check.sh (the wheel ships helpers_cpp prebuilt)
 LIBEXT = $(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 OUT = helpers_cpp$(LIBEXT)
 default: $(OUT)

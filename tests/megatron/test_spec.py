@@ -7,6 +7,7 @@ from mcore_helpers import assert_layers_bit_identical, outlier_tensor, query_nor
 
 from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.recipe import Int8Recipe
+from repo_paths import BENCHMARKS, ROOT
 
 # Tiny stand-ins of the targets (see docs / research notes): what distinguishes each architecture
 # is kept (MHA/GQA, head_dim != hidden/heads, qk-norm, tied embeddings, RoPE base and scaling, MoE).
@@ -231,17 +232,15 @@ def test_query_norm_in_place_matches_megatron_self_attention(groups, qk_norm, in
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_bench_layer_cpu_smoke(tmp_path, moe):
-    """scripts/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path), dense and
+    """benchmarks/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path), dense and
     MoE (4 experts, GQA, grouped INT8 experts next to per-expert ones)."""
     import os
     import subprocess
     import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OUT=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
     extra = ["--num-experts", "4", "--num-query-groups", "2", "--moe-grouped-gemm", "--granularity", "row"] if moe else []
-    result = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_layer.py"), "--device", "cpu",
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_layer.py"), "--device", "cpu",
                              "--tiny", *extra], env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "bench_layer.md").read_text()

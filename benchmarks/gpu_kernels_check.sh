@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (run from the repo root, .whl carried): GPU kernel tests, then the benchmark.
-#   bash scripts/gpu_kernels_check.sh            # env: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS, SKIP_TESTS
+#   bash benchmarks/gpu_kernels_check.sh            # env: TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS, SKIP_TESTS
 # BENCH_ARGS defaults to --quick (Llama2-7B + the quantize table, so tests + benchmark fit in ~5 minutes);
 # BENCH_ARGS=" " runs the full benchmark.
 set -o pipefail
@@ -20,5 +20,5 @@ if [ -z "$SKIP_TESTS" ]; then
   MEGATRON_INT8_GEMM_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/test_kernels_gpu.py $TEST_ARGS 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_kernels.py ${BENCH_ARGS---quick} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py ${BENCH_ARGS---quick} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
 cat "$OUT/bench_kernels.md" 2>/dev/null

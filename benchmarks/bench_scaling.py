@@ -6,7 +6,7 @@ data, once per variant: BF16 (the baseline), INT8 (`--int8-linear`, the default 
 the sequence-parallel Llama2-7B layouts also INT8 with `--int8-all-gather` and the tensorwise recipe
 (scales with stochastic rounding of gradients) without and with it, which isolates the INT8 SP
 all-gather (quantize each rank's shard with the group's scales, gather INT8) against the default BF16
-gather. Each run is `scripts/bench_e2e.py`'s `run_trainer` (median step time after --warmup
+gather. Each run is `benchmarks/bench_e2e.py`'s `run_trainer` (median step time after --warmup
 iterations, loss, rank 0's peak memory, model TFLOP/s per GPU). Global batch = micro-batch x GPUs, so every
 layout trains on the same tokens per iteration (seq x micro x GPUs) and data-parallel ranks accumulate.
 
@@ -14,10 +14,10 @@ After every run its result goes to RESULTS/<layout>__<variant>.json and the mark
 so a device call cut short still returns what finished; `--deadline` keeps the whole call inside a time
 limit (later runs get the time left, or are skipped and listed as such).
 
-    python scripts/bench_scaling.py                                   # the 4-GPU layouts, 50 iterations
-    python scripts/bench_scaling.py --layouts llama2_7b-tp2sp-dp2 --iters 60 --deadline 500
-    python scripts/bench_scaling.py --smoke                           # CPU, gloo, 2 processes, tiny widths
-    python scripts/bench_scaling.py --report DIR [DIR ...]            # one table from earlier calls' results
+    python benchmarks/bench_scaling.py                                   # the 4-GPU layouts, 50 iterations
+    python benchmarks/bench_scaling.py --layouts llama2_7b-tp2sp-dp2 --iters 60 --deadline 500
+    python benchmarks/bench_scaling.py --smoke                           # CPU, gloo, 2 processes, tiny widths
+    python benchmarks/bench_scaling.py --report DIR [DIR ...]            # one table from earlier calls' results
 
 Outputs (default directory: $OUT, else runs/scaling): bench_scaling.md (the table), scaling_results/*.json.
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and CUDA_DEVICE_MAX_CONNECTIONS=1 are set for every
@@ -35,8 +35,7 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import KILL_AFTER_S, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
+from common import KILL_AFTER_S, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]

@@ -3,47 +3,18 @@
 q and k are strided slices of a fused qkv output, as in megatron's attention; one row per shape. The
 bytes column counts one read and one write of q (or k) in each direction, the least a RoPE can move.
 
-    python scripts/bench_rope.py            # Llama2-13B at TP 2 and Llama3.1-8B (GQA), seq 4096 x mb 2
+    python benchmarks/bench_rope.py            # Llama2-13B at TP 2 and Llama3.1-8B (GQA), seq 4096 x mb 2
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import time_ms, token_args
 
 SHAPES = {  # name: (query heads, key/value groups, head dim) per tensor-parallel rank
     "llama2_13b-tp2": (20, 20, 128),
     "llama3.1_8b": (32, 8, 128),
 }
-
-
-def time_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
-    """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--iters", type=int, default=50)
-    opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{script} needs a CUDA GPU")
-    return opts
 
 
 def main(argv=None) -> None:

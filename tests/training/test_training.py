@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
+from repo_paths import ROOT
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 pytestmark = pytest.mark.slow
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",

@@ -12,6 +12,7 @@ import pytest
 import torch
 from mcore_helpers import assert_fp8_linear_within_bounds, assert_layers_bit_identical, fp8_linear_checks, \
     nearest_recipe, outlier_tensor, qgemm_bound, query_norm_layer_pair, single_process_megatron, tiny_config
+from repo_paths import BENCHMARKS, ROOT
 
 pytestmark = pytest.mark.gpu
 BF16_HALF_ULP = 2.0**-9  # relative rounding of a bf16 result
@@ -27,7 +28,6 @@ def _fp8_unavailable():
 
 FP8_UNAVAILABLE = _fp8_unavailable()
 needs_fp8 = pytest.mark.skipif(FP8_UNAVAILABLE is not None, reason=f"FP8 peer unavailable: {FP8_UNAVAILABLE}")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,10 +49,10 @@ def _run_on_outliers(layer, gen):
 
 
 def _run_bench_layer(tmp_path, *argv, timeout):
-    """scripts/bench_layer.py ARGV in a subprocess with OUT=tmp_path; returns (its table file, its stdout)."""
+    """benchmarks/bench_layer.py ARGV in a subprocess with OUT=tmp_path; returns (its table file, its stdout)."""
     env = dict(os.environ, OUT=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ROOT) if p)
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_layer.py"), *argv],
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_layer.py"), *argv],
                             env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return (tmp_path / "bench_layer.md").read_text(), result.stdout

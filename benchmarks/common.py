@@ -1,0 +1,200 @@
+"""What the benchmarks share: the repository on sys.path (the GPU machine runs them from a checkout, not
+an install), CUDA timing, the trainer runs of the end-to-end benchmarks, and the results CSVs.
+
+Every benchmark imports this module first (`import common`; a script's own folder is on sys.path).
+Results: `append_results(name, rows)` adds machine-readable rows to benchmarks/results/<name>.csv (to
+$OUT/<name>.csv where $OUT is set, as on the GPU machine) with the GPU, date, commit, software versions
+and the command that produced them.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PROVENANCE = ("date", "commit", "gpu", "torch", "triton", "command")
+
+
+def provenance() -> dict:
+    """Where a measurement comes from: date, commit (with '+dirty' for uncommitted changes), GPU, versions,
+    and the command line."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "-"
+
+    def git(*args):
+        proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("MEGATRON_INT8_COMMIT", "unknown")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": gpu,
+            "torch": torch.__version__, "triton": triton_version,
+            "command": " ".join(shlex.quote(a) for a in ["python3", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
+
+
+def append_results(name: str, rows, directory: str = None) -> str:
+    """Append `rows` (dicts of one benchmark's figures) to <directory or benchmarks/results>/<name>.csv, each
+    row prefixed with `provenance()`. A new file gets a header; an existing one must have the same columns
+    (a changed benchmark writes a new file name rather than mixing layouts). Returns the path."""
+    rows = [dict(r) for r in rows]
+    if not rows:
+        return ""
+    origin = provenance()
+    fields = list(PROVENANCE) + [k for k in rows[0] if k not in PROVENANCE]
+    # on the GPU machine $OUT is what comes back: the rows go there, to be appended to the repository's CSV
+    path = os.path.join(directory or os.environ.get("OUT") or RESULTS, f"{name}.csv")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    exists = os.path.exists(path) and os.path.getsize(path) > 0
+    if exists:
+        with open(path, newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f))
+        if header != fields:
+            raise ValueError(f"{path} has columns {header}, these rows have {fields}: write to a new file")
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if not exists:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({**origin, **row})
+    return path
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
+    """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--iters", type=int, default=50)
+    opts = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    return opts
+
+
+# ----------------------------------------------------------------------- trainer runs (end to end, scaling)
+PEAK_MEMORY = re.compile(r"peak memory \(GB\): ([0-9.]+)")
+RESIDENT_MEMORY = re.compile(r"memory between steps \(GB\): ([0-9.]+)")
+# the trainer's log line: iteration time and model TFLOP/s per GPU over the same interval
+ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+)")
+BENCH_OVERRIDES = ["--lr-warmup-iters", "0"]
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer"]
+PARALLEL_OVERRIDES = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                      "--expert-model-parallel-size", "1"]
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-path", default=None, metavar="PREFIX",
+                   help="a tokenized corpus (PREFIX.bin/.idx, scripts/preprocess_data.py) instead of mock data")
+    p.add_argument("--tokenizer-model", default=None, help="its SentencePiece model (with --data-path)")
+
+
+def data_flags(opts) -> list:
+    """Trainer flags for the training data: mock tokens, or a corpus with its SentencePiece tokenizer."""
+    path = getattr(opts, "data_path", None)
+    if path is None:
+        return MOCK_DATA
+    if not getattr(opts, "tokenizer_model", None):
+        raise SystemExit("--data-path needs --tokenizer-model")
+    return ["--data-path", path, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", opts.tokenizer_model]
+
+
+def describe_data(opts) -> str:
+    path = getattr(opts, "data_path", None)
+    return f"corpus {os.path.basename(path)}" if path else "mock data"
+
+
+def global_batch(opts) -> int:
+    """micro x GPUs x micro-batches per step (`grad_accum`, 1 where a caller has none)."""
+    return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
+
+
+KILL_AFTER_S = 30  # a timed-out run gets this long to stop after SIGTERM before `timeout` kills it
+
+
+def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = None) -> dict:
+    """One trainer run; returns median step time (s), final loss and every step's loss, peak memory (GB,
+    rank 0) and model TFLOP/s per GPU at the median step time. `opts.run_timeout` (seconds, optional) ends a hung run;
+    `env`: the trainer's environment (default: this process's); `fp8`: a --fp8-peer recipe (with int8 False)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                    str(opts.nproc)] if opts.nproc > 1 else [sys.executable]
+        layout = opts.layout.split() if opts.layout is not None else PARALLEL_OVERRIDES
+        cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
+               *data_flags(opts), "--num-layers", str(layers), "--train-iters", str(opts.iters),
+               "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
+               "--global-batch-size", str(global_batch(opts)), "--log-interval", "1",
+               "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
+               *BENCH_OVERRIDES, *layout, *opts.extra]
+        if int8:
+            cmd.append("--int8-linear")
+        if fp8:
+            cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
+        if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
+            cmd = ["timeout", "--kill-after", str(KILL_AFTER_S), str(int(opts.run_timeout)), *cmd]
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise RuntimeError(f"trainer failed for {model} L={layers} int8={int8}{f' fp8={fp8}' if fp8 else ''} "
+                               f"(exit {proc.returncode})")
+        with open(log, encoding="utf-8") as f:
+            steps = [json.loads(line) for line in f if '"lm_loss"' in line]
+    timed = [s["step_time_s"] for s in steps[opts.warmup:]]
+    if not timed:
+        raise RuntimeError(f"{model}: no timed iterations (iters {opts.iters} <= warmup {opts.warmup})")
+    peaks, residents = PEAK_MEMORY.findall(proc.stdout), RESIDENT_MEMORY.findall(proc.stdout)
+    intervals, tflops = ITERATION_MS.findall(proc.stdout), TFLOPS.findall(proc.stdout)
+    # model TFLOP per GPU and iteration (the trainer's formula, fixed for a run) over the median step time
+    tflop_per_gpu = float(tflops[-1]) * float(intervals[-1]) / 1e3 if tflops and intervals else float("nan")
+    result = {"step_s": statistics.median(timed), "loss": steps[-1]["lm_loss"],
+              "losses": [round(s["lm_loss"], 5) for s in steps],
+              "peak_gb": float(peaks[-1]) if peaks else float("nan"),
+              "resident_gb": float(residents[-1]) if residents else float("nan"), "wall_s": time.time() - start}
+    result["tflops_per_gpu"] = tflop_per_gpu / result["step_s"]
+    where = f" [GPU {env['CUDA_VISIBLE_DEVICES']}]" if env and "CUDA_VISIBLE_DEVICES" in env else ""
+    label = "int8" if int8 else ("fp8" if fp8 else "bf16")
+    print(f"  {model:16s} L={layers:2d} {label}{where}: step {result['step_s'] * 1e3:8.1f} ms, "
+          f"loss {result['loss']:.4f}, peak {result['peak_gb']:.1f} GB "
+          f"({result['resident_gb']:.1f} GB between steps), run {result['wall_s']:.0f} s", flush=True)
+    return result
+
+
+def full_depth(model: str) -> int:
+    with open(os.path.join(ROOT, "configs", f"{model}.yaml"), encoding="utf-8") as f:
+        return int(yaml.safe_load(f)["num_layers"])
