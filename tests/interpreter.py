@@ -1,8 +1,8 @@
 """Running a test file's Triton kernel tests under TRITON_INTERPRET=1.
 
 Triton decides at import time (and at each @triton.jit) whether it interprets, so TRITON_INTERPRET must be
-set before triton is first imported, which another test file of the session may already have done. A file
-with kernel tests therefore has one driver test in the parent session that reruns the file in a fresh
+set before triton is first imported, which another test file of the run may already have done. A file
+with kernel tests therefore has one driver test in the parent pytest process that reruns the file in a fresh
 interpreter with the variable set (`run_file_interpreted`), and marks its kernel tests to run only there.
 """
 import os

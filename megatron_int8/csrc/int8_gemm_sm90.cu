@@ -6,7 +6,7 @@
 // (megatron_int8.quantize.gemm), so results are bit-identical to it.
 //
 // Why CUDA and not Triton: Triton 3.6's software-pipelined INT8 kernel tops out at 60-64% of Hopper's INT8
-// peak, and its warp specialization miscomputes at 4 warps (docs/benchmarks.md, eighth session). This
+// peak, and its warp specialization miscomputes at 4 warps (docs/history.md, 2026-11-21). This
 // kernel is warp-specialized by hand: one producer thread issues TMA loads into a 3-stage shared-memory ring
 // (mbarrier full/empty pairs), two consumer warpgroups each run wgmma m64n256k32 on half of a 128 x 256
 // output tile. Persistent grid, group-M tile order. The epilogue writes the dequantized tile into a
@@ -165,7 +165,7 @@ __device__ __forceinline__ void stage_pair(uint8_t* slot, int row, int byte, flo
 // once (the tiles run in lockstep), and that burst stalls the next tiles' operand loads: a Mixtral expert's wgrad
 // (K = 2048 tokens) took 1.9x the time of the same GEMM with a bf16 output, 1.5x with the prefetch. At K = 8192
 // the burst is a small share of the tile and the prefetch changed nothing (docs/kernels.md, "CUDA GEMM").
-// Prefetching the whole tile when it starts had slowed every wgrad (seventeenth session).
+// Prefetching the whole tile when it starts had slowed every wgrad (2026-11-22).
 __device__ __forceinline__ void prefetch_main_grad(const CUtensorMap* map_c, int kb, int k_blocks, int tm, int tn,
                                                    int M, int N) {
   if (k_blocks > kPrefetchMaxKBlocks) return;

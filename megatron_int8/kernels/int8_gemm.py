@@ -195,8 +195,8 @@ def _int8_gemm_tma_kernel(
     into main_grad asynchronously, so the old values never pass through registers and the next tile's
     mainloop does not wait for them. (The add is IEEE fp32 round-to-nearest; like every PTX fp32 reduction
     it flushes subnormal operands and results to zero.) Every launch of the package takes C_TMA; C_TMA False
-    (masked pointer loads/stores, the epilogue before the TMA one) stays as the reference that the tests and
-    scripts/bench_wgrad_epilogue.py compare it with.
+    (masked pointer loads/stores, the epilogue before the TMA one) stays as the reference that the tests
+    compare it with.
     GROUPED (grouped_gemm, row scales): b and sb are the experts' stacked [E * N, K] and [E * N]; a tile
     reads the N rows of its expert (BLOCK_M divides SEGMENT_ALIGN); a box past them reads the next
     expert's rows into columns >= N, which are never stored."""

@@ -3,7 +3,7 @@
 On every launch `JITFunction.run` binds the arguments, specializes each one (integer divisibility, pointer
 alignment), formats a cache key string and checks the kernel's globals: tens of microseconds of Python,
 nine times per INT8 linear fwd+bwd. Under tensor parallelism 4 the GPU waits for exactly that host time
-(docs/scaling.md, "Fifth session"). A `LaunchCache` keeps the CompiledKernel that `JITFunction.run`
+(docs/history.md, 2026-11-21). A `LaunchCache` keeps the CompiledKernel that `JITFunction.run`
 returned for one launch signature, and later launches with the same signature call it directly.
 
 The signature is everything compilation depends on, or finer: the current device; what Triton

@@ -17,7 +17,7 @@ Launches per `triton_quantize` call (the small linears are CPU-launch-bound, so 
   `rowwise_amax` for Q(x), `columnwise_amax` for Q(x^T), e.g. from the kernel that wrote x): a memset of
   the maxima buffer, then `_amax_kernel` folds each strip's row and column maxima into it by atomic max
   (int32 compares of non-negative floats: exact), then `_quantize_kernel`. This replaced partial maxima
-  reduced by a third kernel (26th session: the amax part 6-31% faster on an H100, docs/benchmarks.md);
+  reduced by a third kernel (2026-11-23: the amax part 6-31% faster on an H100, docs/benchmarks.md);
   before that, each 64 x 64 quantize tile reduced ~12 KB of partials for its 8 KB of data. With
   `columnwise_segments` (MoE experts) the same launches: the amax programs take strips of exactly
   SEGMENT_ALIGN rows (one segment each) and fold their column maxima into their segment's row of [E, C]
@@ -116,7 +116,7 @@ def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
     # Round half to even by adding 1.5 * 2^23: for |v| <= 127 the sum's ulp is 1, so the add rounds v, and
     # the sum's bits are 0x4B400000 + round(v): its low byte is round(v) as an int8. That skips the
     # subtraction and the float-to-int conversion (16 per clock per SM on Hopper, against 128 adds), which
-    # kept the both-axes pass compute-bound on an H200 (Nsight Compute, 23rd session).
+    # kept the both-axes pass compute-bound on an H200 (Nsight Compute, 2026-11-22).
     return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
 
 
@@ -125,7 +125,7 @@ def _round_clamp_transposed(x_in, x, s_x, s_t, u, STOCHASTIC: tl.constexpr):
     """Q(x^T)'s tile, [TC, TR], of a [TR, TC] tile of x (x_in as loaded, x in fp32): s_x / s_t are its
     scales broadcast in x's / x^T's layout. Rounding to nearest transposes the 16-bit source tile and
     rounds in Q(x^T)'s layout: the quantize pass ran 10-15% faster on an H100 than with the int8 result
-    transposed (docs/benchmarks.md, eighth session). Stochastic rounding rounds in x's layout, where its
+    transposed (docs/history.md, 2026-11-21). Stochastic rounding rounds in x's layout, where its
     draws are, and transposes the int8 result."""
     if STOCHASTIC:
         return tl.trans(_round_clamp(x, s_x, u, True))
@@ -162,8 +162,8 @@ def _amax_kernel(
     ends, with no reduce launch (one memset of R + C words instead). Maxima accumulate elementwise in the
     loop and are reduced after it (a loop-carried reduction trips triton 3.6's OptimizeThreadLocality
     pass). The loop is software-pipelined (loads of the next steps in flight while one is reduced): with 4
-    warps per program, the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/benchmarks.md,
-    eighteenth session)."""
+    warps per program, the row-wise both-axes quantize ran 2-16% faster on an H100 (docs/history.md,
+    2026-11-22)."""
     rs, ct, n_ct, offs_c, mask_c = strip_program(C, TC)
     acc = tl.zeros((TR, TC), tl.float32)
     for r0 in tl.range(0, RB, TR, num_stages=3):
@@ -205,7 +205,7 @@ def _quantize_kernel(
     (measured 75 vs 79 us for 8192 x 4096 on an H200).
     The programs past the tiles store the scales: tensorwise one; row granularity SB at a time, row
     scales then column scales. Stored by the tiles of row 0 / column 0 instead, they cost every tile of
-    the row-wise pass 8-9% on an H200 (docs/benchmarks.md, 22nd session).
+    the row-wise pass 8-9% on an H200 (docs/history.md, 2026-11-22).
     SEG (columnwise_segments): the column maxima and Q(x^T)'s scales are [E, C] (an empty segment's maxima
     stay 0: scale 1); the tile (TR divides SEGMENT_ALIGN, so its rows belong to one segment) takes its
     segment's row of the maxima.
@@ -368,7 +368,7 @@ if _INTERPRET:
     _AMAX_WARPS = _Q_T_WARPS = _WARPS
 else:
     # amax: 64 x 128 register tile, strips of rows, 4 warps; quantize: 16 x 256 (one output, 512 B bf16 rows) or
-    # 64 x 128 with 4 warps (both outputs). On an H200 (22nd session),
+    # 64 x 128 with 4 warps (both outputs). On an H200 (2026-11-22),
     # once the scale stores had left the tiles, 64 x 128 ran the both-axes pass 2-6% faster than 64 x 64 and
     # the amax tile 64 x 128 took 2-17% off the amax pass against 32 x 256 (docs/benchmarks.md).
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (64, 128), (16, 256), (64, 128)
@@ -380,7 +380,7 @@ _MAX_TILE_PARTIALS = 1024  # tensorwise: partials that each quantize program red
 def _amax_rows_per_program(R: int, n_ct: int, tensor: bool) -> int:
     """Rows per amax program: enough programs to fill the GPU, few enough tensorwise partials to reduce
     cheaply (row granularity: few column atomics), and at least two steps each where x has the rows, so
-    the pipelined loop has a load to overlap (2048 x 28672 row-wise: 64 -> 48 us on an H100, 26th session)."""
+    the pipelined loop has a load to overlap (2048 x 28672 row-wise: 64 -> 48 us on an H100, 2026-11-23)."""
     TR = _AMAX_TILE[0]
     n_rt = cdiv(R, TR)
     strips = min(_MAX_STRIPS, n_rt // 2)

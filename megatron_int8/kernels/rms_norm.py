@@ -3,7 +3,7 @@
 x is viewed as [N, H, W] rows of width W (the last stride 1, any strides for N and H), so that a head
 slice of a fused qkv output (Qwen3's k, [s, b, groups, 128]) is normalized in place of a copy. Each
 program takes BLOCK_R rows at once: torch's kernels give a 128-wide row a block of its own and run 4x
-slower per byte there than over a 4096-wide row (docs/benchmarks.md, fourteenth session).
+slower per byte there than over a 4096-wide row (docs/history.md, 2026-11-22).
 
     forward   r = 1 / sqrt(mean(x^2) + eps),  y = x r w           (fp32 math, one rounding of y)
     backward  g = dy w,  dx = r (g - x r mean(g x r)),  dw = sum over rows of dy x r

@@ -107,9 +107,9 @@ _FWD = LaunchCache(_swiglu_fwd_kernel)
 _BWD = LaunchCache(_swiglu_bwd_kernel)
 
 # register tile (rows x columns of y), warps and pipeline stages; strips of rows per column block, at most.
-# 16 x 128 on 4 warps: of eleven tiles timed on an H200 (docs/benchmarks.md, 22nd session), the fastest with
+# 16 x 128 on 4 warps: of eleven tiles timed on an H200 (docs/history.md, 2026-11-22), the fastest with
 # maxima at F = 9728, 11008 and 14336 (Qwen3-4B fwd + bwd 358 us for 8192 rows, against 402 us for the
-# 32 x 256 tile on 8 warps chosen on an H100 in the nineteenth session), and level with it without maxima.
+# 32 x 256 tile on 8 warps chosen on an H100 on 2026-11-22), and level with it without maxima.
 # The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise multi-step strips.
 if os.environ.get("TRITON_INTERPRET") == "1":
     _TILE, _WARPS, _STAGES, _MAX_STRIPS = (4, 16), 4, 1, 3

@@ -3,7 +3,7 @@
 Megatron's `VocabParallelEmbedding` leaves its gradient to `F.embedding`'s backward: a zero-filled
 [vocab, hidden] gradient in the weight's dtype (778 MB for Qwen3-4B), the token rows scattered into it, and,
 once per micro-batch, megatron's DDP hook adding all of it into the fp32 `main_grad`. That costs about 2.4 ms
-per micro-batch for Qwen3-4B on an H200 (docs/benchmarks.md, 28th session), while only the rows of the
+per micro-batch for Qwen3-4B on an H200 (docs/history.md, 2026-11-23), while only the rows of the
 micro-batch's tokens change. Here backward sums each distinct token's rows in fp32 and adds the sums into
 those rows of `main_grad`, like megatron's gradient-accumulation fusion does for linears
 (`grad_added_to_main_grad` and a placeholder gradient for the DDP hook).
@@ -33,7 +33,7 @@ def add_rows_into(main_grad: torch.Tensor, ids: torch.Tensor, grad_rows: torch.T
     on [tokens, hidden] (the partial-segment reduction of F.embedding's backward: no atomics, and frequent
     tokens do not serialize). Each slot is then added to its id's row; the empty slots, all zeros, go to rows
     of their own, so that no row takes more than a few additions (one index crowded with thousands of them cost
-    1.9 ms per call in a sorted index_put_, 30th session) and adding exact zeros keeps the result exact."""
+    1.9 ms per call in a sorted index_put_, 2026-11-23) and adding exact zeros keeps the result exact."""
     ids = ids.reshape(-1).long()
     tokens = ids.numel()
     rows = grad_rows.reshape(tokens, grad_rows.shape[-1]).to(main_grad.dtype)

@@ -2,7 +2,7 @@
 
 torch's fused RMSNorm kernels are fast over a hidden size but give every row a block of its own: over
 Qwen3's 128-wide q/k heads they move 750 GB/s forward+backward, and their weight-gradient reduction over
-65,536 rows of k takes 194 us for 16 MB of input (docs/benchmarks.md, fourteenth session). Those norms
+65,536 rows of k takes 194 us for 16 MB of input (docs/history.md, 2026-11-22). Those norms
 then cost ~0.75 ms per layer and micro-batch, in BF16 and INT8 alike. Over a hidden size (2560-5120)
 torch's kernels already run at 2-3 TB/s, and a Python autograd Function would only add host time to
 eager steps. `FusedRMSNorm` is `torch.nn.RMSNorm` (same parameter, state-dict key `weight`, same

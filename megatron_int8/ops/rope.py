@@ -2,8 +2,8 @@
 
 Unfused, megatron-core rotates q and k with about ten elementwise launches each way (chunk, neg, cat,
 two bf16 multiplies, an add; backward the same). In a Llama2-13B TP 2 step on H200s they took ~1 ms
-per layer and micro-batch, as much as the quantization of all four INT8 linears (docs/benchmarks.md,
-eleventh session), a cost that BF16 and INT8 pay alike. With `config.apply_rope_fusion`, megatron calls
+per layer and micro-batch, as much as the quantization of all four INT8 linears (docs/history.md,
+2026-11-22), a cost that BF16 and INT8 pay alike. With `config.apply_rope_fusion`, megatron calls
 `rope_utils.fused_apply_rotary_pos_emb`, which only Transformer Engine provides: `install()` puts
 `fused_rope` there when TE is absent. On CUDA one Triton kernel (kernels/rope.py) reads q (or k) once
 and writes the result, and backward applies the transposed rotation; elsewhere, and for interleaved

@@ -4,7 +4,7 @@ Tiny ragged shapes so the interpreter stays quick. Quantized int8 data and scale
 to the reference; the GEMM's integer accumulation exact and its dequantized output equal up to fp32
 rounding.
 
-The tests run in a subprocess started with TRITON_INTERPRET=1 (one driver test in the parent session, see
+The tests run in a subprocess started with TRITON_INTERPRET=1 (one driver test in the parent pytest process, see
 tests/interpreter.py); run directly with TRITON_INTERPRET=1 set, they run in-process:
     TRITON_INTERPRET=1 python3 -m pytest -q tests/test_kernels.py
 """
@@ -1294,7 +1294,7 @@ def test_mlp_with_swiglu_maxima_skips_two_amax_passes(launch_log, granularity):
         assert torch.equal(got, want)
 
 
-# In the parent session every test above is skipped (the driver test runs them in the subprocess).
+# In the parent pytest process every test above is skipped (the driver test runs them in the subprocess).
 for _name, _fn in list(globals().items()):
     if _name.startswith("test_") and callable(_fn) and _name != "test_kernels_under_triton_interpreter":
         globals()[_name] = needs_interpreter(_fn)

@@ -31,7 +31,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 U = 2.0 ** -24
 MIN_BLOCK = 128  # the smallest chunk the kernel tests use: bounds count its chunk rescalings
 
-parent_only = pytest.mark.skipif(INTERPRETING, reason="runs in the parent session (not interpreted)")
+parent_only = pytest.mark.skipif(INTERPRETING, reason="runs in the parent pytest process (not interpreted)")
 
 
 # ----------------------------------------------------------------------------- data and float64 reference
@@ -164,7 +164,7 @@ def _run_and_check(dtype, V, layout, grad_kind, rounding):
     return loss
 
 
-# ----------------------------------------------------------------------------- PyTorch path (parent session)
+# ----------------------------------------------------------------------------- PyTorch path (parent pytest process)
 
 
 @parent_only
@@ -282,7 +282,7 @@ def test_tensor_parallel_over_two_gloo_ranks_equals_one_rank():
     """The vocabulary split over 2 ranks (megatron's ranges, ragged 593 per rank, targets on both sides of
     the split and outside the vocabulary): loss and shard gradients within the float64 bounds, as the
     full vocabulary on one rank and megatron's own vocab_parallel_cross_entropy at TP 2 give. Runs the
-    PyTorch path in the parent session and the Triton kernels in the TRITON_INTERPRET=1 one."""
+    PyTorch path in the parent pytest process and the Triton kernels in the TRITON_INTERPRET=1 one."""
     run_distributed(_tp_worker, 2)
 
 

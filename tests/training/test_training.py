@@ -428,8 +428,8 @@ def test_save_killed_midway_keeps_the_last_checkpoint(data, tmp_path):
             "--tokenizer-model", data["tokenizer"], "--data-cache-path", data["cache"], *SMALL_MODEL,
             "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "8", "--eval-interval", "100",
             "--save-interval", "2", "--save", str(save), "--int8-linear"]
-    # Its own session: the dying trainer leaves megatron's checkpoint-writer Manager process behind,
-    # which is then ended with the session's process group.
+    # Its own process group (setsid): the dying trainer leaves megatron's checkpoint-writer Manager process behind,
+    # which is then ended with that process group.
     with open(tmp_path / "killed.log", "w") as log:
         killed = subprocess.Popen([sys.executable, str(tmp_path / "dies.py")] + argv, cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True,
