@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.testing
 
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+import common  # noqa: E402  (puts the repository on sys.path)
 
 from megatron_int8 import Int8Recipe, int8_linear, invalidate_weight_caches  # noqa: E402
 from megatron_int8.reference import ReferenceBackend  # noqa: E402
@@ -446,7 +446,9 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"torch.compile section failed: {type(e).__name__}: {e}")
         print(f"[compile section {time.time() - t0:.0f} s]", flush=True)
-    print("\n" + _write(args.out, out, summary), flush=True)
+    text = _write(args.out, out, summary)
+    common.record_tables("kernels", text)
+    print("\n" + text, flush=True)
 
 
 def _write(out_dir, out, summary):

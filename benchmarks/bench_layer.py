@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+import common  # noqa: E402  (puts the repository on sys.path)
 from megatron_int8.megatron.policy import FP8_RECIPES  # noqa: E402
 from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
 
@@ -321,6 +321,7 @@ def main(argv=None) -> str:
     if skipped:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]
     table = "\n".join(lines)
+    common.record_tables("layer", table)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_layer.md"), "w") as f:

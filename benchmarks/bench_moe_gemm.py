@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.testing
 
-import common  # noqa: E402,F401  (puts the repository on sys.path)
+import common  # noqa: E402  (puts the repository on sys.path)
 
 from megatron_int8.kernels import triton_gemm, triton_grouped_gemm, triton_quantize  # noqa: E402
 from megatron_int8.kernels.int8_gemm import ENV_KERNEL  # noqa: E402
@@ -263,6 +263,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print("\n".join(quant))
     lines = head + rows + quant + [""] + [f"- {n}" for n in notes]
+    common.record_tables("moe_gemm", "\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -16,7 +16,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import time_ms, token_args  # noqa: E402
+from common import record_tables, time_ms, token_args  # noqa: E402
 
 SHAPES = {  # name: (heads or None for a hidden norm, width, query heads + 2 key/value heads of the qkv output)
     "hidden 4096 (Llama2-7B, Llama3.1-8B, Qwen3-8B)": (None, 4096, None),
@@ -74,6 +74,7 @@ def main(argv=None) -> None:
                f"{moved / gpu[0] / 1e6:.0f} / {moved / gpu[1] / 1e6:.0f} | {wall[0]:.3f} / {wall[1]:.3f} |")
         lines.append(row)
         print(row, flush=True)
+    record_tables("norm", "\n".join(lines))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_norm.md"), "w") as f:
             f.write("\n".join(lines) + "\n")

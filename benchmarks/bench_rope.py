@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common import time_ms, token_args
+from common import record_tables, time_ms, token_args
 
 SHAPES = {  # name: (query heads, key/value groups, head dim) per tensor-parallel rank
     "llama2_13b-tp2": (20, 20, 128),
@@ -26,8 +26,8 @@ def main(argv=None) -> None:
     S, B = opts.seq, opts.micro_batch
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {S} x micro-batch {B}, bf16, "
           f"q then k, forward + backward")
-    print("| shape | megatron unfused ms | fused ms | speedup | fused GB/s |")
-    print("|---|---|---|---|---|")
+    lines = ["| shape | megatron unfused ms | fused ms | speedup | fused GB/s |", "|---|---|---|---|---|"]
+    print("\n".join(lines))
     for name, (heads, groups, dim) in SHAPES.items():
         qkv = torch.randn(S, B, heads + 2 * groups, dim, device="cuda", dtype=torch.bfloat16)
         freqs = (torch.arange(S, device="cuda", dtype=torch.float32)[:, None]
@@ -42,7 +42,9 @@ def main(argv=None) -> None:
         unfused = time_ms(lambda: step(_apply_rotary_pos_emb_bshd), 5, opts.iters)
         fused = time_ms(lambda: step(fused_rope), 5, opts.iters)
         moved = 2 * 2 * S * B * (heads + groups) * dim * 2  # (read + write) x (fwd + bwd), 2 bytes each
-        print(f"| {name} | {unfused:.3f} | {fused:.3f} | {unfused / fused:.2f}x | {moved / fused / 1e6:.0f} |")
+        lines.append(f"| {name} | {unfused:.3f} | {fused:.3f} | {unfused / fused:.2f}x | {moved / fused / 1e6:.0f} |")
+        print(lines[-1], flush=True)
+    record_tables("rope", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import re
 import sys
 import time
 
-from common import KILL_AFTER_S, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
+from common import KILL_AFTER_S, record_tables, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
@@ -315,6 +315,8 @@ def main(argv=None):
             table = format_table(records)
             with open(table_path, "w", encoding="utf-8") as f:
                 f.write(table + "\n")
+    if not opts.smoke:
+        record_tables("scaling", table)
     print(table, flush=True)
     print(f"table: {table_path}; results: {results_dir}; {time.time() - start:.0f} s", flush=True)
     return 1 if failures else 0

@@ -80,6 +80,43 @@ def append_results(name: str, rows, directory: str = None) -> str:
     return path
 
 
+def markdown_tables(text: str):
+    """(title, rows as dicts) of every markdown table in `text`; the title is the nearest non-table line
+    above it ('' for none)."""
+    tables, title, lines = [], "", text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line.startswith("|") and i + 1 < len(lines) and set(lines[i + 1].strip()) <= set("|-: ") and "-" in lines[i + 1]:
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].strip().startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                rows.append(dict(zip(header, cells + [""] * (len(header) - len(cells)))))
+                i += 1
+            tables.append((title, rows))
+            continue
+        if line:
+            title = line.lstrip("#").strip()
+        i += 1
+    return tables
+
+
+def slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")[:48]
+
+
+def record_tables(name: str, text: str, directory: str = None) -> list:
+    """Append every markdown table of a benchmark's output to <results>/<name>[_<table title>].csv (see
+    append_results); the table's title goes into the `table` column. Returns the paths written."""
+    tables = markdown_tables(text)
+    paths = []
+    for title, rows in tables:
+        csv_name = name if len(tables) == 1 else f"{name}_{slug(title) or len(paths)}"
+        paths.append(append_results(csv_name, [{"table": title, **row} for row in rows], directory))
+    return paths
+
+
 def time_ms(fn, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()

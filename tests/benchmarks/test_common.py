@@ -1,0 +1,52 @@
+"""benchmarks/common.py: the results CSVs every benchmark appends to."""
+import csv
+
+import pytest
+
+import common
+
+TEXT = """GPU X, torch 2
+## GEMM: INT8 vs BF16
+
+| model | GEMM | speedup |
+|---|---|---|
+| Llama2-7B | fc1 | 2.10x |
+| Qwen3-4B | fc2 | 1.95x |
+
+note between tables
+| shape | ms |
+|:--|--:|
+| a | 0.5 |
+"""
+
+
+def test_markdown_tables_are_parsed_with_their_titles():
+    tables = common.markdown_tables(TEXT)
+    assert [t for t, _ in tables] == ["GEMM: INT8 vs BF16", "note between tables"]
+    assert tables[0][1] == [{"model": "Llama2-7B", "GEMM": "fc1", "speedup": "2.10x"},
+                            {"model": "Qwen3-4B", "GEMM": "fc2", "speedup": "1.95x"}]
+    assert tables[1][1] == [{"shape": "a", "ms": "0.5"}]
+
+
+def test_record_tables_appends_rows_with_their_provenance(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    paths = common.record_tables("kernels", TEXT, directory=str(tmp_path))
+    common.record_tables("kernels", TEXT, directory=str(tmp_path))  # a second run appends
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["kernels_gemm_int8_vs_bf16.csv", "kernels_note_between_tables.csv"]
+    with open(paths[0], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and rows[2]["model"] == "Llama2-7B" and rows[0]["table"] == "GEMM: INT8 vs BF16"
+    assert list(rows[0])[:6] == list(common.PROVENANCE)
+    assert rows[0]["gpu"] and rows[0]["torch"] and rows[0]["date"].count("-") == 2 and rows[0]["commit"]
+
+
+def test_a_changed_layout_is_refused_instead_of_mixed(tmp_path):
+    common.append_results("x", [{"a": 1}], directory=str(tmp_path))
+    with pytest.raises(ValueError, match="columns"):
+        common.append_results("x", [{"a": 1, "b": 2}], directory=str(tmp_path))
+
+
+def test_rows_go_to_out_on_the_gpu_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    path = common.append_results("e2e", [{"model": "m", "int8_tok_s": 1.5}])
+    assert path == str(tmp_path / "e2e.csv")
