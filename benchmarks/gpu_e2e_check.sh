@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_e2e_check.sh
 #
 # Environment: E2E_GPUS [0 1 2], TEST_GPU [3] (empty: no tests), TESTS [kernels layers] (which of
-# tests/test_{kernels,layers,training}_gpu.py run there, in that order), MODELS (bench_e2e.py's order: the
+# tests/{kernels,megatron,training}/test_{kernels,layers,training}_gpu.py run there, in that order), MODELS (bench_e2e.py's order: the
 # largest first, so the last round holds the quick ones), ITERS [10], WARMUP [3], MICRO_BATCH [1],
 # GRAD_ACCUM [8] (micro-batches per step), E2E_TIMEOUT [540], TEST_TIMEOUT [420] (per test file),
 # DEADLINE [570] (seconds since the script started by which every test file has ended), EXTRA (more
@@ -32,7 +32,7 @@ if [[ -n "${TEST_GPU-3}" ]]; then
       (( left < 30 )) && { echo "not run: ${left} s left of DEADLINE" > "$OUT/${t}_tests.log"; continue; }
       limit=$(( left < ${TEST_TIMEOUT:-420} ? left : ${TEST_TIMEOUT:-420} ))
       MEGATRON_INT8_GEMM_AUTOTUNE=$autotune timeout -k 5 "$limit" python3 -m pytest -q -p no:cacheprovider \
-        -rf --durations=5 "tests/test_${t}_gpu.py" > "$OUT/${t}_tests.log" 2>&1
+        -rf --durations=5 "$(ls tests/*/test_${t}_gpu.py)" > "$OUT/${t}_tests.log" 2>&1
       echo "exit $?" >> "$OUT/${t}_tests.log"
     done
   ) &

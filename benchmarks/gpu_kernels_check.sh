@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ -z "$SKIP_TESTS" ]; then
   # fixed GEMM tiles (TMA where eligible) for the bulk of the tests (one compile per variant); test_gemm_autotuned_path re-enables tuning
   MEGATRON_INT8_GEMM_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
-    tests/test_kernels_gpu.py $TEST_ARGS 2>&1 | tee "$OUT/tests.log" | tail -25
+    tests/kernels/test_kernels_gpu.py $TEST_ARGS 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_kernels.py ${BENCH_ARGS---quick} 2>&1 | tee "$OUT/bench.log" | grep -v "^|" 
 cat "$OUT/bench_kernels.md" 2>/dev/null
