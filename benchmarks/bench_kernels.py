@@ -164,7 +164,8 @@ def quantize_table(R=8192, C=4096):
     alone with the maxima given, as when the producer of x wrote them (SwiGLU) or the TP group's amax is
     passed in: then x is read once. The difference of the two is the amax pass (x read once more)."""
     lines = [f"| quantize kernel ({R} x {C} bf16 in) | outputs | us | GB/s (minimal bytes) | % of D2D copy |"
-             " quantize pass alone (maxima given) us | its % of copy | amax pass us (the rest) | its % of copy |"
+             " quantize pass alone (maxima given) us | quantize pass % of copy | amax pass us (the rest) |"
+             " amax pass % of copy |"
              " eager reference us |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     n = 3
@@ -254,9 +255,9 @@ def linear_table(quick):
     except Exception as e:  # noqa: BLE001
         print(f"torchao unavailable: {e}")
         Int8MixedPrecisionTrainingConfig = quantize_ = None
-    lines = ["| model | linear | tokens, in -> out | BF16 nn.Linear ms | ours ms | torchao int8 ms | graphed: BF16 ms |"
-             " ours ms | ours, no weight cache, ms | torchao ms | ours / BF16 eager | graphed |"
-             " torchao / ours eager | graphed |",
+    lines = ["| model | linear | tokens, in -> out | eager: BF16 nn.Linear ms | eager: ours ms | eager: torchao int8 ms |"
+             " graphed: BF16 ms | graphed: ours ms | graphed: ours, no weight cache, ms | graphed: torchao ms |"
+             " ours / BF16 eager | ours / BF16 graphed | torchao / ours eager | torchao / ours graphed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     step_lines = ["| model | linear | tokens, in -> out | BF16 ms | ours ms | torchao ms | ours / BF16 | torchao / ours |",
                   "|---|---|---|---|---|---|---|---|"]

@@ -88,7 +88,9 @@ def markdown_tables(text: str):
     while i < len(lines):
         line = lines[i].strip()
         if line.startswith("|") and i + 1 < len(lines) and set(lines[i + 1].strip()) <= set("|-: ") and "-" in lines[i + 1]:
-            header = [c.strip() for c in line.strip("|").split("|")]
+            header = []
+            for cell in (c.strip() for c in line.strip("|").split("|")):  # a repeated name gets " (2)", ...
+                header.append(cell if cell not in header else f"{cell} ({sum(h.split(' (')[0] == cell for h in header) + 1})")
             rows, i = [], i + 2
             while i < len(lines) and lines[i].strip().startswith("|"):
                 cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]

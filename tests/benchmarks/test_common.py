@@ -50,3 +50,8 @@ def test_rows_go_to_out_on_the_gpu_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     path = common.append_results("e2e", [{"model": "m", "int8_tok_s": 1.5}])
     assert path == str(tmp_path / "e2e.csv")
+
+
+def test_a_repeated_header_cell_keeps_both_values():
+    (_, rows), = common.markdown_tables("| x | ms | y | ms |\n|---|---|---|---|\n| a | 1 | b | 2 |\n")
+    assert rows == [{"x": "a", "ms": "1", "y": "b", "ms (2)": "2"}]
