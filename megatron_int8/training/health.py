@@ -1,0 +1,313 @@
+"""Per-layer INT8 health over a run (`--int8-stats-interval`) and automatic per-GEMM fallback
+(`--int8-auto-fallback`).
+
+`HealthMonitor` attaches a probe (ops.health.LinearProbe) to every INT8 linear of the model, arms them all
+before each statistics step (every `interval` iterations) and, at the log line, reads every measurement of
+the interval in one host sync. Values are the worst over tensor- and data-parallel ranks (MAX); under
+pipeline parallelism every rank gathers the other stages' layers, so that all ranks see the same table
+and take the same decisions.
+
+`AutoFallback` watches each GEMM (fprop, dgrad, wgrad) of each linear: a GEMM whose sampled relative error
+exceeds `max_rel_err`, or whose operands' underflow exceeds `max_underflow`, on `patience` consecutive checks
+moves to a safer mode: the linear's scales one step finer (tensor -> row -> block; the recipe's granularity
+is the linear's, so all three GEMMs of that linear get the finer scales), and once the scales are the finest,
+that GEMM alone to high precision. Every move is logged with its reason, shown in the precision table,
+written to checkpoints (`state_dict`) and restored on resume, also when the resumed run has auto fallback
+off; only `--int8-reset-fallback` drops the moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..layers import Int8LinearMixin
+from ..ops.health import GEMMS, STAT_NAMES, LinearProbe
+from ..recipe import Int8Recipe
+
+FINER_GRANULARITY = {"tensor": "row", "row": "block"}
+MODE_FIELDS = ("granularity",) + GEMMS  # what a fallback changes in a linear's recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackThresholds:
+    """When a GEMM falls back (docs/numerics.md explains the defaults).
+
+    max_rel_err: sampled relative error of the GEMM against its exact result. Row-scaled INT8 of
+        well-behaved operands stays near 1-3% (about crest / 440 per operand); a few channels 100x above
+        the rest push fprop past 20%.
+    max_underflow: fraction of an operand's nonzero elements that quantize to zero in that GEMM.
+    patience: consecutive statistics checks over a threshold before the move (a single noisy step does
+        not move a layer).
+    """
+
+    max_rel_err: float = 0.1
+    max_underflow: float = 0.5
+    patience: int = 3
+
+    def __post_init__(self):
+        if not 0 < self.max_rel_err:
+            raise ValueError(f"max_rel_err must be positive, got {self.max_rel_err}")
+        if not 0 < self.max_underflow <= 1:
+            raise ValueError(f"max_underflow must be in (0, 1], got {self.max_underflow}")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"patience must be a positive int, got {self.patience!r}")
+
+
+def recipe_mode(recipe: Int8Recipe) -> dict:
+    """The fields of a recipe that fallback changes."""
+    return {name: getattr(recipe, name) for name in MODE_FIELDS}
+
+
+def safer_mode(mode: dict, gemm: str) -> Optional[Tuple[dict, str]]:
+    """(the next safer mode for `gemm`, what changed), or None when that GEMM already runs in high precision."""
+    if not mode[gemm]:
+        return None
+    finer = FINER_GRANULARITY.get(mode["granularity"])
+    if finer is not None:
+        return {**mode, "granularity": finer}, f"scales {mode['granularity']} -> {finer}"
+    return {**mode, gemm: False}, f"{gemm} -> high precision"
+
+
+class AutoFallback:
+    """The fallback decisions and their state: each GEMM's streak of checks over a threshold, and the mode
+    every moved linear runs in (with the events that moved it). Deterministic in the checks it is given, so
+    every rank, given the same checks, holds the same state."""
+
+    def __init__(self, thresholds: FallbackThresholds = FallbackThresholds(), enabled: bool = True):
+        self.thresholds = thresholds
+        self.enabled = enabled
+        self.streaks: Dict[str, int] = {}
+        self.moved: Dict[str, dict] = {}  # linear name -> {"mode": {...}, "events": [...]}
+
+    def mode_of(self, name: str, built: dict) -> dict:
+        """The mode linear `name` runs in: its fallback mode if it moved, else the one it was built with."""
+        return dict(self.moved[name]["mode"]) if name in self.moved else dict(built)
+
+    def check(self, iteration: int, name: str, built: dict, values: Dict[str, float]) -> List[dict]:
+        """One statistics check of one linear (`values`: stat name -> value, NaN or absent: not measured);
+        returns the fallback events it causes (empty when auto fallback is off)."""
+        if not self.enabled:
+            return []
+        events = []
+        limits = self.thresholds
+        for gemm in GEMMS:
+            mode = self.mode_of(name, built)
+            if not mode[gemm]:
+                continue  # already high precision: nothing to watch
+            err, under = values.get(f"{gemm}/rel_err", math.nan), values.get(f"{gemm}/underflow", math.nan)
+            if math.isnan(err) and math.isnan(under):
+                continue  # not measured this time: the streak neither grows nor breaks
+            reasons = []
+            if err > limits.max_rel_err:
+                reasons.append(f"rel_err {err:.3g} > {limits.max_rel_err:g}")
+            if under > limits.max_underflow:
+                reasons.append(f"underflow {under:.3g} > {limits.max_underflow:g}")
+            key = f"{name}/{gemm}"
+            self.streaks[key] = self.streaks.get(key, 0) + 1 if reasons else 0
+            if self.streaks[key] < limits.patience:
+                continue
+            new_mode, change = safer_mode(mode, gemm)
+            event = {"iteration": iteration, "linear": name, "gemm": gemm, "change": change,
+                     "reason": f"{' and '.join(reasons)} on {limits.patience} consecutive checks"}
+            entry = self.moved.setdefault(name, {"mode": mode, "events": []})
+            entry["mode"] = new_mode
+            entry["events"].append(event)
+            for g in GEMMS:  # the linear runs differently now: its measurements start over
+                self.streaks.pop(f"{name}/{g}", None)
+            events.append(event)
+            break  # this check measured the old mode: the linear's other GEMMs wait for the next one
+        return events
+
+    def state_dict(self) -> dict:
+        return {"streaks": dict(self.streaks),
+                "moved": {name: {"mode": dict(e["mode"]), "events": [dict(v) for v in e["events"]]}
+                          for name, e in self.moved.items()}}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        state = state or {}
+        self.streaks = dict(state.get("streaks", {}))
+        self.moved = {name: {"mode": dict(e["mode"]), "events": list(e["events"])}
+                      for name, e in state.get("moved", {}).items()}
+        for name, entry in self.moved.items():
+            unknown = set(entry["mode"]) ^ set(MODE_FIELDS)
+            if unknown:
+                raise ValueError(f"int8 fallback state of {name}: unexpected mode fields {sorted(unknown)}")
+
+    def reset(self) -> List[str]:
+        """Forget every move (`--int8-reset-fallback`); returns the linears that had moved."""
+        names = sorted(self.moved)
+        self.moved, self.streaks = {}, {}
+        return names
+
+
+def int8_linears(model_chunks) -> Dict[str, Int8LinearMixin]:
+    """Every INT8 linear of the transformer layers by a name that is the same under any pipeline split:
+    'layer<global layer number>.<path in the layer>', e.g. 'layer3.mlp.linear_fc2'."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    found = {}
+    for chunk in model_chunks:
+        layers = {name: m.layer_number for name, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
+        for name, module in chunk.named_modules():
+            if not (isinstance(module, Int8LinearMixin) and module.int8):
+                continue
+            owner = max((p for p in layers if name.startswith(p + ".")), key=len, default=None)
+            if owner is None:
+                continue  # outside the transformer layers (the output layer's high-precision class)
+            local = re.sub(r"^(module\.)+", "", name[len(owner) + 1:])
+            found[f"layer{layers[owner]}.{local}"] = module
+    return found
+
+
+def apply_fallback(linears: Dict[str, Int8LinearMixin], fallback: AutoFallback) -> List[str]:
+    """Give every local linear that moved its fallback mode (and the note the precision table shows);
+    returns the names changed."""
+    changed = []
+    for name, module in linears.items():
+        entry = fallback.moved.get(name)
+        mode = entry["mode"] if entry else recipe_mode(module.int8_built_recipe)
+        recipe = dataclasses.replace(module.int8_built_recipe, **mode)
+        module.int8_fallback_note = "; ".join(f"it {e['iteration']}: {e['gemm']} {e['change']}"
+                                              for e in entry["events"]) if entry else None
+        if recipe != module.int8_recipe:
+            module.int8_recipe = recipe
+            changed.append(name)
+    return changed
+
+
+class HealthMonitor:
+    """Probes on every INT8 linear, armed every `interval` iterations; `collect` reads them (one sync)."""
+
+    def __init__(self, model_chunks, interval: int, fallback: AutoFallback):
+        if interval < 1:
+            raise ValueError(f"--int8-stats-interval must be >= 1, got {interval}")
+        self.interval = interval
+        self.fallback = fallback
+        self.linears = int8_linears(model_chunks)
+        self.probes = {}
+        for name, module in self.linears.items():
+            module.int8_probe = self.probes[name] = LinearProbe()
+        self.armed_iterations: List[int] = []
+
+    def before_step(self, iteration: int) -> None:
+        """Arm the probes when `iteration` (the one about to run) is a statistics step."""
+        if iteration % self.interval == 0:
+            for probe in self.probes.values():
+                probe.arm()
+            self.armed_iterations.append(iteration)
+
+    def collect(self) -> List[Tuple[int, Dict[str, Dict[str, float]]]]:
+        """[(iteration, {linear: {stat: value}})] for every statistics step since the last call, over all
+        pipeline stages, worst over tensor- and data-parallel ranks; NaN values (not measured) left out."""
+        iterations, self.armed_iterations = self.armed_iterations, []
+        if not iterations:
+            return []
+        names = sorted(self.linears)
+        rows = []
+        for name in names:
+            taken = self.probes[name].take()[-len(iterations):]
+            # a step whose training forward did not reach this linear leaves NaN (not measured)
+            missing = torch.full((len(STAT_NAMES),), float("nan"), device=taken[0].device if taken else _device())
+            rows += taken + [missing] * (len(iterations) - len(taken))
+        table = torch.stack(rows).reshape(len(names), len(iterations), len(STAT_NAMES)) if rows else None
+        table = _worst_over_replicas(table).cpu() if table is not None else None  # the one host sync
+        local = {name: table[i] for i, name in enumerate(names)} if table is not None else {}
+        gathered = _gather_over_pipeline(local)
+        return [(it, {name: {s: float(v) for s, v in zip(STAT_NAMES, values[k].tolist()) if v == v}
+                      for name, values in sorted(gathered.items())})
+                for k, it in enumerate(iterations)]
+
+    def decide(self, checks, built_modes: Dict[str, dict]) -> List[dict]:
+        """Run the fallback decisions over `collect`'s checks in order and apply the moves to this rank's
+        linears; returns the events."""
+        events = []
+        for iteration, by_linear in checks:
+            for name, values in by_linear.items():
+                events += self.fallback.check(iteration, name, built_modes.get(name, {}), values)
+        if events:
+            apply_fallback(self.linears, self.fallback)
+        return events
+
+    def close(self) -> None:
+        for module in self.linears.values():
+            module.int8_probe = None
+
+
+def built_modes(linears: Dict[str, Int8LinearMixin]) -> Dict[str, dict]:
+    """Each local linear's mode as built (before any fallback), gathered over pipeline stages."""
+    local = {name: recipe_mode(m.int8_built_recipe) for name, m in linears.items()}
+    return _gather_over_pipeline(local)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _worst_over_replicas(table: torch.Tensor) -> torch.Tensor:
+    """Element-wise MAX over the tensor- and data-parallel ranks (NaN kept where no rank measured)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return table
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return table
+    table = torch.nan_to_num(table, nan=-math.inf)  # every statistic is >= 0: -inf marks "not measured"
+    for group in (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()):
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.where(table == -math.inf, torch.full_like(table, math.nan), table)
+
+
+def _gather_over_pipeline(local: dict) -> dict:
+    """The union of every pipeline stage's dict (each stage holds other layers)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return local
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return local
+    group = parallel_state.get_pipeline_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return local
+    parts = [None] * size
+    torch.distributed.all_gather_object(parts, local, group=group)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def summarize(checks, top: int = 1) -> str:
+    """The log line's part: per GEMM the worst relative error and underflow of the last check, with the
+    linear that has it."""
+    if not checks:
+        return ""
+    iteration, by_linear = checks[-1]
+    parts = []
+    for gemm in GEMMS:
+        for stat, fmt in (("rel_err", ".2e"), ("underflow", ".3f")):
+            key = f"{gemm}/{stat}"
+            ranked = sorted(((v[key], name) for name, v in by_linear.items() if key in v), reverse=True)[:top]
+            if ranked:
+                parts.append(f"{gemm} {stat} " + ", ".join(f"{v:{fmt}} ({name})" for v, name in ranked))
+    return f"int8 health (it {iteration}, worst): " + "; ".join(parts)
+
+
+def scalars(by_linear: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """One check as flat scalar names: int8_health/<linear>/<operand or GEMM>/<stat>."""
+    return {f"int8_health/{name}/{stat}": v for name, values in by_linear.items() for stat, v in values.items()}
+
+
+def make_fallback_from_args(args) -> AutoFallback:
+    thresholds = FallbackThresholds(max_rel_err=args.int8_fallback_max_rel_err,
+                                    max_underflow=args.int8_fallback_max_underflow,
+                                    patience=args.int8_fallback_patience)
+    return AutoFallback(thresholds, enabled=bool(args.int8_auto_fallback))
+

@@ -1,0 +1,130 @@
+"""Automatic per-GEMM fallback (megatron_int8.training.health.AutoFallback): decisions on crafted sequences of
+statistics, and its state through a checkpoint's common state (torch.save / torch.load) and a resumed run."""
+import io
+import math
+
+import pytest
+import torch
+
+from megatron_int8.training.health import (AutoFallback, FallbackThresholds, safer_mode, scalars, summarize)
+
+ROW = {"granularity": "row", "fprop": True, "dgrad": True, "wgrad": True}
+GOOD = {"fprop/rel_err": 0.02, "fprop/underflow": 0.01, "dgrad/rel_err": 0.03, "dgrad/underflow": 0.05,
+        "wgrad/rel_err": 0.02, "wgrad/underflow": 0.1}
+
+
+def with_(**changes):
+    return {**GOOD, **{k.replace("__", "/"): v for k, v in changes.items()}}
+
+
+def run(fallback, sequence, name="layer2.mlp.linear_fc2", built=ROW, start=100, step=100):
+    events = []
+    for i, values in enumerate(sequence):
+        events += fallback.check(start + i * step, name, built, values)
+    return events
+
+
+def test_healthy_statistics_never_move():
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    assert run(fallback, [GOOD] * 50) == [] and fallback.moved == {}
+
+
+def test_patience_counts_consecutive_checks_only():
+    """Over the error threshold twice, healthy once, twice again: no move with patience 3; a third
+    consecutive crossing moves fprop's linear to finer scales, at that check, with the reason."""
+    fallback = AutoFallback(FallbackThresholds(max_rel_err=0.1, patience=3))
+    bad = with_(fprop__rel_err=0.25)
+    assert run(fallback, [bad, bad, GOOD, bad, bad]) == []
+    (event,) = run(fallback, [bad], start=600)
+    assert event["iteration"] == 600 and event["gemm"] == "fprop" and event["change"] == "scales row -> block"
+    assert "rel_err 0.25 > 0.1" in event["reason"] and "3 consecutive" in event["reason"]
+    assert fallback.mode_of("layer2.mlp.linear_fc2", ROW) == {**ROW, "granularity": "block"}
+
+
+def test_finest_scales_then_high_precision_for_that_gemm_only():
+    """tensor -> row -> block for the linear, then the GEMM that still fails goes to high precision;
+    the other GEMMs stay INT8, and a high-precision GEMM is no longer watched."""
+    fallback = AutoFallback(FallbackThresholds(max_underflow=0.5, patience=2))
+    built = {**ROW, "granularity": "tensor"}
+    bad = with_(dgrad__underflow=0.9)
+    events = run(fallback, [bad] * 6, built=built)
+    assert [e["change"] for e in events] == ["scales tensor -> row", "scales row -> block", "dgrad -> high precision"]
+    assert all("underflow 0.9 > 0.5" in e["reason"] for e in events)
+    assert fallback.mode_of("layer2.mlp.linear_fc2", built) == {"granularity": "block", "fprop": True,
+                                                                 "dgrad": False, "wgrad": True}
+    assert run(fallback, [bad] * 10, built=built) == []
+
+
+def test_a_move_restarts_every_streak_of_that_linear():
+    """wgrad was two checks into its streak when fprop moved the linear: wgrad needs three new crossings."""
+    fallback = AutoFallback(FallbackThresholds(patience=3))
+    both = with_(fprop__rel_err=0.5, wgrad__rel_err=0.5)
+    assert run(fallback, [with_(fprop__rel_err=0.5)] + [both] * 2) == [
+        {"iteration": 300, "linear": "layer2.mlp.linear_fc2", "gemm": "fprop", "change": "scales row -> block",
+         "reason": "rel_err 0.5 > 0.1 on 3 consecutive checks"}]
+    assert run(fallback, [with_(wgrad__rel_err=0.5)] * 2, start=400) == []
+    assert [e["gemm"] for e in run(fallback, [with_(wgrad__rel_err=0.5)], start=600)] == ["wgrad"]
+
+
+def test_unmeasured_checks_neither_grow_nor_break_a_streak():
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    bad = with_(fprop__rel_err=0.3)
+    missing = {k: v for k, v in bad.items() if not k.startswith("fprop")}
+    nan = with_(fprop__rel_err=math.nan, fprop__underflow=math.nan)
+    assert run(fallback, [bad, missing, nan]) == []
+    assert len(run(fallback, [bad], start=400)) == 1
+
+
+def test_linears_are_independent_and_disabled_fallback_only_watches():
+    fallback = AutoFallback(FallbackThresholds(patience=1))
+    bad = with_(fprop__rel_err=0.3)
+    assert len(run(fallback, [bad], name="layer1.mlp.linear_fc1")) == 1
+    assert "layer2.mlp.linear_fc2" not in fallback.moved
+    off = AutoFallback(FallbackThresholds(patience=1), enabled=False)
+    assert run(off, [bad] * 5) == [] and off.moved == {}
+
+
+def test_thresholds_are_checked():
+    for bad in ({"max_rel_err": 0}, {"max_underflow": 1.5}, {"patience": 0}):
+        with pytest.raises(ValueError):
+            FallbackThresholds(**bad)
+    assert safer_mode({**ROW, "fprop": False}, "fprop") is None
+
+
+def test_state_round_trips_through_a_checkpoint_and_continues_identically():
+    """The state a checkpoint stores (torch.save of the common dict) gives back the same moves and streaks:
+    the resumed controller then decides exactly as the uninterrupted one, also for a streak that the
+    checkpoint interrupted."""
+    thresholds = FallbackThresholds(patience=3)
+    bad, under = with_(dgrad__rel_err=0.4), with_(wgrad__underflow=0.8)
+    sequence = [bad] * 3 + [under] * 3 + [bad] * 3
+    uninterrupted = AutoFallback(thresholds)
+    all_events = run(uninterrupted, sequence)
+    first = AutoFallback(thresholds)
+    events = run(first, sequence[:5])
+    buffer = io.BytesIO()
+    torch.save({"int8_fallback": first.state_dict()}, buffer)
+    buffer.seek(0)
+    resumed = AutoFallback(thresholds)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True)["int8_fallback"])
+    assert resumed.state_dict() == first.state_dict() and resumed.streaks  # a streak was under way
+    events += run(resumed, sequence[5:], start=600)
+    assert events == all_events
+    assert [(e["iteration"], e["gemm"], e["change"]) for e in events] == [
+        (300, "dgrad", "scales row -> block"), (600, "wgrad", "wgrad -> high precision"),
+        (900, "dgrad", "dgrad -> high precision")]
+    assert resumed.state_dict() == uninterrupted.state_dict()
+    assert resumed.reset() == ["layer2.mlp.linear_fc2"] and resumed.moved == {} and resumed.streaks == {}
+    with pytest.raises(ValueError, match="unexpected mode fields"):
+        AutoFallback().load_state_dict({"moved": {"x": {"mode": {"granularity": "row"}, "events": []}}})
+
+
+def test_summary_and_scalar_names():
+    checks = [(200, {"layer1.mlp.linear_fc1": {**GOOD, "x/amax": 3.0},
+                     "layer2.mlp.linear_fc2": with_(fprop__rel_err=0.2)})]
+    line = summarize(checks)
+    assert line.startswith("int8 health (it 200, worst): fprop rel_err 2.00e-01 (layer2.mlp.linear_fc2)")
+    names = scalars(checks[0][1])
+    assert names["int8_health/layer1.mlp.linear_fc1/x/amax"] == 3.0
+    assert names["int8_health/layer2.mlp.linear_fc2/fprop/rel_err"] == 0.2
+    assert summarize([]) == ""
