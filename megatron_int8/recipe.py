@@ -29,8 +29,8 @@ def _check_bools(owner, names) -> None:
 @dataclasses.dataclass(frozen=True)
 class Int8Numerics:
     """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
-    granularity, block_size, fprop, dgrad, wgrad, grad_rounding). Quantized-weight caches are keyed and
-    recipes described by it alone."""
+    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu). Quantized-weight caches are
+    keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -38,20 +38,22 @@ class Int8Numerics:
     dgrad: bool = True
     wgrad: bool = True
     grad_rounding: str = "nearest"
+    smooth_swiglu: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad"))
+        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
         gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
-        return f"int8[{gran},{gemms}{sr}]"
+        smooth = ",smooth" if self.smooth_swiglu else ""
+        return f"int8[{gran},{gemms}{sr}{smooth}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,14 @@ class Int8Recipe:
         0.956x tensorwise, Llama2-7B TP 2 + SP x DP 2; docs/scaling.md): the blocking amax all-reduce,
         the extra amax pass and backward's re-gather cost more than the halved bytes save. It is meant
         for slower links, or for the activation memory it saves.
+    smooth_swiglu: a Smooth-SwiGLU-style guard (after Fishman et al., ICLR 2025) for the MLP's fc2, whose
+        input is the SwiGLU output, where aligned gate/up weights grow a few channels 10-1000x over long
+        runs. fprop computes (X diag(1/s)) (W diag(s))^T = X W^T with per-channel powers of two
+        s_k ~ sqrt(amax X[:, k] / amax W[:, k]) (ops.health.smooth_scales): the outlier channels' magnitude
+        moves into W's columns, so the other channels keep their share of each token's INT8 range. The
+        function is unchanged (powers of two scale exactly); dgrad and wgrad use the unscaled operands.
+        Costs a pass over X and a quantization of W per call (fprop's W is not cached). The INT8 layers keep
+        it only on linear_fc2 of dense MLPs; off by default.
 
     Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
     each validated on construction.
@@ -129,6 +139,7 @@ class Int8Recipe:
     dgrad: bool = True
     wgrad: bool = True
     grad_rounding: str = "nearest"
+    smooth_swiglu: bool = False
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

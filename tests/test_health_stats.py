@@ -8,8 +8,8 @@ from int8_bounds import heavy_tailed
 
 from megatron_int8.ops import health
 from megatron_int8.ops.health import (STAT_NAMES, LinearProbe, distribution_stats, gemm_relative_error,
-                                      quantization_fractions, sample_rows, smooth_scales, smoothed_fprop_operands,
-                                      values_by_name)
+                                      quantization_fractions, sample_rows, values_by_name)
+from megatron_int8.ops.smooth_swiglu import smooth_scales, smoothed_fprop_operands
 from megatron_int8.recipe import Int8Recipe
 
 

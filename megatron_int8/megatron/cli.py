@@ -48,6 +48,10 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "of the gathered tensor and all-gather INT8 instead of BF16 (tensor and row "
                             "granularity). Half the bytes, but slower over NVLink in our runs "
                             "(docs/scaling.md); for slow links or to save activation memory.")
+    group.add_argument("--int8-smooth-swiglu", action="store_true",
+                       help="Smooth-SwiGLU-style guard for the dense MLP's fc2: per-channel power-of-two factors "
+                            "move the SwiGLU output's outlier channels into fc2's weight columns before its "
+                            "INT8 fprop (the function is unchanged; docs/numerics.md).")
     return parser
 
 
@@ -74,6 +78,7 @@ def policy_from_args(args) -> Int8Policy:
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,
             int8_all_gather=getattr(args, "int8_all_gather", False),
+            smooth_swiglu=bool(getattr(args, "int8_smooth_swiglu", False)),
         )
         policy = Int8Policy(
             enabled=bool(args.int8_linear),

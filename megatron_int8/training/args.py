@@ -200,6 +200,30 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
 
 
+def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("INT8 health and automatic fallback (docs/numerics.md)")
+    g.add_argument("--int8-stats-interval", type=int, default=0,
+                   help="Every N iterations, measure each INT8 linear's quantization health (its operands' amax, "
+                        "crest factor, kurtosis, underflow and saturation; each GEMM's relative error on a sample "
+                        "of tokens) on the step's first micro-batch; read at the log lines (one host sync), "
+                        "written to the JSONL log and TensorBoard. 0 (the default): off.")
+    g.add_argument("--int8-auto-fallback", action="store_true",
+                   help="With --int8-stats-interval: a GEMM of a linear whose error or underflow crosses its "
+                        "threshold on --int8-fallback-patience consecutive checks moves to finer scales (the "
+                        "linear's), then to high precision (that GEMM). Moves are logged, shown in the precision "
+                        "table and kept in checkpoints.")
+    g.add_argument("--int8-fallback-max-rel-err", type=float, default=0.1,
+                   help="Auto-fallback threshold on a GEMM's sampled relative error (default: %(default)s).")
+    g.add_argument("--int8-fallback-max-underflow", type=float, default=0.5,
+                   help="Auto-fallback threshold on the fraction of a GEMM operand's nonzero elements that "
+                        "quantize to zero (default: %(default)s).")
+    g.add_argument("--int8-fallback-patience", type=int, default=3,
+                   help="Consecutive statistics checks over a threshold before a GEMM moves (default: %(default)s).")
+    g.add_argument("--int8-reset-fallback", action="store_true",
+                   help="On resume, drop the fallback moves stored in the checkpoint: every linear runs its "
+                        "recipe as configured again.")
+
+
 def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("FP8 peer (benchmarks: torchao float8 on the same model)")
     g.add_argument("--fp8-peer", choices=FP8_RECIPES, default=None,
@@ -226,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_arguments(parser)
     _add_logging_checkpoint_arguments(parser)
     add_int8_arguments(parser)
+    _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)
     return parser
 
@@ -345,6 +370,21 @@ def _validate_cuda_graph(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--cuda-graph-impl local: {reason}")
 
 
+def _validate_int8_health(args: argparse.Namespace) -> None:
+    if args.int8_stats_interval < 0:
+        raise ArgumentError(f"--int8-stats-interval must be >= 0, got {args.int8_stats_interval}")
+    if args.int8_stats_interval and not args.int8_linear:
+        raise ArgumentError("--int8-stats-interval measures INT8 linears: it needs --int8-linear")
+    if args.int8_auto_fallback and not args.int8_stats_interval:
+        raise ArgumentError("--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N")
+    if not args.int8_fallback_max_rel_err > 0:
+        raise ArgumentError(f"--int8-fallback-max-rel-err must be positive, got {args.int8_fallback_max_rel_err}")
+    if not 0 < args.int8_fallback_max_underflow <= 1:
+        raise ArgumentError(f"--int8-fallback-max-underflow must be in (0, 1], got {args.int8_fallback_max_underflow}")
+    if args.int8_fallback_patience < 1:
+        raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
 
@@ -447,6 +487,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                 f"peer), got {tp}")
     elif args.fp8_peer_compile:
         raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
+    _validate_int8_health(args)
 
     # Batch.
     per_step = args.micro_batch_size * args.data_parallel_size

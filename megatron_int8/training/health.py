@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..layers import Int8LinearMixin
+from ..megatron.layers import Int8LinearMixin
 from ..ops.health import GEMMS, STAT_NAMES, LinearProbe
 from ..recipe import Int8Recipe
 
@@ -184,12 +184,15 @@ def apply_fallback(linears: Dict[str, Int8LinearMixin], fallback: AutoFallback) 
 class HealthMonitor:
     """Probes on every INT8 linear, armed every `interval` iterations; `collect` reads them (one sync)."""
 
-    def __init__(self, model_chunks, interval: int, fallback: AutoFallback):
+    def __init__(self, linears: Dict[str, Int8LinearMixin], interval: int, fallback: AutoFallback):
+        """`linears`: `int8_linears(model)`. Collective under pipeline parallelism (it gathers the stages'
+        recipes)."""
         if interval < 1:
             raise ValueError(f"--int8-stats-interval must be >= 1, got {interval}")
         self.interval = interval
         self.fallback = fallback
-        self.linears = int8_linears(model_chunks)
+        self.linears = linears
+        self.built = built_modes(linears)
         self.probes = {}
         for name, module in self.linears.items():
             module.int8_probe = self.probes[name] = LinearProbe()
@@ -223,13 +226,13 @@ class HealthMonitor:
                       for name, values in sorted(gathered.items())})
                 for k, it in enumerate(iterations)]
 
-    def decide(self, checks, built_modes: Dict[str, dict]) -> List[dict]:
+    def decide(self, checks) -> List[dict]:
         """Run the fallback decisions over `collect`'s checks in order and apply the moves to this rank's
         linears; returns the events."""
         events = []
         for iteration, by_linear in checks:
             for name, values in by_linear.items():
-                events += self.fallback.check(iteration, name, built_modes.get(name, {}), values)
+                events += self.fallback.check(iteration, name, self.built[name], values)
         if events:
             apply_fallback(self.linears, self.fallback)
         return events
@@ -305,9 +308,57 @@ def scalars(by_linear: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     return {f"int8_health/{name}/{stat}": v for name, values in by_linear.items() for stat, v in values.items()}
 
 
-def make_fallback_from_args(args) -> AutoFallback:
-    thresholds = FallbackThresholds(max_rel_err=args.int8_fallback_max_rel_err,
-                                    max_underflow=args.int8_fallback_max_underflow,
-                                    patience=args.int8_fallback_patience)
-    return AutoFallback(thresholds, enabled=bool(args.int8_auto_fallback))
+class RunHealth:
+    """What the trainer holds: the fallback state (always, since a checkpoint's moves apply to every resumed
+    run) and, with `--int8-stats-interval`, the monitor."""
 
+    def __init__(self, args, model_chunks):
+        thresholds = FallbackThresholds(max_rel_err=args.int8_fallback_max_rel_err,
+                                        max_underflow=args.int8_fallback_max_underflow,
+                                        patience=args.int8_fallback_patience)
+        self.fallback = AutoFallback(thresholds, enabled=bool(args.int8_auto_fallback))
+        self.linears = int8_linears(model_chunks)
+        self.reset_on_load = bool(args.int8_reset_fallback)
+        self.monitor = (HealthMonitor(self.linears, args.int8_stats_interval, self.fallback)
+                        if args.int8_stats_interval else None)
+
+    def after_load(self, log) -> bool:
+        """Apply the loaded moves (or drop them: --int8-reset-fallback); True when a linear's recipe changed."""
+        if self.reset_on_load:
+            dropped = self.fallback.reset()
+            log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} linear(s) back to their configured "
+                                                            f"recipe: {', '.join(dropped)}" if dropped else
+                                                            "the checkpoint had no fallback moves"))
+        changed = apply_fallback(self.linears, self.fallback)
+        for name in sorted(self.fallback.moved):
+            log(f"int8 fallback restored from the checkpoint: {name} runs "
+                f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
+        return bool(changed)
+
+    def before_step(self, iteration: int) -> bool:
+        """Arm the probes for a statistics step; returns whether `iteration` is one."""
+        if self.monitor is None:
+            return False
+        self.monitor.before_step(iteration)
+        return iteration % self.monitor.interval == 0
+
+    def at_log_line(self, logger) -> Tuple[str, bool]:
+        """Read the interval's checks (one sync), log them, take the fallback decisions; returns (the log
+        line's summary, whether a linear moved). Collective: every rank calls it at the same iterations."""
+        if self.monitor is None:
+            return "", False
+        checks = self.monitor.collect()
+        logger.int8_health(checks)
+        events = self.monitor.decide(checks)
+        for event in events:
+            logger.int8_fallback(event)
+        return summarize(checks), bool(events)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+def describe_mode(mode: dict) -> str:
+    gemms = "/".join(g if mode[g] else f"{g}:hp" for g in GEMMS)
+    return f"{mode['granularity']} scales, {gemms}"
