@@ -20,13 +20,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from ..megatron.layers import Int8LinearMixin
 from ..ops.health import GEMMS, STAT_NAMES, LinearProbe
 from ..recipe import Int8Recipe
+
+if TYPE_CHECKING:
+    from ..megatron.layers import Int8LinearMixin
 
 FINER_GRANULARITY = {"tensor": "row", "row": "block"}
 MODE_FIELDS = ("granularity",) + GEMMS  # what a fallback changes in a linear's recipe
@@ -144,10 +146,12 @@ class AutoFallback:
         return names
 
 
-def int8_linears(model_chunks) -> Dict[str, Int8LinearMixin]:
+def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
     """Every INT8 linear of the transformer layers by a name that is the same under any pipeline split:
     'layer<global layer number>.<path in the layer>', e.g. 'layer3.mlp.linear_fc2'."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from ..megatron.layers import Int8LinearMixin  # here: the decisions above import without megatron-core
 
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
@@ -165,7 +169,7 @@ def int8_linears(model_chunks) -> Dict[str, Int8LinearMixin]:
     return found
 
 
-def apply_fallback(linears: Dict[str, Int8LinearMixin], fallback: AutoFallback) -> List[str]:
+def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback) -> List[str]:
     """Give every local linear that moved its fallback mode (and the note the precision table shows);
     returns the names changed."""
     changed = []
@@ -184,7 +188,7 @@ def apply_fallback(linears: Dict[str, Int8LinearMixin], fallback: AutoFallback) 
 class HealthMonitor:
     """Probes on every INT8 linear, armed every `interval` iterations; `collect` reads them (one sync)."""
 
-    def __init__(self, linears: Dict[str, Int8LinearMixin], interval: int, fallback: AutoFallback):
+    def __init__(self, linears: Dict[str, "Int8LinearMixin"], interval: int, fallback: AutoFallback):
         """`linears`: `int8_linears(model)`. Collective under pipeline parallelism (it gathers the stages'
         recipes)."""
         if interval < 1:
@@ -242,7 +246,7 @@ class HealthMonitor:
             module.int8_probe = None
 
 
-def built_modes(linears: Dict[str, Int8LinearMixin]) -> Dict[str, dict]:
+def built_modes(linears: Dict[str, "Int8LinearMixin"]) -> Dict[str, dict]:
     """Each local linear's mode as built (before any fallback), gathered over pipeline stages."""
     local = {name: recipe_mode(m.int8_built_recipe) for name, m in linears.items()}
     return _gather_over_pipeline(local)
