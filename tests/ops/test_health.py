@@ -211,3 +211,48 @@ def test_probe_with_smoothing_reports_the_smoothed_fprop():
     assert smoothed["fprop/rel_err"] < plain["fprop/rel_err"] / 4
     assert smoothed["fprop/underflow"] < plain["fprop/underflow"]
     assert smoothed["x/amax"] == plain["x/amax"]  # operand statistics describe the layer's own input
+
+
+def test_int8_linear_probe_measures_one_training_call():
+    """An armed probe measures the first call that records autograd, forward and backward, with the values a
+    direct measurement gives; evaluation (no grad) leaves it armed; an unarmed probe changes nothing."""
+    from megatron_int8 import int8_linear
+
+    x, w, dy = heavy_tailed(4, 80, 96), heavy_tailed(48, 96) * 0.05, heavy_tailed(4, 80, 48)
+    recipe = Int8Recipe()
+    probe = LinearProbe()
+    plain = int8_linear(x, w, recipe=recipe)
+    assert torch.equal(int8_linear(x, w, recipe=recipe, probe=probe), plain) and probe.take() == []
+    probe.arm()
+    with torch.no_grad():
+        int8_linear(x, w, recipe=recipe, probe=probe)
+    assert probe.armed and probe.take() == []
+    xg = x.clone().requires_grad_(True)
+    out = int8_linear(xg, w, recipe=recipe, probe=probe)
+    int8_linear(xg, w, recipe=recipe, probe=probe)  # a second micro-batch: not measured
+    assert torch.equal(out, plain)
+    out.backward(dy)
+    (values,) = probe.take()
+    assert values_by_name(values) == _probe(x, w, dy, recipe)
+
+
+def test_smooth_swiglu_linear_keeps_gradients_and_cuts_fprop_error():
+    """The guard changes only fprop's operands: with a 500x input channel its output is far closer to the exact
+    product, and dgrad/wgrad are bit-identical to the plain recipe's."""
+    from megatron_int8 import int8_linear
+
+    x, w, dy = torch.randn(2, 128, 256), torch.randn(64, 256) * 0.05, torch.randn(2, 128, 64)
+    x[..., 9] *= 500.0
+    exact = x.double() @ w.double().t()
+    grads = {}
+    for smooth in (False, True):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = int8_linear(xg, wg, recipe=Int8Recipe(smooth_swiglu=smooth))
+        out.backward(dy)
+        grads[smooth] = (rel64(out, exact), xg.grad, wg.grad)
+    assert grads[True][0] < grads[False][0] / 4, (grads[False][0], grads[True][0])
+    assert torch.equal(grads[True][1], grads[False][1]) and torch.equal(grads[True][2], grads[False][2])
+    with pytest.raises(ValueError, match="smooth_swiglu"):
+        from megatron_int8 import TPOptions
+
+        int8_linear(x, w, recipe=Int8Recipe(smooth_swiglu=True), tp=TPOptions(sequence_parallel=True))
