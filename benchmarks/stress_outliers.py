@@ -10,10 +10,12 @@ from the same weights on the same batches:
   int8      INT8 linears (row scales), health statistics on, no fallback
   fallback  INT8 with the auto fallback (training.health.AutoFallback)
   guard     INT8 with the Smooth-SwiGLU guard on fc2 (Int8Recipe.smooth_swiglu)
-Outliers are injected the same way in every run: after each optimizer step, in the middle layer's MLP, the
-up-projection rows of a few SwiGLU channels are scaled up and fc2's matching columns down by the same
-factor, so those channels of fc2's input grow geometrically to `--growth` (1000x) while the function stays
-the same (exactly, up to rounding). What changes is only what INT8 sees.
+Outliers are injected the same way in every run: after each optimizer step, in the MLP of every layer
+(`--inject-layers`), the up-projection rows of a few SwiGLU channels are scaled up and fc2's matching columns
+down by the same factor, so those channels of fc2's input grow geometrically to `--growth` (1000x) while the
+function stays the same (up to rounding). What changes is what INT8 sees: fc2's input gets outlier channels
+(its fprop suffers under per-token scales) and fc1's weight outlier rows (its dgrad suffers under
+per-input-channel scales).
 
 Writes to --output-dir: stress.jsonl (losses, statistics checks, fallback events), table.md (printed too)
 and stress.png. The table gives each run's departure from BF16's loss (windowed means), the first step at
@@ -30,16 +32,15 @@ import os
 import sys
 import time
 
+import common  # noqa: F401  (first: the repository on sys.path)
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megatron_int8.ops.health import GEMMS, LinearProbe, values_by_name  # noqa: E402
-from megatron_int8.ops.linear import int8_linear  # noqa: E402
-from megatron_int8.ops.swiglu import swiglu  # noqa: E402
-from megatron_int8.recipe import Int8Recipe  # noqa: E402
-from megatron_int8.training.health import AutoFallback, FallbackThresholds, recipe_mode  # noqa: E402
+from megatron_int8.ops.health import GEMMS, LinearProbe, values_by_name
+from megatron_int8.ops.linear import int8_linear
+from megatron_int8.ops.swiglu import swiglu
+from megatron_int8.recipe import Int8Recipe
+from megatron_int8.training.health import AutoFallback, FallbackThresholds, recipe_mode
 
 SIZES = {  # parity: configs/parity_125m.yaml's decoder
     "parity": dict(layers=12, hidden=768, ffn=2048, heads=12, groups=4, seq=1024, batch=8, vocab=8192),
@@ -160,15 +161,16 @@ def growth_at(step: int, args) -> float:
 
 @torch.no_grad()
 def inject(model: Model, args, channels, step: int) -> None:
-    """Scale the chosen SwiGLU channels of the middle layer by growth(step) / growth(step - 1): their up-projection
-    rows up, fc2's columns down (the function is unchanged)."""
+    """Scale the chosen SwiGLU channels of the injected layers by growth(step) / growth(step - 1): their
+    up-projection rows up, fc2's columns down (the function is unchanged)."""
     factor = growth_at(step, args) / growth_at(step - 1, args)
     if factor == 1.0:
         return
-    block = model.blocks[len(model.blocks) // 2]
-    ffn = block.fc2.weight.shape[1]
-    block.fc1.weight[ffn + channels] *= factor  # x = [gate | up]: the up half
-    block.fc2.weight[:, channels] /= factor
+    for number in args.inject_layers:
+        block = model.blocks[number - 1]
+        ffn = block.fc2.weight.shape[1]
+        block.fc1.weight[ffn + channels] *= factor  # x = [gate | up]: the up half
+        block.fc2.weight[:, channels] /= factor
 
 
 def crossing(values: dict, thresholds: FallbackThresholds):
@@ -246,19 +248,35 @@ def departures(loss, reference, window):
     return [x / y - 1 for x, y in zip(a, b)]
 
 
-def summary_table(results, args) -> str:
+def summary_rows(results, args):
+    """One dict per run: the table's figures (also the results CSV's rows)."""
+    reference = results["bf16"]["loss"]
+    rows = []
+    for run, r in results.items():
+        dep = departures(r["loss"], reference, args.window)
+        rows.append({
+            "size": args.size, "steps": args.steps, "growth": args.growth, "run": run,
+            "final_loss": sum(r["loss"][-args.window:]) / len(r["loss"][-args.window:]),
+            "final_departure": dep[-1], "max_departure": max(dep),
+            "first_step_over_1pct": next((i + 1 for i, d in enumerate(dep) if d > DEPARTURE), None),
+            "first_flag_step": r["flag"][0] if r["flag"] else None,
+            "first_flag": f"{r['flag'][1]} {'/'.join(r['flag'][2])}" if r["flag"] else "",
+            "fallbacks": "; ".join(f"{e['iteration']}: {e['linear']} {e['gemm']} {e['change']}"
+                                   for e in r["events"]),
+            "seconds": round(r["seconds"], 1)})
+    return rows
+
+
+def summary_table(rows) -> str:
+    dash = lambda v: "-" if v in (None, "") else v  # noqa: E731
     lines = ["| run | final loss | departure from BF16 (last window) | max departure | first step > 1% | "
              "first health flag (step: linear, GEMMs) | fallbacks (step: linear GEMM change) | seconds |",
              "|---|---|---|---|---|---|---|---|"]
-    reference = results["bf16"]["loss"]
-    for run, r in results.items():
-        dep = departures(r["loss"], reference, args.window)
-        beyond = next((i + 1 for i, d in enumerate(dep) if d > DEPARTURE), None)
-        flag = f"{r['flag'][0]}: {r['flag'][1]} {'/'.join(r['flag'][2])}" if r["flag"] else "-"
-        events = "; ".join(f"{e['iteration']}: {e['linear']} {e['gemm']} {e['change']}" for e in r["events"]) or "-"
-        final = sum(r["loss"][-args.window:]) / len(r["loss"][-args.window:])
-        lines.append(f"| {run} | {final:.4f} | {100 * dep[-1]:+.2f}% | {100 * max(dep):+.2f}% | "
-                     f"{beyond if beyond is not None else '-'} | {flag} | {events} | {r['seconds']:.0f} |")
+    for r in rows:
+        flag = f"{r['first_flag_step']}: {r['first_flag']}" if r["first_flag_step"] else "-"
+        lines.append(f"| {r['run']} | {r['final_loss']:.4f} | {100 * r['final_departure']:+.2f}% | "
+                     f"{100 * r['max_departure']:+.2f}% | {dash(r['first_step_over_1pct'])} | {flag} | "
+                     f"{dash(r['fallbacks'])} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -314,6 +332,8 @@ def main(argv=None) -> int:
     parser.add_argument("--growth", type=float, default=1000.0, help="final growth of the injected channels")
     parser.add_argument("--inject-start", type=float, default=0.2, help="fraction of the steps")
     parser.add_argument("--inject-end", type=float, default=0.7, help="fraction of the steps")
+    parser.add_argument("--inject-layers", type=int, nargs="+", default=None,
+                        help="1-based layers whose SwiGLU channels grow (default: all)")
     parser.add_argument("--channels", type=int, nargs="+", default=[3, 77, 301, 1029],
                         help="SwiGLU channels that grow (modulo the MLP width)")
     parser.add_argument("--stats-interval", type=int, default=10)
@@ -323,12 +343,18 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=20, help="steps per windowed mean loss")
     parser.add_argument("--log-interval", type=int, default=50)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--results-dir", default=None,
+                        help="where benchmarks/common.append_results writes stress_outliers.csv (default: $OUT or "
+                             "benchmarks/results)")
     args = parser.parse_args(argv)
     if "bf16" not in args.runs:
         parser.error("--runs needs bf16: departures are measured from it")
     if not 0 <= args.inject_start < args.inject_end <= 1:
         parser.error("need 0 <= --inject-start < --inject-end <= 1")
     cfg = SIZES[args.size]
+    args.inject_layers = args.inject_layers or list(range(1, cfg["layers"] + 1))
+    if not all(1 <= n <= cfg["layers"] for n in args.inject_layers):
+        parser.error(f"--inject-layers: layers are 1 .. {cfg['layers']}")
     device = torch.device(args.device)
     os.makedirs(args.output_dir, exist_ok=True)
     log = lambda text: print(text, flush=True)  # noqa: E731
@@ -341,7 +367,7 @@ def main(argv=None) -> int:
     for run in args.runs:
         log(f"run {run}")
         results[run] = train(run, cfg, init_state, batches, args, device, log)
-    watched = f"layer{cfg['layers'] // 2 + 1}.mlp.linear_fc2"
+    watched = f"layer{args.inject_layers[len(args.inject_layers) // 2]}.mlp.linear_fc2"
     with open(os.path.join(args.output_dir, "stress.jsonl"), "w", encoding="utf-8") as f:
         f.write(json.dumps({"args": vars(args), "model": cfg, "injected": watched}) + "\n")
         for run, r in results.items():
@@ -351,7 +377,9 @@ def main(argv=None) -> int:
                 f.write(json.dumps({"run": run, "iteration": step, "int8_health": check}) + "\n")
             for event in r["events"]:
                 f.write(json.dumps({"run": run, "iteration": event["iteration"], "int8_fallback": event}) + "\n")
-    table = summary_table(results, args)
+    rows = summary_rows(results, args)
+    table = summary_table(rows)
+    common.append_results("stress_outliers", rows, directory=args.results_dir)
     with open(os.path.join(args.output_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
     log(table)

@@ -209,9 +209,9 @@ def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
                         "written to the JSONL log and TensorBoard. 0 (the default): off.")
     g.add_argument("--int8-auto-fallback", action="store_true",
                    help="With --int8-stats-interval: a GEMM of a linear whose error or underflow crosses its "
-                        "threshold on --int8-fallback-patience consecutive checks moves to finer scales (the "
-                        "linear's), then to high precision (that GEMM). Moves are logged, shown in the precision "
-                        "table and kept in checkpoints.")
+                        "threshold on --int8-fallback-patience consecutive checks moves to a safer mode: tensorwise "
+                        "scales become row scales (the linear's), row or block scales send that GEMM to high "
+                        "precision. Moves are logged, shown in the precision table and kept in checkpoints.")
     g.add_argument("--int8-fallback-max-rel-err", type=float, default=0.1,
                    help="Auto-fallback threshold on a GEMM's sampled relative error (default: %(default)s).")
     g.add_argument("--int8-fallback-max-underflow", type=float, default=0.5,

@@ -31,28 +31,30 @@ def test_healthy_statistics_never_move():
 
 def test_patience_counts_consecutive_checks_only():
     """Over the error threshold twice, healthy once, twice again: no move with patience 3; a third
-    consecutive crossing moves fprop's linear to finer scales, at that check, with the reason."""
+    consecutive crossing moves fprop (row scales) to high precision, at that check, with the reason."""
     fallback = AutoFallback(FallbackThresholds(max_rel_err=0.1, patience=3))
     bad = with_(fprop__rel_err=0.25)
     assert run(fallback, [bad, bad, GOOD, bad, bad]) == []
     (event,) = run(fallback, [bad], start=600)
-    assert event["iteration"] == 600 and event["gemm"] == "fprop" and event["change"] == "scales row -> block"
+    assert event["iteration"] == 600 and event["gemm"] == "fprop" and event["change"] == "fprop -> high precision"
     assert "rel_err 0.25 > 0.1" in event["reason"] and "3 consecutive" in event["reason"]
-    assert fallback.mode_of("layer2.mlp.linear_fc2", ROW) == {**ROW, "granularity": "block"}
+    assert fallback.mode_of("layer2.mlp.linear_fc2", ROW) == {**ROW, "fprop": False}
 
 
-def test_finest_scales_then_high_precision_for_that_gemm_only():
-    """tensor -> row -> block for the linear, then the GEMM that still fails goes to high precision;
-    the other GEMMs stay INT8, and a high-precision GEMM is no longer watched."""
+def test_finer_scales_then_high_precision_for_that_gemm_only():
+    """tensor -> row scales for the linear, then the GEMM that still fails goes to high precision; the other
+    GEMMs stay INT8, a high-precision GEMM is no longer watched, and block scales go straight to it."""
     fallback = AutoFallback(FallbackThresholds(max_underflow=0.5, patience=2))
     built = {**ROW, "granularity": "tensor"}
     bad = with_(dgrad__underflow=0.9)
-    events = run(fallback, [bad] * 6, built=built)
-    assert [e["change"] for e in events] == ["scales tensor -> row", "scales row -> block", "dgrad -> high precision"]
+    events = run(fallback, [bad] * 4, built=built)
+    assert [e["change"] for e in events] == ["scales tensor -> row", "dgrad -> high precision"]
     assert all("underflow 0.9 > 0.5" in e["reason"] for e in events)
-    assert fallback.mode_of("layer2.mlp.linear_fc2", built) == {"granularity": "block", "fprop": True,
+    assert fallback.mode_of("layer2.mlp.linear_fc2", built) == {"granularity": "row", "fprop": True,
                                                                  "dgrad": False, "wgrad": True}
     assert run(fallback, [bad] * 10, built=built) == []
+    block = {**ROW, "granularity": "block"}
+    assert safer_mode(block, "wgrad") == ({**block, "wgrad": False}, "wgrad -> high precision")
 
 
 def test_a_move_restarts_every_streak_of_that_linear():
@@ -60,7 +62,7 @@ def test_a_move_restarts_every_streak_of_that_linear():
     fallback = AutoFallback(FallbackThresholds(patience=3))
     both = with_(fprop__rel_err=0.5, wgrad__rel_err=0.5)
     assert run(fallback, [with_(fprop__rel_err=0.5)] + [both] * 2) == [
-        {"iteration": 300, "linear": "layer2.mlp.linear_fc2", "gemm": "fprop", "change": "scales row -> block",
+        {"iteration": 300, "linear": "layer2.mlp.linear_fc2", "gemm": "fprop", "change": "fprop -> high precision",
          "reason": "rel_err 0.5 > 0.1 on 3 consecutive checks"}]
     assert run(fallback, [with_(wgrad__rel_err=0.5)] * 2, start=400) == []
     assert [e["gemm"] for e in run(fallback, [with_(wgrad__rel_err=0.5)], start=600)] == ["wgrad"]
@@ -97,21 +99,22 @@ def test_state_round_trips_through_a_checkpoint_and_continues_identically():
     checkpoint interrupted."""
     thresholds = FallbackThresholds(patience=3)
     bad, under = with_(dgrad__rel_err=0.4), with_(wgrad__underflow=0.8)
+    built = {**ROW, "granularity": "tensor"}
     sequence = [bad] * 3 + [under] * 3 + [bad] * 3
     uninterrupted = AutoFallback(thresholds)
-    all_events = run(uninterrupted, sequence)
+    all_events = run(uninterrupted, sequence, built=built)
     first = AutoFallback(thresholds)
-    events = run(first, sequence[:5])
+    events = run(first, sequence[:5], built=built)
     buffer = io.BytesIO()
     torch.save({"int8_fallback": first.state_dict()}, buffer)
     buffer.seek(0)
     resumed = AutoFallback(thresholds)
     resumed.load_state_dict(torch.load(buffer, weights_only=True)["int8_fallback"])
     assert resumed.state_dict() == first.state_dict() and resumed.streaks  # a streak was under way
-    events += run(resumed, sequence[5:], start=600)
+    events += run(resumed, sequence[5:], start=600, built=built)
     assert events == all_events
     assert [(e["iteration"], e["gemm"], e["change"]) for e in events] == [
-        (300, "dgrad", "scales row -> block"), (600, "wgrad", "wgrad -> high precision"),
+        (300, "dgrad", "scales tensor -> row"), (600, "wgrad", "wgrad -> high precision"),
         (900, "dgrad", "dgrad -> high precision")]
     assert resumed.state_dict() == uninterrupted.state_dict()
     assert resumed.reset() == ["layer2.mlp.linear_fc2"] and resumed.moved == {} and resumed.streaks == {}
