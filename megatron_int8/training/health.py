@@ -235,11 +235,15 @@ class HealthMonitor:
 
     def decide(self, checks) -> List[dict]:
         """Run the fallback decisions over `collect`'s checks in order and apply the moves to this rank's
-        linears; returns the events."""
-        events = []
+        linears; returns the events. Every check of the batch measured the linears as they ran before the
+        batch's moves, so a linear's checks after its move are left out."""
+        events, moved = [], set()
         for iteration, by_linear in checks:
             for name, values in by_linear.items():
-                events += self.fallback.check(iteration, name, self.built[name], values)
+                if name not in moved:
+                    new = self.fallback.check(iteration, name, self.built[name], values)
+                    moved.update(e["linear"] for e in new)
+                    events += new
         if events:
             apply_fallback(self.linears, self.fallback)
         return events
