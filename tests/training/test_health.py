@@ -131,3 +131,35 @@ def test_summary_and_scalar_names():
     assert names["int8_health/layer1.mlp.linear_fc1/x/amax"] == 3.0
     assert names["int8_health/layer2.mlp.linear_fc2/fprop/rel_err"] == 0.2
     assert summarize([]) == ""
+
+
+def test_plot_health_reads_the_log_as_written(tmp_path):
+    """scripts/plot_health.py: health lines by iteration (a resumed run's rewrite wins), other lines ignored,
+    fallback events, the PNG; a log without statistics is an error that says why."""
+    import json
+    import sys
+
+    from repo_paths import SCRIPTS
+
+    sys.path.insert(0, SCRIPTS)
+    import plot_health
+
+    log = tmp_path / "train_log.jsonl"
+    lines = [{"iteration": 1, "lm_loss": 5.0}]
+    for it in (10, 20, 30, 20):  # iteration 20 written again by a resumed run
+        by_linear = {"layer1.mlp.linear_fc2": with_(fprop__rel_err=0.01 * it), "layer1.mlp.linear_fc1": GOOD}
+        lines.append({"iteration": it, "int8_health": scalars(by_linear)})
+    lines[-1]["int8_health"]["int8_health/layer1.mlp.linear_fc2/fprop/rel_err"] = 0.5
+    lines.append({"iteration": 30, "int8_fallback": {"iteration": 30, "linear": "layer1.mlp.linear_fc2",
+                                                      "gemm": "fprop", "change": "fprop -> high precision",
+                                                      "reason": "r"}})
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    series, events = plot_health.read_health(str(log))
+    assert series["layer1.mlp.linear_fc2"]["fprop/rel_err"] == [(10, 0.1), (20, 0.5), (30, pytest.approx(0.3))]
+    assert plot_health.worst_linears(series, "fprop/rel_err", 1) == ["layer1.mlp.linear_fc2"]
+    assert [e["gemm"] for e in events] == ["fprop"]
+    assert plot_health.main([str(log), "--output", str(tmp_path / "h.png")]) == 0
+    assert (tmp_path / "h.png").stat().st_size > 10_000
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
+    assert plot_health.main([str(empty), "--output", str(tmp_path / "e.png")]) == 1
