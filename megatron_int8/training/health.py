@@ -206,11 +206,16 @@ class HealthMonitor:
         self.armed_iterations: List[int] = []
 
     def before_step(self, iteration: int) -> None:
-        """Arm the probes when `iteration` (the one about to run) is a statistics step."""
+        """Arm the probes when `iteration` (the one about to run) is a statistics step; disarm the ones the
+        previous statistics step did not reach (an MoE expert without tokens), so that no later step's
+        measurement is filed under it."""
         if iteration % self.interval == 0:
             for probe in self.probes.values():
                 probe.arm()
             self.armed_iterations.append(iteration)
+        elif (iteration - 1) % self.interval == 0:
+            for probe in self.probes.values():
+                probe.armed = False
 
     def collect(self) -> List[Tuple[int, Dict[str, Dict[str, float]]]]:
         """[(iteration, {linear: {stat: value}})] for every statistics step since the last call, over all
