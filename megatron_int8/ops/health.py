@@ -107,9 +107,10 @@ def gemm_relative_error(a_rows: torch.Tensor, b: torch.Tensor, recipe: Int8Recip
                         b_is_weight: bool = False) -> torch.Tensor:
     """Relative error of Q(a_rows) Q(b)^T against a_rows b^T (both [., K], K the contraction axis).
 
-    a_rows may be some rows of a larger operand: `a_amax` then carries the larger operand's tensorwise amax
-    (see `_rows_amax`); likewise `b_amax` for b. `b_is_weight`: b is a weight, quantized in BxB tiles under
-    block granularity."""
+    a_rows may be part of a larger operand: `a_amax` then carries the amax the larger operand's quantization
+    gives a_rows (tensorwise: one scalar, `_rows_amax`; row-wise: one per row, when a row of a_rows is part
+    of a longer one, as wgrad's sampled tokens are); likewise `b_amax` for b. `b_is_weight`: b is a weight,
+    quantized in BxB tiles under block granularity."""
     qa = dequantize(_quantize(a_rows, recipe, weight=False, amax=a_amax))
     qb = dequantize(_quantize(b, recipe, weight=b_is_weight, amax=b_amax))
     with _exact_fp32_matmul():
