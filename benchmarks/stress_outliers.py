@@ -175,8 +175,7 @@ def inject(model: Model, args, channels, step: int) -> None:
 
 def crossing(values: dict, thresholds: FallbackThresholds):
     """The GEMMs of one check over a fallback threshold."""
-    return [g for g in GEMMS if values.get(f"{g}/rel_err", 0) > thresholds.max_rel_err
-            or values.get(f"{g}/underflow", 0) > thresholds.max_underflow]
+    return [g for g in GEMMS if thresholds.crossed(g, values)]
 
 
 def train(run: str, cfg: dict, init_state: dict, batches, args, device, log):
@@ -184,7 +183,7 @@ def train(run: str, cfg: dict, init_state: dict, batches, args, device, log):
     torch.manual_seed(args.seed)
     model = Model(cfg).to(device)
     model.load_state_dict(init_state)
-    thresholds = FallbackThresholds(args.max_rel_err, args.max_underflow, args.patience)
+    thresholds = FallbackThresholds(tuple(args.max_rel_err), args.max_underflow, args.patience)
     fallback = AutoFallback(thresholds, enabled=run == "fallback")
     linears = model.linears()
     if run != "bf16":
@@ -307,7 +306,7 @@ def plot(results, args, path, watched) -> None:
     top.set_title("INT8 under growing SwiGLU outliers (dotted: first health flag; dashed: fallback)")
     top.legend()
     bottom.set_yscale("log")
-    bottom.axhline(args.max_rel_err, color="gray", linewidth=0.8)
+    bottom.axhline(FallbackThresholds(tuple(args.max_rel_err)).max_rel_err[0], color="gray", linewidth=0.8)
     bottom.set_ylabel("sampled relative error")
     bottom.set_xlabel("step")
     twin = bottom.twinx()
@@ -337,7 +336,8 @@ def main(argv=None) -> int:
     parser.add_argument("--channels", type=int, nargs="+", default=[3, 77, 301, 1029],
                         help="SwiGLU channels that grow (modulo the MLP width)")
     parser.add_argument("--stats-interval", type=int, default=10)
-    parser.add_argument("--max-rel-err", type=float, default=FallbackThresholds.max_rel_err)
+    parser.add_argument("--max-rel-err", type=float, nargs="+", default=list(FallbackThresholds.max_rel_err),
+                        help="fprop dgrad wgrad, or one for all")
     parser.add_argument("--max-underflow", type=float, default=FallbackThresholds.max_underflow)
     parser.add_argument("--patience", type=int, default=FallbackThresholds.patience)
     parser.add_argument("--window", type=int, default=20, help="steps per windowed mean loss")

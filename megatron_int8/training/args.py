@@ -212,9 +212,10 @@ def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
                         "threshold on --int8-fallback-patience consecutive checks moves to a safer mode: tensorwise "
                         "scales become row scales (the linear's), row or block scales send that GEMM to high "
                         "precision. Moves are logged, shown in the precision table and kept in checkpoints.")
-    g.add_argument("--int8-fallback-max-rel-err", type=float, default=0.1,
-                   help="Auto-fallback threshold on a GEMM's sampled relative error (default: %(default)s).")
-    g.add_argument("--int8-fallback-max-underflow", type=float, default=0.5,
+    g.add_argument("--int8-fallback-max-rel-err", type=float, nargs="+", default=[0.1, 0.1, 1.0],
+                   metavar="LIMIT", help="Auto-fallback thresholds on the GEMMs' sampled relative errors: fprop "
+                                        "dgrad wgrad, or one for all (default: %(default)s).")
+    g.add_argument("--int8-fallback-max-underflow", type=float, default=0.7,
                    help="Auto-fallback threshold on the fraction of a GEMM operand's nonzero elements that "
                         "quantize to zero (default: %(default)s).")
     g.add_argument("--int8-fallback-patience", type=int, default=3,
@@ -377,8 +378,10 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
         raise ArgumentError("--int8-stats-interval measures INT8 linears: it needs --int8-linear")
     if args.int8_auto_fallback and not args.int8_stats_interval:
         raise ArgumentError("--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N")
-    if not args.int8_fallback_max_rel_err > 0:
-        raise ArgumentError(f"--int8-fallback-max-rel-err must be positive, got {args.int8_fallback_max_rel_err}")
+    limits = args.int8_fallback_max_rel_err
+    if len(limits) not in (1, 3) or not all(v > 0 for v in limits):
+        raise ArgumentError(f"--int8-fallback-max-rel-err takes one positive limit, or three (fprop dgrad wgrad), "
+                            f"got {limits}")
     if not 0 < args.int8_fallback_max_underflow <= 1:
         raise ArgumentError(f"--int8-fallback-max-underflow must be in (0, 1], got {args.int8_fallback_max_underflow}")
     if args.int8_fallback_patience < 1:

@@ -24,6 +24,16 @@ def run(fallback, sequence, name="layer2.mlp.linear_fc2", built=ROW, start=100, 
     return events
 
 
+def test_each_gemm_has_its_own_error_limit():
+    """The default limits (fprop 0.1, dgrad 0.1, wgrad 1.0): a wgrad error of 0.4, which a healthy run showed,
+    never moves; the same error in dgrad does."""
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    assert run(fallback, [with_(wgrad__rel_err=0.4)] * 5) == []
+    assert [e["gemm"] for e in run(fallback, [with_(dgrad__rel_err=0.4)] * 2, start=600)] == ["dgrad"]
+    assert FallbackThresholds().crossed("wgrad", with_(wgrad__rel_err=1.5, wgrad__underflow=0.8)) == [
+        "rel_err 1.5 > 1", "underflow 0.8 > 0.7"]
+
+
 def test_healthy_statistics_never_move():
     fallback = AutoFallback(FallbackThresholds(patience=2))
     assert run(fallback, [GOOD] * 50) == [] and fallback.moved == {}
@@ -44,7 +54,7 @@ def test_patience_counts_consecutive_checks_only():
 def test_finer_scales_then_high_precision_for_that_gemm_only():
     """tensor -> row scales for the linear, then the GEMM that still fails goes to high precision; the other
     GEMMs stay INT8, a high-precision GEMM is no longer watched, and block scales go straight to it."""
-    fallback = AutoFallback(FallbackThresholds(max_underflow=0.5, patience=2))
+    fallback = AutoFallback(FallbackThresholds(max_underflow=0.5, patience=2))  # 0.7 by default
     built = {**ROW, "granularity": "tensor"}
     bad = with_(dgrad__underflow=0.9)
     events = run(fallback, [bad] * 4, built=built)
@@ -60,12 +70,12 @@ def test_finer_scales_then_high_precision_for_that_gemm_only():
 def test_a_move_restarts_every_streak_of_that_linear():
     """wgrad was two checks into its streak when fprop moved the linear: wgrad needs three new crossings."""
     fallback = AutoFallback(FallbackThresholds(patience=3))
-    both = with_(fprop__rel_err=0.5, wgrad__rel_err=0.5)
+    both = with_(fprop__rel_err=0.5, wgrad__rel_err=1.5)
     assert run(fallback, [with_(fprop__rel_err=0.5)] + [both] * 2) == [
         {"iteration": 300, "linear": "layer2.mlp.linear_fc2", "gemm": "fprop", "change": "fprop -> high precision",
          "reason": "rel_err 0.5 > 0.1 on 3 consecutive checks"}]
-    assert run(fallback, [with_(wgrad__rel_err=0.5)] * 2, start=400) == []
-    assert [e["gemm"] for e in run(fallback, [with_(wgrad__rel_err=0.5)], start=600)] == ["wgrad"]
+    assert run(fallback, [with_(wgrad__rel_err=1.5)] * 2, start=400) == []
+    assert [e["gemm"] for e in run(fallback, [with_(wgrad__rel_err=1.5)], start=600)] == ["wgrad"]
 
 
 def test_unmeasured_checks_neither_grow_nor_break_a_streak():
@@ -87,9 +97,11 @@ def test_linears_are_independent_and_disabled_fallback_only_watches():
 
 
 def test_thresholds_are_checked():
-    for bad in ({"max_rel_err": 0}, {"max_underflow": 1.5}, {"patience": 0}):
+    for bad in ({"max_rel_err": 0}, {"max_rel_err": (0.1, 0.2)}, {"max_underflow": 1.5}, {"patience": 0}):
         with pytest.raises(ValueError):
             FallbackThresholds(**bad)
+    assert FallbackThresholds(max_rel_err=0.3).max_rel_err == (0.3, 0.3, 0.3)
+    assert FallbackThresholds(max_rel_err=[0.2]).max_rel_err == (0.2, 0.2, 0.2)
     assert safer_mode({**ROW, "fprop": False}, "fprop") is None
 
 
