@@ -248,7 +248,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
             torch.cuda.synchronize()
         phases.mark("final_sync")
         health_summary = moved = None
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        if health.monitor is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
             health_summary, moved = health.at_log_line(logger)
             phases.mark("int8_health")
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
