@@ -256,3 +256,35 @@ def test_smooth_swiglu_linear_keeps_gradients_and_cuts_fprop_error():
         from megatron_int8 import TPOptions
 
         int8_linear(x, w, recipe=Int8Recipe(smooth_swiglu=True), tp=TPOptions(sequence_parallel=True))
+
+
+@pytest.mark.gpu
+def test_probe_and_guard_on_cuda_with_the_triton_backend():
+    """On a GPU (Triton kernels, bf16): a probe through int8_linear records the values a CPU probe computes on
+    the same tensors, and the guard, fed the SwiGLU kernel's column maxima, cuts fc2's fprop error against the
+    float64 product while leaving the backward bit-identical to the plain recipe's."""
+    from megatron_int8 import int8_linear
+    from megatron_int8.ops.swiglu import swiglu
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 512, 2 * 1024, device="cuda", dtype=torch.bfloat16)
+    h[..., 1024 + 7] *= 300.0  # an up channel 300x: one SwiGLU output channel grows with it
+    w = (torch.randn(768, 1024, device="cuda") * 0.02).to(torch.bfloat16)
+    dy = torch.randn(2, 512, 768, device="cuda", dtype=torch.bfloat16)
+    probe = LinearProbe()
+    probe.arm()
+    results = {}
+    for smooth in (False, True):
+        hg, wg = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        x = swiglu(hg, emit_maxima=True)
+        out = int8_linear(x, wg, recipe=Int8Recipe(smooth_swiglu=smooth), probe=None if smooth else probe)
+        out.backward(dy)
+        exact = x.detach().double() @ w.double().t()
+        results[smooth] = (rel64(out, exact), hg.grad, wg.grad)
+        if not smooth:
+            (values,) = probe.take()
+            cpu = _probe(x.detach().cpu(), w.cpu(), dy.cpu(), Int8Recipe())
+            for name, value in values_by_name(values.cpu()).items():
+                assert value == pytest.approx(cpu[name], rel=2e-2, abs=1e-4), name
+    assert results[True][0] < results[False][0] / 4, (results[False][0], results[True][0])
+    assert torch.equal(results[True][1], results[False][1]) and torch.equal(results[True][2], results[False][2])
