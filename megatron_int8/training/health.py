@@ -357,9 +357,9 @@ class RunHealth:
             dropped = self.fallback.reset()
             log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} linear(s) back to their configured "
                                                             f"recipe: {', '.join(dropped)}" if dropped else
-                                                            "the checkpoint had no fallback moves"))
+                                                            "no fallback moves to drop"))
         changed = apply_fallback(self.linears, self.fallback)
-        for name in sorted(self.fallback.moved):
+        for name in sorted(self.fallback.moved) if self.linears else ():  # a BF16 run keeps them, unused
             log(f"int8 fallback restored from the checkpoint: {name} runs "
                 f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
         return bool(changed)
