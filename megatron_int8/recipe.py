@@ -29,8 +29,8 @@ def _check_bools(owner, names) -> None:
 @dataclasses.dataclass(frozen=True)
 class Int8Numerics:
     """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
-    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu). Quantized-weight caches are
-    keyed and recipes described by it alone."""
+    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input). Quantized-weight
+    caches are keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -39,13 +39,14 @@ class Int8Numerics:
     wgrad: bool = True
     grad_rounding: str = "nearest"
     smooth_swiglu: bool = False
+    int8_swiglu_input: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu"))
+        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
@@ -53,7 +54,8 @@ class Int8Numerics:
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
         smooth = ",smooth" if self.smooth_swiglu else ""
-        return f"int8[{gran},{gemms}{sr}{smooth}]"
+        saved = ",swiglu-in:int8" if self.int8_swiglu_input else ""
+        return f"int8[{gran},{gemms}{sr}{smooth}{saved}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +130,10 @@ class Int8Recipe:
         function is unchanged (powers of two scale exactly); dgrad and wgrad use the unscaled operands.
         Costs a pass over X and a quantization of W per call (fprop's W is not cached). The INT8 layers keep
         it only on linear_fc2 of dense MLPs; off by default.
+    int8_swiglu_input: the dense MLP's SwiGLU keeps its input (fc1's output, the largest tensor a layer keeps
+        for backward) as INT8 with 1 x 128 block scales instead of BF16, and backward differentiates at the
+        dequantized values (megatron_int8.ops.swiglu): 2F + 8 ceil(F/128) instead of 4F bytes per token. Off
+        by default until loss parity is measured on GPU (docs/training.md, "Memory options").
 
     Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
     each validated on construction.
@@ -140,6 +146,7 @@ class Int8Recipe:
     wgrad: bool = True
     grad_rounding: str = "nearest"
     smooth_swiglu: bool = False
+    int8_swiglu_input: bool = False
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

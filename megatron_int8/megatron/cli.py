@@ -52,6 +52,9 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="Smooth-SwiGLU-style guard for the dense MLP's fc2: per-channel power-of-two factors "
                             "move the SwiGLU output's outlier channels into fc2's weight columns before its "
                             "INT8 fprop (the function is unchanged; docs/numerics.md).")
+    group.add_argument("--int8-swiglu-input", action="store_true",
+                       help="Dense SwiGLU MLPs keep the SwiGLU's input (fc1's output) for backward in INT8 with "
+                            "1x128 block scales instead of BF16 (docs/training.md, 'Memory options').")
     return parser
 
 
@@ -74,6 +77,7 @@ def policy_from_args(args) -> Int8Policy:
             dgrad="dgrad" not in bf16_gemms,
             wgrad="wgrad" not in bf16_gemms,
             grad_rounding=args.int8_grad_rounding,
+            int8_swiglu_input=bool(getattr(args, "int8_swiglu_input", False)),
             backend=args.int8_backend,
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,

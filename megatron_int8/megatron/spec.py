@@ -98,10 +98,12 @@ class Int8SpecProvider(LocalSpecProvider):
 
     def activation_func(self) -> ModuleSpec:
         """The dense MLP's SwiGLU module, used where `config.use_te_activation_func` is set (megatron_int8.ops.swiglu):
-        it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise."""
-        emit = (self.fp8_recipe is None and self.int8 and self.recipe.any_int8
-                and self.recipe.granularity in ("row", "tensor"))
-        return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit})
+        it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise, and keeps its input in
+        INT8 under the recipe's int8_swiglu_input."""
+        int8 = self.fp8_recipe is None and self.int8 and self.recipe.any_int8
+        emit = int8 and self.recipe.granularity in ("row", "tensor")
+        return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit,
+                                                 "int8_copy": int8 and self.recipe.int8_swiglu_input})
 
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
@@ -184,7 +186,8 @@ def get_gpt_int8_layer_spec(
 
 def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Optional[str] = None):
     """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`; an MLP
-    whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them)."""
+    whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them) and
+    keeps its input in BF16."""
     if isinstance(spec, ModuleSpec):
         if spec.module in _INT8_LINEARS and policy.keeps_in_bf16(name, expert_group):
             return dataclasses.replace(spec, params={**spec.params, "int8": False})
@@ -201,7 +204,8 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
                 changes[fc].params.get("int8", True) for fc in ("linear_fc1", "linear_fc2")
                 if isinstance(changes.get(fc), ModuleSpec)):
             changes["activation_func"] = dataclasses.replace(activation, params={**activation.params,
-                                                                                 "emit_maxima": False})
+                                                                                 "emit_maxima": False,
+                                                                                 "int8_copy": False})
         return dataclasses.replace(spec, **changes)
     return spec
 
