@@ -13,8 +13,12 @@ Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-s
     python benchmarks/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
     # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
     python benchmarks/bench_layer.py --fp8-recipe rowwise --fp8-compile
+    # memory options: one more INT8 row with the SwiGLU's input kept in INT8 (recipe int8_swiglu_input)
+    python benchmarks/bench_layer.py --int8-swiglu-input --no-fp8 --no-stock
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
-gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak.
+gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak. On every device
+it gives the bytes per token of the tensors autograd saves for backward (saved_tensors_hooks: distinct
+storages, parameters left out; weight caches are not saved tensors).
 """
 from __future__ import annotations
 
@@ -61,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--check-finite", choices=FINITE_CHECKS, default=DEFAULT_RECIPE.check_finite,
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
                         "sync per quantize) or off")
+    p.add_argument("--int8-swiglu-input", action="store_true",
+                   help="add an INT8 row whose SwiGLU keeps its input in INT8 (recipe int8_swiglu_input; dense MLPs "
+                        "with the fused SwiGLU)")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="dense MLPs: megatron's SwiGLU instead of megatron_int8.ops.swiglu (as the trainer's flag)")
@@ -108,6 +115,9 @@ def fp8_skip_reason(args):
     return fp8_unavailable_reason()
 
 
+SWIGLU_INPUT_ROW = "INT8 swiglu-in:int8"
+
+
 def build_layers(args, skipped):
     """{row name: layer}; FP8 rows that cannot be built are left out, their reason in `skipped`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -136,6 +146,9 @@ def build_layers(args, skipped):
     grouped = bool(experts and args.moe_grouped_gemm)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
+    if args.int8_swiglu_input:
+        specs[SWIGLU_INPUT_ROW] = get_gpt_int8_layer_spec(recipe=dataclasses.replace(recipe, int8_swiglu_input=True),
+                                                          int8=True, num_experts=experts, moe_grouped_gemm=grouped)
     if grouped:
         specs["INT8 per-expert"] = get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts)
     fp8_specs = {}
@@ -167,12 +180,8 @@ def time_layer(layer, name, args) -> float:
     """Mean ms of one forward + backward."""
     from megatron_int8.ops.linear import invalidate_weight_caches
 
-    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
-                    requires_grad=True)
+    x, mask = _layer_input(args, name)
     grad = torch.randn_like(x)
-    mask = None
-    if args.device == "cpu" and name.startswith("BF16 stock"):  # megatron builds its default mask on "cuda"
-        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1)[None, None]
 
     def step():
         if not args.cache_weights:
@@ -193,6 +202,35 @@ def time_layer(layer, name, args) -> float:
         step()
     sync()
     return (time.perf_counter() - start) * 1e3 / args.iters
+
+
+def _layer_input(args, name):
+    """(x, attention mask) for one forward: megatron's stock spec builds its default mask on "cuda"."""
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    mask = None
+    if args.device == "cpu" and name.startswith("BF16 stock"):
+        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1)[None, None]
+    return x, mask
+
+
+def saved_tensor_bytes(layer, name, args) -> int:
+    """Bytes of the tensors one forward saves for backward (autograd's saved_tensors_hooks, any device):
+    each distinct storage once, the layer's parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x, mask = _layer_input(args, name)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = layer(x, attention_mask=mask)
+    del out
+    return sum(storages.values())
 
 
 def layer_memory(layer, args):
@@ -282,12 +320,13 @@ def main(argv=None) -> str:
 
     skipped = {}
     layers = build_layers(args, skipped)
-    times, memory = {}, {}
+    times, memory, saved_bytes = {}, {}, {}
     for name, layer in layers.items():
         try:  # a row gets its time and its memory, or is skipped whole
             ms = time_layer(layer, name, args)
             if args.device == "cuda":
                 memory[name] = layer_memory(layer, args)
+            saved_bytes[name] = saved_tensor_bytes(layer, name, args)
             times[name] = ms
         except Exception as err:  # an FP8 row (e.g. torch.compile) must not cost the others
             if not name.startswith("FP8"):
@@ -308,15 +347,16 @@ def main(argv=None) -> str:
         f"finite check {args.check_finite}" + (", CUDA-graphed" if args.cuda_graph else ", eager") + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
         "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
-        "| spec | ms / iter | speedup vs BF16 | saved for backward MiB (bytes / token) | fwd+bwd peak MiB |",
-        "|---|---|---|---|---|",
+        "| spec | ms / iter | speedup vs BF16 | saved for backward MiB (bytes / token) | fwd+bwd peak MiB | "
+        "saved tensors bytes / token |",
+        "|---|---|---|---|---|---|",
     ]
     tokens = args.seq * args.micro_batch
     for name, ms in times.items():
-        cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a"]
+        cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a", f"{saved_bytes[name] / tokens:.0f}"]
         if name in memory:
             saved, peak = memory[name]
-            cells[3:] = [f"{saved:.1f} ({saved * 2**20 / tokens:.0f})", f"{peak:.1f}"]
+            cells[3:5] = [f"{saved:.1f} ({saved * 2**20 / tokens:.0f})", f"{peak:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if skipped:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]

@@ -38,7 +38,7 @@ INT8_COPY_BLOCK = 128  # the INT8 copy's block: one column tile of the Triton ke
 
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension), in fp32, rounded once to x's dtype.
-    Differentiable through PyTorch's autograd."""
+    Differentiable through PyTorch's autograd (which keeps fp32 copies for backward; `swiglu` keeps x)."""
     a, b = _halves(x)
     return (F.silu(a) * b).to(x.dtype)
 
@@ -97,25 +97,26 @@ def dequantize_halves(q: torch.Tensor, scales: torch.Tensor, block: int = INT8_C
                       for i in (0, 1)], 1)
 
 
-class _Int8CopySwiGLU(torch.autograd.Function):
-    """The reference (PyTorch) SwiGLU that keeps x's INT8 copy for backward instead of x."""
+class _ReferenceSwiGLU(torch.autograd.Function):
+    """The PyTorch SwiGLU (fp32 math, as swiglu_reference) keeping for backward what the Triton path keeps: x, or
+    its INT8 copy (so that CPU measurements of saved bytes hold for GPU runs)."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, int8_copy: bool):
         _halves(x)  # checks the shape
-        q, scales = int8_copy_of_halves(x)
-        ctx.save_for_backward(q, scales)
+        ctx.save_for_backward(*(int8_copy_of_halves(x) if int8_copy else (x,)))
         ctx.shape = x.shape
         return swiglu_reference(x)
 
     @staticmethod
     def backward(ctx, dy):
-        q, scales = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x = dequantize_halves(*saved).view(ctx.shape) if len(saved) == 2 else saved[0].float()
         with torch.enable_grad():
-            x_hat = dequantize_halves(q, scales).view(ctx.shape).requires_grad_(True)
-            a, b = x_hat.chunk(2, dim=-1)
-            (dx,) = torch.autograd.grad(F.silu(a) * b, x_hat, dy.float())
-        return dx.to(dy.dtype)
+            x = x.detach().requires_grad_(True)
+            a, b = x.chunk(2, dim=-1)
+            (dx,) = torch.autograd.grad(F.silu(a) * b, x, dy.float())
+        return dx.to(dy.dtype), None
 
 
 def swiglu(x: torch.Tensor, emit_maxima: bool = False, int8_copy: bool = False) -> torch.Tensor:
@@ -125,8 +126,8 @@ def swiglu(x: torch.Tensor, emit_maxima: bool = False, int8_copy: bool = False) 
     if _kernels_run_on(x):
         # the kernels check x's shape, as the reference does
         return _TritonSwiGLU.apply(x, bool(emit_maxima), bool(int8_copy))
-    if int8_copy and x.requires_grad:
-        return _Int8CopySwiGLU.apply(x)
+    if x.requires_grad:
+        return _ReferenceSwiGLU.apply(x, bool(int8_copy))
     return swiglu_reference(x)
 
 
