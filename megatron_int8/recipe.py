@@ -61,18 +61,19 @@ class Int8Numerics:
 @dataclasses.dataclass(frozen=True)
 class Int8Execution:
     """How the GEMMs run, with the same results either way (Int8Recipe's fields backend, check_finite,
-    cache_weights, autotune, int8_all_gather)."""
+    cache_weights, cache_dgrad_weight, autotune, int8_all_gather)."""
 
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True
+    cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "check_finite", self.check_finite, FINITE_CHECKS)
         _check_choice("Int8Recipe", "backend", self.backend, BACKENDS)
-        _check_bools(self, ("cache_weights", "autotune", "int8_all_gather"))
+        _check_bools(self, ("cache_weights", "cache_dgrad_weight", "autotune", "int8_all_gather"))
 
 
 NUMERICS_FIELDS = tuple(f.name for f in dataclasses.fields(Int8Numerics))
@@ -107,7 +108,11 @@ class Int8Recipe:
         Where nobody calls it (upstream Megatron-LM), the NaN reaches the loss and gradient checks.
         "immediate" raises inside the quantize call (one host sync per quantize: a debugging aid that
         cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
-    cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
+    cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step, and the
+        forward that full recomputation runs again in backward): Q(W) and Q(W)^T, 2 bytes per parameter.
+    cache_dgrad_weight: with cache_weights, also cache dgrad's Q(W)^T (the default); False caches Q(W) only
+        and quantizes Q(W)^T for each dgrad: 1 byte per linear parameter less, one quantize pass over W per
+        micro-batch more (dense linears; grouped MoE experts keep both). See docs/training.md, "Memory options".
     autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
         fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8
         layers turn it off for MoE experts, whose token count (M of fprop/dgrad, K of wgrad) changes
@@ -150,6 +155,7 @@ class Int8Recipe:
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True
+    cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
 

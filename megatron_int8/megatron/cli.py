@@ -40,6 +40,10 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "sync per quantize), 'off' leaves NaN outputs to the loss and grad-norm checks.")
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
+    group.add_argument("--int8-no-dgrad-weight-cache", action="store_true",
+                       help="Cache only Q(W) (forward and recomputed forward) and re-quantize dgrad's Q(W)^T in "
+                            "every micro-batch: 1 byte per linear parameter less (docs/training.md, 'Memory "
+                            "options').")
     group.add_argument("--int8-precision-table", action="store_true",
                        help="Print every linear's precision at start (one row per linear) instead of the "
                             "one-line summary.")
@@ -81,6 +85,7 @@ def policy_from_args(args) -> Int8Policy:
             backend=args.int8_backend,
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,
+            cache_dgrad_weight=not getattr(args, "int8_no_dgrad_weight_cache", False),
             int8_all_gather=getattr(args, "int8_all_gather", False),
             smooth_swiglu=bool(getattr(args, "int8_smooth_swiglu", False)),
         )
