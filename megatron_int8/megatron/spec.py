@@ -270,6 +270,11 @@ def get_gpt_int8_block_spec(
     the BF16 baseline (same attention and norms); with `policy.fp8_peer` set, the FP8 peer
     (`Int8Policy(enabled=False, fp8_peer="tensorwise")`).
     """
+    if policy.enabled and policy.recipe.int8_swiglu_input and not (
+            config.use_te_activation_func and config.gated_linear_unit and not config.num_moe_experts):
+        raise ValueError("--int8-swiglu-input keeps the input of megatron_int8's SwiGLU module, which megatron runs "
+                         "only in dense SwiGLU MLPs with config.use_te_activation_func (the trainer sets it unless "
+                         "--no-fused-swiglu); this model has none")
     layer_specs = get_gpt_int8_layer_specs(config, policy, normalization=normalization,
                                            qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
     if config.pipeline_model_parallel_layout is not None:

@@ -239,3 +239,19 @@ def test_int8_copy_follows_the_recipe_into_int8_layers_only():
     assert not policy_from_args(parser.parse_args(["--int8-linear"])).recipe.int8_swiglu_input
     with pytest.raises(TypeError, match="int8_swiglu_input"):
         Int8Recipe(int8_swiglu_input=1)
+
+
+def test_int8_swiglu_input_without_the_swiglu_module_is_an_error():
+    """A model whose MLPs would not run the SwiGLU module (megatron's own SwiGLU, MoE experts) rejects the option
+    instead of ignoring it; with the module slot open it builds."""
+    from megatron_int8.megatron.policy import Int8Policy
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
+
+    policy = Int8Policy(recipe=Int8Recipe(int8_swiglu_input=True))
+    with single_process_megatron():
+        for config in (tiny_config(), tiny_config(use_te_activation_func=True, bias_activation_fusion=False,
+                                                  num_moe_experts=4, moe_ffn_hidden_size=32)):
+            with pytest.raises(ValueError, match="--int8-swiglu-input"):
+                get_gpt_int8_block_spec(config, policy)
+        config = tiny_config(use_te_activation_func=True, bias_activation_fusion=False)
+        assert get_gpt_int8_block_spec(config, policy).layer_specs
