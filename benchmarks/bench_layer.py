@@ -82,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
     args = p.parse_args(argv)
+    if args.int8_swiglu_input and (args.num_experts or not args.fused_swiglu):
+        p.error("--int8-swiglu-input needs a dense MLP with the fused SwiGLU (no --num-experts, no --no-fused-swiglu)")
     if args.tiny:
         args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
         args.num_query_groups = 2 if args.num_query_groups else None

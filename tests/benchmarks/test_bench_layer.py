@@ -2,6 +2,8 @@
 SwiGLU input kept in INT8."""
 import math
 
+import pytest
+
 from mcore_helpers import single_process_megatron
 from repo_paths import BENCHMARKS
 
@@ -27,3 +29,12 @@ def test_int8_swiglu_input_saves_the_expected_bytes_per_token(monkeypatch):
     assert saved["INT8"] - saved[bench_layer.SWIGLU_INPUT_ROW] == tokens * drop_per_token
     # the INT8 linears already keep int8 inputs: the INT8 layer keeps less than BF16's
     assert saved["INT8"] < saved["BF16"]
+
+
+def test_int8_swiglu_input_needs_the_fused_dense_swiglu(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_layer
+
+    for extra in (["--num-experts", "4"], ["--no-fused-swiglu"]):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(["--device", "cpu", "--tiny", "--int8-swiglu-input", *extra])
