@@ -29,8 +29,8 @@ def _check_bools(owner, names) -> None:
 @dataclasses.dataclass(frozen=True)
 class Int8Numerics:
     """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
-    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input). Quantized-weight
-    caches are keyed and recipes described by it alone."""
+    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input,
+    int8_norm_input). Quantized-weight caches are keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -40,13 +40,14 @@ class Int8Numerics:
     grad_rounding: str = "nearest"
     smooth_swiglu: bool = False
     int8_swiglu_input: bool = False
+    int8_norm_input: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input"))
+        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input", "int8_norm_input"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
@@ -54,7 +55,7 @@ class Int8Numerics:
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
         smooth = ",smooth" if self.smooth_swiglu else ""
-        saved = ",swiglu-in:int8" if self.int8_swiglu_input else ""
+        saved = (",swiglu-in:int8" if self.int8_swiglu_input else "") + (",norm-in:int8" if self.int8_norm_input else "")
         return f"int8[{gran},{gemms}{sr}{smooth}{saved}]"
 
 
@@ -139,6 +140,10 @@ class Int8Recipe:
         for backward) as INT8 with 1 x 128 block scales instead of BF16, and backward differentiates at the
         dequantized values (megatron_int8.ops.swiglu): 2F + 8 ceil(F/128) instead of 4F bytes per token. Off
         by default until loss parity is measured on GPU (docs/training.md, "Memory options").
+    int8_norm_input: the layers' RMSNorms (input_layernorm, pre_mlp_layernorm) keep their input as INT8 with
+        1 x 128 block scales (plus the fp32 1/rms per token) instead of BF16, backward taking the gradient at the
+        dequantized values (megatron_int8.ops.rms_norm): H + 4 ceil(H/128) + 4 instead of 2H bytes per token and
+        norm. Off by default until loss parity is measured on GPU.
 
     Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
     each validated on construction.
@@ -152,6 +157,7 @@ class Int8Recipe:
     grad_rounding: str = "nearest"
     smooth_swiglu: bool = False
     int8_swiglu_input: bool = False
+    int8_norm_input: bool = False
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

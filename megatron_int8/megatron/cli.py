@@ -59,6 +59,9 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--int8-swiglu-input", action="store_true",
                        help="Dense SwiGLU MLPs keep the SwiGLU's input (fc1's output) for backward in INT8 with "
                             "1x128 block scales instead of BF16 (docs/training.md, 'Memory options').")
+    group.add_argument("--int8-norm-input", action="store_true",
+                       help="The layers' RMSNorms keep their input for backward in INT8 with 1x128 block scales "
+                            "instead of BF16 (docs/training.md, 'Memory options').")
     return parser
 
 
@@ -82,6 +85,7 @@ def policy_from_args(args) -> Int8Policy:
             wgrad="wgrad" not in bf16_gemms,
             grad_rounding=args.int8_grad_rounding,
             int8_swiglu_input=bool(getattr(args, "int8_swiglu_input", False)),
+            int8_norm_input=bool(getattr(args, "int8_norm_input", False)),
             backend=args.int8_backend,
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,

@@ -93,6 +93,16 @@ class Int8SpecProvider(LocalSpecProvider):
         that also accepts sequence parallelism."""
         return TENorm if HAVE_TE else SequenceParallelNorm
 
+    def hidden_norm(self, rms_norm: bool = False):
+        """The layer's input and pre-MLP norm: `layer_norm`'s, keeping its input's INT8 copy for backward in INT8
+        layers under the recipe's int8_norm_input (megatron_int8.ops.rms_norm)."""
+        norm = self.layer_norm(rms_norm=rms_norm)
+        if not (self.fp8_recipe is None and self.int8 and self.recipe.any_int8 and self.recipe.int8_norm_input):
+            return norm
+        if norm is not SequenceParallelNorm:
+            raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
+        return ModuleSpec(module=SequenceParallelNorm, params={"int8_copy": True})
+
     def core_attention(self) -> type:
         return TEDotProductAttention if HAVE_TE else SDPAttention
 
@@ -148,7 +158,7 @@ def get_gpt_int8_layer_spec(
     if num_experts:
         apply_no_te_compat()
     backend = Int8SpecProvider(recipe=recipe, int8=int8, fp8_recipe=fp8_recipe, fp8_compile=fp8_compile)
-    norm = backend.layer_norm(rms_norm=normalization == "RMSNorm")
+    norm = backend.hidden_norm(rms_norm=normalization == "RMSNorm")
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
                                          if qk_layernorm else IdentityOp)
     # dense MLPs carry the SwiGLU module; megatron's MLP uses it only under config.use_te_activation_func
