@@ -11,11 +11,12 @@ WEIGHTED (MoE experts, megatron's weighted SwiGLU): each row r carries the route
     backward  dx as above with dy p in place of dy;  dp[r] = sum over the row of silu(a) b dy
 The row sums are written as partial sums per column block, [n_ct, R] fp32, added up by one torch.sum.
 
-SAVED INT8 (x_int8): the forward kernel also writes x's INT8 copy for backward, each half quantized in 1 x TC
-blocks along its columns (TC = the block size, 128 in training): q [R, 2F] int8 and scales [R, 2 NB] fp32,
-NB = ceil(F / TC), a's blocks first. The quantization is reference.quantize's (block granularity: scale =
-amax / 127, 1 for an all-zero block, NaN for one holding Inf/NaN; round half to even), so backward, which
-then reads q and the scales in place of x (dequantized in fp32, q * scale), needs half x's bytes.
+INT8_COPY (the recipe's int8_swiglu_input): the forward kernel also writes x's INT8 copy for backward, each
+half quantized in 1 x TC blocks along its columns (TC = the block size, 128 in training): q [R, 2F] int8 and
+scales [R, 2 NB] fp32, NB = ceil(F / TC), a's blocks first. The quantization is reference.quantize's (block
+granularity: scale = amax / 127, 1 for an all-zero block, NaN for one holding Inf/NaN; round half to even),
+so backward, which then reads q and the scales in place of x (dequantized in fp32, q * scale), needs half
+x's bytes.
 
 MAXIMA: the kernel also writes the per-row and per-column maxima of |output| (of the rounded values, Inf/NaN
 as inf), folded by atomic max into one zeroed buffer as kernels/quantize's amax pass does. The INT8 linear
