@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-weights", action="store_true",
                    help="keep weight quantization across iterations (as micro-batches of one step do); "
                         "default re-quantizes every iteration, the cost of a 1-micro-batch step")
+    p.add_argument("--no-dgrad-weight-cache", dest="cache_dgrad_weight", action="store_false",
+                   help="with --cache-weights: cache Q(W) only, so every iteration quantizes dgrad's Q(W)^T (recipe "
+                        "cache_dgrad_weight=False; the time it costs a micro-batch)")
     p.add_argument("--check-finite", choices=FINITE_CHECKS, default=DEFAULT_RECIPE.check_finite,
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
                         "sync per quantize) or off")
@@ -154,7 +157,7 @@ def build_layers(args, skipped):
     if args.fused_swiglu and not args.num_experts:
         config = dataclasses.replace(config, use_te_activation_func=True, bias_activation_fusion=False)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
-                        cache_weights=args.cache_weights)
+                        cache_weights=args.cache_weights, cache_dgrad_weight=args.cache_dgrad_weight)
     experts = args.num_experts or None
     grouped = bool(experts and args.moe_grouped_gemm)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
@@ -321,6 +324,12 @@ def profile_layer(layer, args) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
+def _weight_cache_state(args) -> str:
+    if not args.cache_weights:
+        return "off (re-quantized every iteration)"
+    return "on" if args.cache_dgrad_weight else "Q(W) only (Q(W)^T quantized every iteration)"
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -356,7 +365,7 @@ def main(argv=None) -> str:
     lines = [
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
-        f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
+        f"backend {backend}, weight cache {_weight_cache_state(args)}, "
         f"finite check {args.check_finite}" + (", CUDA-graphed" if args.cuda_graph else ", eager") + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
         "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
