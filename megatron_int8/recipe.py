@@ -55,8 +55,9 @@ class Int8Numerics:
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
         smooth = ",smooth" if self.smooth_swiglu else ""
-        saved = (",swiglu-in:int8" if self.int8_swiglu_input else "") + (",norm-in:int8" if self.int8_norm_input else "")
-        return f"int8[{gran},{gemms}{sr}{smooth}{saved}]"
+        swiglu = ",swiglu-in:int8" if self.int8_swiglu_input else ""
+        norm = ",norm-in:int8" if self.int8_norm_input else ""
+        return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}]"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,7 +156,8 @@ def _strips(R: int, F: int, TR: int, TC: int) -> Tuple[int, int, int]:
 
 
 def _launch(cache: LaunchCache, lead: tuple, weights: tuple, R: int, F: int, C: int, maxima: bool, device,
-            tile: Optional[tuple] = None, int8_copy: tuple = ()) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+            tile: Optional[tuple] = None,
+            int8_copy: tuple = ()) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch one pass over [R, F] with C output columns; (row maxima [R], column maxima [C]) if `maxima`.
     `weights`: the WEIGHTED pointers (forward: p; backward: p and dp's partial sums), or () for plain SwiGLU.
     `int8_copy`: the INT8_COPY pointers (forward: q and its scales, written; backward: the scales), or ()."""

@@ -99,8 +99,8 @@ class FusedRMSNorm(torch.nn.RMSNorm):
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether the forward of input x runs the Triton kernels (see the class docstring)."""
         weight = self.weight
-        return ((self.use_triton or self.int8_copy) and weight is not None and x.dtype == weight.dtype and triton_runs_on(x.device)
-                and triton_available())
+        return ((self.use_triton or self.int8_copy) and weight is not None and x.dtype == weight.dtype
+                and triton_runs_on(x.device) and triton_available())
 
     def eps_for(self, x: torch.Tensor) -> float:
         """The epsilon applied to input x: torch.nn.RMSNorm's default (x's dtype's) when none was set."""

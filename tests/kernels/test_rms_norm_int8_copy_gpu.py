@@ -1,7 +1,7 @@
-"""The Triton RMSNorm with its input's INT8 copy (kernels/rms_norm.py, INT8_COPY) on a CUDA GPU at the hidden sizes
-of Llama2-7B (4096) and Qwen3-4B (2560: 20 blocks in a padded row of 4096), one micro-batch of 8192 tokens: the copy
-equals the reference run on the CPU, the forward the plain Triton kernel's, and the gradients float64's at the dequantized
-copy. Skipped without CUDA (tests/conftest.py)."""
+"""The Triton RMSNorm with its input's INT8 copy (kernels/rms_norm.py, INT8_COPY) on a CUDA GPU at the hidden
+sizes of Llama2-7B (4096) and Qwen3-4B (2560: 20 blocks in a padded row of 4096), one micro-batch of 8192
+tokens: the copy equals the reference run on the CPU, the forward the plain Triton kernel's, and the gradients
+float64's at the dequantized copy. Skipped without CUDA (tests/conftest.py)."""
 import pytest
 import torch
 from int8_bounds import assert_rms_norm_close
