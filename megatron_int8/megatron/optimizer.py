@@ -156,10 +156,10 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         state_dict = super().state_dict()
         if not self.master_weights:
             params = [p for g in self.param_groups for p in g["params"]]
-            for index, state in state_dict["state"].items():
-                for key in MOMENT_KEYS:
-                    if key in state:
-                        state[key] = moment_to_fp32(state[key]).view(params[index].shape)
+            state_dict["state"] = {  # new dicts: torch's state_dict shares the live ones
+                index: {key: moment_to_fp32(value).view(params[index].shape) if key in MOMENT_KEYS else value
+                        for key, value in state.items()}
+                for index, state in state_dict["state"].items()}
         return state_dict
 
     def load_state_dict(self, state_dict) -> None:
