@@ -302,6 +302,23 @@ def test_fp32_states_load_into_int8_and_back():
         assert torch.equal(back.state[q]["exp_avg_sq"], int8.get_unscaled_state(p, "exp_avg_sq"))
 
 
+def test_fp32_params_are_their_own_master_weights():
+    """Without --bf16 megatron's distributed optimizer hands over fp32 shards: the master weight is the shard
+    itself (no copy), and the steps are those of the fp32-parameter mode."""
+    shards = [_heavy_tailed(n, 0.02, seed=97 + n) for n in (300, 2 * QBLOCK)]
+    plain = [torch.nn.Parameter(s.clone()) for s in shards]
+    held = _optimizer(shards, "int8", False)
+    free = _optimizer(plain, "int8", False, master_weights=False)
+    for step in range(3):
+        for i, (a, b) in enumerate(zip(shards, plain)):
+            a.decoupled_grad = b.grad = _heavy_tailed(a.numel(), 1e-3, seed=200 + 10 * step + i)
+        held.step()
+        free.step()
+    for a, b in zip(shards, plain):
+        assert held.state[a]["master_param"].data_ptr() == a.data_ptr()
+        assert torch.equal(a, b.detach())
+
+
 def test_fp32_main_params_mode_saves_moments_in_the_parameters_shape():
     """Under megatron's Float16 optimizer the params are fp32 main params and its checkpoint maps each
     state to the parameter's shape: state_dict gives fp32 tensors of that shape, load_state_dict takes them."""

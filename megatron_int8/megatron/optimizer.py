@@ -80,10 +80,15 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         state["exp_avg"] = new_moment(numel, self.exp_avg_dtype, False, device)
         state["exp_avg_sq"] = new_moment(numel, self.exp_avg_sq_dtype, True, device)
         if self.master_weights:
-            if self.store_param_remainders:
-                state["master_param"] = torch.zeros(numel, dtype=torch.int16, device=device)
-            else:
-                state["master_param"] = param.detach().reshape(-1).float().clone()
+            state["master_param"] = self._new_master(param)
+
+    def _new_master(self, param: torch.Tensor) -> torch.Tensor:
+        """The master weight of the parameter's current value: its int16 remainder (zero), the fp32
+        parameter itself (megatron hands fp32 parameters' shards over as they are), or an fp32 copy."""
+        flat = param.detach().view(-1)
+        if self.store_param_remainders:
+            return torch.zeros(flat.numel(), dtype=torch.int16, device=flat.device)
+        return flat if flat.dtype == torch.float32 else flat.float()
 
     def initialize_all_states(self) -> None:
         for group in self.param_groups:
@@ -196,18 +201,24 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
                 state["master_param"] = value
             else:
                 raise KeyError(f"precision-aware AdamW: unknown optimizer state {key!r} in the loaded state")
-        if self.master_weights:
-            wanted = torch.int16 if self.store_param_remainders else torch.float32
-            value = state.get("master_param")
-            if value is None or value.dtype != wanted or value.device != param.device:
-                self.state[param] = state
-                if value is None:  # a state saved without master weights: the parameter's value
-                    value = param.detach().reshape(-1).float()
-                state["master_param"] = torch.zeros(param.numel(), dtype=wanted, device=param.device)
-                self._set_master(param, value)
-                del self.state[param]
-        elif "master_param" in state:
-            raise ValueError("a state with master weights loaded into an optimizer without them")
+        if not self.master_weights:
+            if "master_param" in state:
+                raise ValueError("a state with master weights loaded into an optimizer without them")
+            return state
+        value = state.pop("master_param", None)
+        state["master_param"] = master = self._new_master(param)
+        if value is None:  # saved without master weights: the parameter's value is the master
+            return state
+        if value.dtype == master.dtype and value.numel() == master.numel() and value.device == master.device \
+                and master.data_ptr() != param.data_ptr():
+            state["master_param"] = value  # already this optimizer's form: no copy
+            if value.dtype == torch.int16:
+                return state  # the remainder of the parameter's current bf16 value
+        self.state[param] = state
+        try:
+            self._set_master(param, value)
+        finally:
+            del self.state[param]
         return state
 
     # --- the step ----------------------------------------------------------------------------------------
