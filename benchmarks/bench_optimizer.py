@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Optimizer step time on one GPU: the precision-aware AdamW's fused Triton step (megatron_int8.ops.adamw)
-against torch's fused AdamW, for a few parameter counts. Prints a markdown table (also written to
---out / $OUT/bench_optimizer.md).
+against torch's fused AdamW, for a few parameter counts. Prints a markdown table and appends it to
+benchmarks/results/optimizer.csv ($OUT/optimizer.csv on the GPU machine) with its provenance.
 
 Each row steps parameters of `--tensor-numel` elements each (the last one ragged) summing to the count:
   torch fused AdamW   fp32 master params and moments, torch.optim.AdamW(fused=True), then the copy of the
@@ -10,7 +10,7 @@ Each row steps parameters of `--tensor-numel` elements each (the last one ragged
   ours <m>/<v> <w>    PrecisionAwareAdamW with master weights: bf16 params, fp32 gradients (decoupled_grad,
                       as megatron's distributed optimizer hands them), moments in m / v, master fp32 or as a
                       remainder; one kernel per parameter writes the bf16 param itself
-Columns: median step time over --iters steps after --warmup, the bytes each step reads and writes per
+Columns: mean step time over --iters steps after --warmup, the bytes each step reads and writes per
 parameter, the resulting bandwidth, and the optimizer-held bytes per parameter (master + moments).
 
     python benchmarks/bench_optimizer.py                         # 0.1, 0.5, 1 and 2 billion parameters
@@ -19,15 +19,10 @@ parameter, the resulting bandwidth, and the optimizer-held bytes per parameter (
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
+from common import record_tables, time_ms  # noqa: E402  (first: puts the repository on sys.path)
 from megatron_int8.megatron.optimizer import PrecisionAwareAdamW  # noqa: E402
 from megatron_int8.training.memory import STATE_BYTES  # noqa: E402
 
@@ -45,7 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--tensor-numel", type=int, default=4096 * 4096, help="elements per parameter tensor")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=None, help="markdown file, or a directory for bench_optimizer.md (default: $OUT)")
     return p.parse_args(argv)
 
 
@@ -54,20 +48,6 @@ def _sizes(total: int, per_tensor: int) -> list:
     if total % per_tensor:
         sizes.append(total % per_tensor + 13)  # ragged: not a multiple of the 128-element blocks
     return sizes
-
-
-def _time(step, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_torch(sizes, iters, warmup):
@@ -81,7 +61,7 @@ def bench_torch(sizes, iters, warmup):
         opt.step()
         torch._foreach_copy_(models, masters)
 
-    ms = _time(step, iters, warmup)
+    ms = time_ms(step, warmup, iters)
     # reads: master, grad, 2 moments (16 B); writes: master, 2 moments (12 B); copy: read 4, write 2
     return ms, 34, 12
 
@@ -93,7 +73,7 @@ def bench_ours(sizes, iters, warmup, m_dtype, v_dtype, remainders):
     opt = PrecisionAwareAdamW(params, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
                               weight_decay=HYPER["weight_decay"], exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype,
                               master_weights=True, store_param_remainders=remainders, use_decoupled_grad=True)
-    ms = _time(opt.step, iters, warmup)
+    ms = time_ms(opt.step, warmup, iters)
     held = (2 if remainders else 4) + STATE_BYTES[m_dtype] + STATE_BYTES[v_dtype]
     moved = 4 + 2 * held + (4 if remainders else 2)  # grad; states read and written; the bf16 param
     return ms, moved, held
@@ -118,18 +98,14 @@ def main(argv=None):
             rows.append((f"{total / 1e9:g}B", label, ms, baseline / ms, moved, moved * total / ms / 1e6, held))
             torch.cuda.synchronize()
     lines = [f"Optimizer step, {torch.cuda.get_device_name()}, torch {torch.__version__}, tensors of "
-             f"{opts.tensor_numel} elements, median of {opts.iters} steps", "",
+             f"{opts.tensor_numel} elements, mean of {opts.iters} steps", "",
              "| params | optimizer | ms/step | speedup vs torch | B moved/param | GB/s | B held/param |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {c} | {label} | {ms:.2f} | {speed:.2f}x | {moved:.2f} | {bw:.0f} | {held:.2f} |"
               for c, label, ms, speed, moved, bw, held in rows]
     text = "\n".join(lines)
     print(text)
-    out = opts.out or os.environ.get("OUT")
-    if out:
-        path = os.path.join(out, "bench_optimizer.md") if os.path.isdir(out) else out
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    record_tables("optimizer", text)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,0 @@
-"""Operations with a PyTorch reference and a Triton path (kernels/), chosen by the device."""

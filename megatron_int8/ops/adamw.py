@@ -252,10 +252,11 @@ def adamw_step_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: Momen
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: Moment, exp_avg_sq: Moment,
                scalars: AdamWScalars, master: Optional[torch.Tensor] = None) -> None:
-    """`adamw_step_reference`'s step, as one Triton kernel on CUDA (or under TRITON_INTERPRET=1)."""
-    from ..backend import triton_available, triton_runs_on
+    """`adamw_step_reference`'s step, as one Triton kernel on CUDA (or under TRITON_INTERPRET=1) where triton
+    is installed; the reference elsewhere."""
+    from ..dispatch import triton_installed, triton_runs_on
 
-    if param.device.type == "cuda" or (triton_runs_on(param.device) and triton_available()):
+    if triton_runs_on(param.device) and triton_installed():
         from ..kernels.adamw import triton_adamw_step
 
         def parts(moment):

@@ -20,7 +20,7 @@ STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QBLOCK}
 
 def weight_cache_bytes(modules) -> int:
     """Bytes the INT8 weight cache holds for these modules' INT8 linears (Q(W) for fprop, Q(W)^T for dgrad)."""
-    from ..layers import Int8LinearMixin
+    from ..megatron.layers import Int8LinearMixin
 
     total = 0
     for module in modules:

@@ -1,4 +1,5 @@
-"""The precision-aware optimizer in the trainer, on CPU (gloo): megatron's distributed optimizer over 2
+"""The precision-aware optimizer in the trainer, on CPU (gloo): its flags' checks and the memory per
+parameter it prints; end to end: megatron's distributed optimizer over 2
 data-parallel ranks with INT8 moments and master-weight remainders resumes bit for bit, reshards to one
 rank, and its checkpoints load into fp32 states and back; megatron's mixed-precision (Float16) optimizer
 with INT8 moments resumes bit for bit."""
@@ -7,9 +8,9 @@ import torch
 from test_checkpoint_reshard import _stopped_at
 from test_training import data, losses, train  # noqa: F401  (`data` is the module's fixture)
 
+from megatron_int8.megatron.optimizer import PrecisionAwareAdamW
 from megatron_int8.training.checkpoint import checkpoint_dir
 
-pytestmark = pytest.mark.slow
 RUN = ["--bf16", "--int8-linear", "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--eval-interval", "100", "--save-interval", "2"]
 INT8_STATES = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "int8", "--exp-avg-sq-dtype", "int8"]
@@ -35,6 +36,7 @@ def _assert_bitwise_equal(a, b):
             assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_distributed_int8_states_with_remainders_resume_exactly_reshard_and_convert(data, tmp_path):  # noqa: F811
     flags = RUN + DISTRIBUTED + INT8_STATES + ["--store-param-remainders"]
@@ -66,6 +68,7 @@ def test_distributed_int8_states_with_remainders_resume_exactly_reshard_and_conv
     assert all(abs(got[i] - expected[i]) < CONTINUATION_TOLERANCE for i in (3, 4)), (got, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_fp32_state_checkpoint_loads_into_int8_states(data, tmp_path):  # noqa: F811
     plain = tmp_path / "plain"
@@ -86,6 +89,7 @@ def test_fp32_state_checkpoint_loads_into_int8_states(data, tmp_path):  # noqa: 
             assert (saved[key].shape, saved[key].dtype) == (value.shape, value.dtype), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mixed_precision_optimizer_with_int8_moments_resumes_exactly(data, tmp_path):  # noqa: F811
     """Without the distributed optimizer: megatron's Float16OptimizerWithFloat16Params keeps fp32 main params,
@@ -98,3 +102,53 @@ def test_mixed_precision_optimizer_with_int8_moments_resumes_exactly(data, tmp_p
     train(data, *RUN, *INT8_STATES, "--save", str(resumed), "--load", str(resumed))
     assert losses(resumed / "train_log.jsonl") == {3: expected[3], 4: expected[4]}
     _assert_bitwise_equal(_checkpoint_tensors(resumed, 4), _checkpoint_tensors(whole, 4))
+
+
+def _args(flags):
+    from megatron_int8.training.args import parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "512"]
+    return validate_args(parse_args(base + flags), world_size=2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--exp-avg-dtype", "int8"], "--exp-avg-dtype needs --use-precision-aware-optimizer"),
+    (["--store-param-remainders", "--bf16"], "--store-param-remainders needs --use-precision-aware-optimizer"),
+    (["--use-precision-aware-optimizer", "--exp-avg-dtype", "int8", "--optimizer", "sgd"],
+     "--optimizer sgd is not supported"),
+    (["--use-precision-aware-optimizer", "--store-param-remainders", "--use-distributed-optimizer"], "needs --bf16"),
+    (["--use-precision-aware-optimizer", "--store-param-remainders", "--bf16"], "needs --use-distributed-optimizer"),
+    (["--use-precision-aware-optimizer", "--main-params-dtype", "fp16"], "--main-params-dtype fp16 is not supported"),
+    (["--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "fp8"], "need Transformer Engine"),
+])
+def test_bad_flags_fail_clearly(flags, message):
+    from megatron_int8.training.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        _args(flags)
+
+
+def test_memory_per_parameter_counts_each_state():
+    from megatron_int8.training.memory import bytes_per_parameter
+
+    model = torch.nn.Linear(128, 64, bias=False)  # 8192 parameters, no INT8 linear
+    args = _args(["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer", "--exp-avg-dtype",
+                  "int8", "--exp-avg-sq-dtype", "bf16", "--store-param-remainders"])
+    numel, rows = bytes_per_parameter(args, [model])
+    assert numel == 8192
+    assert dict(rows) == {"bf16 weight": 2.0, "main_grad (fp32)": 4.0, "master weight (int16 remainder)": 1.0,
+                          "exp_avg (int8)": (1 + 4 / 128) / 2, "exp_avg_sq (bf16)": 1.0}  # DP 2 shards
+    # the formula is what the optimizer allocates: one DP shard of the parameter
+    shard = torch.zeros(numel // 2, dtype=torch.bfloat16)
+    opt = PrecisionAwareAdamW([shard], exp_avg_dtype="int8", exp_avg_sq_dtype="bf16", master_weights=True,
+                              store_param_remainders=True, use_decoupled_grad=True)
+    opt.initialize_all_states()
+    held = opt.state_nbytes()
+    assert held["master_param"] / numel == dict(rows)["master weight (int16 remainder)"]
+    assert held["exp_avg"] / numel == dict(rows)["exp_avg (int8)"]
+    assert held["exp_avg_sq"] / numel == dict(rows)["exp_avg_sq (bf16)"]
+    plain = _args(["--bf16"])
+    assert dict(bytes_per_parameter(plain, [model])[1]) == {
+        "bf16 weight": 2.0, "main_grad (fp32)": 4.0, "master weight (fp32)": 4.0, "exp_avg (fp32)": 4.0,
+        "exp_avg_sq (fp32)": 4.0}
