@@ -30,6 +30,8 @@ from ..ops.adamw import (STATE_DTYPES, AdamWScalars, BlockQuantized, adamw_step,
                          moment_to_fp32, new_moment, split_remainder, store_moment)
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# what megatron's dp_reshardable load hands set_scaled_state beside the states (a bool per bucket entry)
+MEGATRON_BOOKKEEPING = ("padding",)
 
 
 class PrecisionAwareAdamW(torch.optim.AdamW):
@@ -113,6 +115,8 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
     def set_scaled_state(self, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Set a state from values (fp32, flat or the parameter's shape), in this optimizer's format. The
         master weight also sets the bf16 parameter (its high half, for remainders)."""
+        if key in MEGATRON_BOOKKEEPING:
+            return
         state = self.state[param]
         if not state:
             self.initialize_state(param)

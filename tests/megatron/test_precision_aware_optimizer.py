@@ -105,6 +105,15 @@ def test_fp32_main_params_mode_saves_moments_in_the_parameters_shape():
     assert torch.equal(state["exp_avg"].codes, opt.state[param]["exp_avg"].codes)
 
 
+def test_set_scaled_state_skips_megatrons_padding_flag_and_refuses_unknown_states():
+    param = torch.zeros(300, dtype=torch.bfloat16)
+    opt = _optimizer([param], "int8", True)
+    opt.set_scaled_state(param, "padding", False)  # dp_reshardable's bucket bookkeeping
+    assert not opt.state.get(param)
+    with pytest.raises(KeyError, match="no state 'exp_avg_sqq'"):
+        opt.set_scaled_state(param, "exp_avg_sqq", torch.zeros(300))
+
+
 def test_bad_optimizer_input_fails_clearly():
     with pytest.raises(ValueError, match="needs bf16 parameters"):
         _optimizer([torch.zeros(10)], "int8", True)

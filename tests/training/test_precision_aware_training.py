@@ -2,7 +2,7 @@
 parameter it prints; end to end: megatron's distributed optimizer over 2
 data-parallel ranks with INT8 moments and master-weight remainders resumes bit for bit, reshards to one
 rank, and its checkpoints load into fp32 states and back; megatron's mixed-precision (Float16) optimizer
-with INT8 moments resumes bit for bit."""
+with INT8 moments resumes bit for bit; megatron's dp_reshardable format resumes bit for bit."""
 import pytest
 import torch
 from test_checkpoint_reshard import _stopped_at
@@ -152,3 +152,19 @@ def test_memory_per_parameter_counts_each_state():
     assert dict(bytes_per_parameter(plain, [model])[1]) == {
         "bf16 weight": 2.0, "main_grad (fp32)": 4.0, "master weight (fp32)": 4.0, "exp_avg (fp32)": 4.0,
         "exp_avg_sq (fp32)": 4.0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_dp_reshardable_format_resumes_exactly(data, tmp_path, monkeypatch):  # noqa: F811
+    """megatron's dp_reshardable format (each rank's bucket shards, MEGATRON_INT8_DISTOPT_FORMAT): its load
+    hands set_scaled_state a per-entry 'padding' flag beside the states."""
+    monkeypatch.setenv("MEGATRON_INT8_DISTOPT_FORMAT", "dp_reshardable")
+    flags = RUN + DISTRIBUTED + INT8_STATES + ["--store-param-remainders"]
+    whole = tmp_path / "whole"
+    train(data, *flags, "--save", str(whole), nproc=2)
+    expected = losses(whole / "train_log.jsonl")
+    resumed = _stopped_at(whole, tmp_path / "resumed", 2)
+    out = train(data, *flags, "--save", str(resumed), "--load", str(resumed), nproc=2)
+    assert "dp_reshardable format, Adam steps [2.0]" in out
+    assert losses(resumed / "train_log.jsonl") == {3: expected[3], 4: expected[4]}
