@@ -1,8 +1,8 @@
 """The precision-aware optimizer in the trainer, on CPU (gloo): its flags' checks and the memory per
-parameter it prints; end to end: megatron's distributed optimizer over 2
-data-parallel ranks with INT8 moments and master-weight remainders resumes bit for bit, reshards to one
-rank, and its checkpoints load into fp32 states and back; megatron's mixed-precision (Float16) optimizer
-with INT8 moments resumes bit for bit; megatron's dp_reshardable format resumes bit for bit."""
+parameter it prints; end to end: megatron's distributed optimizer over 2 data-parallel ranks with INT8
+moments and master-weight remainders resumes bit for bit (both of the trainer's checkpoint formats),
+reshards to one rank and from TP 2 to TP 1, and its checkpoints load into fp32 states and back;
+megatron's mixed-precision (Float16) optimizer with INT8 moments resumes bit for bit."""
 import pytest
 import torch
 from test_checkpoint_reshard import _stopped_at
@@ -15,9 +15,10 @@ RUN = ["--bf16", "--int8-linear", "--train-iters", "4", "--micro-batch-size", "2
        "--eval-interval", "100", "--save-interval", "2"]
 INT8_STATES = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "int8", "--exp-avg-sq-dtype", "int8"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
-# A continuation from the same checkpoint with other optimizer states (fp32 <-> int8, or 2 -> 1 ranks):
-# measured on CPU (2026-11-27, this test), the losses of iterations 3-4 were within 1.9e-4 of the
-# reference run; iterations 2 -> 4 move the loss by 0.048, so the tolerance is finer than training's steps.
+# A continuation from the same checkpoint with other optimizer states (fp32 <-> int8), DP 2 -> 1 or TP 2 -> 1:
+# measured on CPU (2026-11-27, these tests), the losses of iterations 3-4 were within 1.9e-4 of the
+# reference run (TP: 7e-5, the INT8 linears' row scales differ per TP shard); iterations 2 -> 4 move the
+# loss by 0.048, so the tolerance is finer than training's steps.
 CONTINUATION_TOLERANCE = 1e-3
 
 
@@ -168,3 +169,20 @@ def test_dp_reshardable_format_resumes_exactly(data, tmp_path, monkeypatch):  # 
     out = train(data, *flags, "--save", str(resumed), "--load", str(resumed), nproc=2)
     assert "dp_reshardable format, Adam steps [2.0]" in out
     assert losses(resumed / "train_log.jsonl") == {3: expected[3], 4: expected[4]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tensor_parallel_checkpoint_resumes_at_another_tensor_parallel_size(data, tmp_path):  # noqa: F811
+    """TP 2 + SP saves (fully_reshardable: model space), TP 1 resumes with the same global batch."""
+    flags = RUN + DISTRIBUTED + INT8_STATES + ["--store-param-remainders"]
+    whole = tmp_path / "whole"
+    out = train(data, *flags, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--save", str(whole),
+                nproc=2)
+    assert "TP 2, PP 1, DP 1" in out
+    expected = losses(whole / "train_log.jsonl")
+    tp1 = _stopped_at(whole, tmp_path / "tp1", 2)
+    out = train(data, *flags, "--save", str(tp1), "--load", str(tp1))
+    assert "TP 1, PP 1, DP 1" in out and "Adam steps [2.0]" in out
+    got = losses(tp1 / "train_log.jsonl")
+    assert all(abs(got[i] - expected[i]) < CONTINUATION_TOLERANCE for i in (3, 4)), (got, expected)
