@@ -27,7 +27,7 @@ BLOCKS_PER_PROGRAM = 8
 # kinds of a moment's storage and of the master weight (constexprs)
 FP32, BF16, INT8 = 0, 1, 2
 PARAM_IS_MASTER, MASTER_FP32, MASTER_REMAINDER = 0, 1, 2
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _store_quantized(codes_ptr, scales_ptr, values, offs, mask, block_ids, bmask
         scale = scale_bits.to(tl.float32, bitcast=True)
         inverse = ((254 << 23) - scale_bits).to(tl.float32, bitcast=True)
         scaled = values * inverse[:, None]
-        rounded = (scaled + _ROUND_MAGIC) - _ROUND_MAGIC
+        rounded = (scaled + ROUND_MAGIC) - ROUND_MAGIC
         if SQRT:
             floor = tl.where(amax > 0.0, 1.0, 0.0)
             codes = tl.maximum(tl.minimum(rounded, 255.0), floor[:, None]).to(tl.uint8)
