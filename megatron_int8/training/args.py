@@ -407,13 +407,13 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
 
 def _validate_optimizer_precision(args: argparse.Namespace) -> None:
     """The precision-aware optimizer's flags, as Megatron-LM checks them, and what this one does not do."""
-    lowered = {name: getattr(args, name) for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")
+    given = {name: getattr(args, name) for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")
                if getattr(args, name) != "fp32"}
     if args.store_param_remainders:
-        lowered["store_param_remainders"] = True
+        given["store_param_remainders"] = True
     if not args.use_precision_aware_optimizer:
-        if lowered:
-            flags = ", ".join(f"--{k.replace('_', '-')}" for k in lowered)
+        if given:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
             raise ArgumentError(f"{flags} needs --use-precision-aware-optimizer")
         return
     if args.optimizer != "adam":
