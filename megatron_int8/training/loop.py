@@ -17,6 +17,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .health import RunHealth
+from .memory import format_bytes_per_parameter
 from .metrics import StepPhases, TrainingLogger
 from .model import (build_config, build_model, build_optimizer, configure_torch_adam, initialize_distributed,
                     set_random_seed, settle_grad_reduce_overlap, unwrap)
@@ -176,6 +177,7 @@ def pretrain(args) -> dict:
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
     print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
     optimizer, scheduler = build_optimizer(args, model, _log)
+    _log(format_bytes_per_parameter(args, unwrap(model)))
     _wire_megatron_config(config, model, optimizer, args)
     health = RunHealth(args, unwrap(model))
 
