@@ -202,6 +202,8 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
                *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
             cmd += ["--int8-linear", *getattr(opts, "int8_extra", "").split()]
+        elif not fp8:
+            cmd += getattr(opts, "bf16_extra", "").split()
         if fp8:
             cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
         if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers
