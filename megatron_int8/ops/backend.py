@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
 from ..dispatch import resolve_backend_name, triton_installed, triton_runs_on
 from ..recipe import Int8Recipe
@@ -38,12 +37,7 @@ def backend_instance(name: str):
 
 
 def get_backend(device: torch.device, recipe: Int8Recipe):
-    """The backend `recipe` runs with on `device`; while Dynamo traces, the same one behind torch.library
-    custom ops (library.TracedBackend), which the compiled graph calls."""
-    if is_dynamo_compiling():  # ~0.1 us in eager (a plain function returning False)
-        from .library import TracedBackend
-
-        return TracedBackend(resolve_backend_name(device, recipe))
+    """The backend `recipe` runs with on `device` (under torch.compile: library.traced_backend)."""
     return backend_instance(resolve_backend_name(device, recipe))
 
 

@@ -1,7 +1,7 @@
 """The backend's quantize and GEMM steps as torch.library custom ops, so that torch.compile traces
 `int8_linear` (forward and backward) into one graph with no breaks.
 
-Under Dynamo, `backend.get_backend` hands `int8_linear` a `TracedBackend`: the same contract as
+Under Dynamo, `int8_linear` runs with `traced_backend(...)`, a `TracedBackend`: the same contract as
 reference.ReferenceBackend / kernels.TritonBackend, each call one of the ops below, whose real
 implementation calls the eager backend (so compiled and eager results are the same bits) and whose fake
 implementation gives the output shapes (the contract's, in reference.py's docstring). Eager calls never
@@ -27,7 +27,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..recipe import Int8Recipe
+from ..dispatch import resolve_backend_name
 from ..reference import QTensor, padded_length
+from .backend import backend_instance
+from .weight_cache import quantized_weight
 
 
 
@@ -41,10 +44,9 @@ def _ceil(a, b):
     return -(-a // b)
 
 
-def _eager_backend(name: str):
-    from .backend import backend_instance
-
-    return backend_instance(name)
+def traced_backend(device: torch.device, recipe: Int8Recipe) -> "TracedBackend":
+    """What int8_linear runs with while Dynamo traces it: get_backend's backend, behind the custom ops."""
+    return TracedBackend(resolve_backend_name(device, recipe))
 
 
 def _owned(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ def quantize_op(x: torch.Tensor, backend: str, granularity: str, block_size: int
                 columnwise: bool, stochastic: bool, name: str, check_finite: str,
                 columnwise_pad: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Q(x), its scales, Q(x^T), its scales) as backend.quantize gives them; empty where not requested."""
-    row, col = _eager_backend(backend).quantize(
+    row, col = backend_instance(backend).quantize(
         x, granularity=granularity, block_size=block_size, weight=weight, rowwise=rowwise, columnwise=columnwise,
         stochastic=stochastic, name=name, check_finite=check_finite, columnwise_pad=columnwise_pad)
     empty = x.new_empty(0, dtype=torch.int8), x.new_empty(0, dtype=torch.float32)
@@ -84,11 +86,12 @@ def _(x, backend, granularity, block_size, weight, rowwise, columnwise, stochast
     R, C = x.shape
     tile2d = weight and granularity == "block"
     empty = x.new_empty(0, dtype=torch.int8), x.new_empty(0, dtype=torch.float32)
-    row = (x.new_empty((R, C), dtype=torch.int8),
-           x.new_empty(scale_shape(R, C, granularity, block_size, tile2d), dtype=torch.float32)) if rowwise else empty
+    scales = functools.partial(x.new_empty, dtype=torch.float32)
+    row = ((x.new_empty((R, C), dtype=torch.int8), scales(scale_shape(R, C, granularity, block_size, tile2d)))
+           if rowwise else empty)
     # Q(x^T) quantizes x^T [C, R]; its padded columns carry no scales
-    col = (x.new_empty((C, padded_length(R, columnwise_pad)), dtype=torch.int8),
-           x.new_empty(scale_shape(C, R, granularity, block_size, tile2d), dtype=torch.float32)) if columnwise else empty
+    col = ((x.new_empty((C, padded_length(R, columnwise_pad)), dtype=torch.int8),
+            scales(scale_shape(C, R, granularity, block_size, tile2d))) if columnwise else empty)
     return (*row, *col)
 
 
@@ -99,7 +102,7 @@ def gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b
     """dequant(a @ b^T) [+ bias] as backend.gemm computes it."""
     a = QTensor(a_data, a_scale, granularity, block_size, a_tile2d)
     b = QTensor(b_data, b_scale, granularity, block_size, b_tile2d)
-    return _eager_backend(backend).gemm(a, b, out_dtype=out_dtype, bias=bias, autotune=autotune)
+    return backend_instance(backend).gemm(a, b, out_dtype=out_dtype, bias=bias, autotune=autotune)
 
 
 @gemm_op.register_fake
@@ -123,10 +126,8 @@ def weight_gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, weight: torch.Te
                    autotune: bool) -> torch.Tensor:
     """dequant(a @ Q(W)^T) (fprop) or, `transposed`, dequant(a @ Q(W^T)^T) (dgrad), with Q(W) from the
     weight cache: looked up when the graph runs, not when it is traced."""
-    from .weight_cache import quantized_weight
-
     recipe = _weight_recipe(granularity, block_size, check_finite, cache_weights, fprop, dgrad)
-    eager = _eager_backend(backend)
+    eager = backend_instance(backend)
     row, col = quantized_weight(weight, eager, recipe, rowwise=not transposed, columnwise=transposed)
     a = QTensor(a_data, a_scale, granularity, block_size)
     return eager.gemm(a, col if transposed else row, out_dtype=out_dtype, bias=bias, autotune=autotune)
@@ -154,8 +155,10 @@ def _unsupported(what: str):
 class TracedBackend:
     """The backend contract (reference.ReferenceBackend's docstring) through the custom ops, for Dynamo."""
 
-    def __init__(self, name: str):
-        self.name = name
+    name = "traced"  # what weight_cache.quantized_weight recognises
+
+    def __init__(self, eager_name: str):
+        self.eager_name = eager_name
 
     def weight_operands(self, weight: torch.Tensor, recipe: Int8Recipe, rowwise: bool, columnwise: bool):
         """What weight_cache.quantized_weight returns under compile: placeholders weight_gemm resolves."""
@@ -166,7 +169,7 @@ class TracedBackend:
                  check_finite="deferred", columnwise_pad=1, **given):
         if any(v is not None for v in given.values()):
             raise _unsupported("quantizing with " + ", ".join(k for k, v in given.items() if v is not None))
-        rd, rs, cd, cs = quantize_op(x, self.name, granularity, block_size, weight, rowwise, columnwise,
+        rd, rs, cd, cs = quantize_op(x, self.eager_name, granularity, block_size, weight, rowwise, columnwise,
                                      stochastic, name, check_finite, columnwise_pad)
         tile2d = weight and granularity == "block"
         return (QTensor(rd, rs, granularity, block_size, tile2d) if rowwise else None,
@@ -177,9 +180,10 @@ class TracedBackend:
             raise _unsupported("a GEMM into a given destination (accumulate_into / out)")
         if isinstance(b, _DeferredWeight):
             r = b.recipe
-            return weight_gemm_op(a.data, a.scale, b.weight, b.transposed, self.name, r.granularity, r.block_size,
-                                  r.check_finite, r.cache_weights, r.fprop, r.dgrad, out_dtype, bias, autotune)
-        return gemm_op(a.data, a.scale, b.data, b.scale, self.name, a.granularity, a.block_size, a.tile2d,
+            return weight_gemm_op(a.data, a.scale, b.weight, b.transposed, self.eager_name, r.granularity,
+                                  r.block_size, r.check_finite, r.cache_weights, r.fprop, r.dgrad, out_dtype, bias,
+                                  autotune)
+        return gemm_op(a.data, a.scale, b.data, b.scale, self.eager_name, a.granularity, a.block_size, a.tile2d,
                        b.tile2d, out_dtype, bias, autotune)
 
     def grouped_gemm(self, a, b, segments, *, out_dtype):

@@ -15,7 +15,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..recipe import Int8Recipe
 from ..reference import QTensor
 from .backend import quantize_kwargs
-from .library import TracedBackend
 
 _weight_generation = 0
 
@@ -60,7 +59,7 @@ def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwi
 
     Under torch.compile (`backend` is library.TracedBackend) they are placeholders that the weight GEMM op
     resolves through this cache when the graph runs: Dynamo cannot guard on a storage pointer or version."""
-    if isinstance(backend, TracedBackend):
+    if backend.name == "traced":
         return backend.weight_operands(weight, recipe, rowwise, columnwise)
     kw = quantize_kwargs(recipe, "weight", weight=True)
     if not recipe.cache_weights:
