@@ -146,3 +146,43 @@ def test_unsupported_under_compile_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="columnwise_segments"):
         backend.quantize(torch.zeros(2, 2), granularity="row", block_size=128, weight=False, rowwise=True,
                          columnwise=True, columnwise_segments=object())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_on_gpu_with_triton_backend(mode):
+    """Inductor on CUDA with the Triton backend (and, reduce-overhead, its CUDA graphs) against eager."""
+    torch.manual_seed(0)
+    model = TwoLinears(Int8Recipe(backend="triton"), k=256, hidden=512, n=48, dtype=torch.bfloat16).cuda()
+    compiled = torch.compile(model, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records its graph on a later call
+        x, gy = heavy_tailed(64, 256, dtype=torch.bfloat16).cuda(), heavy_tailed(64, 48, dtype=torch.bfloat16).cuda()
+        eager, got = _run(model, x, gy), _run(compiled, x, gy)
+        for e, g in zip(eager, got):
+            torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2 * e.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_eager_cuda_graph_capture_still_works():
+    x = heavy_tailed(64, 256, dtype=torch.bfloat16).cuda().requires_grad_()
+    w = torch.nn.Parameter(heavy_tailed(128, 256, dtype=torch.bfloat16).cuda())
+    gy = heavy_tailed(64, 128, dtype=torch.bfloat16).cuda()
+
+    def step():
+        y = int8_linear(x, w)
+        y.backward(gy)
+        return y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            expected = step().detach().clone()
+            x.grad = w.grad = None
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expected)

@@ -93,3 +93,18 @@ def test_bad_policy_is_rejected(monkeypatch):
     monkeypatch.setenv("MEGATRON_INT8_SHAPE_POLICY", "fastest")
     with pytest.raises(ValueError, match="MEGATRON_INT8_SHAPE_POLICY"):
         int8_linear(heavy_tailed(2, 16), heavy_tailed(16, 16))
+
+
+@pytest.mark.gpu
+def test_cuda_timer_decides_once_per_shape(monkeypatch):
+    monkeypatch.setattr(shape_policy, "_env_policy", [])
+    shape_policy.set_timer(None)
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) * 0.03
+    y = int8_linear(x, w, None, AUTO)
+    made = shape_policy.decisions()
+    assert len(made) == 1 and made[0].int8_ms > 0 and made[0].hp_ms > 0
+    expected = int8_linear(x, w) if made[0].int8 else F.linear(x, w)
+    assert torch.equal(y, expected) and torch.equal(int8_linear(x, w, None, AUTO), expected)
+    assert len(shape_policy.decisions()) == 1
+    print(shape_policy.format_decisions())
