@@ -14,9 +14,13 @@ high-precision weight and looks Q(W) / Q(W)^T up (or quantizes it) when the grap
 graphs keep quantizing each weight once per change, like eager. (Returning the cached INT8 tensors from an
 op instead would hand the compiler buffers it believes it owns and may reuse.)
 
-Not supported under compile, with a clear error at trace time: tensor-parallel communication (TPOptions
-other than the default), `out=` / `accumulate_into=` destinations and segmented (MoE) quantization; these
-serve the megatron-core layers, which run eager (and CUDA-graphed).
+Under mode="reduce-overhead" (CUDA graphs recorded by torch.compile) the recorded call quantizes the weight
+without the cache (see weight_gemm_op), so every replay quantizes it once more.
+
+Not supported under compile, with a clear error at trace time: GEMMs into given destinations (`out=`,
+`accumulate_into=`, i.e. gradient-accumulation fusion and the pipelined TP overlap) and segmented (MoE)
+quantization. Tensor-parallel options (TPOptions) are not tested under compile. These serve the megatron-core
+layers, which run eager (and CUDA-graphed).
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..recipe import Int8Recipe
 from ..dispatch import resolve_backend_name
+from ..recipe import Int8Recipe
 from ..reference import QTensor, padded_length
 from .backend import backend_instance
 from .weight_cache import quantized_weight
@@ -125,8 +129,11 @@ def weight_gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, weight: torch.Te
                    fprop: bool, dgrad: bool, out_dtype: torch.dtype, bias: Optional[torch.Tensor],
                    autotune: bool) -> torch.Tensor:
     """dequant(a @ Q(W)^T) (fprop) or, `transposed`, dequant(a @ Q(W^T)^T) (dgrad), with Q(W) from the
-    weight cache: looked up when the graph runs, not when it is traced."""
-    recipe = _weight_recipe(granularity, block_size, check_finite, cache_weights, fprop, dgrad)
+    weight cache: looked up when the graph runs, not when it is traced. While a CUDA graph records this call
+    (torch.compile's mode="reduce-overhead"), the weight is quantized without the cache, so that every replay
+    quantizes the weight it then holds: a cache hit would record no quantization and replay a stale Q(W)."""
+    capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+    recipe = _weight_recipe(granularity, block_size, check_finite, cache_weights and not capturing, fprop, dgrad)
     eager = backend_instance(backend)
     row, col = quantized_weight(weight, eager, recipe, rowwise=not transposed, columnwise=transposed)
     a = QTensor(a_data, a_scale, granularity, block_size)

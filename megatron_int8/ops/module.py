@@ -16,7 +16,10 @@ default (True: convert); combine it with `keep_high_precision` to keep the head 
 Data parallelism: DDP works unchanged (the linears' parameters are ordinary Parameters). FSDP2
 (`fully_shard`) works: int8_linear sees the unsharded weight FSDP2 all-gathers for the forward and again
 for the backward; the weight cache then re-quantizes in backward wherever the all-gathered storage moved
-(correct, one extra weight quantization). Not supported: DTensor weights in the linear itself (tensor
+(correct, one extra weight quantization). The cache keeps each weight's INT8 copies (2 bytes per parameter
+of the *unsharded* weight) between steps, which undoes part of what FSDP2 saves: under FSDP2 prefer
+`Int8Recipe(cache_weights=False)` (each weight is then quantized in forward and again in backward). Not
+supported: DTensor weights in the linear itself (tensor
 parallelism through DTensor / `parallelize_module`): Int8Linear raises a TypeError for them.
 """
 from __future__ import annotations
