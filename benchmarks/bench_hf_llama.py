@@ -30,7 +30,8 @@ def build(seed=0):
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                       num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096,
                       attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    with torch.device("cuda"):  # random init on the GPU: seconds instead of a minute on the host
+        return LlamaForCausalLM(cfg).to(torch.bfloat16)
 
 
 def main(argv=None):

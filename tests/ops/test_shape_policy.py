@@ -77,6 +77,20 @@ def test_default_policy_and_env_override_never_time(timer, monkeypatch):
     assert len(timer.calls) == 2
 
 
+def test_compiled_graph_takes_the_eager_decisions(timer):
+    """fullgraph compile: a shape decided eagerly runs as decided; an undecided one runs INT8 untimed."""
+    w = heavy_tailed(48, 64)
+    fn = torch.compile(lambda x: int8_linear(x, w, None, AUTO), fullgraph=True, backend="aot_eager")
+    x = heavy_tailed(6, 64)
+    int8_linear(x, w, None, AUTO)  # eager: measured, high precision "faster"
+    assert torch.equal(fn(x), F.linear(x, w))
+    torch._dynamo.reset()
+    x9 = heavy_tailed(9, 64)
+    assert torch.equal(fn(x9), int8_linear(x9, w))
+    assert len(timer.calls) == 2  # only the eager call timed
+    torch._dynamo.reset()
+
+
 def test_no_timing_without_a_device_timer():
     """The CUDA-event timer cannot time on CPU: INT8 runs and nothing is cached."""
     shape_policy.set_timer(None)
