@@ -136,6 +136,11 @@ def recipe_for_shape(recipe: Int8Recipe, input: torch.Tensor, weight: torch.Tens
 
 
 def _measure(recipe, input, weight, bias, tokens, int8_linear) -> Optional[ShapeDecision]:
+    with torch.inference_mode(False), torch.enable_grad():  # the first call may come under no_grad (evaluation)
+        return _time_both(recipe, input, weight, bias, tokens, int8_linear)
+
+
+def _time_both(recipe, input, weight, bias, tokens, int8_linear) -> Optional[ShapeDecision]:
     N, K = weight.shape
     like = dict(device=input.device, dtype=input.dtype)
     x = torch.randn(tokens, K, **like).requires_grad_(True)

@@ -77,6 +77,15 @@ def test_default_policy_and_env_override_never_time(timer, monkeypatch):
     assert len(timer.calls) == 2
 
 
+def test_first_call_under_no_grad_still_times_forward_and_backward(timer):
+    x, w = heavy_tailed(6, 64), heavy_tailed(48, 64)
+    with torch.no_grad():
+        assert torch.equal(int8_linear(x, w, None, AUTO), F.linear(x, w))
+    with torch.inference_mode():
+        assert torch.equal(int8_linear(x, w, None, AUTO), F.linear(x, w))
+    assert timer.calls == [(48, "int8"), (48, "hp")]
+
+
 def test_compiled_graph_takes_the_eager_decisions(timer):
     """fullgraph compile: a shape decided eagerly runs as decided; an undecided one runs INT8 untimed."""
     w = heavy_tailed(48, 64)
