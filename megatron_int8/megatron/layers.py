@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from ..ops.linear import TPOptions, int8_linear
-from ..ops.shape_policy import auto_shapes, describe_weight
+from ..ops.shape_policy import describe_precision
 from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 
@@ -76,14 +76,8 @@ class Int8LinearMixin:
 
     @property
     def precision(self) -> str:
-        """"int8"; under shape_policy "auto", "int8/auto" with the precision measured at each token count so far
-        (ops/shape_policy.py), e.g. "int8/auto (bf16 at 8192 tokens)"; "high" for an int8=False layer."""
-        if not self.int8:
-            return "high"
-        if not auto_shapes(self.int8_recipe):
-            return "int8"
-        made = describe_weight(*self.weight.shape)
-        return f"int8/auto ({made})" if made else "int8/auto"
+        """shape_policy.describe_precision ("int8", or "int8/auto (...)"); "high" for an int8=False layer."""
+        return describe_precision(self.int8_recipe, self.weight) if self.int8 else "high"
 
     @property
     def _linear_recipe(self) -> Int8Recipe:

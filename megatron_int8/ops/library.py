@@ -36,8 +36,6 @@ from ..reference import QTensor, padded_length
 from .backend import backend_instance
 from .weight_cache import quantized_weight
 
-
-
 # Dynamo traces backend.quantize_kwargs (an lru_cache of a pure function of the recipe) through its cache,
 # and says so once per call site, in every compiled program: the result is the same either way
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function "
@@ -55,7 +53,8 @@ def traced_backend(device: torch.device, recipe: Int8Recipe) -> "TracedBackend":
 
 def _owned(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     """t, or a copy where it shares storage with another output: an op's outputs must not alias each other
-    (the Triton kernels keep a call's row and column scales in one buffer; tensorwise, one scale serves both)."""
+    (the Triton kernels keep a call's row and column scales in one buffer; tensorwise, one scale serves both,
+    and a one-row operand's byte transpose is a view of Q(x))."""
     if any(o.numel() and o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in others):
         return t.clone()
     return t
@@ -72,7 +71,7 @@ def quantize_op(x: torch.Tensor, backend: str, granularity: str, block_size: int
     empty = x.new_empty(0, dtype=torch.int8), x.new_empty(0, dtype=torch.float32)
     row_data, row_scale = (row.data, row.scale) if row is not None else empty
     col_data, col_scale = (col.data, col.scale) if col is not None else empty
-    return row_data, row_scale, col_data, _owned(col_scale, row_scale)
+    return row_data, row_scale, _owned(col_data, row_data), _owned(col_scale, row_scale)
 
 
 def scale_shape(rows, cols, granularity: str, block_size: int, tile2d: bool) -> tuple:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..recipe import DEFAULT_RECIPE, Int8Recipe
 from .linear import int8_linear
+from .shape_policy import describe_precision
 
 __all__ = ["Int8Linear", "OUTPUT_HEAD_NAMES", "convert_to_int8_training", "keep_high_precision"]
 
@@ -63,8 +64,13 @@ class Int8Linear(nn.Linear):
                             "FSDP2 (fully_shard) hands the linear unsharded weights and works")
         return int8_linear(input, self.weight, self.bias, self.recipe)
 
+    @property
+    def precision(self) -> str:
+        """"int8", or under shape_policy "auto" what was measured for this weight's shape so far."""
+        return describe_precision(self.recipe, self.weight)
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.describe()}"
+        return f"{super().extra_repr()}, recipe={self.recipe.describe()}, precision={self.precision}"
 
 
 def _checked(recipe: Optional[Int8Recipe]) -> Int8Recipe:

@@ -26,8 +26,8 @@ from torch.compiler import is_dynamo_compiling
 from ..dispatch import ENV_SHAPE_POLICY, env_choice
 from ..recipe import HIGH_PRECISION, Int8Recipe
 
-__all__ = ["ShapeDecision", "auto_shapes", "cuda_event_timer", "decisions", "format_decisions", "recipe_for_shape",
-           "set_timer"]
+__all__ = ["ShapeDecision", "auto_shapes", "cuda_event_timer", "decisions", "describe_precision", "format_decisions",
+           "recipe_for_shape", "set_timer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,15 @@ def describe_weight(out_features: int, in_features: int) -> str:
     """The decisions made for a weight of this shape, e.g. "bf16 at 8192 tokens", for precision tables."""
     made = [d for d in _decisions.values() if (d.out_features, d.in_features) == (out_features, in_features)]
     return ", ".join(f"{d.precision} at {d.tokens} tokens" for d in made)
+
+
+def describe_precision(recipe: Int8Recipe, weight: torch.Tensor) -> str:
+    """A linear's precision for tables: "int8", or under shape_policy "auto" "int8/auto" with what was measured
+    for its weight's shape so far, e.g. "int8/auto (bf16 at 8192 tokens)"."""
+    if not auto_shapes(recipe):
+        return "int8"
+    made = describe_weight(*weight.shape)
+    return f"int8/auto ({made})" if made else "int8/auto"
 
 
 def recipe_for_shape(recipe: Int8Recipe, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -112,18 +112,21 @@ def test_weight_cache_works_inside_compiled_graphs(monkeypatch):
     assert weight_quantizations == [2, 0, 2]
 
 
-@pytest.mark.parametrize("granularity,weight", [("row", False), ("tensor", False), ("block", False), ("block", True)])
-def test_quantize_op_fake_matches_real(granularity, weight):
-    """opcheck: the fake implementation's shapes and strides are those of the real outputs, and the op
-    traces under make_fx / AOT dispatch (dynamic sizes too)."""
-    x = heavy_tailed(37, 80)
-    args = (x, "reference", granularity, 16, weight, True, True, False, "fprop input", "deferred", TOKEN_PAD)
+@pytest.mark.parametrize("granularity,weight,rows,pad", [
+    ("row", False, 37, TOKEN_PAD), ("tensor", False, 37, TOKEN_PAD), ("block", False, 37, TOKEN_PAD),
+    ("block", True, 37, TOKEN_PAD), ("tensor", True, 1, 1)])  # the last: a byte transpose that is a view of Q(x)
+def test_quantize_op_fake_matches_real(granularity, weight, rows, pad):
+    """opcheck: the fake implementation's shapes and strides are those of the real outputs, no output aliases
+    another, and the op traces under make_fx / AOT dispatch (dynamic sizes too)."""
+    x = heavy_tailed(rows, 80)
+    args = (x, "reference", granularity, 16, weight, True, True, False, "fprop input", "deferred", pad)
     torch.library.opcheck(library.quantize_op, args)
     row = library.quantize_op(*args)
     q = ReferenceBackend().quantize(x, granularity=granularity, block_size=16, weight=weight, rowwise=True,
-                                    columnwise=True, columnwise_pad=TOKEN_PAD)
+                                    columnwise=True, columnwise_pad=pad)
     for got, want in zip(row, (q[0].data, q[0].scale, q[1].data, q[1].scale)):
         assert torch.equal(got, want)
+    assert len({t.untyped_storage().data_ptr() for t in row}) == 4
 
 
 def test_gemm_ops_fake_match_real():

@@ -74,6 +74,7 @@ def test_default_policy_and_env_override_never_time(timer, monkeypatch):
     with torch.no_grad():
         lin.weight.copy_(w)
     assert torch.equal(lin(x), F.linear(x, w))
+    assert lin.precision == "int8/auto (float32 at 6 tokens)" and "precision=int8/auto" in repr(lin)
     assert len(timer.calls) == 2
 
 
