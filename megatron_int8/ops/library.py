@@ -115,24 +115,25 @@ def _(a_data, a_scale, b_data, b_scale, backend, granularity, block_size, a_tile
 
 
 @functools.lru_cache(maxsize=None)
-def _weight_recipe(granularity: str, block_size: int, check_finite: str, cache_weights: bool, fprop: bool,
-                   dgrad: bool) -> Int8Recipe:
+def _weight_recipe(granularity: str, block_size: int, check_finite: str, cache_weights: bool,
+                   cache_dgrad_weight: bool, fprop: bool, dgrad: bool) -> Int8Recipe:
     """The recipe fields the weight cache reads, rebuilt from an op's arguments (once per combination)."""
     return Int8Recipe(granularity=granularity, block_size=block_size, check_finite=check_finite,
-                      cache_weights=cache_weights, fprop=fprop, dgrad=dgrad)
+                      cache_weights=cache_weights, cache_dgrad_weight=cache_dgrad_weight, fprop=fprop, dgrad=dgrad)
 
 
 @torch.library.custom_op("megatron_int8::weight_gemm", mutates_args=())
 def weight_gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, transposed: bool,
                    backend: str, granularity: str, block_size: int, check_finite: str, cache_weights: bool,
-                   fprop: bool, dgrad: bool, out_dtype: torch.dtype, bias: Optional[torch.Tensor],
-                   autotune: bool) -> torch.Tensor:
+                   cache_dgrad_weight: bool, fprop: bool, dgrad: bool, out_dtype: torch.dtype,
+                   bias: Optional[torch.Tensor], autotune: bool) -> torch.Tensor:
     """dequant(a @ Q(W)^T) (fprop) or, `transposed`, dequant(a @ Q(W^T)^T) (dgrad), with Q(W) from the
     weight cache: looked up when the graph runs, not when it is traced. While a CUDA graph records this call
     (torch.compile's mode="reduce-overhead"), the weight is quantized without the cache, so that every replay
     quantizes the weight it then holds: a cache hit would record no quantization and replay a stale Q(W)."""
     capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
-    recipe = _weight_recipe(granularity, block_size, check_finite, cache_weights and not capturing, fprop, dgrad)
+    recipe = _weight_recipe(granularity, block_size, check_finite, cache_weights and not capturing,
+                            cache_dgrad_weight, fprop, dgrad)
     eager = backend_instance(backend)
     row, col = quantized_weight(weight, eager, recipe, rowwise=not transposed, columnwise=transposed)
     a = QTensor(a_data, a_scale, granularity, block_size)
@@ -140,8 +141,8 @@ def weight_gemm_op(a_data: torch.Tensor, a_scale: torch.Tensor, weight: torch.Te
 
 
 @weight_gemm_op.register_fake
-def _(a_data, a_scale, weight, transposed, backend, granularity, block_size, check_finite, cache_weights, fprop,
-      dgrad, out_dtype, bias, autotune):
+def _(a_data, a_scale, weight, transposed, backend, granularity, block_size, check_finite, cache_weights,
+      cache_dgrad_weight, fprop, dgrad, out_dtype, bias, autotune):
     return a_data.new_empty((a_data.shape[0], weight.shape[0 if not transposed else 1]), dtype=out_dtype)
 
 
@@ -187,8 +188,8 @@ class TracedBackend:
         if isinstance(b, _DeferredWeight):
             r = b.recipe
             return weight_gemm_op(a.data, a.scale, b.weight, b.transposed, self.eager_name, r.granularity,
-                                  r.block_size, r.check_finite, r.cache_weights, r.fprop, r.dgrad, out_dtype, bias,
-                                  autotune)
+                                  r.block_size, r.check_finite, r.cache_weights, r.cache_dgrad_weight, r.fprop,
+                                  r.dgrad, out_dtype, bias, autotune)
         return gemm_op(a.data, a.scale, b.data, b.scale, self.eager_name, a.granularity, a.block_size, a.tile2d,
                        b.tile2d, out_dtype, bias, autotune)
 

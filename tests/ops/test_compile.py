@@ -12,7 +12,8 @@ from megatron_int8.ops import library
 from megatron_int8.reference import ReferenceBackend, TOKEN_PAD
 
 RECIPES = [Int8Recipe(), Int8Recipe(granularity="tensor", grad_rounding="stochastic"),
-           Int8Recipe(granularity="block", block_size=32), Int8Recipe(wgrad=False), Int8Recipe(fprop=False)]
+           Int8Recipe(granularity="block", block_size=32), Int8Recipe(wgrad=False), Int8Recipe(fprop=False),
+           Int8Recipe(cache_dgrad_weight=False), Int8Recipe(smooth_swiglu=True)]
 
 
 @pytest.fixture(autouse=True)
@@ -138,8 +139,12 @@ def test_gemm_ops_fake_match_real():
     bias = torch.randn(24)
     torch.library.opcheck(library.gemm_op, (a.data, a.scale, b.data, b.scale, "reference", "row", 128, False, False,
                                             torch.bfloat16, bias, True))
-    torch.library.opcheck(library.weight_gemm_op, (a.data, a.scale, w, False, "reference", "row", 128, "deferred",
-                                                   True, True, True, torch.float32, None, True))
+    for transposed, cache_dgrad_weight in ((False, True), (True, False)):
+        a_op = a if not transposed else ReferenceBackend().quantize(
+            heavy_tailed(19, 24), granularity="row", block_size=128, weight=False, rowwise=True, columnwise=False)[0]
+        torch.library.opcheck(library.weight_gemm_op, (a_op.data, a_op.scale, w, transposed, "reference", "row", 128,
+                                                       "deferred", True, cache_dgrad_weight, True, True, torch.float32,
+                                                       None, True))
 
 
 def test_unsupported_under_compile_is_a_clear_error():
