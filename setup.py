@@ -20,7 +20,7 @@ setup(
         "psutil",  # megatron-core's dist_checkpointing writer hangs without it
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout", "triton>=3.0", "matplotlib", "transformers"],
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib"],
     },

@@ -4,6 +4,7 @@ The core (recipe, quantization, the INT8 autograd linear) imports without megatr
 the megatron-core layers and specs live in `megatron_int8.megatron.layers` / `megatron_int8.megatron.spec`.
 """
 from .ops.linear import TPOptions, int8_linear, invalidate_weight_caches
+from .ops.module import Int8Linear, convert_to_int8_training
 from .reference import NonFiniteError, QTensor, dequantize, quantize, raise_if_nonfinite
 from .recipe import DEFAULT_RECIPE, Int8Recipe
 
@@ -11,10 +12,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_RECIPE",
+    "Int8Linear",
     "Int8Recipe",
     "NonFiniteError",
     "QTensor",
     "TPOptions",
+    "convert_to_int8_training",
     "dequantize",
     "int8_linear",
     "invalidate_weight_caches",

@@ -20,6 +20,7 @@ ENV_GEMM_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": one fixed tile per GEM
 ENV_NORM_KERNEL = "MEGATRON_INT8_NORM_KERNEL"  # the RMSNorm's CUDA implementation
 ENV_DIRECT_LAUNCH = "MEGATRON_INT8_DIRECT_LAUNCH"  # "0": launch Triton kernels through triton's own path
 ENV_DISTOPT_FORMAT = "MEGATRON_INT8_DISTOPT_FORMAT"  # the distributed optimizer's checkpoint format
+ENV_SHAPE_POLICY = "MEGATRON_INT8_SHAPE_POLICY"  # overrides Int8Recipe.shape_policy ("recipe": no override)
 ENV_BUILD_CACHE = "MEGATRON_INT8_CACHE"  # where nvcc's build of the CUDA GEMM is kept (a path)
 
 CHOICES = {
@@ -31,6 +32,7 @@ CHOICES = {
     ENV_NORM_KERNEL: ("auto", "torch", "triton"),
     ENV_DIRECT_LAUNCH: ("1", "0"),
     ENV_DISTOPT_FORMAT: ("fully_reshardable", "dp_reshardable"),
+    ENV_SHAPE_POLICY: ("recipe", "int8", "auto"),
 }
 
 

@@ -13,6 +13,7 @@ GRANULARITIES = ("tensor", "row", "block")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
 FINITE_CHECKS = ("deferred", "immediate", "off")
+SHAPE_POLICIES = ("int8", "auto")
 
 
 def _check_choice(owner: str, name: str, value, choices) -> None:
@@ -63,7 +64,7 @@ class Int8Numerics:
 @dataclasses.dataclass(frozen=True)
 class Int8Execution:
     """How the GEMMs run, with the same results either way (Int8Recipe's fields backend, check_finite,
-    cache_weights, cache_dgrad_weight, autotune, int8_all_gather)."""
+    cache_weights, cache_dgrad_weight, autotune, int8_all_gather, shape_policy)."""
 
     backend: str = "auto"
     check_finite: str = "deferred"
@@ -71,9 +72,11 @@ class Int8Execution:
     cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
+    shape_policy: str = "int8"
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "check_finite", self.check_finite, FINITE_CHECKS)
+        _check_choice("Int8Recipe", "shape_policy", self.shape_policy, SHAPE_POLICIES)
         _check_choice("Int8Recipe", "backend", self.backend, BACKENDS)
         _check_bools(self, ("cache_weights", "cache_dgrad_weight", "autotune", "int8_all_gather"))
 
@@ -145,6 +148,11 @@ class Int8Recipe:
         1 x 128 block scales (plus the fp32 1/rms per token) instead of BF16, backward taking the gradient at the
         dequantized values (megatron_int8.ops.rms_norm): H + 4 ceil(H/128) + 4 instead of 2H bytes per token and
         norm. Off by default until loss parity is measured on GPU.
+    shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
+        at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
+        the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are
+        cached per process and listed by `shape_policy.format_decisions()`). MEGATRON_INT8_SHAPE_POLICY
+        overrides it.
 
     Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
     each validated on construction.
@@ -165,6 +173,7 @@ class Int8Recipe:
     cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
+    shape_policy: str = "int8"
 
     def __post_init__(self):
         # the parts are built once (and validated), not on every call that reads them

@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from ..ops.linear import TPOptions, int8_linear
+from ..ops.shape_policy import describe_precision
 from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 
 
@@ -72,6 +73,11 @@ class Int8LinearMixin:
         disabled = {"qkv": config.tp_comm_overlap_disable_qkv, "fc1": config.tp_comm_overlap_disable_fc1}
         self.tp_comm_overlap = (config.tp_comm_overlap and config.sequence_parallel
                                 and not disabled.get(tp_comm_buffer_name, False))
+
+    @property
+    def precision(self) -> str:
+        """shape_policy.describe_precision ("int8", or "int8/auto (...)"); "high" for an int8=False layer."""
+        return describe_precision(self.int8_recipe, self.weight) if self.int8 else "high"
 
     @property
     def _linear_recipe(self) -> Int8Recipe:

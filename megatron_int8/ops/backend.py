@@ -9,7 +9,7 @@ from ..dispatch import resolve_backend_name, triton_installed, triton_runs_on
 from ..recipe import Int8Recipe
 from ..reference import ReferenceBackend
 
-__all__ = ["get_backend", "quantize_kwargs", "triton_available", "triton_runs_on"]
+__all__ = ["backend_instance", "get_backend", "quantize_kwargs", "triton_available", "triton_runs_on"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,7 +25,8 @@ def triton_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _instance(name: str):
+def backend_instance(name: str):
+    """The eager backend object named `name` ("reference" or "triton"), one per process."""
     if name == "reference":
         return ReferenceBackend()
     if not triton_available():
@@ -36,7 +37,8 @@ def _instance(name: str):
 
 
 def get_backend(device: torch.device, recipe: Int8Recipe):
-    return _instance(resolve_backend_name(device, recipe))
+    """The backend `recipe` runs with on `device` (under torch.compile: library.traced_backend)."""
+    return backend_instance(resolve_backend_name(device, recipe))
 
 
 @functools.lru_cache(maxsize=None)  # recipes are frozen and few: one dict each, shared (callers never mutate it)

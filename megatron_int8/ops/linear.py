@@ -18,11 +18,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.compiler import is_dynamo_compiling
 
 from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 from ..reference import TOKEN_PAD, KnownMaxima, QTensor, known_maxima
 from .backend import get_backend, quantize_kwargs
+from .library import traced_backend
 from .main_grad import hp_wgrad_into, main_grad_placeholder
+from .shape_policy import auto_shapes, recipe_for_shape
 from .smooth_swiglu import smoothed_fprop_operands
 from .tp_comm import (TPOptions, all_gather_dim0, gather_pipelined, gather_quantized_input, group_amax,
                       reduce_scatter_pipelined, start_all_gather_dim0, wgrad_operand_from_shards)
@@ -49,7 +52,8 @@ def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: boo
 class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions, health=None):
-        backend = get_backend(input.device, recipe) if recipe.any_int8 else None
+        backend = ((traced_backend if is_dynamo_compiling() else get_backend)(input.device, recipe)
+                   if recipe.any_int8 else None)
         smooth = recipe.smooth_swiglu and recipe.fprop
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = qx_local = out2d = None
@@ -283,6 +287,8 @@ def int8_linear(
     if recipe.smooth_swiglu and recipe.fprop and (tp.sequence_parallel or tp.overlap_ag):
         raise ValueError("int8_linear: smooth_swiglu is for fc2, a row-parallel linear whose input is not "
                          "sequence-parallel; this call gathers its input")
+    if auto_shapes(recipe):  # shape_policy "auto": high precision at the shapes where it was measured faster
+        recipe = recipe_for_shape(recipe, input, weight, bias, tp, int8_linear)
     if not recipe.any_int8:
         return _hp_linear_with_tp(input, weight, bias, tp)
     health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop)

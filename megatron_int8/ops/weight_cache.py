@@ -55,7 +55,12 @@ def weight_cache_key(weight: torch.Tensor, recipe: Int8Recipe, backend) -> tuple
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
     """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged. Under
     `recipe.cache_dgrad_weight=False` only Q(W) is cached and Q(W)^T is quantized for each request (one
-    pass over W per micro-batch's dgrad, 1 byte per parameter less held between steps)."""
+    pass over W per micro-batch's dgrad, 1 byte per parameter less held between steps).
+
+    Under torch.compile (`backend` is library.TracedBackend) they are placeholders that the weight GEMM op
+    resolves through this cache when the graph runs: Dynamo cannot guard on a storage pointer or version."""
+    if backend.name == "traced":
+        return backend.weight_operands(weight, recipe, rowwise, columnwise)
     kw = quantize_kwargs(recipe, "weight", weight=True)
     if not recipe.cache_weights:
         return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)

@@ -210,3 +210,22 @@ def test_smooth_swiglu_stays_on_fc2_and_the_probe_measures_the_layer():
     (values,) = probe.take()
     got = values_by_name(values)
     assert got["x/amax"] == x.detach().abs().max().item() and 0 < got["wgrad/rel_err"] < 0.1
+
+
+def test_precision_shows_the_shape_policy_decisions(monkeypatch):
+    """shape_policy "auto": the layer's precision (the precision table's column) lists what was measured."""
+    from megatron_int8.megatron.precision_table import _precision_of
+    from megatron_int8.ops import shape_policy
+
+    monkeypatch.setattr(shape_policy, "_env_policy", [])
+    shape_policy.set_timer(lambda fn, path: {"int8": 2.0, "hp": 1.0}[path])  # high precision "faster"
+    try:
+        layer = _build("column", tiny_config(), recipe=Int8Recipe(shape_policy="auto"))
+        assert _precision_of(layer)[0] == "int8/auto"
+        x = torch.randn(5, 2, 64)
+        out, _ = layer(x)
+        assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert _precision_of(layer)[0] == "int8/auto (float32 at 10 tokens)"
+        assert _build("column", tiny_config()).precision == "int8"
+    finally:
+        shape_policy.set_timer(None)
