@@ -7,19 +7,13 @@
 #    -k gemm with MEGATRON_INT8_GEMM_KERNEL=plain (the Triton pointer kernel, what GPUs without the CUDA kernel run)
 #    and with the default (auto), one compile per config (MEGATRON_INT8_GEMM_AUTOTUNE=0, as gpu_kernels_check.sh).
 # 2. Alone on the GPU: benchmarks/bench_triton_gemm.py (tables to $OUT/bench_triton_gemm.md and $OUT/triton_gemm_*.csv).
-# Needs no wheel: nothing here imports megatron-core or torchao (a carried .whl folder is installed if present).
+# Needs no wheel: nothing here imports megatron-core or torchao.
 # $OUT gets 7 files (the machine returns 8 at most): tests.log, bench.log, bench_triton_gemm.md, 4 CSVs.
 set -o pipefail
 export OUT=${OUT:-/tmp/out}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/tests.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/tests.log"
 VARIANTS=$(python3 -c "from megatron_int8.dispatch import CHOICES, ENV_GEMM_TMA_VARIANT as V; print(' '.join(CHOICES[V]))")
