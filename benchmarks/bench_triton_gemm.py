@@ -88,7 +88,15 @@ def measure(M, N, K, table, accumulate):
         autotune = select(sel)
         kw = destination(main)
         qa, qb = qs()
-        out = G.triton_gemm(qa, qb, autotune=autotune, **kw)  # compiles, and tunes the tuned ones
+        try:
+            out = G.triton_gemm(qa, qb, autotune=autotune, **kw)  # compiles, and tunes the tuned ones
+        except Exception as e:  # noqa: BLE001  (e.g. a variant out of shared memory: the others still run)
+            if name == "cuda":
+                raise
+            print(f"{name} failed on {M} x {N} x {K}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            speeds[name] = float("nan")
+            differ.append(f"{name} (failed)")
+            continue
         if accumulate:
             kw["accumulate_into"] = main.clone()  # timed calls keep adding into it
         t = bench(lambda: G.triton_gemm(*qs(), autotune=autotune, **kw))
@@ -109,7 +117,7 @@ def table_for(title, rows, names):
              + " | ".join(f"{n} / cuda" for n in names[1:]) + " | best variant | mismatches |",
              "|" + "---|" * (2 * len(names) + 3)]
     for label, (M, N, K), speeds, differ in rows:
-        variants = {n: s for n, s in speeds.items() if n.startswith("tma ") and "tuned" not in n}
+        variants = {n: s for n, s in speeds.items() if n.startswith("tma ") and "tuned" not in n and s == s}
         best = max(variants, key=variants.get) if variants else ""
         lines.append(f"| {label} | {M}, {N}, {K} | " + " | ".join(f"{speeds[n]:.0f}" for n in names) + " | "
                      + " | ".join(f"{speeds[n] / speeds['cuda']:.3f}" for n in names[1:])
@@ -118,16 +126,25 @@ def table_for(title, rows, names):
 
 
 def summary_for(title, rows, names):
-    lines = [f"## {title}", "", "| kernel | median speed / cuda | min | max | median TOP/s |", "|---|---|---|---|---|"]
+    lines = [f"## {title}", "", "| kernel | median speed / cuda | min | max | median TOP/s | GEMMs failed |",
+             "|---|---|---|---|---|---|"]
+    nan = float("nan")
+
+    def stats(values):
+        ok = [v for v in values if v == v]
+        return (statistics.median(ok), min(ok), max(ok)) if ok else (nan, nan, nan)
+
     for n in names[1:]:
-        r = [s[n] / s["cuda"] for _, _, s, _ in rows]
-        lines.append(f"| {n} | {statistics.median(r):.3f} | {min(r):.3f} | {max(r):.3f} | "
-                     f"{statistics.median(s[n] for _, _, s, _ in rows):.0f} |")
+        med, lo, hi = stats([s[n] / s["cuda"] for _, _, s, _ in rows])
+        failed = sum(s[n] != s[n] for _, _, s, _ in rows)
+        lines.append(f"| {n} | {med:.3f} | {lo:.3f} | {hi:.3f} | {stats([s[n] for _, _, s, _ in rows])[0]:.0f} | "
+                     f"{failed} |")
     variant_names = [n for n in names if n.startswith("tma ") and "tuned" not in n]
     if variant_names:
-        best = [max(s[n] for n in variant_names) / s["cuda"] for _, _, s, _ in rows]
-        lines.append(f"| best variant per GEMM | {statistics.median(best):.3f} | {min(best):.3f} | {max(best):.3f} | |")
-    lines.append(f"| cuda | 1.000 | | | {statistics.median(s['cuda'] for _, _, s, _ in rows):.0f} |")
+        med, lo, hi = stats([max((s[n] for n in variant_names if s[n] == s[n]), default=nan) / s["cuda"]
+                             for _, _, s, _ in rows])
+        lines.append(f"| best variant per GEMM | {med:.3f} | {lo:.3f} | {hi:.3f} | | |")
+    lines.append(f"| cuda | 1.000 | | | {statistics.median(s['cuda'] for _, _, s, _ in rows):.0f} | 0 |")
     return lines
 
 
@@ -159,8 +176,10 @@ def main():
         rows.append((label, (M, N, K), speeds, differ))
         print(f"{label:32s} {M:6d} {N:6d} {K:6d} " + " ".join(f"{n}={s:.0f}" for n, s in speeds.items())
               + (f" MISMATCH {differ}" if differ else "") + f" [{time.time() - t0:.0f} s]", flush=True)
-    out += table_for("GEMMs, bf16 output (tensorwise scales)", rows, names) + [""]
-    out += summary_for("Summary, bf16 output: speed / the CUDA kernel's", rows, names) + [""]
+    section = table_for("GEMMs, bf16 output (tensorwise scales)", rows, names) + [""]
+    section += summary_for("Summary, bf16 output: speed / the CUDA kernel's", rows, names) + [""]
+    out += section
+    _write(opts.out, out, section)  # kept should the wgrad section run out of time
     if not opts.no_wgrad:
         acc_table = {n: sel for n, sel in table.items() if "tuned" not in n}
         acc_names = list(acc_table)
@@ -172,15 +191,20 @@ def main():
             wrows.append((label, (M, N, K), speeds, differ))
             print(f"{label:32s} fp32 main_grad " + " ".join(f"{n}={s:.0f}" for n, s in speeds.items())
                   + (f" MISMATCH {differ}" if differ else "") + f" [{time.time() - t0:.0f} s]", flush=True)
-        out += table_for("Wgrads into an fp32 main_grad (accumulate_into)", wrows, acc_names) + [""]
-        out += summary_for("Summary, wgrads into main_grad: speed / the CUDA kernel's", wrows, acc_names) + [""]
-    text = "\n".join(out)
-    if opts.out:
-        os.makedirs(opts.out, exist_ok=True)
-        with open(os.path.join(opts.out, "bench_triton_gemm.md"), "w") as fh:
-            fh.write(text)
-    common.record_tables("triton_gemm", text)
-    print("\n" + text, flush=True)
+        section = table_for("Wgrads into an fp32 main_grad (accumulate_into)", wrows, acc_names) + [""]
+        section += summary_for("Summary, wgrads into main_grad: speed / the CUDA kernel's", wrows, acc_names) + [""]
+        out += section
+        _write(opts.out, out, section)
+    print("\n" + "\n".join(out), flush=True)
+
+
+def _write(out_dir, out, section):
+    """All tables so far to DIR/bench_triton_gemm.md; the new section's tables to the results CSVs."""
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_triton_gemm.md"), "w") as fh:
+            fh.write("\n".join(out))
+    common.record_tables("triton_gemm", "\n".join(section))
 
 
 if __name__ == "__main__":
