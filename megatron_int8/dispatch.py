@@ -30,7 +30,7 @@ CHOICES = {
     ENV_GEMM_KERNEL: ("auto", "cuda", "plain", "tma"),
     ENV_GEMM_AUTOTUNE: ("1", "0"),
     # kernels.int8_gemm.TMA_VARIANTS: "base" keeps the TMA kernel's tuned list and its fixed tile; another name
-    # is one fixed configuration, used by untuned launches and, untuned, by MEGATRON_INT8_GEMM_KERNEL=tma
+    # is one fixed configuration wherever the TMA kernel runs (untuned launches, tma, and auto's TMA candidate)
     ENV_GEMM_TMA_VARIANT: ("base", "flat", "s4", "w16", "duo", "duo8"),
     ENV_NORM_KERNEL: ("auto", "torch", "triton"),
     ENV_DIRECT_LAUNCH: ("1", "0"),

@@ -353,7 +353,10 @@ class TmaVariant(NamedTuple):
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# MEGATRON_INT8_GEMM_TMA_VARIANT. Triton 3.6 issues an int8 wgmma synchronously (its pipeliner makes a dot
+# MEGATRON_INT8_GEMM_TMA_VARIANT: "base" keeps the autotuned config list (tuned calls) and its 128 x 256 tile
+# (untuned calls); any other name is one fixed configuration wherever the TMA kernel runs (untuned calls,
+# MEGATRON_INT8_GEMM_KERNEL=tma, and the TMA candidate that "auto" times against the plain kernel; the CUDA
+# kernel is unaffected). All of them give the same results. Triton 3.6 issues an int8 wgmma synchronously (its pipeliner makes a dot
 # asynchronous only with an fp32 accumulator, WGMMAPipeline.cpp "Rule 2.1"; every k-block ends in
 # `warp_group_dot_wait 0`), and its Hopper warp specialization leaves this kernel unchanged at 8 warps. The
 # variants hide that wait in other ways; shared memory per program (sm_90a, triton 3.6, bf16 / fp32 into
@@ -658,11 +661,9 @@ def _tuned_launch(args, meta, M, N, K, c, tma_ok):
     first call per key autotunes (on a scratch copy of c) and, with MEGATRON_INT8_GEMM_KERNEL=auto, times
     the plain and the TMA kernel."""
     which = env_choice(ENV_GEMM_KERNEL)
-    variant = env_choice(ENV_GEMM_TMA_VARIANT)
-    if which == "tma" and tma_ok and variant != "base":  # a variant is a fixed configuration: nothing to tune
-        return _variant_launch(args, meta, N)
     # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
-    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, *meta.values())
+    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, env_choice(ENV_GEMM_TMA_VARIANT),
+                *meta.values())
     selected = _fast.get(fast_key)
     if selected is None:
         launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
@@ -682,6 +683,14 @@ def _selected_config(tma: bool, meta, N, device, c_dtype):
     """select(args) -> (cache, grid, arguments, keywords) of the config the autotuner just used for this
     key (its `best_config`), for calls that may differ in M within the bucket (args[6] sets the grid).
     Its `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
+    variant = env_choice(ENV_GEMM_TMA_VARIANT)
+    if tma and variant != "base":  # a fixed configuration
+
+        def select_variant(args):
+            return _variant_launch(args, meta, N)
+
+        select_variant.kernel = f"tma {variant}"
+        return select_variant
     tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
     kw = dict(tuner.best_config.all_kwargs())
     BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
@@ -763,9 +772,14 @@ def _launchers(args, meta, M, N, tma_ok):
     if not tma_ok:
         return plain, None
     n_sms = num_sms(args[0].device)
+    variant = env_choice(ENV_GEMM_TMA_VARIANT)
 
     def tma(out):
         _ensure_allocator()
+        if variant != "base":  # a fixed configuration: launched, not tuned
+            cache, grid, launch_args, kw = _variant_launch(args[:2] + (out,) + args[3:], meta, N)
+            cache.launch(grid, *launch_args, **kw)
+            return
         grid = lambda m: (min(n_sms, cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"])),)  # noqa: E731
         _int8_gemm_tma_tuned[out.element_size()][grid](
             *_tma_args(args[:2] + (out,) + args[3:], N), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
