@@ -148,6 +148,20 @@ def summary_for(title, rows, names):
     return lines
 
 
+def run_section(title, summary_title, shapes, table, accumulate, t0):
+    """Measure every (label, M, N, K) of `shapes` (each distinct shape once) and return its markdown lines."""
+    seen, rows = {}, []
+    for label, M, N, K in shapes:
+        if (M, N, K) not in seen:
+            seen[(M, N, K)] = measure(M, N, K, table, accumulate)
+        speeds, differ = seen[(M, N, K)]
+        rows.append((label, (M, N, K), speeds, differ))
+        print(f"{label:32s} {M:6d} {N:6d} {K:6d} " + " ".join(f"{n}={s:.0f}" for n, s in speeds.items())
+              + (f" MISMATCH {differ}" if differ else "") + f" [{time.time() - t0:.0f} s]", flush=True)
+    names = list(table)
+    return table_for(title, rows, names) + [""] + summary_for(summary_title, rows, names) + [""]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(CHOICES[ENV_GEMM_TMA_VARIANT]))
@@ -164,35 +178,18 @@ def main():
                          f"{G.sm90_gemm.unavailable_reason() if torch.cuda.is_available() else 'no CUDA'}")
     torch.manual_seed(0)
     table = kernels(variants, not opts.no_tuned)
-    names = list(table)
     out = [f"# Triton INT8 GEMMs vs the CUDA kernel: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
            f"triton {triton.__version__}, {datetime.date.today().isoformat()}", ""]
     t0 = time.time()
-    seen, rows = {}, []
-    for label, M, N, K in gemms():
-        if (M, N, K) not in seen:
-            seen[(M, N, K)] = measure(M, N, K, table, accumulate=False)
-        speeds, differ = seen[(M, N, K)]
-        rows.append((label, (M, N, K), speeds, differ))
-        print(f"{label:32s} {M:6d} {N:6d} {K:6d} " + " ".join(f"{n}={s:.0f}" for n, s in speeds.items())
-              + (f" MISMATCH {differ}" if differ else "") + f" [{time.time() - t0:.0f} s]", flush=True)
-    section = table_for("GEMMs, bf16 output (tensorwise scales)", rows, names) + [""]
-    section += summary_for("Summary, bf16 output: speed / the CUDA kernel's", rows, names) + [""]
+    section = run_section("GEMMs, bf16 output (tensorwise scales)", "Summary, bf16 output: speed / the CUDA kernel's",
+                          gemms(), table, False, t0)
     out += section
     _write(opts.out, out, section)  # kept should the wgrad section run out of time
     if not opts.no_wgrad:
-        acc_table = {n: sel for n, sel in table.items() if "tuned" not in n}
-        acc_names = list(acc_table)
-        wrows = []
-        for label, M, N, K in gemms():
-            if not label.endswith("wgrad"):
-                continue
-            speeds, differ = measure(M, N, K, acc_table, accumulate=True)
-            wrows.append((label, (M, N, K), speeds, differ))
-            print(f"{label:32s} fp32 main_grad " + " ".join(f"{n}={s:.0f}" for n, s in speeds.items())
-                  + (f" MISMATCH {differ}" if differ else "") + f" [{time.time() - t0:.0f} s]", flush=True)
-        section = table_for("Wgrads into an fp32 main_grad (accumulate_into)", wrows, acc_names) + [""]
-        section += summary_for("Summary, wgrads into main_grad: speed / the CUDA kernel's", wrows, acc_names) + [""]
+        section = run_section("Wgrads into an fp32 main_grad (accumulate_into)",
+                              "Summary, wgrads into main_grad: speed / the CUDA kernel's",
+                              [g for g in gemms() if g[0].endswith("wgrad")],
+                              {n: sel for n, sel in table.items() if "tuned" not in n}, True, t0)
         out += section
         _write(opts.out, out, section)
     print("\n" + "\n".join(out), flush=True)

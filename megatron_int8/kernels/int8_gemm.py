@@ -359,8 +359,9 @@ class TmaVariant(NamedTuple):
 # kernel is unaffected). All of them give the same results.
 # Triton 3.6 issues an int8 wgmma synchronously (its pipeliner makes a dot asynchronous only with an fp32
 # accumulator, WGMMAPipeline.cpp "Rule 2.1"; every k-block ends in `warp_group_dot_wait 0`), and its Hopper warp
-# specialization leaves this kernel unchanged at 8 warps. The variants hide that wait in other ways; shared memory per program (sm_90a, triton 3.6, bf16 / fp32 into
-# main_grad) in brackets, checked by tests/kernels/test_compile_targets.py:
+# specialization leaves this kernel unchanged at 8 warps. The variants hide that wait in other ways; shared memory
+# per program (sm_90a, triton 3.6, bf16 / fp32 into main_grad) in brackets, checked by
+# tests/kernels/test_compile_targets.py:
 # - base: the tile the package has used: 128 x 256 x 128, 8 warps, 3 stages, one epilogue store (208 / 208 KB).
 #   Untuned launches (MoE experts, whose shapes change with every routing) take it where the operands allow
 #   TMA: the plain kernel's heuristic tile ran Mixtral's expert GEMMs at ~780 TOP/s, BF16's speed.
