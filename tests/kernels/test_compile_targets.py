@@ -13,7 +13,7 @@ Where the kernels fall back on Ampere:
 - The persistent TMA kernel still compiles for sm_80: Triton rewrites its tensor descriptors into pointer
   loads and stores (`rewrite_tensor_descriptor_to_pointer` below capability 9), so no bulk-tensor copy and
   no wgmma is left in its PTX. It is checked, not launched, there.
-- Quantize, SwiGLU, RMSNorm, RoPE and cross entropy use no Hopper-only operation.
+- Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
 On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; each `TMA_VARIANTS` entry is
 compiled for it too, and its shared memory must fit one program (or `programs_per_sm` of them) per SM.
 
@@ -45,14 +45,15 @@ G = importlib.import_module("megatron_int8.kernels.int8_gemm")
 Q = importlib.import_module("megatron_int8.kernels.quantize")
 SW = importlib.import_module("megatron_int8.kernels.swiglu")
 RN = importlib.import_module("megatron_int8.kernels.rms_norm")
+AW = importlib.import_module("megatron_int8.kernels.adamw")
 RP = importlib.import_module("megatron_int8.kernels.rope")
 CE = importlib.import_module("megatron_int8.kernels.cross_entropy")
 
 
-def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=()):
+def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), **options):
     """triton.compile of `kernel` for `target`: pointer arguments (names ending in _ptr) typed by `pointers`
     (default fp32) and 16-byte aligned, `floats` fp32, every other runtime argument i32; constexprs not given
-    take the kernel's defaults."""
+    take the kernel's defaults; `options`: further launch options (enable_fp_fusion)."""
     signature, values, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         name = param.name
@@ -67,7 +68,7 @@ def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, f
     unknown = set(constexprs) - set(values)
     assert not unknown, f"{kernel.__name__} has no constexprs {unknown}"
     return triton.compile(ASTSource(kernel, signature, values, attrs), target=target,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 def assert_code_for(compiled, target):
@@ -199,21 +200,38 @@ def _other_cases():
         "cross entropy backward": (CE._ce_backward_kernel, dict(x_ptr="bf16", tgt_ptr="i64", out_ptr="bf16"),
                                    dict(BLOCK=CE.BACKWARD_BLOCK), CE.NUM_WARPS),
     }
+    adamw = dict(param_ptr="bf16", grad_ptr="bf16", master_ptr="i16", m_ptr="i8", v_ptr="i8")
+    cases["adamw, INT8 moments, bf16 parameter + int16 remainder"] = (
+        AW._adamw_kernel, adamw, dict(QB=AW.BLOCKS_PER_PROGRAM, QBLOCK_=AW.QBLOCK, MASTER=AW.MASTER_REMAINDER,
+                                      M_KIND=AW.INT8, V_KIND=AW.INT8), 4)
     return cases
 
 
 OTHER_CASES = {**_quantize_cases(), **_other_cases()}
 
 
+FLOAT_ARGUMENTS = ("eps", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_sqrt_bc2")
+
+
 @pytest.mark.parametrize("case", list(OTHER_CASES))
 def test_kernel_compiles_for_ampere(case):
     kernel, pointers, constexprs, warps = OTHER_CASES[case]
-    assert_code_for(compile_for(AMPERE, kernel, pointers, constexprs, warps, floats=("eps",)), AMPERE)
+    options = dict(enable_fp_fusion=False) if kernel is AW._adamw_kernel else {}  # as its launch
+    assert_code_for(compile_for(AMPERE, kernel, pointers, constexprs, warps, floats=FLOAT_ARGUMENTS, **options),
+                    AMPERE)
 
 
 def test_every_kernel_is_covered():
-    """A new @triton.jit entry point (one launched from Python) in megatron_int8/kernels needs a case here."""
+    """Every @triton.jit entry point (a `*_kernel` launched from Python) of every module in megatron_int8/kernels
+    has a case here."""
+    import pkgutil
+
+    import megatron_int8.kernels as package
+
     covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, *(k for k, *_ in OTHER_CASES.values())}
-    launched = {getattr(m, name) for m in (G, Q, SW, RN, RP, CE) for name in dir(m)
-                if name.endswith("_kernel") and isinstance(getattr(m, name), triton.runtime.JITFunction)}
-    assert launched <= covered, sorted(k.__name__ for k in launched - covered)
+    launched = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        launched |= {getattr(module, name) for name in dir(module)
+                     if name.endswith("_kernel") and isinstance(getattr(module, name), triton.runtime.JITFunction)}
+    assert len(launched) >= 14 and launched <= covered, sorted(k.__name__ for k in launched - covered)
