@@ -184,13 +184,23 @@ def _other_cases():
     TR, TC = SW._TILE
     swiglu = dict(TR=TR, TC=TC, STAGES=SW._STAGES, MAXIMA=True, WEIGHTED=True)
     block_r, block_w = RN._blocks(4096)
+    norm = dict(BLOCK_R=block_r, BLOCK_W=block_w, QB=128)
     cases = {
-        "swiglu forward": (SW._swiglu_fwd_kernel, dict(x_ptr="bf16", y_ptr="bf16"), swiglu, SW._WARPS),
-        "swiglu backward": (SW._swiglu_bwd_kernel, dict(g_ptr="bf16", x_ptr="bf16", dx_ptr="bf16"), swiglu, SW._WARPS),
-        "rms_norm forward": (RN._rms_norm_fwd_kernel, dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16"),
-                             dict(BLOCK_R=block_r, BLOCK_W=block_w), RN._WARPS),
+        # INT8_COPY: the kernels also write (forward) or read (backward) x's INT8 copy
+        "swiglu forward + INT8 copy": (SW._swiglu_fwd_kernel, dict(x_ptr="bf16", y_ptr="bf16", q_ptr="i8"),
+                                       dict(swiglu, INT8_COPY=True), SW._WARPS),
+        "swiglu backward": (SW._swiglu_bwd_kernel, dict(g_ptr="bf16", x_ptr="bf16", dx_ptr="bf16"),
+                            dict(swiglu, INT8_COPY=False), SW._WARPS),
+        "swiglu backward from the INT8 copy": (SW._swiglu_bwd_kernel, dict(g_ptr="bf16", x_ptr="i8", dx_ptr="bf16"),
+                                               dict(swiglu, INT8_COPY=True), SW._WARPS),
+        "rms_norm forward + INT8 copy": (RN._rms_norm_fwd_kernel,
+                                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", q_ptr="i8"),
+                                         dict(norm, INT8_COPY=True), RN._WARPS),
         "rms_norm backward": (RN._rms_norm_bwd_kernel, dict(dy_ptr="bf16", x_ptr="bf16", w_ptr="bf16", dx_ptr="bf16"),
-                              dict(BLOCK_R=block_r, BLOCK_W=block_w, AMAX=True), RN._WARPS),
+                              dict(norm, AMAX=True, INT8_COPY=False), RN._WARPS),
+        "rms_norm backward from the INT8 copy": (RN._rms_norm_bwd_kernel, dict(dy_ptr="bf16", x_ptr="i8", w_ptr="bf16",
+                                                                               dx_ptr="bf16"),
+                                                 dict(norm, AMAX=True, INT8_COPY=True), RN._WARPS),
         "rms_norm weight-gradient sum": (RN._sum_rows_kernel, dict(out_ptr="bf16"),
                                          dict(BLOCK_P=64, BLOCK_W=RN._SUM_COLUMNS), 4),
         "rope": (RP._rope_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
