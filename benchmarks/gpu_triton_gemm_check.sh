@@ -36,7 +36,7 @@ if [ -z "$SKIP_TESTS" ]; then
   done
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   for log in "$LOGS"/*.log; do
-    echo "== $(basename "$log"): $(grep -E '(passed|failed|error)' "$log" | tail -1)"
+    echo "== $(basename "$log"): $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$log" | head -5
   done | tee -a "$OUT/tests.log"
   echo "[tests $(( $(date +%s) - start )) s]" | tee -a "$OUT/tests.log"
