@@ -6,6 +6,7 @@
 #    per MEGATRON_INT8_GEMM_TMA_VARIANT (MEGATRON_INT8_GEMM_KERNEL=tma inside the tests), and test_kernels_gpu.py
 #    -k gemm with MEGATRON_INT8_GEMM_KERNEL=plain (the Triton pointer kernel, what GPUs without the CUDA kernel run)
 #    and with the default (auto), one compile per config (MEGATRON_INT8_GEMM_AUTOTUNE=0, as gpu_kernels_check.sh).
+#    Beside them, bench_triton_gemm.py --warmup compiles the benchmark's kernels into Triton's cache.
 # 2. Alone on the GPU: benchmarks/bench_triton_gemm.py (tables to $OUT/bench_triton_gemm.md and $OUT/triton_gemm_*.csv).
 # Needs no wheel: nothing here imports megatron-core or torchao.
 # $OUT gets 7 files (the machine returns 8 at most): tests.log, bench.log, bench_triton_gemm.md, 4 CSVs.
@@ -34,7 +35,12 @@ if [ -z "$SKIP_TESTS" ]; then
       >"$LOGS/test_kernels_gpu_$kernel.log" 2>&1 &
     pids+=($!)
   done
+  # meanwhile the benchmark's own compiles (and autotuning) fill Triton's cache, so its timed run is shorter
+  timeout "${TEST_TIMEOUT:-180}" python3 benchmarks/bench_triton_gemm.py --warmup ${BENCH_ARGS} >"$LOGS/warmup.txt" 2>&1 &
+  warm=$!
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  wait $warm
+  tail -3 "$LOGS/warmup.txt" | tee -a "$OUT/tests.log"
   for log in "$LOGS"/*.log; do
     echo "== $(basename "$log"): $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$log" | head -5
