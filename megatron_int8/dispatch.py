@@ -17,6 +17,7 @@ from .recipe import BACKENDS, Int8Recipe
 ENV_BACKEND = "MEGATRON_INT8_BACKEND"  # overrides Int8Recipe.backend
 ENV_GEMM_KERNEL = "MEGATRON_INT8_GEMM_KERNEL"  # Hopper CUDA GEMM vs Triton's (docs/kernels.md)
 ENV_GEMM_AUTOTUNE = "MEGATRON_INT8_GEMM_AUTOTUNE"  # "0": one fixed tile per GEMM, no tuning
+ENV_GEMM_TMA_VARIANT = "MEGATRON_INT8_GEMM_TMA_VARIANT"  # the Triton TMA kernel's fixed configuration
 ENV_NORM_KERNEL = "MEGATRON_INT8_NORM_KERNEL"  # the RMSNorm's CUDA implementation
 ENV_DIRECT_LAUNCH = "MEGATRON_INT8_DIRECT_LAUNCH"  # "0": launch Triton kernels through triton's own path
 ENV_DISTOPT_FORMAT = "MEGATRON_INT8_DISTOPT_FORMAT"  # the distributed optimizer's checkpoint format
@@ -29,6 +30,9 @@ CHOICES = {
     # and TMA kernels); "cuda": the CUDA kernel (an error where it does not apply); "plain"/"tma": that one
     ENV_GEMM_KERNEL: ("auto", "cuda", "plain", "tma"),
     ENV_GEMM_AUTOTUNE: ("1", "0"),
+    # kernels.int8_gemm.TMA_VARIANTS: "base" keeps the TMA kernel's tuned list and its fixed tile; another name
+    # is one fixed configuration wherever the TMA kernel runs (untuned launches, tma, and auto's TMA candidate)
+    ENV_GEMM_TMA_VARIANT: ("base", "flat", "s4", "w16", "duo", "duo8"),
     ENV_NORM_KERNEL: ("auto", "torch", "triton"),
     ENV_DIRECT_LAUNCH: ("1", "0"),
     ENV_DISTOPT_FORMAT: ("fully_reshardable", "dp_reshardable"),

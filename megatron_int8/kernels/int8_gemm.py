@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -50,7 +50,7 @@ import triton.language as tl
 import triton.testing
 
 from .. import reference as ref
-from ..dispatch import ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, env_choice, env_flag
+from ..dispatch import CHOICES, ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, ENV_GEMM_TMA_VARIANT, env_choice, env_flag
 from . import sm90_gemm
 from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2, num_sms
 from ._tl import SEGMENT_ALIGN
@@ -177,6 +177,12 @@ def _tma_write(c_desc, om, on, tile, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
+def _column_halves(tile, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(left, right) column halves of a [ROWS, COLS] register tile, for the TMA epilogue's sub-tiles."""
+    return tl.split(tl.permute(tl.reshape(tile, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _int8_gemm_tma_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     stride_am, stride_bn,  # row strides of a and b (16-byte multiples; their last stride is 1)
@@ -239,12 +245,20 @@ def _int8_gemm_tma_kernel(
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         if C_TMA:
-            if EPI_SPLIT == 2:
-                left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                _tma_write(c_desc, om, on, left, ACCUMULATE)
-                _tma_write(c_desc, om, on + BLOCK_N // 2, right, ACCUMULATE)
-            else:
+            if EPI_SPLIT == 1:
                 _tma_write(c_desc, om, on, out, ACCUMULATE)
+            else:
+                left, right = _column_halves(out, BLOCK_M, BLOCK_N)
+                if EPI_SPLIT == 2:
+                    _tma_write(c_desc, om, on, left, ACCUMULATE)
+                    _tma_write(c_desc, om, on + BLOCK_N // 2, right, ACCUMULATE)
+                else:  # 4 quarters
+                    q0, q1 = _column_halves(left, BLOCK_M, BLOCK_N // 2)
+                    q2, q3 = _column_halves(right, BLOCK_M, BLOCK_N // 2)
+                    _tma_write(c_desc, om, on, q0, ACCUMULATE)
+                    _tma_write(c_desc, om, on + BLOCK_N // 4, q1, ACCUMULATE)
+                    _tma_write(c_desc, om, on + BLOCK_N // 2, q2, ACCUMULATE)
+                    _tma_write(c_desc, om, on + 3 * BLOCK_N // 4, q3, ACCUMULATE)
         else:
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -318,10 +332,67 @@ def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
 
 
-# Untuned launches (autotune=False: MoE experts, whose shapes change with every routing) take the persistent
-# TMA kernel with this tile where the operands allow it: the plain kernel's heuristic tile ran Mixtral's
-# expert GEMMs at ~780 TOP/s, BF16's speed (docs/benchmarks.md).
-_UNTUNED_TMA_TILE = (128, 256)
+class TmaVariant(NamedTuple):
+    """A fixed configuration of the persistent TMA kernel. `epi_split` None: by the output's size (epi_split());
+    `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
+    registers together)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    flatten: bool
+    epi_split: Optional[int]
+    programs_per_sm: int = 1
+
+    def launch_options(self, c_dtype: torch.dtype, n_sms: int) -> dict:
+        """The kernel's tile keywords and launch options for an output of c_dtype on a GPU of n_sms SMs."""
+        split = self.epi_split or epi_split(self.block_m, self.block_n, c_dtype)
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=8,
+                    NUM_SMS=n_sms * self.programs_per_sm, FLATTEN=self.flatten, EPI_SPLIT=split,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# MEGATRON_INT8_GEMM_TMA_VARIANT: "base" keeps the autotuned config list (tuned calls) and its 128 x 256 tile
+# (untuned calls); any other name is one fixed configuration wherever the TMA kernel runs (untuned calls,
+# MEGATRON_INT8_GEMM_KERNEL=tma, and the TMA candidate that "auto" times against the plain kernel; the CUDA
+# kernel is unaffected). All of them give the same results.
+# Triton 3.6 issues an int8 wgmma synchronously (its pipeliner makes a dot asynchronous only with an fp32
+# accumulator, WGMMAPipeline.cpp "Rule 2.1"; every k-block ends in `warp_group_dot_wait 0`), and its Hopper warp
+# specialization leaves this kernel unchanged at 8 warps. The variants hide that wait in other ways; shared memory
+# per program (sm_90a, triton 3.6, bf16 / fp32 into main_grad) in brackets, checked by
+# tests/kernels/test_compile_targets.py:
+# - base: the tile the package has used: 128 x 256 x 128, 8 warps, 3 stages, one epilogue store (208 / 208 KB).
+#   Untuned launches (MoE experts, whose shapes change with every routing) take it where the operands allow
+#   TMA: the plain kernel's heuristic tile ran Mixtral's expert GEMMs at ~780 TOP/s, BF16's speed.
+# - flat: base with the tile loop flattened into the k loop, so the next tile's loads start during the epilogue.
+# - s4: flat with the epilogue in 4 column sub-tiles, which frees shared memory for a 4th stage (208 / 224 KB).
+# - w16: 256 x 128 tiles on 16 warps (4 warpgroups of 64 x 128, each waiting only for its own wgmmas), 4 stages,
+#   4 epilogue sub-tiles (208 / 224 KB).
+# - duo: 128 x 128 tiles on 4 warps, 3 stages, 2 programs per SM (104 / 112 KB each), so that one program's
+#   waits and epilogue overlap the other's mainloop.
+# - duo8: duo on 8 warps (2 warpgroups of 64 x 128 per program, 4 per SM): ptxas gives the 16-bit-output build
+#   128 registers per thread, exactly what two programs of 256 threads may hold.
+TMA_VARIANTS = {
+    "base": TmaVariant(128, 256, 128, 8, 3, False, None),
+    "flat": TmaVariant(128, 256, 128, 8, 3, True, None),
+    "s4": TmaVariant(128, 256, 128, 8, 4, True, 4),
+    "w16": TmaVariant(256, 128, 128, 16, 4, True, 4),
+    "duo": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2),
+    "duo8": TmaVariant(128, 128, 128, 8, 3, True, 4, programs_per_sm=2),
+}
+assert tuple(TMA_VARIANTS) == CHOICES[ENV_GEMM_TMA_VARIANT], "dispatch.CHOICES lists the variants"
+
+
+def tma_variant(grouped: bool = False) -> TmaVariant:
+    """The TMA kernel's fixed configuration (MEGATRON_INT8_GEMM_TMA_VARIANT). A grouped GEMM's tile must not span
+    two experts' row segments: a variant with taller tiles than SEGMENT_ALIGN runs grouped GEMMs on base's."""
+    variant = TMA_VARIANTS[env_choice(ENV_GEMM_TMA_VARIANT)]
+    if grouped and ref.SEGMENT_ALIGN % variant.block_m:
+        return TMA_VARIANTS["base"]
+    return variant
+
+
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
 _PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
@@ -395,7 +466,7 @@ def triton_gemm(
            None if accumulate_into is None else (accumulate_into.shape, accumulate_into.stride(),
                                                  accumulate_into.dtype, accumulate_into.data_ptr() % 16),
            None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
-           tuned, env_choice(ENV_GEMM_KERNEL), ref.MAX_EXACT_K)
+           tuned, env_choice(ENV_GEMM_KERNEL), env_choice(ENV_GEMM_TMA_VARIANT), ref.MAX_EXACT_K)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -565,13 +636,7 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
         raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
     c_dtype = args[2].dtype
     if tma_ok and which != "plain":
-        _ensure_allocator()
-        BM, BN = _UNTUNED_TMA_TILE
-        n_sms = num_sms(args[0].device)
-        return _GEMM_TMA, (min(n_sms, cdiv(M, BM) * cdiv(N, BN)),), _tma_args(args, nb), dict(
-            SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
-            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, GROUP_M=8, NUM_SMS=n_sms, FLATTEN=False,
-            GROUPED=meta.get("GROUPED", False), EPI_SPLIT=epi_split(BM, BN, c_dtype), num_warps=8, num_stages=3)
+        return _variant_launch(args, meta, nb)
     # fp32 outputs leave the plain kernel through registers: beside a 128 x 256 accumulator, the loaded
     # fp32 tile of `accumulate_into` doubles the registers per thread (Mixtral fc1 wgrad: 198 TOP/s);
     # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
@@ -581,13 +646,25 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
                                                                   num_warps=8, num_stages=3)
 
 
+def _variant_launch(args, meta, nb: int):
+    """(cache, grid, arguments, keywords) of the persistent TMA kernel in the selected fixed configuration."""
+    _ensure_allocator()
+    grouped = meta.get("GROUPED", False)
+    opts = tma_variant(grouped).launch_options(args[2].dtype, num_sms(args[0].device))
+    tiles = cdiv(args[6], opts["BLOCK_M"]) * cdiv(args[7], opts["BLOCK_N"])
+    return _GEMM_TMA, (min(opts["NUM_SMS"], tiles),), _tma_args(args, nb), dict(
+        opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
+        GROUPED=grouped)
+
+
 def _tuned_launch(args, meta, M, N, K, c, tma_ok):
     """(cache, grid, arguments, keywords) of the kernel and config selected for this dispatch key: the
     first call per key autotunes (on a scratch copy of c) and, with MEGATRON_INT8_GEMM_KERNEL=auto, times
     the plain and the TMA kernel."""
     which = env_choice(ENV_GEMM_KERNEL)
     # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
-    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, *meta.values())
+    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, env_choice(ENV_GEMM_TMA_VARIANT),
+                *meta.values())
     selected = _fast.get(fast_key)
     if selected is None:
         launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
@@ -607,6 +684,14 @@ def _selected_config(tma: bool, meta, N, device, c_dtype):
     """select(args) -> (cache, grid, arguments, keywords) of the config the autotuner just used for this
     key (its `best_config`), for calls that may differ in M within the bucket (args[6] sets the grid).
     Its `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
+    variant = env_choice(ENV_GEMM_TMA_VARIANT)
+    if tma and variant != "base":  # a fixed configuration
+
+        def select_variant(args):
+            return _variant_launch(args, meta, N)
+
+        select_variant.kernel = f"tma {variant}"
+        return select_variant
     tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
     kw = dict(tuner.best_config.all_kwargs())
     BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
@@ -688,9 +773,14 @@ def _launchers(args, meta, M, N, tma_ok):
     if not tma_ok:
         return plain, None
     n_sms = num_sms(args[0].device)
+    variant = env_choice(ENV_GEMM_TMA_VARIANT)
 
     def tma(out):
         _ensure_allocator()
+        if variant != "base":  # a fixed configuration: launched, not tuned
+            cache, grid, launch_args, kw = _variant_launch(args[:2] + (out,) + args[3:], meta, N)
+            cache.launch(grid, *launch_args, **kw)
+            return
         grid = lambda m: (min(n_sms, cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"])),)  # noqa: E731
         _int8_gemm_tma_tuned[out.element_size()][grid](
             *_tma_args(args[:2] + (out,) + args[3:], N), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],

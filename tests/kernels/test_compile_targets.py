@@ -1,0 +1,247 @@
+"""Every Triton kernel of megatron_int8/kernels compiles for Ampere (sm_80) on a machine with no GPU and no nvcc.
+
+`triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 80, 32))` runs Triton's whole
+pipeline (TTIR, TTGIR, LLVM IR, PTX) and the ptxas that the triton wheel bundles, so each case below ends in a
+cubin for sm_80 without touching a driver. The signatures are those of the package's launches (pointer dtypes,
+integer arguments, 16-byte aligned pointers) and the constexprs and warp counts come from the modules' own
+tables, so a retuned tile is compiled as it will run.
+
+Where the kernels fall back on Ampere:
+- The pointer GEMM (`_int8_gemm_kernel`, every mode: tensor / row / block scales, bias, accumulate_into, split
+  contraction, grouped) is the only GEMM the dispatch launches there (`int8_gemm._tma_eligible` needs
+  capability 9). Its `tl.dot` on int8 becomes `mma.sync` (no wgmma).
+- The persistent TMA kernel still compiles for sm_80: Triton rewrites its tensor descriptors into pointer
+  loads and stores (`rewrite_tensor_descriptor_to_pointer` below capability 9), so no bulk-tensor copy and
+  no wgmma is left in its PTX. It is checked, not launched, there.
+- Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
+On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; each `TMA_VARIANTS` entry is
+compiled for it too, and its shared memory must fit one program (or `programs_per_sm` of them) per SM.
+
+The compiles take a few seconds each: 25-30 s of CPU for the file (triton 3.6 and 3.9), 80-100 s of wall time on
+a shared 2-core machine, hence `slow`. Triton's cache makes a second run quick.
+"""
+import importlib
+import re
+
+import pytest
+import torch
+from interpreter import INTERPRETING
+
+triton = pytest.importorskip("triton")
+if INTERPRETING:
+    pytest.skip("compiles with the real Triton compiler, not under TRITON_INTERPRET", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+AMPERE, HOPPER = GPUTarget("cuda", 80, 32), GPUTarget("cuda", 90, 32)
+HOPPER_MAX_SHARED_PER_BLOCK = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200
+HOPPER_SHARED_PER_SM, RESERVED_PER_BLOCK = 228 * 1024, 1024
+HOPPER_ONLY_PTX = ("wgmma.", "cp.async.bulk.tensor", "cp.reduce.async.bulk.tensor", "setmaxnreg")
+
+G = importlib.import_module("megatron_int8.kernels.int8_gemm")
+Q = importlib.import_module("megatron_int8.kernels.quantize")
+SW = importlib.import_module("megatron_int8.kernels.swiglu")
+RN = importlib.import_module("megatron_int8.kernels.rms_norm")
+AW = importlib.import_module("megatron_int8.kernels.adamw")
+RP = importlib.import_module("megatron_int8.kernels.rope")
+CE = importlib.import_module("megatron_int8.kernels.cross_entropy")
+
+
+def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), **options):
+    """triton.compile of `kernel` for `target`: pointer arguments (names ending in _ptr) typed by `pointers`
+    (default fp32) and 16-byte aligned, `floats` fp32, every other runtime argument i32; constexprs not given
+    take the kernel's defaults; `options`: further launch options (enable_fp_fusion)."""
+    signature, values, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+            values[name] = constexprs[name] if name in constexprs else param.default
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + pointers.get(name, "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    unknown = set(constexprs) - set(values)
+    assert not unknown, f"{kernel.__name__} has no constexprs {unknown}"
+    return triton.compile(ASTSource(kernel, signature, values, attrs), target=target,
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+def assert_code_for(compiled, target):
+    """The compile went down to a cubin for `target`, and sm_80 code holds no Hopper-only instruction."""
+    ptx = compiled.asm["ptx"]
+    arch = f"sm_{target.arch}" + ("a" if target.arch >= 90 else "")
+    assert re.search(rf"\.target {arch}\b", ptx), ptx[:400]
+    assert len(compiled.asm["cubin"]) > 0
+    if target.arch < 90:
+        found = [op for op in HOPPER_ONLY_PTX if op in ptx]
+        assert not found, f"Hopper-only PTX in sm_80 code: {found}"
+    return ptx
+
+
+# ------------------------------------------------------------------------------------------------- GEMMs
+GEMM_POINTERS = dict(a_ptr="i8", b_ptr="i8", strip_ptr="i32")
+
+
+def _gemm_pointers(out: str) -> dict:
+    return dict(GEMM_POINTERS, c_ptr=out, bias_ptr=out)
+
+
+PLAIN_CASES = {
+    # id: (output dtype, constexprs)
+    "tensor bf16 + bias, 128x256": ("bf16", dict(SCALE_MODE=0, HAS_BIAS=True, ACCUMULATE=False, SPLIT_K_EXACT=False,
+                                                  EVEN_K=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, SUB_K=1,
+                                                  GROUP_M=8)),
+    "row fp32 accumulate_into, ragged K": ("fp32", dict(SCALE_MODE=1, HAS_BIAS=False, ACCUMULATE=True,
+                                                        SPLIT_K_EXACT=False, EVEN_K=False, BLOCK_M=128, BLOCK_N=128,
+                                                        BLOCK_K=128, SUB_K=1, GROUP_M=8)),
+    "block 128 fp32": ("fp32", dict(SCALE_MODE=2, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=False, EVEN_K=True,
+                                    BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, SUB_K=1, GROUP_M=8)),
+    "row split contraction": ("fp32", dict(SCALE_MODE=1, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=True,
+                                           EVEN_K=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, SUB_K=1, GROUP_M=8)),
+    "grouped row bf16": ("bf16", dict(SCALE_MODE=1, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=False, EVEN_K=True,
+                                      BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, SUB_K=1, GROUP_M=8, GROUPED=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_CASES))
+def test_plain_gemm_compiles_for_ampere(case):
+    out, constexprs = PLAIN_CASES[case]
+    ptx = assert_code_for(compile_for(AMPERE, G._int8_gemm_kernel, _gemm_pointers(out), constexprs, num_warps=8),
+                          AMPERE)
+    assert "mma.sync.aligned" in ptx and ".s8.s8" in ptx  # int8 tensor-core MMAs
+
+
+def _tma_constexprs(variant: "G.TmaVariant", out: str, accumulate: bool, scale_mode: int, grouped=False) -> dict:
+    opts = variant.launch_options(torch.float32 if out == "fp32" else torch.bfloat16, n_sms=132)
+    warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
+    return dict(opts, SCALE_MODE=scale_mode, HAS_BIAS=False, ACCUMULATE=accumulate, C_TMA=True, GROUPED=grouped), \
+        warps, stages
+
+
+# (output, accumulate_into, scale mode): the forward / dgrad output and the wgrad into main_grad
+TMA_OUTPUTS = [("bf16", False, 0), ("fp32", True, 1)]
+
+
+@pytest.mark.parametrize("out,accumulate,scale_mode", TMA_OUTPUTS)
+def test_tma_gemm_compiles_for_ampere_without_hopper_instructions(out, accumulate, scale_mode):
+    """The dispatch never launches the TMA kernel below capability 9, but it compiles there: its descriptors
+    become pointer accesses."""
+    constexprs, warps, stages = _tma_constexprs(G.TMA_VARIANTS["base"], out, accumulate, scale_mode)
+    ptx = assert_code_for(compile_for(AMPERE, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps,
+                                      stages), AMPERE)
+    assert "mma.sync.aligned" in ptx
+
+
+@pytest.mark.parametrize("name", list(G.TMA_VARIANTS))
+@pytest.mark.parametrize("out,accumulate,scale_mode", TMA_OUTPUTS)
+def test_tma_variants_compile_for_hopper_and_fit(name, out, accumulate, scale_mode):
+    """Each MEGATRON_INT8_GEMM_TMA_VARIANT: bulk-tensor loads, wgmma, a TMA store (or reduce-add into
+    main_grad), and shared memory for one program, or for `programs_per_sm` of them on one SM."""
+    variant = G.TMA_VARIANTS[name]
+    constexprs, warps, stages = _tma_constexprs(variant, out, accumulate, scale_mode)
+    compiled = compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps, stages)
+    ptx = assert_code_for(compiled, HOPPER)
+    assert "wgmma.mma_async" in ptx and ".s32.s8.s8" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert ("cp.reduce.async.bulk.tensor" in ptx) == accumulate
+    shared = compiled.metadata.shared
+    assert shared <= HOPPER_MAX_SHARED_PER_BLOCK, f"{name}: {shared} bytes of shared memory"
+    assert variant.programs_per_sm * (shared + RESERVED_PER_BLOCK) <= HOPPER_SHARED_PER_SM, (name, shared)
+
+
+def test_grouped_tma_gemm_compiles_for_hopper():
+    constexprs, warps, stages = _tma_constexprs(G.TMA_VARIANTS["base"], "bf16", False, 1, grouped=True)
+    assert_code_for(compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers("bf16"), constexprs, warps, stages),
+                    HOPPER)
+
+
+# ---------------------------------------------------------------------------------- the other kernels
+def _quantize_cases():
+    ATR, ATC = Q._AMAX_TILE
+    amax = dict(TR=ATR, TC=ATC, TILE_MAX=False, ROW_MAX=True, COL_MAX=True, SEG=False)
+    cases = {"amax rowwise + columnwise maxima": (Q._amax_kernel, dict(x_ptr="bf16", strip_ptr="i32"), amax,
+                                                   Q._AMAX_WARPS)}
+    for label, tensor, row, col, sr in (("tensor both axes", True, True, True, False),
+                                        ("row both axes, stochastic", False, True, True, True)):
+        TR, TC = Q._Q_TILE_T if col else Q._Q_TILE
+        cx = dict(TR=TR, TC=TC, BP=1 if not tensor else Q._MAX_TILE_PARTIALS, SB=Q._SCALE_BLOCK, TENSOR=tensor,
+                  ROW=row, COL=col, STOCHASTIC=sr, FOUR=True, SEG=False, FLAG=True)
+        cases[f"quantize {label}"] = (Q._quantize_kernel, dict(x_ptr="bf16", q_ptr="i8", qt_ptr="i8", strip_ptr="i32"),
+                                      cx, Q._Q_T_WARPS if col else Q._WARPS)
+    for label, mode, tile, warps in (("block 128x128 weight", Q._MODE_TILE2D, (128, 128), 16),
+                                     ("block 1x128 both axes", Q._MODE_1XB, (128, 128), 16)):
+        cx = dict(TR=tile[0], TC=tile[1], MODE=mode, ROW=True, COL=True, STOCHASTIC=False, FOUR=True, FLAG=True)
+        cases[f"quantize {label}"] = (Q._quantize_block_kernel, dict(x_ptr="bf16", q_ptr="i8", qt_ptr="i8"), cx, warps)
+    return cases
+
+
+def _other_cases():
+    TR, TC = SW._TILE
+    swiglu = dict(TR=TR, TC=TC, STAGES=SW._STAGES, MAXIMA=True, WEIGHTED=True)
+    block_r, block_w = RN._blocks(4096)
+    norm = dict(BLOCK_R=block_r, BLOCK_W=block_w, QB=128)
+    cases = {
+        # INT8_COPY: the kernels also write (forward) or read (backward) x's INT8 copy
+        "swiglu forward + INT8 copy": (SW._swiglu_fwd_kernel, dict(x_ptr="bf16", y_ptr="bf16", q_ptr="i8"),
+                                       dict(swiglu, INT8_COPY=True), SW._WARPS),
+        "swiglu backward": (SW._swiglu_bwd_kernel, dict(g_ptr="bf16", x_ptr="bf16", dx_ptr="bf16"),
+                            dict(swiglu, INT8_COPY=False), SW._WARPS),
+        "swiglu backward from the INT8 copy": (SW._swiglu_bwd_kernel, dict(g_ptr="bf16", x_ptr="i8", dx_ptr="bf16"),
+                                               dict(swiglu, INT8_COPY=True), SW._WARPS),
+        "rms_norm forward + INT8 copy": (RN._rms_norm_fwd_kernel,
+                                         dict(x_ptr="bf16", w_ptr="bf16", y_ptr="bf16", q_ptr="i8"),
+                                         dict(norm, INT8_COPY=True), RN._WARPS),
+        "rms_norm backward": (RN._rms_norm_bwd_kernel, dict(dy_ptr="bf16", x_ptr="bf16", w_ptr="bf16", dx_ptr="bf16"),
+                              dict(norm, AMAX=True, INT8_COPY=False), RN._WARPS),
+        "rms_norm backward from the INT8 copy": (RN._rms_norm_bwd_kernel, dict(dy_ptr="bf16", x_ptr="i8", w_ptr="bf16",
+                                                                               dx_ptr="bf16"),
+                                                 dict(norm, AMAX=True, INT8_COPY=True), RN._WARPS),
+        "rms_norm weight-gradient sum": (RN._sum_rows_kernel, dict(out_ptr="bf16"),
+                                         dict(BLOCK_P=64, BLOCK_W=RN._SUM_COLUMNS), 4),
+        "rope": (RP._rope_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
+                 dict(BLOCK_H=4, BLOCK_HALF=64, BLOCK_PASS=1, INVERSE=False, PASS=False), 4),
+        "cross entropy forward": (CE._ce_forward_kernel, dict(x_ptr="bf16", tgt_ptr="i64"),
+                                  dict(BLOCK=CE.FORWARD_BLOCK, FINISH=True), CE.NUM_WARPS),
+        "cross entropy backward": (CE._ce_backward_kernel, dict(x_ptr="bf16", tgt_ptr="i64", out_ptr="bf16"),
+                                   dict(BLOCK=CE.BACKWARD_BLOCK), CE.NUM_WARPS),
+    }
+    adamw = dict(param_ptr="bf16", grad_ptr="bf16", master_ptr="i16", m_ptr="i8", v_ptr="i8")
+    cases["adamw, INT8 moments, bf16 parameter + int16 remainder"] = (
+        AW._adamw_kernel, adamw, dict(QB=AW.BLOCKS_PER_PROGRAM, QBLOCK_=AW.QBLOCK, MASTER=AW.MASTER_REMAINDER,
+                                      M_KIND=AW.INT8, V_KIND=AW.INT8), 4)
+    return cases
+
+
+OTHER_CASES = {**_quantize_cases(), **_other_cases()}
+
+
+FLOAT_ARGUMENTS = ("eps", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_sqrt_bc2")
+
+
+@pytest.mark.parametrize("case", list(OTHER_CASES))
+def test_kernel_compiles_for_ampere(case):
+    kernel, pointers, constexprs, warps = OTHER_CASES[case]
+    options = dict(enable_fp_fusion=False) if kernel is AW._adamw_kernel else {}  # as its launch
+    assert_code_for(compile_for(AMPERE, kernel, pointers, constexprs, warps, floats=FLOAT_ARGUMENTS, **options),
+                    AMPERE)
+
+
+def test_every_kernel_is_covered():
+    """Every @triton.jit entry point (a `*_kernel` launched from Python) of every module in megatron_int8/kernels
+    has a case here."""
+    import pkgutil
+
+    import megatron_int8.kernels as package
+
+    covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, *(k for k, *_ in OTHER_CASES.values())}
+    launched = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        launched |= {getattr(module, name) for name in dir(module)
+                     if name.endswith("_kernel") and isinstance(getattr(module, name), triton.runtime.JITFunction)}
+    assert len(launched) >= 14 and launched <= covered, sorted(k.__name__ for k in launched - covered)

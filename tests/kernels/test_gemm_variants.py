@@ -1,0 +1,99 @@
+"""The persistent TMA GEMM's fixed configurations (int8_gemm.TMA_VARIANTS, MEGATRON_INT8_GEMM_TMA_VARIANT).
+
+Under TRITON_INTERPRET=1 (a subprocess, see tests/interpreter.py) each variant's code path runs at a scaled-down
+tile: its tile shape scaled down, its epilogue sub-tiles (1, 2 or 4 column pieces), its flattened or nested
+tile loop, and its programs per SM, on ragged shapes where each program walks several tiles. Results are
+compared with the reference backend: fp32 bit for bit (the same fp32 operations in the same order), bf16 within
+one ulp (the interpreter's rounding of the cast). The variable's
+validation and the grouped GEMM's fallback run in this process. The variants' sm_90a builds (shared memory,
+wgmma, bulk copies) are checked by test_compile_targets.py; their speed by benchmarks/bench_triton_gemm.py.
+"""
+import importlib
+
+import pytest
+import torch
+from int8_bounds import heavy_tailed
+from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
+
+pytest.importorskip("triton")
+
+if not INTERPRETING:
+
+    def test_variants_under_triton_interpreter():
+        run_file_interpreted(__file__, timeout=900)
+
+G = importlib.import_module("megatron_int8.kernels.int8_gemm")
+REF = importlib.import_module("megatron_int8.reference").ReferenceBackend()
+# interpreter tiles: the variant's rows / 8, columns / 4 (a TMA box row needs >= 16 bytes: 4 bf16 sub-tiles of 32)
+SCALE_M, SCALE_N = 8, 4
+
+
+def _operands(M, N, K, granularity, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = heavy_tailed(M, K, generator=gen, dtype=torch.bfloat16)
+    b = heavy_tailed(N, K, generator=gen, dtype=torch.bfloat16)
+    qa = REF.quantize(a, granularity=granularity, block_size=128, weight=False, rowwise=True, columnwise=False)[0]
+    qb = REF.quantize(b, granularity=granularity, block_size=128, weight=True, rowwise=True, columnwise=False)[0]
+    return qa, qb
+
+
+def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
+    """One launch of the TMA kernel with the variant's structure on a scaled-down tile."""
+    opts = variant.launch_options(c.dtype, n_sms=programs)
+    opts.update(BLOCK_M=variant.block_m // SCALE_M, BLOCK_N=variant.block_n // SCALE_N, BLOCK_K=32, GROUP_M=2)
+    opts.pop("num_warps"), opts.pop("num_stages")
+    M, K = qa.data.shape
+    N = qb.data.shape[0]
+    G._int8_gemm_tma_kernel[(opts["NUM_SMS"],)](
+        qa.data, qb.data, c, qa.scale, qb.scale, c, M, N, K, qa.data.stride(0), qb.data.stride(0), qb.scale, N,
+        SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=False, ACCUMULATE=accumulate, C_TMA=True,
+        **opts)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", list(G.TMA_VARIANTS))
+@pytest.mark.parametrize("granularity,out_dtype,accumulate", [("tensor", torch.bfloat16, False),
+                                                               ("row", torch.float32, False),
+                                                               ("row", torch.float32, True)])
+def test_variant_matches_reference(name, granularity, out_dtype, accumulate):
+    variant = G.TMA_VARIANTS[name]
+    # ragged: partial edge tiles (N keeps the output rows 16-byte aligned, as TMA needs)
+    M, N, K = 3 * variant.block_m // SCALE_M + 5, 2 * variant.block_n // SCALE_N + 8, 96
+    qa, qb = _operands(M, N, K, granularity, seed=len(name))
+    main = torch.randn(M, N, generator=torch.Generator().manual_seed(1))
+    c = main.clone() if accumulate else torch.full((M, N), float("nan"), dtype=out_dtype)
+    _launch_scaled(variant, qa, qb, c, accumulate)
+    want = REF.gemm(qa, qb, out_dtype=out_dtype, accumulate_into=main.clone() if accumulate else None)
+    if out_dtype == torch.float32:
+        assert torch.equal(c, want), f"{name}: max error {(c - want).abs().max().item()}"
+    else:  # the interpreter's cast to bf16 may round the exact fp32 value the other way: one bf16 ulp at most
+        ulp = torch.finfo(out_dtype).eps * want.float().abs()
+        assert ((c.float() - want.float()).abs() <= ulp).all(), name
+
+
+def test_variant_names_are_validated(monkeypatch):
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "fastest")
+    with pytest.raises(ValueError, match="MEGATRON_INT8_GEMM_TMA_VARIANT"):
+        G.tma_variant()
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "duo")
+    assert G.tma_variant() is G.TMA_VARIANTS["duo"]
+
+
+def test_grouped_gemm_keeps_tiles_within_an_expert(monkeypatch):
+    """A grouped tile reads one expert's rows: variants taller than SEGMENT_ALIGN run grouped GEMMs on base's tile."""
+    align = importlib.import_module("megatron_int8.reference").SEGMENT_ALIGN
+    for name, variant in G.TMA_VARIANTS.items():
+        monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", name)
+        grouped = G.tma_variant(grouped=True)
+        assert align % grouped.block_m == 0
+        assert grouped is (variant if align % variant.block_m == 0 else G.TMA_VARIANTS["base"])
+
+
+def test_base_is_the_tile_the_package_used():
+    """The default keeps the results and the speed of the path before the variants: 128 x 256 x 128 tiles on
+    8 warps, 3 stages, one epilogue store for 16-bit outputs and two column halves for fp32."""
+    base = G.TMA_VARIANTS["base"]
+    assert base == G.TmaVariant(128, 256, 128, 8, 3, False, None)
+    assert base.launch_options(torch.bfloat16, 132)["EPI_SPLIT"] == 1
+    assert base.launch_options(torch.float32, 132)["EPI_SPLIT"] == 2
+    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "base"
