@@ -58,6 +58,7 @@ def build_cache_dir(default: str) -> str:
     return os.environ.get(ENV_BUILD_CACHE) or default
 
 
+@torch.compiler.assume_constant_result  # torch.compile calls it once, then treats it as a constant
 @functools.lru_cache(maxsize=None)
 def triton_installed() -> bool:
     if importlib.util.find_spec("triton") is None:

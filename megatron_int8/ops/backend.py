@@ -12,6 +12,7 @@ from ..reference import ReferenceBackend
 __all__ = ["backend_instance", "get_backend", "quantize_kwargs", "triton_available", "triton_runs_on"]
 
 
+@torch.compiler.assume_constant_result  # torch.compile calls it once, then treats it as a constant
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """triton is installed and this package's kernels import with it."""

@@ -68,7 +68,9 @@ def test_variant_gemm_matches_reference(variant_launches, granularity, M, N, Kd,
     buf = main.clone()
     assert G.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf, autotune=autotune) is buf
     assert_gemm_close(buf, want, mag + main.abs(), f"{granularity} accumulate_into", 2)
-    assert tiles and set(tiles) == {_expected_tile(variant)}, tiles
+    # untuned, every call takes the TMA kernel with the variant's tile; tuned, the plan may time the plain kernel
+    # faster (small shapes), and then every TMA launch there was still took the variant's tile
+    assert (tiles or autotune) and set(tiles) <= {_expected_tile(variant)}, tiles
 
 
 @pytest.mark.parametrize("variant_launches", list(G.TMA_VARIANTS), indirect=True)

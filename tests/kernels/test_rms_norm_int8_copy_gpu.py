@@ -1,7 +1,7 @@
 """The Triton RMSNorm with its input's INT8 copy (kernels/rms_norm.py, INT8_COPY) on a CUDA GPU at the hidden
 sizes of Llama2-7B (4096) and Qwen3-4B (2560: 20 blocks in a padded row of 4096), one micro-batch of 8192
-tokens: the copy equals the reference run on the CPU, the forward the plain Triton kernel's, and the gradients
-float64's at the dequantized copy. Skipped without CUDA (tests/conftest.py)."""
+tokens: the copy equals the reference run on the CPU, the forward the plain Triton kernel's (to one rounding),
+and the gradients float64's at the dequantized copy. Skipped without CUDA (tests/conftest.py)."""
 import pytest
 import torch
 from int8_bounds import assert_rms_norm_close
@@ -29,9 +29,11 @@ def test_rms_norm_int8_copy_hidden_sizes(W):
     q, scales, _, rstd = y.grad_fn.saved_tensors
     want = quantize(x.cpu().float(), "block", block_size=INT8_COPY_BLOCK, check_finite="off")
     assert torch.equal(q.cpu(), want.data) and torch.equal(scales.cpu(), want.scale)
-    # the forward is the plain Triton kernel's (torch's kernel, which the norm runs at this width without the copy,
-    # sums in another order)
-    assert torch.equal(y, triton_rms_norm_forward(x, norm.weight.detach(), 1e-5)[0])
+    # the forward is the plain Triton kernel's up to one bf16 rounding: the copy's blocked reshape can give x another
+    # register layout, hence another order of the fp32 row sum, so 1/rms may differ in its last fp32 bits (the
+    # float64 check below bounds y itself)
+    plain = triton_rms_norm_forward(x, norm.weight.detach(), 1e-5)[0].float()
+    assert ((y.float() - plain).abs() <= torch.finfo(torch.bfloat16).eps * plain.abs()).all()
     dy = torch.randn(R, W, device="cuda").to(torch.bfloat16)
     y.backward(dy)
     x_hat = dequantize(QTensor(q.cpu(), scales.cpu(), "block", INT8_COPY_BLOCK))
