@@ -8,7 +8,12 @@ a statistics step (their mean minus that), and the overhead at interval N = extr
 Prints a markdown table and appends rows to benchmarks/results/bench_health_overhead.csv ($OUT on the GPU
 machine). Needs megatron-core (the trainer).
 
+--probe-only times one probe alone instead (no trainer): the statistics of one probed forward and backward
+(LinearProbe.observe_forward + ForwardRecord.observe_backward, read back to the host) of a [tokens, K] x
+[K, N] BF16 linear, on any device; the median of --repeats after one warm-up.
+
     python benchmarks/bench_health_overhead.py --model llama2_7b --layers 4 --graphed
+    python benchmarks/bench_health_overhead.py --probe-only --probe-shape 8192 4096 11008 --device cpu
 """
 from __future__ import annotations
 
@@ -22,6 +27,35 @@ import tempfile
 
 import common
 from common import BENCH_OVERRIDES, MOCK_DATA, PARALLEL_OVERRIDES, ROOT
+
+
+def time_probe(opts) -> dict:
+    """Seconds of one probe's forward and backward statistics on random BF16 operands with outliers."""
+    import time
+
+    import torch
+
+    from megatron_int8.ops.health import LinearProbe
+    from megatron_int8.recipe import Int8Recipe
+
+    tokens, k, n = opts.probe_shape
+    device = torch.device(opts.device)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, k, device=device, generator=g).to(torch.bfloat16)
+    x[:, :4] *= 100.0  # a few outlier channels, as the SwiGLU output has
+    w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
+    dy = (torch.randn(tokens, n, device=device, generator=g) * 1e-3).to(torch.bfloat16)
+    recipe = Int8Recipe(granularity=opts.granularity)
+    seconds = []
+    for _ in range(opts.repeats + 1):
+        probe = LinearProbe()
+        probe.arm()
+        start = time.perf_counter()
+        probe.observe_forward(x, w, recipe).observe_backward(dy, w)
+        probe.take()[0].tolist()  # the read-out waits for the device
+        seconds.append(time.perf_counter() - start)
+    return {"device": str(device), "shape": f"{tokens}x{k}x{n}", "granularity": opts.granularity,
+            "probe_ms": round(statistics.median(seconds[1:]) * 1e3, 2)}
 
 
 def run(opts, graphed: bool) -> dict:
@@ -63,7 +97,18 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--graphed", action="store_true", help="also measure with --cuda-graph-impl local")
+    p.add_argument("--probe-only", action="store_true", help="time one probe alone (see above)")
+    p.add_argument("--probe-shape", type=int, nargs=3, default=[8192, 4096, 11008], metavar=("TOKENS", "K", "N"))
+    p.add_argument("--granularity", choices=("tensor", "row", "block"), default="row")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--repeats", type=int, default=3)
     opts = p.parse_args(argv)
+    if opts.probe_only:
+        r = time_probe(opts)
+        print(f"one probe (forward + backward statistics), {r['shape']} {r['granularity']} on {r['device']}: "
+              f"{r['probe_ms']} ms")
+        common.append_results("bench_health_probe", [r])
+        return 0
     rows = [run(opts, graphed) for graphed in ([False, True] if opts.graphed else [False])]
     print("| model | layers | mode | normal step (ms) | statistics step: extra (ms) | steps | overhead at interval 100 |")
     print("|---|---|---|---|---|---|---|")

@@ -4,23 +4,32 @@ Pure torch, computed only on statistics steps (the trainer's `--int8-stats-inter
 armed for one step, measures the first training forward/backward that passes through its linear, and
 keeps the results on the device until the trainer reads every probe at once (one host sync per log line).
 
+The statistics are estimated on a sample, so that a probe costs a few small kernels instead of passes over
+whole operands (docs/numerics.md, "Sampling"): `SAMPLE_ROWS` tokens (`sample_rows`) of X and dY, and
+`SAMPLE_CHANNELS` channels (`sample_channels`) of W's output and input axes. Every sampled value is
+quantized with the scale the whole tensor gives it: its own row's or tile's, the whole tensor's amax
+(tensorwise), or its channel's amax over all tokens (the transposed operands of wgrad, the input channels
+of W^T), each reduced over the whole tensor in one pass.
+
 Per operand (X: the input, W: the weight, dY: the output gradient), in `OPERAND_STATS` order:
-  amax        max |v|
-  crest       amax / RMS (RMS = sqrt(mean v^2)); about 4 for 4096 Gaussian values, large with outliers
-  kurtosis    E[(v - mean)^4] / Var^2 (Pearson: 3 for a Gaussian, 1.8 uniform; heavy tails push it up)
-  underflow   fraction of the nonzero elements that quantize to 0 (|v| <= half a step)
-  saturation  fraction of the elements that quantize to +-127
+  amax        max |v| over the whole tensor (exact)
+  crest       amax / RMS, RMS = sqrt(mean v^2) of the sample; about 4 for 4096 Gaussian values
+  kurtosis    E[(v - mean)^4] / Var^2 of the sample (Pearson: 3 for a Gaussian, 1.8 uniform)
+  underflow   fraction of the sample's nonzero elements that quantize to 0 (|v| <= half a step)
+  saturation  fraction of the sample's elements that quantize to +-127
+The samples: X and dY, the sampled tokens (all channels); W, the sampled output channels (all inputs).
 underflow and saturation use the scales of the GEMM that reads the operand along its rows: X as fprop reads
 it (per token with row scales), W as fprop reads it (per output channel), dY as dgrad reads it (per token).
 Per GEMM (fprop, dgrad, wgrad), in `GEMM_STATS` order:
-  rel_err     ||INT8 result - exact result||_F / ||exact result||_F on a sample of rows (`SAMPLE_ROWS`
-              tokens); the INT8 result is the product of the dequantized operands as the recipe quantizes
-              them (the INT32 GEMM with its fp32 epilogue computes the same up to fp32 rounding), the exact
-              one the fp32 product of the unquantized operands (no TF32)
-  underflow   the larger underflow of the GEMM's two operands, each under the scales that GEMM uses
-              (dgrad: dY per token, W per input channel; wgrad: dY and X per channel, over the tokens)
-wgrad contracts over the tokens: its error is that of the sampled tokens' partial sum, with the scales of
-the whole tensors.
+  rel_err     ||INT8 result - exact result||_F / ||exact result||_F on a sampled block of the result: the
+              sampled tokens x the sampled output channels (fprop), x the sampled input channels (dgrad);
+              the sampled output x input channels of the sampled tokens' partial sum (wgrad). The INT8
+              result is the product of the dequantized operands as the recipe quantizes them (the INT32 GEMM
+              with its fp32 epilogue computes the same up to fp32 rounding), the exact one the fp32 product
+              of the unquantized operands (no TF32)
+  underflow   the larger underflow of the GEMM's two operands' samples, each under the scales that GEMM
+              uses (dgrad: dY per token, W^T's sampled input channels per input channel; wgrad: dY^T and
+              X^T, the sampled tokens of every channel, per channel over all tokens)
 """
 from __future__ import annotations
 
@@ -30,8 +39,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..recipe import QMAX, Int8Recipe
-from ..reference import dequantize, quantize
-from .smooth_swiglu import smoothed_fprop_operands
+from ..reference import QTensor, dequantize, quantize
+from .smooth_swiglu import smooth_scales
 
 OPERANDS = ("x", "w", "dy")
 OPERAND_STATS = ("amax", "crest", "kurtosis", "underflow", "saturation")
@@ -40,20 +49,22 @@ GEMM_STATS = ("rel_err", "underflow")
 # the flat order of a probe's values: int8_health/<layer>/<operand or GEMM>/<stat>
 STAT_NAMES: Tuple[str, ...] = tuple(f"{op}/{s}" for op in OPERANDS for s in OPERAND_STATS) + tuple(
     f"{g}/{s}" for g in GEMMS for s in GEMM_STATS)
-SAMPLE_ROWS = 256  # tokens whose products are compared against the exact ones
+SAMPLE_ROWS = 256  # tokens of X and dY that the statistics are estimated on
+SAMPLE_CHANNELS = 1024  # channels of W's output axis (and of its input axis) that the statistics see
 
 
 def _index(name: str) -> int:
     return STAT_NAMES.index(name)
 
 
-def distribution_stats(x: torch.Tensor) -> torch.Tensor:
-    """[amax, crest, kurtosis] of all of x's elements, fp32 on x's device (moments accumulated in fp32 from
-    the centred values). An all-zero tensor has crest 0 and kurtosis NaN (no spread)."""
+def distribution_stats(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[amax, crest, kurtosis] of x's elements, fp32 on x's device (moments accumulated in fp32 from the
+    centred values). `amax`: that of the tensor x is a sample of (crest is then amax / x's RMS). An all-zero
+    tensor has crest 0 and kurtosis NaN (no spread)."""
     v = x.detach().reshape(-1).float()
     if v.numel() == 0:
         raise ValueError("health statistics of an empty tensor")
-    amax = v.abs().amax()
+    amax = v.abs().amax() if amax is None else amax.detach().float().reshape(())
     rms = v.square().mean().sqrt()
     crest = torch.where(rms > 0, amax / rms, torch.zeros_like(rms))
     centred = v - v.mean()
@@ -62,14 +73,20 @@ def distribution_stats(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([amax, crest, kurtosis])
 
 
-def quantization_fractions(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool) -> torch.Tensor:
-    """[underflow, saturation] of x2d [rows, K] quantized as the recipe quantizes a GEMM operand along its
-    rows (scales over the last axis; BxB tiles for a weight under block granularity), rounding to nearest."""
-    q = _quantize(x2d, recipe, weight=weight).data
+def _fractions(x2d: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """[underflow, saturation] of x2d given its quantization q."""
     nonzero = x2d != 0
-    underflow = ((q == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)
-    saturation = (q.abs() == QMAX).sum() / q.numel()
+    underflow = ((q.data == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)
+    saturation = (q.data.abs() == QMAX).sum() / q.data.numel()
     return torch.stack([underflow, saturation]).float()
+
+
+def quantization_fractions(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool,
+                           amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[underflow, saturation] of x2d [rows, K] quantized as the recipe quantizes a GEMM operand along its
+    rows (scales over the last axis; BxB tiles for a weight under block granularity), rounding to nearest;
+    `amax` as for `gemm_relative_error`."""
+    return _fractions(x2d, _quantize(x2d, recipe, weight=weight, amax=amax))
 
 
 def _quantize(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool, amax: Optional[torch.Tensor] = None):
@@ -78,10 +95,20 @@ def _quantize(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool, amax: Opti
                     check_finite="off", amax=amax)
 
 
-def _rows_amax(x2d: torch.Tensor, recipe: Int8Recipe) -> Optional[torch.Tensor]:
-    """The amax a quantization of some of x2d's rows needs to use the whole tensor's scales: the tensor's for
-    tensorwise scales; None for row and block scales (each row, or tile of one row, has its own)."""
-    return x2d.detach().abs().amax().float() if recipe.granularity == "tensor" else None
+def _amax(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """max |t| (over `dim`, or all elements) in t's dtype: one min/max pass, no copy of t (NaN propagates)."""
+    low, high = torch.aminmax(t.detach()) if dim is None else torch.aminmax(t.detach(), dim=dim)
+    return torch.maximum(-low, high)
+
+
+def _sample_amax(recipe: Int8Recipe, whole: torch.Tensor, channels: Optional[torch.Tensor] = None):
+    """The amax a quantization of a sample of rows needs for the whole tensor's scales, given `whole` (the
+    tensor's amax) and `channels` (its per-row amax for the sampled rows, where each row's scale comes from
+    more than the sampled part of it): tensorwise the whole amax, row-wise the channels' (None: each sampled
+    row is whole, its own), block None (each 1 x B or B x B tile is whole in the sample)."""
+    if recipe.granularity == "tensor":
+        return whole.float()
+    return channels.float() if recipe.granularity == "row" and channels is not None else None
 
 
 @contextlib.contextmanager
@@ -102,27 +129,32 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, num / den.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(num))
 
 
+def _product_error(a: torch.Tensor, qa: QTensor, b: torch.Tensor, qb: QTensor) -> torch.Tensor:
+    """Relative error of deq(qa) deq(qb)^T against a b^T."""
+    with _exact_fp32_matmul():
+        approx = dequantize(qa) @ dequantize(qb).t()
+        exact = a.detach().float() @ b.detach().float().t()
+    return relative_error(approx, exact)
+
+
 def gemm_relative_error(a_rows: torch.Tensor, b: torch.Tensor, recipe: Int8Recipe, *,
                         a_amax: Optional[torch.Tensor] = None, b_amax: Optional[torch.Tensor] = None,
                         b_is_weight: bool = False) -> torch.Tensor:
     """Relative error of Q(a_rows) Q(b)^T against a_rows b^T (both [., K], K the contraction axis).
 
     a_rows may be part of a larger operand: `a_amax` then carries the amax the larger operand's quantization
-    gives a_rows (tensorwise: one scalar, `_rows_amax`; row-wise: one per row, when a row of a_rows is part
-    of a longer one, as wgrad's sampled tokens are); likewise `b_amax` for b. `b_is_weight`: b is a weight,
-    quantized in BxB tiles under block granularity."""
-    qa = dequantize(_quantize(a_rows, recipe, weight=False, amax=a_amax))
-    qb = dequantize(_quantize(b, recipe, weight=b_is_weight, amax=b_amax))
-    with _exact_fp32_matmul():
-        approx = qa @ qb.t()
-        exact = a_rows.detach().float() @ b.detach().float().t()
-    return relative_error(approx, exact)
+    gives a_rows (tensorwise: one scalar; row-wise: one per row, when a row of a_rows is part of a longer
+    one, as wgrad's sampled tokens are; see `_sample_amax`); likewise `b_amax` for b. `b_is_weight`: b is a
+    weight, quantized in BxB tiles under block granularity."""
+    qa = _quantize(a_rows, recipe, weight=False, amax=a_amax)
+    qb = _quantize(b, recipe, weight=b_is_weight, amax=b_amax)
+    return _product_error(a_rows, qa, b, qb)
 
 
 def sample_rows(rows: int, block_size: int) -> slice:
-    """The tokens whose products are checked: `SAMPLE_ROWS` (rounded up to whole blocks) contiguous rows from
-    the middle of the tensor, starting on a multiple of the block size, so that the 1 x B tiles along the
-    tokens that wgrad's operands get under block scales are whole; all rows of a smaller tensor."""
+    """The sampled tokens: `SAMPLE_ROWS` (rounded up to whole blocks) contiguous rows from the middle of the
+    tensor, starting on a multiple of the block size, so that the 1 x B tiles along the tokens that wgrad's
+    operands get under block scales are whole; all rows of a smaller tensor."""
     count = -(-SAMPLE_ROWS // block_size) * block_size
     if rows <= count:
         return slice(0, rows)
@@ -130,14 +162,32 @@ def sample_rows(rows: int, block_size: int) -> slice:
     return slice(start, start + count)
 
 
+def sample_channels(channels: int, block_size: int, device) -> Optional[torch.Tensor]:
+    """The sampled channels of a weight axis: `SAMPLE_CHANNELS` (rounded up to whole blocks) as whole
+    blocks of `block_size` spread evenly over the axis (so a weight's B x B tiles stay whole and both halves
+    of a fused [gate | up] fc1 are seen), an index tensor on `device`; None (all) for a smaller axis."""
+    blocks = -(-SAMPLE_CHANNELS // block_size)
+    whole = channels // block_size
+    if whole <= blocks:
+        return None
+    starts = torch.arange(blocks, device=device) * whole // blocks * block_size
+    return (starts[:, None] + torch.arange(block_size, device=device)).reshape(-1)
+
+
+def _pick(t: torch.Tensor, index: Optional[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return t if index is None else t.index_select(dim, index)
+
+
 class ForwardRecord:
     """What a probed forward leaves for its backward: the values tensor, the number of input rows (tokens),
-    the sampled rows and the amax wgrad's X^T operand gets from the whole input (see `_rows_amax`)."""
+    the sampled tokens and channels, X^T's sampled tokens with their per-channel amax, and W's amax."""
 
-    def __init__(self, values: torch.Tensor, recipe: Int8Recipe, tokens: int, rows: slice, x_rows: torch.Tensor,
-                 x_col_amax: Optional[torch.Tensor]):
+    def __init__(self, values: torch.Tensor, recipe: Int8Recipe, tokens: int, x_rows: torch.Tensor,
+                 x_col_amax: Optional[torch.Tensor], out_channels: Optional[torch.Tensor],
+                 w_amax: torch.Tensor, w_col_amax: Optional[torch.Tensor]):
         self.values, self.recipe, self.tokens = values, recipe, tokens
-        self.rows, self.x_rows, self.x_col_amax = rows, x_rows, x_col_amax
+        self.x_rows, self.x_col_amax = x_rows, x_col_amax
+        self.out_channels, self.w_amax, self.w_col_amax = out_channels, w_amax, w_col_amax
 
     def observe_backward(self, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
         """dY's statistics, and dgrad's and wgrad's errors and underflows (device ops, no sync). wgrad's are
@@ -145,25 +195,41 @@ class ForwardRecord:
         recipe, values = self.recipe, self.values
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
         w = weight.detach()
+        dy_amax = _amax(dy)
+        dy_rows = dy[sample_rows(dy.shape[0], recipe.block_size)]  # X's sampled tokens (same token count)
+        q_dy = _quantize(dy_rows, recipe, weight=False, amax=_sample_amax(recipe, dy_amax))
         i = _index("dy/amax")
-        values[i:i + 3] = distribution_stats(dy)
-        values[i + 3:i + 5] = quantization_fractions(dy, recipe, weight=False)
-        w_t = w.t()
-        values[_index("dgrad/rel_err")] = gemm_relative_error(dy[sample_rows(dy.shape[0], recipe.block_size)], w_t,
-                                                              recipe, a_amax=_rows_amax(dy, recipe), b_is_weight=True)
-        values[_index("dgrad/underflow")] = torch.maximum(
-            values[_index("dy/underflow")], quantization_fractions(w_t, recipe, weight=True)[0])
+        values[i:i + 3] = distribution_stats(dy_rows, dy_amax)
+        values[i + 3:i + 5] = _fractions(dy_rows, q_dy)
+        # dgrad: dX = dY W, W^T [K, N] scaled per input channel (over all N outputs); its sampled rows
+        in_channels = sample_channels(w.shape[1], recipe.block_size, w.device)
+        w_t = _pick(w, in_channels, dim=1).t()
+        w_t_amax = None if self.w_col_amax is None else _pick(self.w_col_amax, in_channels)
+        q_wt = _quantize(w_t, recipe, weight=True, amax=_sample_amax(recipe, self.w_amax, w_t_amax))
+        values[_index("dgrad/rel_err")] = _product_error(dy_rows, q_dy, w_t, q_wt)
+        values[_index("dgrad/underflow")] = torch.maximum(values[_index("dy/underflow")], _fractions(w_t, q_wt)[0])
         if dy.shape[0] != self.tokens:
             values[_index("wgrad/underflow")] = float("nan")
             return
         # wgrad: dW = dY^T X over the sampled tokens, each operand [channels, tokens] with the whole tensor's
         # scales: per channel over all tokens (row), tensorwise (tensor), 1 x B tiles of the sampled tokens (block)
-        dy_t_rows = dy[self.rows].t()
-        dy_col_amax = dy.abs().amax(dim=0).float() if recipe.granularity == "row" else _rows_amax(dy, recipe)
-        values[_index("wgrad/rel_err")] = gemm_relative_error(
-            dy_t_rows, self.x_rows.t(), recipe, a_amax=dy_col_amax, b_amax=self.x_col_amax)
-        values[_index("wgrad/underflow")] = torch.maximum(
-            quantization_fractions(dy.t(), recipe, weight=False)[0], values[_index("wgrad/underflow")])
+        dy_t = dy_rows.t()
+        dy_col_amax = _amax(dy, dim=0) if recipe.granularity == "row" else None
+        q_dyt = _quantize(dy_t, recipe, weight=False, amax=_sample_amax(recipe, dy_amax, dy_col_amax))
+        x_t = self.x_rows.t()
+        q_xt = _quantize(x_t, recipe, weight=False, amax=self.x_col_amax)
+        values[_index("wgrad/underflow")] = torch.maximum(_fractions(dy_t, q_dyt)[0], _fractions(x_t, q_xt)[0])
+        out_channels = self.out_channels
+        values[_index("wgrad/rel_err")] = _product_error(_pick(dy_t, out_channels), _pick_q(q_dyt, out_channels),
+                                                         _pick(x_t, in_channels), _pick_q(q_xt, in_channels))
+
+
+def _pick_q(q: QTensor, index: Optional[torch.Tensor]) -> QTensor:
+    """The rows `index` of a quantized operand with 1 x B (or tensor, or row) scales."""
+    if index is None:
+        return q
+    scale = q.scale if q.granularity == "tensor" else q.scale.index_select(0, index)
+    return QTensor(q.data.index_select(0, index), scale, q.granularity, q.block_size)
 
 
 class LinearProbe:
@@ -186,29 +252,39 @@ class LinearProbe:
     def observe_forward(self, input: torch.Tensor, weight: torch.Tensor, recipe: Int8Recipe,
                         smooth: bool = False) -> ForwardRecord:
         """X's and W's statistics and fprop's error (device ops); returns the record for the backward.
-        `smooth`: fprop runs on the smoothed operands (`smoothed_fprop_operands`), as the recipe's guard does."""
+        `smooth`: fprop runs on the smoothed operands (ops.smooth_swiglu), as the recipe's guard does."""
         self.armed = False
         x = input.detach().reshape(-1, input.shape[-1])
         w = weight.detach()
         values = torch.full((len(STAT_NAMES),), float("nan"), dtype=torch.float32, device=x.device)
-        for name, t, is_weight in (("x", x, False), ("w", w, True)):
-            i = _index(f"{name}/amax")
-            values[i:i + 3] = distribution_stats(t)
-            values[i + 3:i + 5] = quantization_fractions(t, recipe, weight=is_weight)
         rows = sample_rows(x.shape[0], recipe.block_size)
-        fx, fw = smoothed_fprop_operands(x, w) if smooth else (x, w)
+        out_channels = sample_channels(w.shape[0], recipe.block_size, w.device)
+        x_rows, w_rows = x[rows], _pick(w, out_channels)
+        x_amax, w_amax = _amax(x), _amax(w)
+        need_col_amax = recipe.granularity == "row" or smooth
+        x_col_amax = _amax(x, dim=0) if need_col_amax else None
+        w_col_amax = _amax(w, dim=0) if need_col_amax else None
+        q_x = _quantize(x_rows, recipe, weight=False, amax=_sample_amax(recipe, x_amax))
+        q_w = _quantize(w_rows, recipe, weight=True, amax=_sample_amax(recipe, w_amax))
+        for name, sample, q, amax in (("x", x_rows, q_x, x_amax), ("w", w_rows, q_w, w_amax)):
+            i = _index(f"{name}/amax")
+            values[i:i + 3] = distribution_stats(sample, amax)
+            values[i + 3:i + 5] = _fractions(sample, q)
         fprop_underflow = torch.maximum(values[_index("x/underflow")], values[_index("w/underflow")])
         if smooth:
-            fprop_underflow = torch.maximum(quantization_fractions(fx, recipe, weight=False)[0],
-                                            quantization_fractions(fw, recipe, weight=True)[0])
-        values[_index("fprop/rel_err")] = gemm_relative_error(fx[rows], fw, recipe, a_amax=_rows_amax(fx, recipe),
-                                                              b_is_weight=True)
+            s = smooth_scales(x_col_amax, w_col_amax)
+            x_rows, w_rows = x_rows * (1.0 / s).to(x.dtype), w_rows * s.to(w.dtype)
+            # the smoothed tensors' tensorwise amax, from the column maxima (a power-of-two scaling is exact)
+            q_x = _quantize(x_rows, recipe, weight=False,
+                            amax=_sample_amax(recipe, (x_col_amax * (1.0 / s).to(x.dtype)).amax()))
+            q_w = _quantize(w_rows, recipe, weight=True, amax=_sample_amax(recipe, (w_col_amax * s.to(w.dtype)).amax()))
+            fprop_underflow = torch.maximum(_fractions(x_rows, q_x)[0], _fractions(w_rows, q_w)[0])
+        values[_index("fprop/rel_err")] = _product_error(x_rows, q_x, w_rows, q_w)
         values[_index("fprop/underflow")] = fprop_underflow
-        # wgrad's X^T operand: its underflow now (the whole X is at hand), its sampled rows for the backward
-        values[_index("wgrad/underflow")] = quantization_fractions(x.t(), recipe, weight=False)[0]
-        x_col_amax = x.abs().amax(dim=0).float() if recipe.granularity == "row" else _rows_amax(x, recipe)
         self._pending.append(values)
-        return ForwardRecord(values, recipe, x.shape[0], rows, x[rows].clone(), x_col_amax)
+        x_t_amax = _sample_amax(recipe, x_amax, x_col_amax)
+        return ForwardRecord(values, recipe, x.shape[0], x[rows].clone(), x_t_amax, out_channels, w_amax,
+                             w_col_amax)
 
 
 def values_by_name(values: torch.Tensor) -> Dict[str, float]:

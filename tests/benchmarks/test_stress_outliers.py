@@ -1,30 +1,54 @@
-"""benchmarks/stress_outliers.py at tiny size on CPU: the four runs, the table, the results CSV and the PNG;
+"""benchmarks/stress_outliers.py at tiny size on CPU: the five runs, the table, the results CSV and the PNG;
 with the outliers grown 1000x in a few steps, the health statistics flag the injected MLPs and the auto
-fallback moves a GEMM, while the SwiGLU guard keeps fc2's fprop error at its healthy level."""
+fallback moves a GEMM, while the SwiGLU guard keeps fc2's fprop error at its healthy level. And the departure
+measure on crafted loss curves: counted from the injection start on, beyond both 1% and the noise band."""
 import json
 import sys
 
 import pytest
 from repo_paths import BENCHMARKS
 
-pytestmark = pytest.mark.slow
 
 
-def test_tiny_stress_run(tmp_path):
+def _stress_outliers():
     sys.path.insert(0, BENCHMARKS)
     import stress_outliers
+
+    return stress_outliers
+
+
+def test_noise_band_is_the_recent_envelope_of_the_second_seed():
+    band = _stress_outliers().noise_band([0.03, -0.05, 0.001, 0.002, -0.001, 0.0], window=3)
+    assert band == [0.03, 0.05, 0.05, 0.05, 0.002, 0.002]
+
+
+def test_first_departure_counts_from_the_injection_start_beyond_1pct_and_the_noise():
+    so = _stress_outliers()
+    dep = [0.04, 0.02, 0.005, 0.012, 0.015, 0.03, 0.02]  # early noise over 1% at steps 1-2
+    band = [0.05, 0.05, 0.02, 0.02, 0.02, 0.02, 0.005]
+    assert so.first_departure(dep, band, start=2) == 6  # step 4 and 5: over 1% but inside the band
+    assert so.first_departure(dep, [0.0] * 7, start=2) == 4  # without a band: the first over 1% after step 2
+    assert so.first_departure(dep, [0.0] * 7, start=0) == 1
+    assert so.first_departure([0.009] * 7, [0.0] * 7, start=0) is None  # never over 1%
+    assert so.first_departure([-0.03] * 7, [0.0] * 7, start=0) is None  # a lower loss is no departure
+
+
+@pytest.mark.slow
+def test_tiny_stress_run(tmp_path):
+    stress_outliers = _stress_outliers()
 
     assert stress_outliers.main(["--size", "tiny", "--steps", "8", "--device", "cpu", "--stats-interval", "1",
                                  "--patience", "2", "--inject-start", "0", "--inject-end", "0.5",
                                  "--window", "4", "--output-dir", str(tmp_path),
                                  "--results-dir", str(tmp_path)]) == 0
     table = (tmp_path / "table.md").read_text().splitlines()
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["bf16", "int8", "fallback", "guard"]
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["bf16", "bf16_seed2", "int8", "fallback", "guard"]
     assert (tmp_path / "stress.png").stat().st_size > 10_000
-    assert (tmp_path / "stress_outliers.csv").read_text().count("\n") == 5  # header + 4 runs
+    assert (tmp_path / "stress_outliers.csv").read_text().count("\n") == 6  # header + 5 runs
     lines = [json.loads(line) for line in (tmp_path / "stress.jsonl").read_text().splitlines()]
     losses = {(r["run"], r["iteration"]): r["lm_loss"] for r in lines if "lm_loss" in r}
-    assert losses[("int8", 1)] != losses[("bf16", 1)] and len(losses) == 32
+    assert losses[("int8", 1)] != losses[("bf16", 1)] != losses[("bf16_seed2", 1)] and len(losses) == 40
+    assert not any(r["run"] == "bf16_seed2" for r in lines if "int8_health" in r)  # BF16: no probes
     checks = {(r["run"], r["iteration"]): r["int8_health"] for r in lines if "int8_health" in r}
     fc2 = "layer2.mlp.linear_fc2"  # injected layers: all; the last check, outliers at 1000x
     assert checks[("int8", 8)][fc2]["fprop/rel_err"] > 0.1 > checks[("int8", 1)][fc2]["fprop/rel_err"]

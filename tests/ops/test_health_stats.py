@@ -133,48 +133,72 @@ def _probe(x, w, dy, recipe, smooth=False):
     return values_by_name(values)
 
 
+def test_sample_channels_are_whole_blocks_spread_over_the_axis():
+    assert health.sample_channels(health.SAMPLE_CHANNELS, 128, "cpu") is None  # a small axis: all of it
+    index = health.sample_channels(22016, 128, "cpu")  # Llama2-7B's fused fc1: 172 blocks, 8 sampled
+    assert index.numel() == health.SAMPLE_CHANNELS and index.unique().numel() == index.numel()
+    blocks = index.view(-1, 128)
+    assert torch.equal(blocks - blocks[:, :1], torch.arange(128).expand_as(blocks))  # whole blocks
+    assert (blocks[:, 0] % 128 == 0).all() and blocks.max() < 22016
+    assert blocks[0, 0] == 0 and (blocks[:, 0] >= 11008).sum() == 4  # both the gate and the up half
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-def test_probe_against_float64(granularity):
-    """Every value a probe records against float64: operand statistics over whole tensors, fprop and dgrad
-    errors on the sampled tokens, wgrad's on those tokens' partial sum with the whole tensors' scales."""
-    M, K, N, B = 640, 192, 96, 64
+def test_probe_against_float64(granularity, monkeypatch):
+    """Every value a probe records against float64 on the same sample (fewer tokens and channels than the
+    tensors have): amax over the whole tensors, the other operand statistics on the sampled tokens (X, dY)
+    or output channels (W) with the whole tensors' scales, fprop's and dgrad's errors on the sampled tokens x
+    sampled output or input channels, wgrad's on the sampled channels of those tokens' partial sum."""
+    monkeypatch.setattr(health, "SAMPLE_ROWS", 128)
+    monkeypatch.setattr(health, "SAMPLE_CHANNELS", 128)
+    M, K, N, B = 640, 320, 384, 64
     x, w, dy = heavy_tailed(M, K), heavy_tailed(N, K) * 0.02, heavy_tailed(M, N) * 1e-3
     recipe = Int8Recipe(granularity=granularity, block_size=B)
     got = _probe(x.reshape(5, 128, K), w, dy.reshape(5, 128, N), recipe)
     assert set(got) == set(STAT_NAMES)
     blockw = granularity == "block"
+    rows = sample_rows(M, B)
+    out_ch, in_ch = health.sample_channels(N, B, "cpu"), health.sample_channels(K, B, "cpu")
+    assert rows.stop - rows.start == 128 and out_ch.numel() == in_ch.numel() == 128  # a strict sample
+    whole = lambda t: t.abs().max() if granularity == "tensor" else None  # noqa: E731  (tensorwise scale)
+    col_amax = lambda t: t.abs().amax(0) if granularity == "row" else whole(t)  # noqa: E731  (per channel)
+    x_s, w_s, dy_s = x[rows], w[out_ch], dy[rows]
+    w_t = w[:, in_ch].t()  # dgrad's sampled W^T rows, scaled per input channel over all outputs
+    w_t_amax = col_amax(w)[in_ch] if granularity == "row" else whole(w)
 
-    def fractions(t, tile2d=False):
-        _, q = q64(t, granularity, block=B, tile2d=tile2d)
+    def fractions(t, tile2d=False, amax=None):
+        _, q = q64(t, granularity, block=B, tile2d=tile2d, amax=amax)
         nz = t != 0
         return ((q == 0) & nz).sum().item() / nz.sum().item(), (q.abs() == 127).sum().item() / q.numel()
 
-    for name, t, tile in (("x", x, False), ("w", w, blockw), ("dy", dy, False)):
-        v = t.double().reshape(-1)
+    for name, t, sample, tile in (("x", x, x_s, False), ("w", w, w_s, blockw), ("dy", dy, dy_s, False)):
+        v = sample.double().reshape(-1)
         d = v - v.mean()
-        assert got[f"{name}/amax"] == pytest.approx(v.abs().max().item(), rel=1e-6)
-        assert got[f"{name}/crest"] == pytest.approx((v.abs().max() / v.square().mean().sqrt()).item(), rel=1e-4)
+        amax = t.double().abs().max()
+        assert got[f"{name}/amax"] == pytest.approx(amax.item(), rel=1e-6)
+        assert got[f"{name}/crest"] == pytest.approx((amax / v.square().mean().sqrt()).item(), rel=1e-4)
         assert got[f"{name}/kurtosis"] == pytest.approx((d.pow(4).mean() / d.square().mean() ** 2).item(), rel=1e-4)
-        under, sat = fractions(t, tile)
+        under, sat = fractions(sample, tile, whole(t))
         assert got[f"{name}/underflow"] == pytest.approx(under, abs=2e-4)
         assert got[f"{name}/saturation"] == pytest.approx(sat, abs=2e-4)
 
-    rows = sample_rows(M, B)
-    amax = lambda t: t.abs().max() if granularity == "tensor" else None  # noqa: E731  (whole tensor's scale)
-    xq, _ = q64(x[rows], granularity, block=B, amax=amax(x))
-    wq, _ = q64(w, granularity, block=B, tile2d=blockw)
-    assert got["fprop/rel_err"] == pytest.approx(rel64(xq @ wq.t(), x[rows].double() @ w.double().t()), rel=2e-3)
-    gq, _ = q64(dy[rows], granularity, block=B, amax=amax(dy))
-    wtq, _ = q64(w.t(), granularity, block=B, tile2d=blockw)
-    assert got["dgrad/rel_err"] == pytest.approx(rel64(gq @ wtq.t(), dy[rows].double() @ w.double()), rel=2e-3)
-    col_amax = lambda t: t.abs().amax(0) if granularity == "row" else amax(t)  # noqa: E731
-    gtq, _ = q64(dy[rows].t(), granularity, block=B, amax=col_amax(dy))
-    xtq, _ = q64(x[rows].t(), granularity, block=B, amax=col_amax(x))
-    assert got["wgrad/rel_err"] == pytest.approx(rel64(gtq @ xtq.t(), dy[rows].double().t() @ x[rows].double()),
-                                                 rel=2e-3)
-    assert got["fprop/underflow"] == pytest.approx(max(fractions(x)[0], fractions(w, blockw)[0]), abs=2e-4)
-    assert got["dgrad/underflow"] == pytest.approx(max(fractions(dy)[0], fractions(w.t(), blockw)[0]), abs=2e-4)
-    assert got["wgrad/underflow"] == pytest.approx(max(fractions(dy.t())[0], fractions(x.t())[0]), abs=2e-4)
+    xq, _ = q64(x_s, granularity, block=B, amax=whole(x))
+    wq, _ = q64(w_s, granularity, block=B, tile2d=blockw, amax=whole(w))
+    assert got["fprop/rel_err"] == pytest.approx(rel64(xq @ wq.t(), x_s.double() @ w_s.double().t()), rel=2e-3)
+    gq, _ = q64(dy_s, granularity, block=B, amax=whole(dy))
+    wtq, _ = q64(w_t, granularity, block=B, tile2d=blockw, amax=w_t_amax)
+    assert got["dgrad/rel_err"] == pytest.approx(rel64(gq @ wtq.t(), dy_s.double() @ w_t.double().t()), rel=2e-3)
+    gtq, _ = q64(dy_s.t(), granularity, block=B, amax=col_amax(dy))
+    xtq, _ = q64(x_s.t(), granularity, block=B, amax=col_amax(x))
+    exact = dy_s[:, out_ch].double().t() @ x_s[:, in_ch].double()
+    assert got["wgrad/rel_err"] == pytest.approx(rel64(gtq[out_ch] @ xtq[in_ch].t(), exact), rel=2e-3)
+    assert got["fprop/underflow"] == pytest.approx(
+        max(fractions(x_s, amax=whole(x))[0], fractions(w_s, blockw, whole(w))[0]), abs=2e-4)
+    assert got["dgrad/underflow"] == pytest.approx(
+        max(fractions(dy_s, amax=whole(dy))[0], fractions(w_t, blockw, w_t_amax)[0]), abs=2e-4)
+    assert got["wgrad/underflow"] == pytest.approx(
+        max(fractions(dy_s.t(), amax=col_amax(dy))[0], fractions(x_s.t(), amax=col_amax(x))[0]), abs=2e-4)
+    assert got["wgrad/underflow"] > 0.01 and got["dgrad/rel_err"] > 1e-4  # the statistics see something
 
 
 def test_probe_skips_wgrad_when_tokens_differ():
@@ -211,6 +235,30 @@ def test_probe_with_smoothing_reports_the_smoothed_fprop():
     assert smoothed["fprop/rel_err"] < plain["fprop/rel_err"] / 4
     assert smoothed["fprop/underflow"] < plain["fprop/underflow"]
     assert smoothed["x/amax"] == plain["x/amax"]  # operand statistics describe the layer's own input
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_probe_with_smoothing_against_float64(granularity, monkeypatch):
+    """The guard's fprop on a sample of tokens and output channels, against float64: the smoothed operands'
+    whole-tensor scales (tensorwise: from the column maxima) and the smoothed underflow."""
+    monkeypatch.setattr(health, "SAMPLE_ROWS", 64)
+    monkeypatch.setattr(health, "SAMPLE_CHANNELS", 64)
+    M, K, N, B = 320, 128, 192, 32
+    x, w, dy = heavy_tailed(M, K), heavy_tailed(N, K) * 0.05, heavy_tailed(M, N)
+    x[:, 5] *= 1000.0
+    got = _probe(x, w, dy, Int8Recipe(granularity=granularity, block_size=B), smooth=True)
+    xs, ws = smoothed_fprop_operands(x, w)  # over the whole tensors
+    rows, out_ch = sample_rows(M, B), health.sample_channels(N, B, "cpu")
+    assert rows.stop - rows.start == 64 and out_ch.numel() == 64
+    whole = lambda t: t.abs().max() if granularity == "tensor" else None  # noqa: E731
+    xq, qx = q64(xs[rows], granularity, block=B, amax=whole(xs))
+    wq, qw = q64(ws[out_ch], granularity, block=B, tile2d=granularity == "block", amax=whole(ws))
+    exact = xs[rows].double() @ ws[out_ch].double().t()
+    assert got["fprop/rel_err"] == pytest.approx(rel64(xq @ wq.t(), exact), rel=2e-3)
+    under = max(((q == 0) & (t != 0)).sum().item() / (t != 0).sum().item()
+                for q, t in ((qx, xs[rows]), (qw, ws[out_ch])))
+    assert got["fprop/underflow"] == pytest.approx(under, abs=2e-4)
+    assert got["fprop/rel_err"] < _probe(x, w, dy, Int8Recipe(granularity=granularity, block_size=B))["fprop/rel_err"]
 
 
 def test_int8_linear_probe_measures_one_training_call():

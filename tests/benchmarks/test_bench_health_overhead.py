@@ -1,0 +1,18 @@
+"""benchmarks/bench_health_overhead.py --probe-only on CPU: one probe timed on a shape whose weight axes are
+sampled, and its row in the results CSV."""
+import csv
+
+from repo_paths import BENCHMARKS
+
+
+def test_probe_only_times_one_probe(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    import bench_health_overhead
+
+    assert bench_health_overhead.main(["--probe-only", "--probe-shape", "512", "1280", "1536", "--device", "cpu",
+                                       "--repeats", "1", "--granularity", "tensor"]) == 0
+    assert "512x1280x1536 tensor on cpu" in capsys.readouterr().out
+    with open(tmp_path / "bench_health_probe.csv", encoding="utf-8") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["shape"] == "512x1280x1536" and row["granularity"] == "tensor" and float(row["probe_ms"]) > 0
