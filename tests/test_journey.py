@@ -265,7 +265,7 @@ def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(d
 ])
 def test_export_qwen3_and_mixtral_from_parallel_layouts(data, tmp_path, architecture, flags, nproc):
     save = tmp_path / "ckpt"
-    train(data, "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
+    train(data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
           "--int8-linear", "--save", str(save), *flags, nproc=nproc)
     out = run_python(EXPORT_CHECK, str(save), str(tmp_path / "hf"))
     _check_export(json.loads(out.split("RESULT ")[1]), architecture)
