@@ -152,6 +152,13 @@ def main(argv=None) -> int:
 
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    from megatron_int8.training.args import ArgumentError
+    from megatron_int8.training.data import check_tokenizer_file
+
+    try:
+        check_tokenizer_file(args.tokenizer_type, args.tokenizer_model)
+    except ArgumentError as err:
+        parser.error(str(err))
     encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token)
     local = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token).load()
     dtype = DType.optimal_dtype(local.vocab_size)

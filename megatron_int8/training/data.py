@@ -23,7 +23,7 @@ INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's .idx: header, version <Q, d
 INDEX_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron's DType codes -> bytes per token
 
 
-def _check_tokenizer_file(kind: str, path: str) -> None:
+def check_tokenizer_file(kind: str, path: str) -> None:
     """A tokenizer file of the other family fails here, naming the --tokenizer-type that reads it."""
     json_file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
     is_hf = os.path.isdir(path) or path.endswith(".json")
@@ -61,7 +61,7 @@ def build_tokenizer(args):
     if kind == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path={"library": "null", "model_type": "gpt"},
                                                  vocab_size=args.vocab_size)
-    _check_tokenizer_file(kind, args.tokenizer_model)
+    check_tokenizer_file(kind, args.tokenizer_model)
     if kind in SENTENCEPIECE_TYPES:
         try:
             tokenizer = MegatronTokenizer.from_pretrained(

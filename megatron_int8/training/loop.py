@@ -1,7 +1,6 @@
 """The pretraining loop: setup, train steps through megatron's pipeline schedules, evaluation, saves."""
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import signal
@@ -133,29 +132,40 @@ class Interrupted(KeyboardInterrupt):
 
 
 class ExitSignals:
-    """--exit-signal-handler: SIGTERM and SIGINT only set a flag, which the loop reads after each iteration
-    (agreed over all ranks, so that they stop at the same one) before it saves and exits."""
+    """With --exit-signal-handler, SIGTERM and SIGINT only set a flag, which the loop reads after each
+    iteration (agreed over all ranks, so that they stop at the same one) before it saves and exits.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    Without it, SIGINT (Ctrl-C) interrupts at once, as Python's default handler does, and the flag also
+    stops the loop after an interrupt that Python dropped (one raised inside a finalizer or a fork hook,
+    e.g. while a checkpoint's writer process starts, is printed and ignored)."""
 
-    def __init__(self):
+    def __init__(self, save_first: bool):
+        self.save_first = save_first
+        self.signals = (signal.SIGTERM, signal.SIGINT) if save_first else (signal.SIGINT,)
         self.received = 0
         self._previous = {}
 
     def __enter__(self):
-        for sig in self.SIGNALS:
+        for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        if not self.save_first:
+            raise KeyboardInterrupt
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def received_on_any_rank(self) -> str:
-        """The signal's name if any rank received one ('' if none); collective."""
+    def check(self) -> str:
+        """After an iteration: the signal's name if any rank received one and saves first ('' if none; collective);
+        KeyboardInterrupt if Ctrl-C came without --exit-signal-handler."""
+        if not self.save_first:
+            if self.received:
+                raise KeyboardInterrupt
+            return ""
         flag = torch.tensor([float(self.received)], device=_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return signal.Signals(int(flag.item())).name if flag.item() else ""
@@ -269,9 +279,9 @@ def pretrain(args) -> dict:
         gc.freeze()
         gc.disable()
     progress = {"iteration": iteration, "saved": iteration if args.load and iteration else None}
-    exit_signals = ExitSignals() if args.exit_signal_handler else None
+    exit_signals = ExitSignals(save_first=args.exit_signal_handler)
     try:
-        with exit_signals or contextlib.nullcontext():
+        with exit_signals:
             loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds,
                                                  model, optimizer, scheduler, logger, profiler, progress, exit_signals,
                                                  consumed_samples)
@@ -322,7 +332,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, valid_iterator, model, args)
             logger.validation(iteration, valid_loss)
-        signal_name = exit_signals.received_on_any_rank() if exit_signals is not None else ""
+        signal_name = exit_signals.check()
         exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
         if args.save and (iteration == args.train_iters or exiting
                           or (args.save_interval and iteration % args.save_interval == 0)):
