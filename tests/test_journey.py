@@ -230,6 +230,11 @@ EXPORT_CHECK = textwrap.dedent('''
 ''')
 
 
+def _needs_transformers(tokenizer=False):
+    for module in ("transformers", "safetensors") + (("google.protobuf",) if tokenizer else ()):
+        pytest.importorskip(module)
+
+
 def _check_export(results, architecture):
     assert results["float32"]["architecture"] == results["float32"]["class"] == architecture
     # fp32 weights: the same arithmetic up to summation order
@@ -241,6 +246,7 @@ def _check_export(results, architecture):
 
 
 def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(data, trained, tmp_path):
+    _needs_transformers(tokenizer=True)
     import sentencepiece as spm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -264,6 +270,7 @@ def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(d
                             "--moe-grouped-gemm"], 2),
 ])
 def test_export_qwen3_and_mixtral_from_parallel_layouts(data, tmp_path, architecture, flags, nproc):
+    _needs_transformers()
     save = tmp_path / "ckpt"
     train(data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
           "--int8-linear", "--save", str(save), *flags, nproc=nproc)
