@@ -410,7 +410,7 @@ def _warn_silent_choices(args: argparse.Namespace) -> None:
     if not args.int8_linear:
         defaults = build_parser()
         changed = [f"--{name.replace('_', '-')}" for name in sorted(vars(args))
-                   if name.startswith("int8_") and name != "int8_linear"
+                   if name.startswith("int8_") and name not in ("int8_linear", "int8_precision_table")
                    and getattr(args, name) != defaults.get_default(name)]
         if changed:
             print(f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without "

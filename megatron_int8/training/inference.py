@@ -43,7 +43,7 @@ def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optiona
 def load_for_inference(load: str, log=print, **overrides):
     """(model, args, tokenizer): the latest checkpoint under `load` as a GPTModel in eval mode, on this
     process alone (a world of one is initialized if none is)."""
-    from ..policy import policy_from_args
+    from ..megatron.cli import policy_from_args
     from .checkpoint import load_checkpoint
     from .data import build_tokenizer
     from .model import build_config, build_model, initialize_distributed, unwrap

@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from test_training import ROOT, SMALL_MODEL, _free_port, data, losses, train  # noqa: F401  (`data`: fixture)
+from repo_paths import ROOT
+from test_training import SMALL_MODEL, _free_port, data, losses, train  # noqa: F401  (`data`: fixture)
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from test_data import ROOT, _pretrain_error, _trainer_args, dataset  # noqa: F401  (`dataset`: fixture)
+from repo_paths import ROOT
+from test_data import _pretrain_error, _trainer_args, dataset  # noqa: F401  (`dataset`: fixture)
 
 from megatron_int8.training.args import ArgumentError, build_parser, parse_args, validate_args
 
