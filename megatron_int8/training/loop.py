@@ -278,7 +278,7 @@ def pretrain(args) -> dict:
         gc.collect()
         gc.freeze()
         gc.disable()
-    progress = {"iteration": iteration, "saved": iteration if args.load and iteration else None}
+    progress = {"iteration": iteration, "saved": (iteration, args.load) if iteration else None}
     exit_signals = ExitSignals(save_first=args.exit_signal_handler)
     try:
         with exit_signals:
@@ -286,8 +286,9 @@ def pretrain(args) -> dict:
                                                  model, optimizer, scheduler, logger, profiler, progress, exit_signals,
                                                  consumed_samples)
     except KeyboardInterrupt:
-        last = (f"the last checkpoint is iteration {progress['saved']} in {args.save or args.load}; resume with "
-                f"--load {args.save or args.load}" if progress["saved"] else "no checkpoint saved")
+        saved, root = progress["saved"] or (None, None)
+        last = (f"the last checkpoint is iteration {saved} in {root}; resume with --load {root}" if saved
+                else "no checkpoint saved")
         raise Interrupted(f"interrupted after iteration {progress['iteration']} ({last}; --exit-signal-handler "
                           "saves on Ctrl-C or SIGTERM before exiting)") from None
     finally:
@@ -337,7 +338,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
         if args.save and (iteration == args.train_iters or exiting
                           or (args.save_interval and iteration % args.save_interval == 0)):
             save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log)
-            progress["saved"] = iteration
+            progress["saved"] = (iteration, args.save)
         logger.pause_interval(time.time() - paused)
         if signal_name:
             _log(f"{signal_name} received: stopped after iteration {iteration} of {args.train_iters}, checkpoint "
