@@ -124,9 +124,11 @@ def hf_state_dict(megatron: Dict[str, torch.Tensor], args, architecture: str) ->
     return out
 
 
-def _save_tokenizer(args, output: str):
+def _save_tokenizer(args, output: str, log):
     """The tokenizer in transformers' format: a SentencePiece model converted to tokenizer.json (transformers'
-    Llama converter, which needs the protobuf package), a Hugging Face tokenizer copied. (eos, bos) ids."""
+    Llama converter, which needs the protobuf package; without it the model is copied as tokenizer.model,
+    which transformers converts when it loads it, where protobuf is installed), a Hugging Face tokenizer
+    copied. Returns the (eos, bos) ids."""
     from transformers import AutoTokenizer
 
     from .data import SENTENCEPIECE_TYPES, hf_eod_token
@@ -141,7 +143,14 @@ def _save_tokenizer(args, output: str):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(staging)
             except ImportError as err:
-                raise ExportError(f"converting the SentencePiece model to tokenizer.json: {err}") from None
+                import sentencepiece
+
+                processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model)
+                for name in ("tokenizer.model", "tokenizer_config.json"):
+                    shutil.copy(os.path.join(staging, name), os.path.join(output, name))
+                log(f"note: tokenizer.json not written ({str(err).strip().splitlines()[0]}); tokenizer.model copied, "
+                    "which transformers converts on loading where protobuf is installed")
+                return processor.eos_id(), processor.bos_id()
     elif args.tokenizer_type == "HuggingFaceTokenizer":
         path = args.tokenizer_model
         directory = os.path.dirname(path) if os.path.isfile(path) else path
@@ -168,7 +177,7 @@ def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokeni
     megatron = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(megatron, args, architecture).items()}
     os.makedirs(output, exist_ok=True)
-    eos, bos = _save_tokenizer(args, output)
+    eos, bos = _save_tokenizer(args, output, log)
     config = hf_config(args, architecture, eos, bos, dtype)
     save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:

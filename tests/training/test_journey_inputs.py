@@ -171,3 +171,25 @@ def test_skip_train_needs_no_schedule(dataset):
     args = validate_args(_trainer_args(dataset, "--skip-train", "--load", "x", "--lr-warmup-iters", "100",
                                        "--min-lr", "1"), world_size=1)
     assert args.no_load_optim and args.save is None
+
+
+def test_export_without_protobuf_copies_the_sentencepiece_model(dataset, tmp_path, monkeypatch):
+    """transformers converts a SentencePiece model to tokenizer.json only with protobuf installed: without it
+    the export keeps the model as tokenizer.model (which transformers converts when loading) and says so."""
+    transformers = pytest.importorskip("transformers")
+    import sentencepiece as spm
+
+    from megatron_int8.training.export import _save_tokenizer
+
+    def no_protobuf(*args, **kwargs):
+        raise ImportError("SentencePieceExtractor requires the protobuf library")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_protobuf)
+    notes = []
+    args = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=dataset["tokenizer"])
+    eos, bos = _save_tokenizer(args, str(tmp_path), notes.append)
+    processor = spm.SentencePieceProcessor(model_file=dataset["tokenizer"])
+    assert (eos, bos) == (processor.eos_id(), processor.bos_id())
+    assert sorted(os.listdir(tmp_path)) == ["tokenizer.model", "tokenizer_config.json"]
+    assert (tmp_path / "tokenizer.model").read_bytes() == open(dataset["tokenizer"], "rb").read()
+    assert len(notes) == 1 and "requires the protobuf library" in notes[0]
