@@ -132,12 +132,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 class ExitSignals:
-    """With --exit-signal-handler, SIGTERM and SIGINT only set a flag, which the loop reads after each
-    iteration (agreed over all ranks, so that they stop at the same one) before it saves and exits.
-
-    Without it, SIGINT (Ctrl-C) interrupts at once, as Python's default handler does, and the flag also
-    stops the loop after an interrupt that Python dropped (one raised inside a finalizer or a fork hook,
-    e.g. while a checkpoint's writer process starts, is printed and ignored)."""
+    """SIGINT (Ctrl-C), and SIGTERM with --exit-signal-handler, set a flag that the loop reads after each
+    iteration: with --exit-signal-handler it then saves and exits (all ranks agree on the flag, so that they
+    stop after the same iteration); without it, it stops there without saving. A second signal interrupts at
+    once (a step that hangs). Raising in the handler instead would let the interrupt land anywhere, also
+    inside a finalizer or a fork hook (e.g. while a checkpoint's writer process starts), where Python prints
+    it with a traceback and drops it."""
 
     def __init__(self, save_first: bool):
         self.save_first = save_first
@@ -151,9 +151,9 @@ class ExitSignals:
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
-        if not self.save_first:
+        if self.received:
             raise KeyboardInterrupt
+        self.received = signum
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -161,7 +161,7 @@ class ExitSignals:
 
     def check(self) -> str:
         """After an iteration: the signal's name if any rank received one and saves first ('' if none; collective);
-        KeyboardInterrupt if Ctrl-C came without --exit-signal-handler."""
+        KeyboardInterrupt after Ctrl-C without --exit-signal-handler."""
         if not self.save_first:
             if self.received:
                 raise KeyboardInterrupt

@@ -127,12 +127,12 @@ def test_run_tiny_resumes_when_run_again(data, tmp_path):
     for ext in (".bin", ".idx"):
         shutil.copy(data["prefix"] + ext, run_dir / "data" / f"stdlib_text_document{ext}")
     small = [*SMALL_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0"]
-    for iterations in ("2", "4"):
+    for iterations in ("3", "5"):
         result = subprocess.run(["bash", "scripts/run_tiny.sh", *small, "--train-iters", iterations], cwd=ROOT,
                                 env=dict(ENV, RUN_DIR=str(run_dir)), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "loaded checkpoint" in result.stdout and "(iteration 2," in result.stdout
-    assert sorted(losses(run_dir / "train_log.jsonl")) == [1, 2, 3, 4]
+    assert "loaded checkpoint" in result.stdout and "(iteration 3," in result.stdout
+    assert sorted(losses(run_dir / "train_log.jsonl")) == [1, 2, 3, 4, 5]
 
 
 # ------------------------------------------------------------------------------------- evaluate, generate

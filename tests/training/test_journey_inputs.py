@@ -193,3 +193,24 @@ def test_export_without_protobuf_copies_the_sentencepiece_model(dataset, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["tokenizer.model", "tokenizer_config.json"]
     assert (tmp_path / "tokenizer.model").read_bytes() == open(dataset["tokenizer"], "rb").read()
     assert len(notes) == 1 and "requires the protobuf library" in notes[0]
+
+
+@pytest.mark.parametrize("save_first", [False, True])
+def test_a_second_signal_interrupts_at_once(save_first):
+    """The first SIGINT only sets the flag that the loop reads after its iteration; a second one (a step that
+    hangs) raises at once. Outside the loop the previous handlers are back."""
+    import signal
+
+    from megatron_int8.training.loop import ExitSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with ExitSignals(save_first=save_first) as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.received == signal.SIGINT
+        if not save_first:
+            with pytest.raises(KeyboardInterrupt):
+                signals.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the handler runs between bytecodes
+    assert signal.getsignal(signal.SIGINT) is before
