@@ -61,7 +61,7 @@ def test_restart_into_a_used_save_is_refused_and_resume_continues_the_log_with_r
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
         assert (f"--load {tmp_path / 'typo'}: no such directory" in result.stderr if "typo" in str(mistake) else
-                f"already holds checkpoints (latest: iteration 4)" in result.stderr
+                "already holds checkpoints (latest: iteration 4)" in result.stderr
                 and f"To continue that run: --load {save}" in result.stderr), result.stderr
     assert (save / "train_log.jsonl").read_text() == log_before and (save / "iter_0000004").is_dir()
     # Resumed: the log continues, and retention keeps the 2 latest plus multiples of --save-retain-interval.
