@@ -18,7 +18,7 @@ SINGLE_PROCESS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size
                       use_distributed_optimizer=False, cuda_graph_impl="none", recompute_granularity=None,
                       recompute_method=None, recompute_num_layers=None, fp8_peer=None, fp8_peer_compile=False,
                       data_parallel_size=1, no_load_optim=True, no_load_rng=True, skip_train=False,
-                      distributed_backend=None, profile=False, manual_gc=False)
+                      distributed_backend=None, profile=False, manual_gc=False, int8_all_gather=False)
 
 
 def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optional[bool] = None,
