@@ -62,6 +62,8 @@ def parse_args(argv=None):
                    help="FP8 runs with --fp8-peer-compile (torch.compile'd casts + GEMMs)")
     add_data_arguments(p)
     p.add_argument("--out", default=None, help="Markdown output file, or a directory to write bench_e2e.md into (default: $OUT).")
+    p.add_argument("--int8-extra", default="",
+                   help="trainer flags for the INT8 runs only, as one string (e.g. \"--int8-swiglu-input\")")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     return p.parse_args(argv)
@@ -178,7 +180,7 @@ def csv_row(row: dict, opts) -> dict:
     """A model's figures as one flat CSV row, with the run's settings."""
     settings = dict(seq=opts.seq_length, micro_batch=opts.micro_batch_size, global_batch=global_batch(opts),
                     nproc=opts.nproc, layout=opts.layout or "", data=describe_data(opts), iters=opts.iters,
-                    extra=" ".join(opts.extra))
+                    extra=" ".join(opts.extra), int8_extra=opts.int8_extra)
     columns = ["model", "measured", "full", "projected"] + [f"{p}_{figure}" for p in precisions(opts)
                                                             for figure in ("tok_s", "full_tok_s", "peak_gb",
                                                                            "resident_gb", "loss")]

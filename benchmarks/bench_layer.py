@@ -13,8 +13,12 @@ Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-s
     python benchmarks/bench_layer.py --ffn 14336 --num-query-groups 8 --num-experts 8 --micro-batch 1
     # FP8 peer: rowwise recipe instead of tensorwise, plus a torch.compile'd FP8 row
     python benchmarks/bench_layer.py --fp8-recipe rowwise --fp8-compile
+    # memory options: one more INT8 row per option (the SwiGLU's / the norms' inputs kept in INT8), one with both
+    python benchmarks/bench_layer.py --int8-swiglu-input --int8-norm-input --no-fp8 --no-stock
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
-gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak.
+gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak. On every device
+it gives the bytes per token of the tensors autograd saves for backward (saved_tensors_hooks: distinct
+storages, parameters left out; weight caches are not saved tensors).
 """
 from __future__ import annotations
 
@@ -58,9 +62,17 @@ def parse_args(argv=None):
     p.add_argument("--cache-weights", action="store_true",
                    help="keep weight quantization across iterations (as micro-batches of one step do); "
                         "default re-quantizes every iteration, the cost of a 1-micro-batch step")
+    p.add_argument("--no-dgrad-weight-cache", dest="cache_dgrad_weight", action="store_false",
+                   help="with --cache-weights: cache Q(W) only, so every iteration quantizes dgrad's Q(W)^T (recipe "
+                        "cache_dgrad_weight=False; the time it costs a micro-batch)")
     p.add_argument("--check-finite", choices=FINITE_CHECKS, default=DEFAULT_RECIPE.check_finite,
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
                         "sync per quantize) or off")
+    p.add_argument("--int8-swiglu-input", action="store_true",
+                   help="add an INT8 row whose SwiGLU keeps its input in INT8 (recipe int8_swiglu_input; dense MLPs "
+                        "with the fused SwiGLU)")
+    p.add_argument("--int8-norm-input", action="store_true",
+                   help="add an INT8 row whose RMSNorms keep their inputs in INT8 (recipe int8_norm_input)")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="dense MLPs: megatron's SwiGLU instead of megatron_int8.ops.swiglu (as the trainer's flag)")
@@ -75,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
     args = p.parse_args(argv)
+    if args.int8_swiglu_input and (args.num_experts or not args.fused_swiglu):
+        p.error("--int8-swiglu-input needs a dense MLP with the fused SwiGLU (no --num-experts, no --no-fused-swiglu)")
     if args.tiny:
         args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
         args.num_query_groups = 2 if args.num_query_groups else None
@@ -108,6 +122,18 @@ def fp8_skip_reason(args):
     return fp8_unavailable_reason()
 
 
+MEMORY_OPTIONS = {"int8_swiglu_input": "swiglu-in:int8", "int8_norm_input": "norm-in:int8"}  # recipe field: label
+
+
+def memory_rows(args) -> dict:
+    """{row name: recipe fields set}: one INT8 row per memory option asked for, and one with all when several."""
+    chosen = [field for field in MEMORY_OPTIONS if getattr(args, field)]
+    rows = {f"INT8 {MEMORY_OPTIONS[field]}": {field: True} for field in chosen}
+    if len(chosen) > 1:
+        rows["INT8 " + ",".join(MEMORY_OPTIONS[field] for field in chosen)] = {field: True for field in chosen}
+    return rows
+
+
 def build_layers(args, skipped):
     """{row name: layer}; FP8 rows that cannot be built are left out, their reason in `skipped`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -131,11 +157,14 @@ def build_layers(args, skipped):
     if args.fused_swiglu and not args.num_experts:
         config = dataclasses.replace(config, use_te_activation_func=True, bias_activation_fusion=False)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
-                        cache_weights=args.cache_weights)
+                        cache_weights=args.cache_weights, cache_dgrad_weight=args.cache_dgrad_weight)
     experts = args.num_experts or None
     grouped = bool(experts and args.moe_grouped_gemm)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
+    for name, options in memory_rows(args).items():
+        specs[name] = get_gpt_int8_layer_spec(recipe=dataclasses.replace(recipe, **options), int8=True,
+                                              num_experts=experts, moe_grouped_gemm=grouped)
     if grouped:
         specs["INT8 per-expert"] = get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts)
     fp8_specs = {}
@@ -167,12 +196,8 @@ def time_layer(layer, name, args) -> float:
     """Mean ms of one forward + backward."""
     from megatron_int8.ops.linear import invalidate_weight_caches
 
-    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
-                    requires_grad=True)
+    x, mask = _layer_input(args, name)
     grad = torch.randn_like(x)
-    mask = None
-    if args.device == "cpu" and name.startswith("BF16 stock"):  # megatron builds its default mask on "cuda"
-        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1)[None, None]
 
     def step():
         if not args.cache_weights:
@@ -193,6 +218,35 @@ def time_layer(layer, name, args) -> float:
         step()
     sync()
     return (time.perf_counter() - start) * 1e3 / args.iters
+
+
+def _layer_input(args, name):
+    """(x, attention mask) for one forward: megatron's stock spec builds its default mask on "cuda"."""
+    x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    mask = None
+    if args.device == "cpu" and name.startswith("BF16 stock"):
+        mask = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool), 1)[None, None]
+    return x, mask
+
+
+def saved_tensor_bytes(layer, name, args) -> int:
+    """Bytes of the tensors one forward saves for backward (autograd's saved_tensors_hooks, any device):
+    each distinct storage once, the layer's parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x, mask = _layer_input(args, name)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = layer(x, attention_mask=mask)
+    del out
+    return sum(storages.values())
 
 
 def layer_memory(layer, args):
@@ -270,6 +324,12 @@ def profile_layer(layer, args) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
 
 
+def _weight_cache_state(args) -> str:
+    if not args.cache_weights:
+        return "off (re-quantized every iteration)"
+    return "on" if args.cache_dgrad_weight else "Q(W) only (Q(W)^T quantized every iteration)"
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -282,12 +342,13 @@ def main(argv=None) -> str:
 
     skipped = {}
     layers = build_layers(args, skipped)
-    times, memory = {}, {}
+    times, memory, saved_bytes = {}, {}, {}
     for name, layer in layers.items():
         try:  # a row gets its time and its memory, or is skipped whole
             ms = time_layer(layer, name, args)
             if args.device == "cuda":
                 memory[name] = layer_memory(layer, args)
+            saved_bytes[name] = saved_tensor_bytes(layer, name, args)
             times[name] = ms
         except Exception as err:  # an FP8 row (e.g. torch.compile) must not cost the others
             if not name.startswith("FP8"):
@@ -304,24 +365,26 @@ def main(argv=None) -> str:
     lines = [
         f"Transformer layer fwd+bwd: hidden {args.hidden}, {mlp}, {heads}, SwiGLU, RMSNorm, "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16, {device_name}; INT8 {args.granularity}-wise, "
-        f"backend {backend}, weight cache {'on' if args.cache_weights else 'off (re-quantized every iteration)'}, "
+        f"backend {backend}, weight cache {_weight_cache_state(args)}, "
         f"finite check {args.check_finite}" + (", CUDA-graphed" if args.cuda_graph else ", eager") + (f"; FP8 peer: torchao float8 {args.fp8_recipe} (dynamic scales, "
         "fprop/dgrad/wgrad FP8, weights cast every iteration)" if any(n.startswith("FP8") for n in times) else ""),
         "",
-        "| spec | ms / iter | speedup vs BF16 | saved for backward MiB (bytes / token) | fwd+bwd peak MiB |",
-        "|---|---|---|---|---|",
+        "| spec | ms / iter | speedup vs BF16 | saved for backward MiB (bytes / token) | fwd+bwd peak MiB | "
+        "saved tensors bytes / token |",
+        "|---|---|---|---|---|---|",
     ]
     tokens = args.seq * args.micro_batch
     for name, ms in times.items():
-        cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a"]
+        cells = [name, f"{ms:.2f}", f"{times['BF16'] / ms:.2f}x", "n/a", "n/a", f"{saved_bytes[name] / tokens:.0f}"]
         if name in memory:
             saved, peak = memory[name]
-            cells[3:] = [f"{saved:.1f} ({saved * 2**20 / tokens:.0f})", f"{peak:.1f}"]
+            cells[3:5] = [f"{saved:.1f} ({saved * 2**20 / tokens:.0f})", f"{peak:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if skipped:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]
     table = "\n".join(lines)
-    common.record_tables("layer", table)
+    # the saved-tensors column changed the table's columns: a new CSV (benchmarks/results/layer.csv has the old ones)
+    common.record_tables("layer_saved_tensors", table)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_layer.md"), "w") as f:

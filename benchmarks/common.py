@@ -201,7 +201,7 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
                "--eval-interval", str(10 * opts.iters), "--eval-iters", "0", "--log-jsonl", log, "--bf16",
                *BENCH_OVERRIDES, *layout, *opts.extra]
         if int8:
-            cmd.append("--int8-linear")
+            cmd += ["--int8-linear", *getattr(opts, "int8_extra", "").split()]
         if fp8:
             cmd += ["--fp8-peer", fp8] + (["--fp8-peer-compile"] if getattr(opts, "fp8_compile", False) else [])
         if getattr(opts, "run_timeout", None):  # SIGTERM: torchrun passes it on to its workers

@@ -29,8 +29,8 @@ def _check_bools(owner, names) -> None:
 @dataclasses.dataclass(frozen=True)
 class Int8Numerics:
     """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
-    granularity, block_size, fprop, dgrad, wgrad, grad_rounding). Quantized-weight caches are keyed and
-    recipes described by it alone."""
+    granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input,
+    int8_norm_input). Quantized-weight caches are keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -38,37 +38,44 @@ class Int8Numerics:
     dgrad: bool = True
     wgrad: bool = True
     grad_rounding: str = "nearest"
+    smooth_swiglu: bool = False
+    int8_swiglu_input: bool = False
+    int8_norm_input: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad"))
+        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input", "int8_norm_input"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
         gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
-        return f"int8[{gran},{gemms}{sr}]"
+        smooth = ",smooth" if self.smooth_swiglu else ""
+        swiglu = ",swiglu-in:int8" if self.int8_swiglu_input else ""
+        norm = ",norm-in:int8" if self.int8_norm_input else ""
+        return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}]"
 
 
 @dataclasses.dataclass(frozen=True)
 class Int8Execution:
     """How the GEMMs run, with the same results either way (Int8Recipe's fields backend, check_finite,
-    cache_weights, autotune, int8_all_gather)."""
+    cache_weights, cache_dgrad_weight, autotune, int8_all_gather)."""
 
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True
+    cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "check_finite", self.check_finite, FINITE_CHECKS)
         _check_choice("Int8Recipe", "backend", self.backend, BACKENDS)
-        _check_bools(self, ("cache_weights", "autotune", "int8_all_gather"))
+        _check_bools(self, ("cache_weights", "cache_dgrad_weight", "autotune", "int8_all_gather"))
 
 
 NUMERICS_FIELDS = tuple(f.name for f in dataclasses.fields(Int8Numerics))
@@ -103,7 +110,11 @@ class Int8Recipe:
         Where nobody calls it (upstream Megatron-LM), the NaN reaches the loss and gradient checks.
         "immediate" raises inside the quantize call (one host sync per quantize: a debugging aid that
         cost 6% of end-to-end throughput on Llama2-7B). "off" records nothing.
-    cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step).
+    cache_weights: reuse a weight's quantization until the weight changes (micro-batches of a step, and the
+        forward that full recomputation runs again in backward): Q(W) and Q(W)^T, 2 bytes per parameter.
+    cache_dgrad_weight: with cache_weights, also cache dgrad's Q(W)^T (the default); False caches Q(W) only
+        and quantizes Q(W)^T for each dgrad: 1 byte per linear parameter less, one quantize pass over W per
+        micro-batch more (dense linears; grouped MoE experts keep both). See docs/training.md, "Memory options".
     autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
         fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8
         layers turn it off for MoE experts, whose token count (M of fprop/dgrad, K of wgrad) changes
@@ -118,6 +129,22 @@ class Int8Recipe:
         0.956x tensorwise, Llama2-7B TP 2 + SP x DP 2; docs/scaling.md): the blocking amax all-reduce,
         the extra amax pass and backward's re-gather cost more than the halved bytes save. It is meant
         for slower links, or for the activation memory it saves.
+    smooth_swiglu: a Smooth-SwiGLU-style guard (after Fishman et al., ICLR 2025) for the MLP's fc2, whose
+        input is the SwiGLU output, where aligned gate/up weights grow a few channels 10-1000x over long
+        runs. fprop computes (X diag(1/s)) (W diag(s))^T = X W^T with per-channel powers of two
+        s_k ~ sqrt(amax X[:, k] / amax W[:, k]) (ops.health.smooth_scales): the outlier channels' magnitude
+        moves into W's columns, so the other channels keep their share of each token's INT8 range. The
+        function is unchanged (powers of two scale exactly); dgrad and wgrad use the unscaled operands.
+        Costs a pass over X and a quantization of W per call (fprop's W is not cached). The INT8 layers keep
+        it only on linear_fc2 of dense MLPs; off by default.
+    int8_swiglu_input: the dense MLP's SwiGLU keeps its input (fc1's output, the largest tensor a layer keeps
+        for backward) as INT8 with 1 x 128 block scales instead of BF16, and backward differentiates at the
+        dequantized values (megatron_int8.ops.swiglu): 2F + 8 ceil(F/128) instead of 4F bytes per token. Off
+        by default until loss parity is measured on GPU (docs/training.md, "Memory options").
+    int8_norm_input: the layers' RMSNorms (input_layernorm, pre_mlp_layernorm) keep their input as INT8 with
+        1 x 128 block scales (plus the fp32 1/rms per token) instead of BF16, backward taking the gradient at the
+        dequantized values (megatron_int8.ops.rms_norm): H + 4 ceil(H/128) + 4 instead of 2H bytes per token and
+        norm. Off by default until loss parity is measured on GPU.
 
     Set as one flat dataclass; `numerics` (Int8Numerics) and `execution` (Int8Execution) are its two parts,
     each validated on construction.
@@ -129,9 +156,13 @@ class Int8Recipe:
     dgrad: bool = True
     wgrad: bool = True
     grad_rounding: str = "nearest"
+    smooth_swiglu: bool = False
+    int8_swiglu_input: bool = False
+    int8_norm_input: bool = False
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True
+    cache_dgrad_weight: bool = True
     autotune: bool = True
     int8_all_gather: bool = False
 

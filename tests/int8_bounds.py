@@ -87,21 +87,24 @@ def assert_rope_close(got, t, freqs, inverse, what, rounding_ulps=0.5):
     assert torch.equal(got[..., rot:], t[..., rot:]), f"{what}: pass-through dimensions changed"
 
 
-def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
+def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5, grad_at=None):
     """An RMSNorm's forward (y) and gradients (dx, dw) against float64, over the last dimension W.
 
     Bounds: one rounding to the output dtype (`rounding_ulps` of it), plus fp32 arithmetic. fp32 sums of
     W squares put a relative error of up to (W/2 + 4) eps32 on 1/rms, hence on y; backward's row sum
     mean(g x r) and its products are bounded on the magnitudes they combine, and the weight gradient's
-    fp32 sum over the R rows on the sum of |dy x r|."""
+    fp32 sum over the R rows on the sum of |dy x r|.
+
+    `grad_at`: the values the gradients are taken at (the norm's dequantized INT8 copy of x), with x's r."""
     f32 = torch.finfo(torch.float32).eps
     W = x.shape[-1]
     x64, w64, dy64 = x.double(), weight.double(), dy.double()
     r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = x64 * r
+    want_y = x64 * r * w64
+    xhat = (x64 if grad_at is None else grad_at.double()) * r
     g = dy64 * w64
     c = (g * xhat).mean(-1, keepdim=True)
-    want_y, want_dx = xhat * w64, r * (g - xhat * c)
+    want_dx = r * (g - xhat * c)
     want_dw = (dy64 * xhat).reshape(-1, W).sum(0)
     out_eps = torch.finfo(x.dtype).eps * rounding_ulps
     checks = [
@@ -118,7 +121,37 @@ def assert_rms_norm_close(x, weight, eps, dy, y, dx, dw, rounding_ulps=0.5):
                                       f"at {(err - bound).argmax().item()}")
 
 
-def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5, probs=None, dprobs=None):
+def assert_rms_norm_int8_copy_bound(x, weight, eps, dy, dx, dw, x_hat, step, rounding_ulps=0.5):
+    """An RMSNorm's gradients taken at x_hat, a quantized copy of x with elementwise step `step`, against
+    float64 at x itself. With e = r (step / 2 + fp32 rounding) >= |r x_hat - r x| and c = mean(g xhat):
+    |d dx| <= r (e (|c| + mean(|g| e)) + |xhat| mean(|g| e)) and |d dw| <= sum over rows of |dy| e, plus
+    assert_rms_norm_close's rounding terms."""
+    f32 = torch.finfo(torch.float32).eps
+    W = x.shape[-1]
+    x64, w64, dy64 = x.double(), weight.double(), dy.double()
+    r = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    e = r * (step.double() / 2 + x64.abs() * 4 * f32)
+    assert ((x_hat.double() - x64).abs() * r <= e).all(), "x_hat is not within half a step"
+    xhat, g = x64 * r, dy64 * w64
+    c = (g * xhat).mean(-1, keepdim=True)
+    ge = (g.abs() * e).mean(-1, keepdim=True)
+    out_eps = torch.finfo(dx.dtype).eps * rounding_ulps
+    want_dx, want_dw = r * (g - xhat * c), (dy64 * xhat).reshape(-1, W).sum(0)
+    quant_dx = r * (e * (c.abs() + ge) + xhat.abs() * ge)
+    quant_dw = (dy64.abs() * e).reshape(-1, W).sum(0)
+    checks = [
+        ("input gradient", dx, want_dx, quant_dx + (want_dx.abs() + quant_dx) * out_eps
+         + r * ((g.abs() + (xhat.abs() + e) * (g * xhat).abs().mean(-1, keepdim=True) + ge)) * (2 * W + 16) * f32),
+        ("weight gradient", dw, want_dw, quant_dw + (want_dw.abs() + quant_dw) * torch.finfo(dw.dtype).eps
+         * rounding_ulps + (dy64 * (xhat.abs() + e)).abs().reshape(-1, W).sum(0) * (x.numel() // W + W + 8) * f32),
+    ]
+    for what, got, want, bound in checks:
+        err = (got.double() - want).abs()
+        assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
+                                      f"at {(err - bound).argmax().item()}")
+
+
+def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5, probs=None, dprobs=None, grad_at=None):
     """SwiGLU's forward y = silu(a) b and input gradient dx = [da | db] (x = [a | b] on the last dimension)
     against float64. Bounds: one rounding to the output dtype (`rounding_ulps` of it) plus fp32 arithmetic,
     bounded on the magnitudes each formula combines: da = dy b s (1 + a (1 - s)) cancels near a = -1.28.
@@ -127,18 +160,23 @@ def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5, probs=None, dprobs=None
 
     With `probs` (one weight p per row), the weighted SwiGLU: y = silu(a) b p, dx as above for dy p, and
     `dprobs` = the row sums of silu(a) b dy, within an fp32 sum's bound over the row plus one rounding to
-    probs' dtype."""
+    probs' dtype.
+
+    `grad_at`: the values the input gradient is taken at (SwiGLU's dequantized INT8 copy of x), x by default."""
     f32 = torch.finfo(torch.float32).eps
     tiny = torch.finfo(torch.float32).tiny
     out_eps = torch.finfo(x.dtype).eps * rounding_ulps
     a, b = x.double().chunk(2, dim=-1)
     p = torch.ones(a.shape[:-1], dtype=torch.float64) if probs is None else probs.double()
+    want_y = a * torch.sigmoid(a) * b * p.unsqueeze(-1)
+    y_bound = want_y.abs() * (out_eps + 8 * f32) + ((a * b * p.unsqueeze(-1)).abs() + 1) * tiny
+    if grad_at is not None:
+        a, b = grad_at.double().chunk(2, dim=-1)
     g = dy.double() * p.unsqueeze(-1)
     s = torch.sigmoid(a)
-    want_y = a * s * b * p.unsqueeze(-1)
     want_da, want_db = g * b * s * (1 + a * (1 - s)), g * a * s
     checks = [
-        ("forward", y, want_y, want_y.abs() * (out_eps + 8 * f32) + ((a * b * p.unsqueeze(-1)).abs() + 1) * tiny),
+        ("forward", y, want_y, y_bound),
         ("gradient of a", dx[..., :a.shape[-1]], want_da,
          want_da.abs() * out_eps + (g * b).abs() * (1 + a.abs()) * (s * 16 * f32 + tiny) + tiny),
         ("gradient of b", dx[..., a.shape[-1]:], want_db,
@@ -154,6 +192,32 @@ def assert_swiglu_close(x, dy, y, dx, rounding_ulps=0.5, probs=None, dprobs=None
     for what, got, want, bound in checks:
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
         err = (got.double() - want).abs()
+        assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
+                                      f"at {(err - bound).argmax().item()}")
+
+
+def assert_swiglu_int8_copy_bound(x, dy, dx, x_hat, step, rounding_ulps=0.5):
+    """SwiGLU's input gradient taken at x_hat, a quantized copy of x with elementwise step `step`
+    (|x_hat - x| <= step / 2 plus fp32 rounding), against float64 at x itself. The quantization bound follows from
+    |silu'| <= 1.1 and |silu''| <= 0.5: |d db| <= |dy| 1.1 |d a| and |d da| <= |dy| (1.1 |d b| + 0.5 |b_hat| |d a|),
+    plus one rounding of the output dtype and fp32 arithmetic at x_hat."""
+    f32, tiny = torch.finfo(torch.float32).eps, torch.finfo(torch.float32).tiny
+    out_eps = torch.finfo(dx.dtype).eps * rounding_ulps
+    a, b = x.double().chunk(2, dim=-1)
+    ah, bh = x_hat.double().chunk(2, dim=-1)
+    # half a step, plus fp32 rounding of x * (1 / scale) and of q * scale
+    da_step, db_step = (step.double() / 2 + x.double().abs() * 4 * f32).chunk(2, dim=-1)
+    assert (ah - a).abs().le(da_step).all() and (bh - b).abs().le(db_step).all(), "x_hat is not within half a step"
+    g = dy.double()
+    s = torch.sigmoid(a)
+    want_da, want_db = g * b * s * (1 + a * (1 - s)), g * a * s
+    slack = g.abs() * (bh.abs() + ah.abs() + 1) * (1 + ah.abs()) * 16 * f32 + tiny
+    checks = [("gradient of a", dx[..., :a.shape[-1]], want_da,
+               g.abs() * (1.1 * db_step + 0.5 * bh.abs() * da_step)),
+              ("gradient of b", dx[..., a.shape[-1]:], want_db, g.abs() * 1.1 * da_step)]
+    for what, got, want, quantization in checks:
+        err = (got.double() - want).abs()
+        bound = quantization + (want.abs() + quantization) * out_eps + slack
         assert (err <= bound).all(), (f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g} "
                                       f"at {(err - bound).argmax().item()}")
 

@@ -10,6 +10,10 @@ slower per byte there than over a 4096-wide row (docs/history.md, 2026-11-22).
 The weight gradient is summed per program in fp32 over a contiguous run of rows, then the per-program
 partial sums by a second, small launch (`_sum_rows_kernel`): no atomics, the same order every run. dx can be
 written into a strided destination (a head slice of a fused QKV gradient), so that no cat gathers it.
+
+INT8_COPY (the recipe's int8_norm_input): the forward also writes x's INT8 copy for backward, each row in 1 x QB
+blocks (reference.quantize's block granularity, QB = 128 in training): q [R, W] int8 and scales [R, ceil(W/QB)]
+fp32; the backward then reads q and the scales in place of x (x = q * scale in fp32) with forward's rstd.
 """
 from __future__ import annotations
 
@@ -19,14 +23,16 @@ import triton.language as tl
 
 from .launch import LaunchCache, cdiv, device_index, next_pow2, num_sms
 from ._tl import atomic_max_of, max_keep_nan, max_to_inf
+from .quantize import _round_clamp, _scale_from_amax
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, sx_n, sx_h,  # input [N, H, W], last stride 1
     w_ptr, y_ptr, rstd_ptr,  # weight [W]; contiguous output [N * H, W]; fp32 1/rms per row
-    R, H, W, eps,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+    q_ptr, qs_ptr,  # INT8_COPY: x's copy [N * H, W] int8 and its 1 x QB block scales [N * H, NB]
+    R, H, W, eps, NB,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, INT8_COPY: tl.constexpr, QB: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_W)
@@ -39,6 +45,13 @@ def _rms_norm_fwd_kernel(
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * W + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=mask_r)
+    if INT8_COPY:  # masked lanes are 0: a block past W gets scale 1 and is not stored
+        blocks = tl.reshape(x, (BLOCK_R, BLOCK_W // QB, QB))
+        scale = _scale_from_amax(max_to_inf(tl.abs(blocks), 2))
+        q = tl.reshape(_round_clamp(blocks, scale[:, :, None], 0.0, False), (BLOCK_R, BLOCK_W))
+        tl.store(q_ptr + rows[:, None] * W + cols[None, :], q, mask=mask)
+        bcols = tl.arange(0, BLOCK_W // QB)
+        tl.store(qs_ptr + rows[:, None] * NB + bcols[None, :], scale, mask=mask_r[:, None] & (bcols < NB)[None, :])
 
 
 @triton.jit
@@ -49,8 +62,9 @@ def _rms_norm_bwd_kernel(
     dx_ptr, sdx_n, sdx_h,  # input gradient [N, H, W], last stride 1
     dw_part_ptr,  # fp32 [programs, W]
     amax_ptr,  # AMAX: fp32 max |dx| (as stored; Inf/NaN as inf) folded into it by atomic max
-    R, H, W, ROWS_PER_PROGRAM,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, AMAX: tl.constexpr,
+    qs_ptr,  # INT8_COPY: x_ptr is x's INT8 copy [R, W] (contiguous), these its 1 x QB block scales [R, NB]
+    R, H, W, ROWS_PER_PROGRAM, NB,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, AMAX: tl.constexpr, INT8_COPY: tl.constexpr, QB: tl.constexpr,
 ):
     """Program p: rows [p * ROWS_PER_PROGRAM, (p + 1) * ROWS_PER_PROGRAM), BLOCK_R at a time. AMAX: max |dx|
     for a tensorwise quantization of a gradient that holds dx, so that it skips its own amax pass."""
@@ -68,6 +82,11 @@ def _rms_norm_bwd_kernel(
         mask = mask_r[:, None] & mask_c[None, :]
         n, h = rows // H, rows % H
         x = tl.load(x_ptr + (n * sx_n + h * sx_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if INT8_COPY:  # q * scale in fp32, as reference.dequantize
+            bcols = tl.arange(0, BLOCK_W // QB)
+            scale = tl.load(qs_ptr + rows[:, None] * NB + bcols[None, :], mask=mask_r[:, None] & (bcols < NB)[None, :],
+                            other=0.0)
+            x = tl.reshape(tl.reshape(x, (BLOCK_R, BLOCK_W // QB, QB)) * scale[:, :, None], (BLOCK_R, BLOCK_W))
         dy = tl.load(dy_ptr + (n * sdy_n + h * sdy_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=mask_r, other=0.0)
         xhat = x * rstd[:, None]
@@ -141,32 +160,58 @@ def _max_backward_programs(index: int) -> int:
     return 4 * num_sms(index)
 
 
-def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(y, rstd): y of x's shape and dtype, contiguous; rstd fp32, one per row (x.numel() // W)."""
+def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, int8_block: int = 0):
+    """(y, rstd): y of x's shape and dtype, contiguous; rstd fp32, one per row (x.numel() // W). `int8_block`:
+    (y, rstd, q, scales) with x's INT8 copy in 1 x int8_block blocks (q of x's shape, scales [rows, NB])."""
     W = x.shape[-1]
     x3 = _rows(x)
     N, H = x3.shape[0], x3.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(N * H, dtype=torch.float32, device=x.device)
-    if y.numel() == 0:
-        return y, rstd
     block_r, block_w = _blocks(W)
-    _FWD.launch((cdiv(N * H, block_r),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, N * H, H, W, float(eps),
-                BLOCK_R=block_r, BLOCK_W=block_w, num_warps=_WARPS)
-    return y, rstd
+    copy = ()
+    if int8_block:
+        _check_int8_block(int8_block, block_w)
+        copy = (torch.empty(x.shape, dtype=torch.int8, device=x.device),
+                torch.empty((N * H, cdiv(W, int8_block)), dtype=torch.float32, device=x.device))
+    if y.numel() == 0:
+        return (y, rstd, *copy)
+    _FWD.launch((cdiv(N * H, block_r),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, *(copy or (y, y)),
+                N * H, H, W, float(eps), copy[1].shape[1] if copy else 1, BLOCK_R=block_r, BLOCK_W=block_w,
+                INT8_COPY=bool(copy), QB=int8_block or 1, num_warps=_WARPS)
+    return (y, rstd, *copy)
+
+
+def _check_int8_block(block: int, block_w: int) -> None:
+    if block < 16 or block & (block - 1) or block > block_w:
+        raise ValueError(f"rms_norm: the INT8 copy's block must be a power of two >= 16 and at most the padded row "
+                         f"width {block_w}, got {block}")
 
 
 def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                              dx: torch.Tensor = None, amax: torch.Tensor = None):
+                              dx: torch.Tensor = None, amax: torch.Tensor = None, int8_copy: tuple = ()):
     """(dx, dw): dx of x's shape and dtype, contiguous, or written into the given `dx` (any strides that merge
     into rows like x's, e.g. a head slice of a fused QKV gradient); dw of weight's dtype. `amax`: a 1-element
-    fp32 tensor, zero or holding a max of other values, into which max |dx| is folded (Inf/NaN as inf)."""
+    fp32 tensor, zero or holding a max of other values, into which max |dx| is folded (Inf/NaN as inf).
+    `int8_copy`: (scales, block) when x is forward's INT8 copy q; dx then has dy's dtype."""
     W = x.shape[-1]
     x3, dy3 = _rows(x), _rows(dy)
     R, H = x3.shape[0] * x3.shape[1], x3.shape[1]
-    if dx is None:
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dx3 = _rows_in_place(dx, x)
+    scales, qb = int8_copy or (None, 0)
+    if int8_copy:
+        _check_int8_block(qb, next_pow2(W))
+        if x.dtype != torch.int8 or not x.is_contiguous() or scales.shape != (R, cdiv(W, qb)) \
+                or scales.dtype != torch.float32:
+            raise ValueError(f"rms_norm backward: an INT8 copy must be contiguous int8 with fp32 scales [{R}, "
+                             f"{cdiv(W, qb)}], got {x.dtype} {tuple(x.shape)} and {scales.dtype} {tuple(scales.shape)}")
+        if dx is not None:  # x is q (contiguous): dx is a new contiguous tensor of dy's dtype
+            raise ValueError("rms_norm backward: no dx destination with an INT8 copy")
+        dx = torch.empty(x.shape, dtype=dy.dtype, device=x.device)
+        dx3 = dx.view(x3.shape)
+    else:
+        if dx is None:
+            dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx3 = _rows_in_place(dx, x)
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight)
     block_r, block_w = _blocks(W)
@@ -181,8 +226,10 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
         raise ValueError(f"rms_norm: amax must be one float32 element on {x.device}, got {tuple(amax.shape)} "
                          f"{amax.dtype} on {amax.device}")
     _BWD.launch((programs,), dy3, dy3.stride(0), dy3.stride(1), x3, x3.stride(0), x3.stride(1), weight, rstd,
-                dx3, dx3.stride(0), dx3.stride(1), dw_part, dw_part if amax is None else amax, R, H, W,
-                rows_per_program, BLOCK_R=block_r, BLOCK_W=block_w, AMAX=amax is not None, num_warps=_WARPS)
+                dx3, dx3.stride(0), dx3.stride(1), dw_part, dw_part if amax is None else amax,
+                dw_part if scales is None else scales, R, H, W, rows_per_program, scales.shape[1] if int8_copy else 1,
+                BLOCK_R=block_r, BLOCK_W=block_w, AMAX=amax is not None, INT8_COPY=bool(int8_copy), QB=qb or 1,
+                num_warps=_WARPS)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     sum_w = min(block_w, _SUM_COLUMNS)
     _SUM.launch((cdiv(W, sum_w),), dw_part, dw, programs, W, BLOCK_P=max(1, _TILE // sum_w), BLOCK_W=sum_w,

@@ -11,6 +11,13 @@ WEIGHTED (MoE experts, megatron's weighted SwiGLU): each row r carries the route
     backward  dx as above with dy p in place of dy;  dp[r] = sum over the row of silu(a) b dy
 The row sums are written as partial sums per column block, [n_ct, R] fp32, added up by one torch.sum.
 
+INT8_COPY (the recipe's int8_swiglu_input): the forward kernel also writes x's INT8 copy for backward, each
+half quantized in 1 x TC blocks along its columns (TC = the block size, 128 in training): q [R, 2F] int8 and
+scales [R, 2 NB] fp32, NB = ceil(F / TC), a's blocks first. The quantization is reference.quantize's (block
+granularity: scale = amax / 127, 1 for an all-zero block, NaN for one holding Inf/NaN; round half to even),
+so backward, which then reads q and the scales in place of x (dequantized in fp32, q * scale), needs half
+x's bytes.
+
 MAXIMA: the kernel also writes the per-row and per-column maxima of |output| (of the rounded values, Inf/NaN
 as inf), folded by atomic max into one zeroed buffer as kernels/quantize's amax pass does. The INT8 linear
 that quantizes y (fc2's input) or dx
@@ -32,6 +39,16 @@ import triton.language as tl
 
 from .launch import LaunchCache, cdiv
 from ._tl import atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
+from .quantize import _round_clamp, _scale_from_amax
+
+
+@triton.jit
+def _store_int8_blocks(v, mask, mask_r, q_ptrs, s_ptrs):
+    """Quantize a [TR, TC] fp32 tile (masked lanes 0) as one 1 x TC block per row: the int8 values to q_ptrs
+    [TR, TC], the scales to s_ptrs [TR]."""
+    scale = _scale_from_amax(max_to_inf(tl.abs(v), 1))
+    tl.store(q_ptrs, _round_clamp(v, scale[:, None], 0.0, False), mask=mask)
+    tl.store(s_ptrs, scale, mask=mask_r)
 
 
 @triton.jit
@@ -40,8 +57,10 @@ def _swiglu_fwd_kernel(
     y_ptr,  # [R, F], contiguous
     rmax_ptr, cmax_ptr,  # MAXIMA: [R] and [F] maxima of |y|, zeroed
     p_ptr,  # WEIGHTED: [R] row weights (router probabilities)
+    q_ptr, qs_ptr,  # INT8_COPY: x's INT8 copy [R, 2F] and its 1 x TC block scales [R, 2 NB]
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
+    INT8_COPY: tl.constexpr,
 ):
     rs, ct, n_ct, offs_c, mask_c = strip_program(F, TC)
     acc = tl.zeros((TR, TC), tl.float32)
@@ -50,6 +69,11 @@ def _swiglu_fwd_kernel(
         src = x_ptr + offs_r[:, None].to(tl.int64) * stride_xr + offs_c[None, :]
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
+        if INT8_COPY:
+            q_dst = q_ptr + offs_r[:, None].to(tl.int64) * (2 * F) + offs_c[None, :]
+            s_dst = qs_ptr + offs_r.to(tl.int64) * (2 * n_ct) + ct
+            _store_int8_blocks(a, mask, mask_r, q_dst, s_dst)
+            _store_int8_blocks(b, mask, mask_r, q_dst + F, s_dst + n_ct)
         y = a * tl.sigmoid(a) * b
         if WEIGHTED:
             y = y * tl.load(p_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
@@ -66,12 +90,14 @@ def _swiglu_fwd_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     g_ptr, stride_gr,  # dy [R, F], last stride 1
-    x_ptr, stride_xr,  # forward input [R, 2F], last stride 1
+    x_ptr, stride_xr,  # forward input [R, 2F], last stride 1; INT8_COPY: its INT8 copy (stride 2F)
     dx_ptr,  # [R, 2F], contiguous
     rmax_ptr, cmax_ptr,  # MAXIMA: [R] and [2F] maxima of |dx|, zeroed
     p_ptr, dp_ptr,  # WEIGHTED: [R] row weights; [n_ct, R] fp32 partial sums of their gradient
+    qs_ptr,  # INT8_COPY: the INT8 copy's 1 x TC block scales [R, 2 NB]
     R, F, RB,
     TR: tl.constexpr, TC: tl.constexpr, STAGES: tl.constexpr, MAXIMA: tl.constexpr, WEIGHTED: tl.constexpr,
+    INT8_COPY: tl.constexpr,
 ):
     rs, ct, n_ct, offs_c, mask_c = strip_program(F, TC)
     acc_a = tl.zeros((TR, TC), tl.float32)
@@ -83,6 +109,10 @@ def _swiglu_bwd_kernel(
         src = x_ptr + rows * stride_xr + offs_c[None, :]
         a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(src + F, mask=mask, other=0.0).to(tl.float32)
+        if INT8_COPY:  # q * scale in fp32, as reference.dequantize
+            scales = qs_ptr + offs_r.to(tl.int64) * (2 * n_ct) + ct
+            a = a * tl.load(scales, mask=mask_r, other=0.0)[:, None]
+            b = b * tl.load(scales + n_ct, mask=mask_r, other=0.0)[:, None]
         s = tl.sigmoid(a)
         if WEIGHTED:  # masked lanes: a = 0 adds nothing to the row sums
             tl.store(dp_ptr + ct.to(tl.int64) * R + offs_r, tl.sum(a * s * b * g, 1), mask=mask_r)
@@ -126,17 +156,20 @@ def _strips(R: int, F: int, TR: int, TC: int) -> Tuple[int, int, int]:
 
 
 def _launch(cache: LaunchCache, lead: tuple, weights: tuple, R: int, F: int, C: int, maxima: bool, device,
-            tile: Optional[tuple] = None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+            tile: Optional[tuple] = None,
+            int8_copy: tuple = ()) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch one pass over [R, F] with C output columns; (row maxima [R], column maxima [C]) if `maxima`.
-    `weights`: the WEIGHTED pointers (forward: p; backward: p and dp's partial sums), or () for plain SwiGLU."""
+    `weights`: the WEIGHTED pointers (forward: p; backward: p and dp's partial sums), or () for plain SwiGLU.
+    `int8_copy`: the INT8_COPY pointers (forward: q and its scales, written; backward: the scales), or ()."""
     TR, TC = tile or _TILE
     RB, n_rs, n_ct = _strips(R, F, TR, TC)
     rmax, cmax = _zeroed_maxima(R, C, device, maxima)
     stand_in = lead[0]  # for the pointers of a mode that is off: never touched
-    unused = (stand_in,) * (1 if cache is _FWD else 2)
+    forward = cache is _FWD
     cache.launch((n_rs, n_ct), *lead, rmax if maxima else stand_in, cmax if maxima else stand_in,
-                 *(weights or unused), R, F, RB, TR=TR, TC=TC, STAGES=_STAGES, MAXIMA=maxima,
-                 WEIGHTED=bool(weights), num_warps=_WARPS)
+                 *(weights or (stand_in,) * (1 if forward else 2)), *(int8_copy or (stand_in,) * (2 if forward else 1)),
+                 R, F, RB, TR=TR, TC=TC, STAGES=_STAGES, MAXIMA=maxima, WEIGHTED=bool(weights),
+                 INT8_COPY=bool(int8_copy), num_warps=_WARPS)
     return rmax, cmax
 
 
@@ -176,33 +209,57 @@ def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[
     """(y, row maxima [R] or None, column maxima [F] or None) of x [..., 2F]; y [..., F] contiguous,
     R = rows of y. `probs` [...]: each row's weight (the weighted SwiGLU). `tile`: (TR, TC) instead of the
     default register tile (for tuning)."""
+    return _forward(x, maxima, tile, probs, None)[:3]
+
+
+def triton_swiglu_forward_int8_copy(x: torch.Tensor, block: int, maxima: bool = False):
+    """(y, row maxima or None, column maxima or None, q, scales): triton_swiglu_forward's results plus x's INT8
+    copy for backward, q (x's shape, int8, contiguous) with each half's 1 x `block` scales [R, 2 ceil(F/block)]
+    (reference.quantize's block quantization of a = x[..., :F] and of b = x[..., F:], side by side)."""
+    return _forward(x, maxima, None, None, _check_block(block))
+
+
+def _check_block(block: int) -> int:
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"swiglu: the INT8 copy's block size must be a power of two >= 16, got {block}")
+    return block
+
+
+def _forward(x, maxima, tile, probs, block):
     F = _check(x)
     p = _row_weights(probs, x)
     x2 = _rows(x)
     R = x2.shape[0]
     y = torch.empty((*x.shape[:-1], F), dtype=x.dtype, device=x.device)
+    copy = ()
+    if block is not None:
+        tile = (_TILE[0], block)  # one column block of the program = one quantization block of each half
+        copy = (torch.empty(x.shape, dtype=torch.int8, device=x.device),
+                torch.empty((R, 2 * cdiv(F, block)), dtype=torch.float32, device=x.device))
     if y.numel() == 0:
-        return (y, *_zeroed_maxima(R, F, x.device, maxima))
-    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device, tile)
-    return y, rows, cols
+        return (y, *_zeroed_maxima(R, F, x.device, maxima), *copy)
+    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device, tile,
+                         copy)
+    return (y, rows, cols, *copy)
 
 
-def _backward(dy, x, maxima, tile, probs):
-    """(dx, row maxima, column maxima, dprobs) for both backward entry points; None where not asked for."""
+def _backward(dy, x, maxima, tile, probs, copy_scales=None):
+    """(dx, row maxima, column maxima, dprobs) for the backward entry points; None where not asked for. With
+    `copy_scales`, x is the INT8 copy (forward's q) and these its block scales."""
     F = _check(x)
     if dy.shape != (*x.shape[:-1], F):
         raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
     p = _row_weights(probs, x)
     x2, dy2 = _rows(x), _rows(dy)
     R = x2.shape[0]
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=dy.dtype if copy_scales is not None else x.dtype, device=x.device)
     if dx.numel() == 0:
         dp = None if p is None else torch.zeros_like(probs)
         return (dx, *_zeroed_maxima(R, 2 * F, x.device, maxima), dp)
     partial_dp = None if p is None else torch.empty((_strips(R, F, *(tile or _TILE))[2], R), dtype=torch.float32,
                                                     device=x.device)
     rows, cols = _launch(_BWD, (dy2, dy2.stride(0), x2, x2.stride(0), dx), () if p is None else (p, partial_dp),
-                         R, F, 2 * F, maxima, x.device, tile)
+                         R, F, 2 * F, maxima, x.device, tile, () if copy_scales is None else (copy_scales,))
     dp = None if p is None else partial_dp.sum(0).to(probs.dtype).view(probs.shape)
     return dx, rows, cols, dp
 
@@ -211,6 +268,20 @@ def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = Fal
     """(dx, row maxima [R] or None, column maxima [2F] or None) for dy [..., F] and x [..., 2F]; dx of x's
     shape, contiguous."""
     return _backward(dy, x, maxima, tile, None)[:3]
+
+
+def triton_swiglu_backward_int8_copy(dy: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                                     maxima: bool = False):
+    """triton_swiglu_backward from x's INT8 copy (triton_swiglu_forward_int8_copy's q and scales) instead of x,
+    dequantized in the kernel; dx of q's shape in dy's dtype."""
+    F = _check(q)
+    R = math.prod(q.shape[:-1])
+    if q.dtype != torch.int8 or not q.is_contiguous() or scales.shape != (R, 2 * cdiv(F, _check_block(block))) \
+            or scales.dtype != torch.float32 or scales.device != q.device:
+        raise ValueError(f"swiglu backward: q must be a contiguous int8 tensor [..., 2F] with fp32 scales "
+                         f"[{R}, {2 * cdiv(F, block)}], got {q.dtype} {tuple(q.shape)} and {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    return _backward(dy, q, maxima, (_TILE[0], block), None, scales)[:3]
 
 
 def triton_weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor,

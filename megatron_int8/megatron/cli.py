@@ -40,6 +40,10 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "sync per quantize), 'off' leaves NaN outputs to the loss and grad-norm checks.")
     group.add_argument("--int8-no-weight-cache", action="store_true",
                        help="Re-quantize weights on every micro-batch instead of once per optimizer step.")
+    group.add_argument("--int8-no-dgrad-weight-cache", action="store_true",
+                       help="Cache only Q(W) (forward and recomputed forward) and re-quantize dgrad's Q(W)^T in "
+                            "every micro-batch: 1 byte per linear parameter less (docs/training.md, 'Memory "
+                            "options').")
     group.add_argument("--int8-precision-table", action="store_true",
                        help="Print every linear's precision at start (one row per linear) instead of the "
                             "one-line summary.")
@@ -48,6 +52,16 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "of the gathered tensor and all-gather INT8 instead of BF16 (tensor and row "
                             "granularity). Half the bytes, but slower over NVLink in our runs "
                             "(docs/scaling.md); for slow links or to save activation memory.")
+    group.add_argument("--int8-smooth-swiglu", action="store_true",
+                       help="Smooth-SwiGLU-style guard for the dense MLP's fc2: per-channel power-of-two factors "
+                            "move the SwiGLU output's outlier channels into fc2's weight columns before its "
+                            "INT8 fprop (the function is unchanged; docs/numerics.md).")
+    group.add_argument("--int8-swiglu-input", action="store_true",
+                       help="Dense SwiGLU MLPs keep the SwiGLU's input (fc1's output) for backward in INT8 with "
+                            "1x128 block scales instead of BF16 (docs/training.md, 'Memory options').")
+    group.add_argument("--int8-norm-input", action="store_true",
+                       help="The layers' RMSNorms keep their input for backward in INT8 with 1x128 block scales "
+                            "instead of BF16 (docs/training.md, 'Memory options').")
     return parser
 
 
@@ -70,10 +84,14 @@ def policy_from_args(args) -> Int8Policy:
             dgrad="dgrad" not in bf16_gemms,
             wgrad="wgrad" not in bf16_gemms,
             grad_rounding=args.int8_grad_rounding,
+            int8_swiglu_input=bool(getattr(args, "int8_swiglu_input", False)),
+            int8_norm_input=bool(getattr(args, "int8_norm_input", False)),
             backend=args.int8_backend,
             check_finite=args.int8_check_finite,
             cache_weights=not args.int8_no_weight_cache,
+            cache_dgrad_weight=not getattr(args, "int8_no_dgrad_weight_cache", False),
             int8_all_gather=getattr(args, "int8_all_gather", False),
+            smooth_swiglu=bool(getattr(args, "int8_smooth_swiglu", False)),
         )
         policy = Int8Policy(
             enabled=bool(args.int8_linear),

@@ -181,13 +181,16 @@ class SequenceParallelNorm:
         persist_layer_norm: bool = False,  # apex kernel choice; no meaning for torch norms
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
+        int8_copy: bool = False,  # RMSNorm: keep the input's INT8 copy for backward (recipe int8_norm_input)
     ):
+        if int8_copy and config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelNorm: an INT8 input copy needs RMSNorm, not {config.normalization}")
         if config.layernorm_zero_centered_gamma or zero_centered_gamma:
             raise ValueError("SequenceParallelNorm: zero-centered gamma is not supported (use TENorm)")
         if config.memory_efficient_layer_norm:
             raise ValueError("SequenceParallelNorm: memory_efficient_layer_norm needs apex")
         if config.normalization == "RMSNorm":
-            norm = FusedRMSNorm(hidden_size, eps=eps)
+            norm = FusedRMSNorm(hidden_size, eps=eps, int8_copy=int8_copy)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:

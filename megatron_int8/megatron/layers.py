@@ -49,7 +49,9 @@ class Int8LinearMixin:
     """
 
     int8: bool
-    int8_recipe: Int8Recipe
+    int8_recipe: Int8Recipe  # the trainer's auto fallback may replace it (training/health.py)
+    int8_built_recipe: Int8Recipe  # as built, before any fallback
+    int8_probe = None  # an ops.health.LinearProbe while the trainer collects statistics
 
     def _finish_int8_init(self, config, recipe: Optional[Int8Recipe], int8: bool,
                           tp_comm_buffer_name: Optional[str] = None) -> None:
@@ -64,7 +66,9 @@ class Int8LinearMixin:
         recipe = recipe or DEFAULT_RECIPE
         if getattr(self, "is_expert", False) and recipe.autotune:
             recipe = dataclasses.replace(recipe, autotune=False)  # token counts change with every routing
-        self.int8_recipe = recipe
+        if recipe.smooth_swiglu and tp_comm_buffer_name != "fc2":
+            recipe = dataclasses.replace(recipe, smooth_swiglu=False)  # the guard is for SwiGLU's output only
+        self.int8_recipe = self.int8_built_recipe = recipe
         disabled = {"qkv": config.tp_comm_overlap_disable_qkv, "fc1": config.tp_comm_overlap_disable_fc1}
         self.tp_comm_overlap = (config.tp_comm_overlap and config.sequence_parallel
                                 and not disabled.get(tp_comm_buffer_name, False))
@@ -104,7 +108,7 @@ class Int8LinearMixin:
             tp_group = get_tensor_model_parallel_group_if_none(None)
         tp = TPOptions(group=tp_group, sequence_parallel=sequence_parallel, allreduce_dgrad=allreduce_dgrad,
                        gradient_accumulation_fusion=fused_accumulation, overlap_ag=overlap_ag)
-        return int8_linear(input, weight, bias, self._linear_recipe, tp=tp)
+        return int8_linear(input, weight, bias, self._linear_recipe, tp=tp, probe=self.int8_probe)
 
 
 class Int8ColumnParallelLinear(Int8LinearMixin, ColumnParallelLinear):
@@ -155,7 +159,7 @@ class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
         tp = TPOptions(group=self.tp_group, scatter_output=True,
                        gradient_accumulation_fusion=self.gradient_accumulation_fusion and self.weight.requires_grad,
                        overlap_ag=self.config.tp_comm_overlap_ag, overlap_rs=self.config.tp_comm_overlap_rs)
-        output = int8_linear(input_, self.weight, None, self._linear_recipe, tp=tp)
+        output = int8_linear(input_, self.weight, None, self._linear_recipe, tp=tp, probe=self.int8_probe)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

@@ -14,7 +14,8 @@ TABLE_COLUMNS = ("layer", "module", "shape/rank", "precision", "recipe")
 
 def _precision_of(module) -> Tuple[str, str]:
     if isinstance(module, Int8LinearMixin) and module.int8:
-        return "int8", module.int8_recipe.describe()
+        note = getattr(module, "int8_fallback_note", None)  # set by the trainer's auto fallback (training/health.py)
+        return "int8", module.int8_recipe.describe() + (f" (fallback {note})" if note else "")
     if getattr(module, "fp8_recipe", None) is not None:  # the FP8 peer's linears (peers/fp8.py)
         return "fp8", describe_fp8_recipe(module.fp8_recipe)
     weight = getattr(module, "weight", None)

@@ -93,15 +93,27 @@ class Int8SpecProvider(LocalSpecProvider):
         that also accepts sequence parallelism."""
         return TENorm if HAVE_TE else SequenceParallelNorm
 
+    def hidden_norm(self, rms_norm: bool = False):
+        """The layer's input and pre-MLP norm: `layer_norm`'s, keeping its input's INT8 copy for backward in INT8
+        layers under the recipe's int8_norm_input (megatron_int8.ops.rms_norm)."""
+        norm = self.layer_norm(rms_norm=rms_norm)
+        if not (self.fp8_recipe is None and self.int8 and self.recipe.any_int8 and self.recipe.int8_norm_input):
+            return norm
+        if norm is not SequenceParallelNorm:
+            raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
+        return ModuleSpec(module=SequenceParallelNorm, params={"int8_copy": True})
+
     def core_attention(self) -> type:
         return TEDotProductAttention if HAVE_TE else SDPAttention
 
     def activation_func(self) -> ModuleSpec:
         """The dense MLP's SwiGLU module, used where `config.use_te_activation_func` is set (megatron_int8.ops.swiglu):
-        it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise."""
-        emit = (self.fp8_recipe is None and self.int8 and self.recipe.any_int8
-                and self.recipe.granularity in ("row", "tensor"))
-        return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit})
+        it hands its outputs' maxima to INT8 linears that quantize row- or tensor-wise, and keeps its input in
+        INT8 under the recipe's int8_swiglu_input."""
+        int8 = self.fp8_recipe is None and self.int8 and self.recipe.any_int8
+        emit = int8 and self.recipe.granularity in ("row", "tensor")
+        return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit,
+                                                 "int8_copy": int8 and self.recipe.int8_swiglu_input})
 
     def grouped_mlp_modules(
         self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
@@ -146,7 +158,7 @@ def get_gpt_int8_layer_spec(
     if num_experts:
         apply_no_te_compat()
     backend = Int8SpecProvider(recipe=recipe, int8=int8, fp8_recipe=fp8_recipe, fp8_compile=fp8_compile)
-    norm = backend.layer_norm(rms_norm=normalization == "RMSNorm")
+    norm = backend.hidden_norm(rms_norm=normalization == "RMSNorm")
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
                                          if qk_layernorm else IdentityOp)
     # dense MLPs carry the SwiGLU module; megatron's MLP uses it only under config.use_te_activation_func
@@ -184,7 +196,8 @@ def get_gpt_int8_layer_spec(
 
 def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Optional[str] = None):
     """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`; an MLP
-    whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them)."""
+    whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them) and
+    keeps its input in BF16."""
     if isinstance(spec, ModuleSpec):
         if spec.module in _INT8_LINEARS and policy.keeps_in_bf16(name, expert_group):
             return dataclasses.replace(spec, params={**spec.params, "int8": False})
@@ -201,7 +214,8 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
                 changes[fc].params.get("int8", True) for fc in ("linear_fc1", "linear_fc2")
                 if isinstance(changes.get(fc), ModuleSpec)):
             changes["activation_func"] = dataclasses.replace(activation, params={**activation.params,
-                                                                                 "emit_maxima": False})
+                                                                                 "emit_maxima": False,
+                                                                                 "int8_copy": False})
         return dataclasses.replace(spec, **changes)
     return spec
 
@@ -266,6 +280,11 @@ def get_gpt_int8_block_spec(
     the BF16 baseline (same attention and norms); with `policy.fp8_peer` set, the FP8 peer
     (`Int8Policy(enabled=False, fp8_peer="tensorwise")`).
     """
+    if policy.enabled and policy.recipe.int8_swiglu_input and not (
+            config.use_te_activation_func and config.gated_linear_unit and not config.num_moe_experts):
+        raise ValueError("--int8-swiglu-input keeps the input of megatron_int8's SwiGLU module, which megatron runs "
+                         "only in dense SwiGLU MLPs with config.use_te_activation_func (the trainer sets it unless "
+                         "--no-fused-swiglu); this model has none")
     layer_specs = get_gpt_int8_layer_specs(config, policy, normalization=normalization,
                                            qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
     if config.pipeline_model_parallel_layout is not None:

@@ -23,6 +23,7 @@ from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 from ..reference import TOKEN_PAD, KnownMaxima, QTensor, known_maxima
 from .backend import get_backend, quantize_kwargs
 from .main_grad import hp_wgrad_into, main_grad_placeholder
+from .smooth_swiglu import smoothed_fprop_operands
 from .tp_comm import (TPOptions, all_gather_dim0, gather_pipelined, gather_quantized_input, group_amax,
                       reduce_scatter_pipelined, start_all_gather_dim0, wgrad_operand_from_shards)
 from .weight_cache import invalidate_weight_caches, quantized_weight
@@ -47,15 +48,16 @@ def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: boo
 
 class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions):
+    def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions, health=None):
         backend = get_backend(input.device, recipe) if recipe.any_int8 else None
+        smooth = recipe.smooth_swiglu and recipe.fprop
         wgrad_int8 = recipe.wgrad and weight.requires_grad
         qx_row = qx_col = qx_local = out2d = None
         world = torch.distributed.get_world_size(tp.group) if tp.sequence_parallel or tp.scatter_output else 1
         total_shape = (input.shape[0] * world,) + tuple(input.shape[1:]) if tp.sequence_parallel else tuple(input.shape)
         x_kw = quantize_kwargs(recipe, "fprop input")
         qw_row = (quantized_weight(weight, backend, recipe, rowwise=True, columnwise=False)[0]
-                  if recipe.fprop else None)
+                  if recipe.fprop and not smooth else None)
         int8_gather = (tp.sequence_parallel and recipe.int8_all_gather and recipe.fprop
                        and recipe.granularity in ("tensor", "row"))
         if int8_gather:
@@ -86,11 +88,14 @@ class _Int8LinearFunction(torch.autograd.Function):
         else:
             total = all_gather_dim0(input, tp.group) if tp.sequence_parallel else input
             x2d = total.reshape(-1, total.shape[-1])
-            if recipe.fprop or wgrad_int8:
-                known = None if tp.sequence_parallel else known_maxima(input)  # a gathered X has its own
-                qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop, columnwise=wgrad_int8,
+            known = None if tp.sequence_parallel else known_maxima(input)  # a gathered X has its own
+            if (recipe.fprop and not smooth) or wgrad_int8:
+                qx_row, qx_col = backend.quantize(x2d, rowwise=recipe.fprop and not smooth, columnwise=wgrad_int8,
                                                   columnwise_pad=TOKEN_PAD, **x_kw,
-                                                  **_given_maxima(known, recipe, recipe.fprop, wgrad_int8))
+                                                  **_given_maxima(known, recipe, recipe.fprop and not smooth,
+                                                                  wgrad_int8))
+            if smooth:
+                qx_row, qw_row = _smoothed_fprop_operands(x2d, weight, backend, recipe, known)
         if out2d is None:  # not already computed while the input was gathered
             if tp.scatter_output:
                 def partial_rows(rows, out_rows):
@@ -114,7 +119,7 @@ class _Int8LinearFunction(torch.autograd.Function):
             else:
                 out2d = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
 
-        ctx.recipe, ctx.tp, ctx.backend = recipe, tp, backend
+        ctx.recipe, ctx.tp, ctx.backend, ctx.health = recipe, tp, backend, health
         ctx.input_shape, ctx.input_dtype = tuple(input.shape), input.dtype
         ctx.total_shape = total_shape
         ctx.has_bias = bias is not None
@@ -138,6 +143,8 @@ class _Int8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         recipe, tp, backend = ctx.recipe, ctx.tp, ctx.backend
         weight = ctx.saved_tensors[0]
+        if ctx.health is not None:  # a statistics step (ops.health.ForwardRecord)
+            ctx.health.observe_backward(grad_output, weight)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g2d = grad_output.reshape(-1, grad_output.shape[-1])
         if not g2d.is_contiguous():
@@ -230,7 +237,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         grad_bias = g2d.sum(dim=0).to(ctx.input_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def _hp_gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -249,10 +256,12 @@ def int8_linear(
     recipe: Optional[Int8Recipe] = None,
     *,
     tp: Optional[TPOptions] = None,
+    probe=None,
 ) -> torch.Tensor:
     """`torch.nn.functional.linear` with INT8 fprop/dgrad/wgrad: input [..., in], weight [out, in].
 
-    The output has the input's dtype. `tp` adds megatron-core's tensor-parallel communication.
+    The output has the input's dtype. `tp` adds megatron-core's tensor-parallel communication. `probe`: an
+    ops.health.LinearProbe; when armed, this call (if it records autograd) measures its quantization health.
     """
     recipe = recipe or DEFAULT_RECIPE
     tp = tp or TPOptions()
@@ -271,9 +280,24 @@ def int8_linear(
         if input.dim() < 2 or input.shape[0] % world:
             raise ValueError(f"int8_linear: scatter_output needs dim 0 of input {tuple(input.shape)} divisible by "
                              f"the tensor-parallel size {world}")
+    if recipe.smooth_swiglu and recipe.fprop and (tp.sequence_parallel or tp.overlap_ag):
+        raise ValueError("int8_linear: smooth_swiglu is for fc2, a row-parallel linear whose input is not "
+                         "sequence-parallel; this call gathers its input")
     if not recipe.any_int8:
         return _hp_linear_with_tp(input, weight, bias, tp)
-    return _Int8LinearFunction.apply(input, weight, bias, recipe, tp)
+    health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop)
+              if probe is not None and probe.armed and torch.is_grad_enabled() else None)
+    return _Int8LinearFunction.apply(input, weight, bias, recipe, tp, health)
+
+
+def _smoothed_fprop_operands(x2d, weight, backend, recipe: Int8Recipe, known: Optional[KnownMaxima]):
+    """(Q(X diag(1/s)), Q(W diag(s))) for the Smooth-SwiGLU guard (ops.smooth_swiglu), with X's column maxima
+    from the SwiGLU kernel where it attached them. W's fprop form depends on s, so it is not cached."""
+    cols = known.cols if known is not None else None
+    xs, ws = smoothed_fprop_operands(x2d, weight.detach(), cols)
+    qx, _ = backend.quantize(xs, rowwise=True, columnwise=False, **quantize_kwargs(recipe, "fprop input"))
+    qw, _ = backend.quantize(ws, rowwise=True, columnwise=False, **quantize_kwargs(recipe, "weight", weight=True))
+    return qx, qw
 
 
 def _hp_linear_with_tp(input, weight, bias, tp: TPOptions):

@@ -53,16 +53,24 @@ def weight_cache_key(weight: torch.Tensor, recipe: Int8Recipe, backend) -> tuple
 
 
 def quantized_weight(weight: torch.Tensor, backend, recipe: Int8Recipe, *, rowwise: bool, columnwise: bool):
-    """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged."""
+    """(Q(W) [N,K], Q(W)^T [K,N]) as requested; cached while the weight is unchanged. Under
+    `recipe.cache_dgrad_weight=False` only Q(W) is cached and Q(W)^T is quantized for each request (one
+    pass over W per micro-batch's dgrad, 1 byte per parameter less held between steps)."""
     kw = quantize_kwargs(recipe, "weight", weight=True)
     if not recipe.cache_weights:
         return backend.quantize(weight.detach(), rowwise=rowwise, columnwise=columnwise, **kw)
+    fresh_col = None
+    if columnwise and not recipe.cache_dgrad_weight:
+        fresh_col = backend.quantize(weight.detach(), rowwise=False, columnwise=True, **kw)[1]
+        if not rowwise:
+            return None, fresh_col
+        columnwise = False
     key = weight_cache_key(weight, recipe, backend)
     entry = getattr(weight, _CACHE_ATTR, None)
     if entry is None or entry.key != key or (rowwise and entry.row is None) or (columnwise and entry.col is None):
-        # Quantize every form this recipe will use, in one pass, so later micro-batches only read.
+        # Quantize every form this recipe will use and cache, in one pass, so later micro-batches only read.
         row, col = backend.quantize(weight.detach(), rowwise=rowwise or recipe.fprop,
-                                    columnwise=columnwise or recipe.dgrad, **kw)
+                                    columnwise=columnwise or (recipe.dgrad and recipe.cache_dgrad_weight), **kw)
         entry = _CachedWeight(key, row, col)
         setattr(weight, _CACHE_ATTR, entry)
-    return entry.row, entry.col
+    return entry.row, (fresh_col if fresh_col is not None else entry.col)

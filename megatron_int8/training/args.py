@@ -20,6 +20,8 @@ from ..megatron.cli import add_int8_arguments
 from ..megatron.policy import FP8_RECIPES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16", "int8")  # what the precision-aware optimizer stores
+STATE_DTYPE_CHOICES = ("fp32", "fp16", "bf16", "fp8", "int8")  # Megatron-LM's choices, and int8
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                    "HuggingFaceTokenizer", "NullTokenizer")
 
@@ -155,6 +157,21 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
                    help="torch's foreach Adam/AdamW (megatron's fallback as it stands).")
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron-LM's flag, without Transformer Engine: this package's AdamW (one fused kernel "
+                        "per parameter) with the state precisions below; docs/training.md, 'Optimizer states'.")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=STATE_DTYPE_CHOICES,
+                   help="Adam's first moment: fp32, bf16 or int8 (blocks of 128, power-of-two scales). Needs "
+                        "--use-precision-aware-optimizer.")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=STATE_DTYPE_CHOICES,
+                   help="Adam's second moment: fp32, bf16 or int8 (sqrt(v) in blocks of 128). Needs "
+                        "--use-precision-aware-optimizer.")
+    g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"],
+                   help="The master weights' dtype; fp32 only here (Megatron-LM's fp16 is not supported).")
+    g.add_argument("--store-param-remainders", action="store_true",
+                   help="Keep each fp32 master weight as its bf16 parameter plus an int16 remainder: exact, 2 "
+                        "bytes instead of 4. Needs --use-precision-aware-optimizer, --use-distributed-optimizer "
+                        "and --bf16.")
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +232,31 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
 
 
+def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("INT8 health and automatic fallback (docs/numerics.md)")
+    g.add_argument("--int8-stats-interval", type=int, default=0,
+                   help="Every N iterations, measure each INT8 linear's quantization health (its operands' amax, "
+                        "crest factor, kurtosis, underflow and saturation; each GEMM's relative error on a sample "
+                        "of tokens) on the step's first micro-batch; read at the log lines (one host sync), "
+                        "written to the JSONL log and TensorBoard. 0 (the default): off.")
+    g.add_argument("--int8-auto-fallback", action="store_true",
+                   help="With --int8-stats-interval: a GEMM of a linear whose error or underflow crosses its "
+                        "threshold on --int8-fallback-patience consecutive checks moves to a safer mode: tensorwise "
+                        "scales become row scales (the linear's), row or block scales send that GEMM to high "
+                        "precision. Moves are logged, shown in the precision table and kept in checkpoints.")
+    g.add_argument("--int8-fallback-max-rel-err", type=float, nargs="+", default=[0.1, 0.1, 1.0],
+                   metavar="LIMIT", help="Auto-fallback thresholds on the GEMMs' sampled relative errors: fprop "
+                                        "dgrad wgrad, or one for all (default: %(default)s).")
+    g.add_argument("--int8-fallback-max-underflow", type=float, default=0.7,
+                   help="Auto-fallback threshold on the fraction of a GEMM operand's nonzero elements that "
+                        "quantize to zero (default: %(default)s).")
+    g.add_argument("--int8-fallback-patience", type=int, default=3,
+                   help="Consecutive statistics checks over a threshold before a GEMM moves (default: %(default)s).")
+    g.add_argument("--int8-reset-fallback", action="store_true",
+                   help="On resume, drop the fallback moves stored in the checkpoint: every linear runs its "
+                        "recipe as configured again.")
+
+
 def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("FP8 peer (benchmarks: torchao float8 on the same model)")
     g.add_argument("--fp8-peer", choices=FP8_RECIPES, default=None,
@@ -241,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_arguments(parser)
     _add_logging_checkpoint_arguments(parser)
     add_int8_arguments(parser)
+    _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)
     _add_negations(parser)
     return parser
@@ -421,6 +464,53 @@ def _warn_silent_choices(args: argparse.Namespace) -> None:
               "use --int8-grad-rounding stochastic, or row granularity (the default)", flush=True)
 
 
+def _validate_int8_health(args: argparse.Namespace) -> None:
+    if args.int8_stats_interval < 0:
+        raise ArgumentError(f"--int8-stats-interval must be >= 0, got {args.int8_stats_interval}")
+    if args.int8_stats_interval and not args.int8_linear:
+        raise ArgumentError("--int8-stats-interval measures INT8 linears: it needs --int8-linear")
+    if args.int8_auto_fallback and not args.int8_stats_interval:
+        raise ArgumentError("--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N")
+    limits = args.int8_fallback_max_rel_err
+    if len(limits) not in (1, 3) or not all(v > 0 for v in limits):
+        raise ArgumentError(f"--int8-fallback-max-rel-err takes one positive limit, or three (fprop dgrad wgrad), "
+                            f"got {limits}")
+    if not 0 < args.int8_fallback_max_underflow <= 1:
+        raise ArgumentError(f"--int8-fallback-max-underflow must be in (0, 1], got {args.int8_fallback_max_underflow}")
+    if args.int8_fallback_patience < 1:
+        raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
+
+
+def _validate_optimizer_precision(args: argparse.Namespace) -> None:
+    """The precision-aware optimizer's flags, as Megatron-LM checks them, and what this one does not do."""
+    given = {name: getattr(args, name) for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")
+               if getattr(args, name) != "fp32"}
+    if args.store_param_remainders:
+        given["store_param_remainders"] = True
+    if not args.use_precision_aware_optimizer:
+        if given:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise ArgumentError(f"{flags} needs --use-precision-aware-optimizer")
+        return
+    if args.optimizer != "adam":
+        raise ArgumentError(f"--use-precision-aware-optimizer (its fp32/bf16/int8 moments and remainders) is an "
+                            f"AdamW; --optimizer {args.optimizer} is not supported with it")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name) not in OPTIMIZER_STATE_DTYPES:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}: this trainer's precision-aware "
+                                f"optimizer stores {', '.join(OPTIMIZER_STATE_DTYPES)} (Megatron-LM's fp16 and fp8 "
+                                "need Transformer Engine)")
+    if args.main_params_dtype != "fp32":
+        raise ArgumentError(f"--main-params-dtype {args.main_params_dtype} is not supported: the master weights "
+                            "are fp32, or exact in 2 bytes with --store-param-remainders")
+    if args.store_param_remainders and not args.bf16:
+        raise ArgumentError("--store-param-remainders needs --bf16: the remainder is the 16 bits an fp32 master "
+                            "weight has beyond its bf16 parameter")
+    if args.store_param_remainders and not args.use_distributed_optimizer:
+        raise ArgumentError("--store-param-remainders needs --use-distributed-optimizer: without it megatron keeps "
+                            "its own fp32 main params as the master weights")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
 
@@ -501,6 +591,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             "bf16 logit gradients whatever the logits' dtype")
     if args.fused_adam and args.optimizer != "adam":
         raise ArgumentError("--fused-adam needs --optimizer adam")
+    _validate_optimizer_precision(args)
     if args.cross_entropy_loss_fusion is None or args.fused_adam is None:
         # fused kernels pay off on the GPU; on the CPU (tests) compiling the cross entropy costs more than it saves
         import torch
@@ -525,6 +616,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                 f"peer), got {tp}")
     elif args.fp8_peer_compile:
         raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
+    _validate_int8_health(args)
 
     # Batch.
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -344,8 +344,10 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, *, with_optimizer: b
     return state
 
 
-def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, optimizer, scheduler, log) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, optimizer, scheduler, log,
+                    fallback=None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. `fallback`: the run's
+    training.health.AutoFallback, whose moves (and streaks) the checkpoint keeps."""
     from megatron.core import dist_checkpointing
 
     root = args.save
@@ -368,6 +370,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
     state["world_size"] = torch.distributed.get_world_size()
     state["args"] = saved_arguments(args)
     state["checkpoint_version"] = 3.0  # upstream Megatron-LM's current version number: it reads this key
+    state["int8_fallback"] = fallback.state_dict() if fallback is not None else None
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
@@ -455,8 +458,9 @@ def _check_architecture(saved, args) -> None:
         raise ArgumentError("checkpoint does not match the model arguments: " + "; ".join(diffs))
 
 
-def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int, int]:
-    """Resume from --load; returns (iteration, consumed_samples), (0, 0) when there is no checkpoint."""
+def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None) -> Tuple[int, int]:
+    """Resume from --load; returns (iteration, consumed_samples), (0, 0) when there is no checkpoint.
+    `fallback` (a training.health.AutoFallback) gets the checkpoint's fallback state."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
@@ -472,6 +476,8 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log) -> Tuple[int,
     with weights_only_loading(directory):
         common = dist_checkpointing.load_common_state_dict(directory)
     _check_architecture(common.get("args", {}), args)
+    if fallback is not None:
+        fallback.load_state_dict(common.get("int8_fallback"))
     with_optimizer = not args.no_load_optim
     saved_format = saved_distopt_format(common)
     if with_optimizer:

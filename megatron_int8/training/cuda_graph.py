@@ -44,11 +44,27 @@ class GraphedForwardBackward:
         self.graphs: Dict[bool, torch.cuda.CUDAGraph] = {}
         self.results: Dict[bool, list] = {}
         self.batches: Dict[bool, List[dict]] = {False: [], True: []}
+        self.eager_next = False
+
+    def run_next_eagerly(self) -> None:
+        """Run the next training call eagerly, not as a replay (a step whose Python must run: INT8 health
+        probes). The graphs stay; the replays after it are unchanged."""
+        self.eager_next = True
+
+    def recapture(self) -> None:
+        """Drop the training graph: the next calls warm up eagerly again, then capture (after the layers'
+        recipes changed, e.g. an INT8 fallback, whose new kernels must compile and tune outside a capture)."""
+        self.graphs.pop(False, None)
+        self.results.pop(False, None)
+        self.calls[False] = 0
 
     def __call__(self, **kwargs):
         forward_only = kwargs["forward_only"]
         kwargs["data_iterator"] = self._static_batches(kwargs["data_iterator"], forward_only,
                                                        kwargs["num_microbatches"])
+        if self.eager_next and not forward_only:
+            self.eager_next = False
+            return self.forward_backward(**kwargs)
         calls = self.calls[forward_only]
         self.calls[forward_only] += 1
         if forward_only not in self.graphs:

@@ -17,6 +17,8 @@ from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import check_save_target, load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
+from .health import RunHealth
+from .memory import format_bytes_per_parameter
 from .metrics import StepPhases, TrainingLogger, perplexity
 from .model import (build_config, build_model, build_optimizer, configure_torch_adam, initialize_distributed,
                     set_random_seed, settle_grad_reduce_overlap, unwrap)
@@ -246,14 +248,18 @@ def pretrain(args) -> dict:
                                  iteration)
         return {"iteration": iteration, "valid_loss": losses.get("validation"), "test_loss": losses.get("test")}
     optimizer, scheduler = build_optimizer(args, model, _log)
+    _log(format_bytes_per_parameter(args, unwrap(model)))
     _wire_megatron_config(config, model, optimizer, args)
+    health = RunHealth(args, unwrap(model))
 
     iteration, consumed_samples = 0, 0
     if args.load:
-        iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler, _log)
+        iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler, _log, health.fallback)
         if configure_torch_adam(optimizer, fused=args.fused_adam):
             _log("optimizer: the loaded Adam param groups set back to this run's implementation ("
                  + ("fused" if args.fused_adam else "torch's default") + ")")
+    if health.after_load(_log):
+        print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     needs_data = _needs_data()
     train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None
@@ -284,7 +290,7 @@ def pretrain(args) -> dict:
         with exit_signals:
             loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds,
                                                  model, optimizer, scheduler, logger, profiler, progress, exit_signals,
-                                                 consumed_samples)
+                                                 consumed_samples, health)
     except KeyboardInterrupt:
         saved, root = progress["saved"] or (None, None)
         last = (f"the last checkpoint is iteration {saved} in {root}; resume with --load {root}" if saved
@@ -292,6 +298,7 @@ def pretrain(args) -> dict:
         raise Interrupted(f"interrupted after iteration {progress['iteration']} ({last}; --exit-signal-handler "
                           "saves on Ctrl-C or SIGTERM before exiting)") from None
     finally:
+        health.close()
         if args.manual_gc:
             gc.unfreeze()
             gc.enable()
@@ -303,7 +310,7 @@ def pretrain(args) -> dict:
 
 
 def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model, optimizer, scheduler, logger,
-           profiler, progress, exit_signals, consumed_samples):
+           profiler, progress, exit_signals, consumed_samples, health: RunHealth):
     """The iterations; returns (last loss, last validation loss, iteration). `progress` follows the iteration
     and the last save, for the message of an interrupt."""
     loss = valid_loss = None
@@ -311,6 +318,8 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
     while iteration < args.train_iters:
         if profiler is not None:
             profiler.before_iteration(iteration + 1)
+        if health.before_step(iteration + 1) and isinstance(forward_backward, GraphedForwardBackward):
+            forward_backward.run_next_eagerly()  # the probes run in Python: not inside a replayed graph
         start = time.time()
         phases = StepPhases()
         loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args,
@@ -324,8 +333,16 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         phases.mark("final_sync")
+        health_summary = moved = None
+        if health.monitor is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+            health_summary, moved = health.at_log_line(logger)
+            phases.mark("int8_health")
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, skipped, time.time() - start, phases)
+                             grad_norm, skipped, time.time() - start, phases, health_summary or "")
+        if moved:
+            print_precision_table(unwrap(model), print_fn=_log, full=args.int8_precision_table)
+            if isinstance(forward_backward, GraphedForwardBackward):
+                forward_backward.recapture()  # the captured step runs the old recipes
         paused = time.time()  # profiler reports, evaluation and saves: outside the step time
         if profiler is not None:
             profiler.after_iteration(iteration)
@@ -337,7 +354,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
         exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
         if args.save and (iteration == args.train_iters or exiting
                           or (args.save_interval and iteration % args.save_interval == 0)):
-            save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log)
+            save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log, health.fallback)
             progress["saved"] = (iteration, args.save)
         logger.pause_interval(time.time() - paused)
         if signal_name:

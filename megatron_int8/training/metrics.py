@@ -178,7 +178,7 @@ class TrainingLogger:
 
     def training_step(self, iteration: int, consumed_samples: int, loss: float, lr: float,
                       grad_norm: Optional[float], skipped: bool, step_seconds: float,
-                      phases: Optional[StepPhases] = None) -> None:
+                      phases: Optional[StepPhases] = None, health_summary: str = "") -> None:
         args = self.args
         self.interval_iterations += 1
         if not self.is_writer:
@@ -218,12 +218,35 @@ class TrainingLogger:
             f"gc: {self.interval_gc[0]} collections, {self.interval_gc[1] * 1000 / max(self.interval_iterations, 1):.1f} ms "
             f"per iteration | "
             f"ETA: {format_duration(per_iteration * (args.train_iters - iteration))}"
-            + (" | skipped (non-finite gradients)" if skipped else ""))
+            + (" | skipped (non-finite gradients)" if skipped else "")
+            + (f" | {health_summary}" if health_summary else ""))
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("throughput-tflops-per-gpu", tflops, iteration)
         self.interval_start = time.time()
         self.interval_iterations = 0
         self.interval_gc = [0, 0.0]
+
+    def int8_health(self, checks) -> None:
+        """One JSONL line per statistics check ({"iteration", "int8_health": {name: value}}, names as
+        training.health.scalars gives them) and the same TensorBoard scalars."""
+        from .health import scalars
+
+        if not self.is_writer:
+            return
+        for iteration, by_linear in checks:
+            values = scalars(by_linear)
+            self._write({"iteration": iteration, "int8_health": values})
+            if self.tensorboard is not None:
+                for name, value in values.items():
+                    self.tensorboard.add_scalar(name, value, iteration)
+
+    def int8_fallback(self, event: dict) -> None:
+        """A fallback move: logged with its reason, and one JSONL line {"iteration", "int8_fallback": event}."""
+        if not self.is_writer:
+            return
+        self.print(f" int8 fallback at iteration {event['iteration']}: {event['linear']} {event['gemm']}: "
+                   f"{event['change']} ({event['reason']})")
+        self._write({"iteration": event["iteration"], "int8_fallback": event})
 
     def validation(self, iteration: int, loss: float) -> None:
         if not self.is_writer:

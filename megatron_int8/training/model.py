@@ -223,9 +223,13 @@ def inner_optimizers(optimizer) -> list:
 
 
 def _torch_adams(optimizer) -> list:
-    """The torch Adam/AdamW instances inside megatron's optimizer (its fallback without TE or APEX)."""
+    """The torch Adam/AdamW instances inside megatron's optimizer (its fallback without TE or APEX); not the
+    precision-aware AdamW, a subclass of torch's only to pass megatron's type check."""
+    from ..megatron.optimizer import PrecisionAwareAdamW
+
     return [o.optimizer for o in inner_optimizers(optimizer)
-            if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+            if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))
+            and not isinstance(o.optimizer, PrecisionAwareAdamW)]
 
 
 def adam_step(param: torch.Tensor, group: dict, count) -> torch.Tensor:
@@ -275,8 +279,19 @@ def build_optimizer(args, model_chunks, log):
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(config, model_chunks)
-    if args.fused_adam:
+    if args.use_precision_aware_optimizer:
+        from ..megatron.optimizer import build_precision_aware_optimizer
+
+        optimizer = build_precision_aware_optimizer(
+            config, model_chunks, exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
+            store_param_remainders=args.store_param_remainders)
+        log(f"optimizer: precision-aware AdamW (megatron_int8.megatron.optimizer): exp_avg {args.exp_avg_dtype}, "
+            f"exp_avg_sq {args.exp_avg_sq_dtype}, master weights "
+            + ("bf16 parameter + int16 remainder" if args.store_param_remainders else "fp32")
+            + ("; one fused Triton kernel per parameter" if torch.cuda.is_available() else "; PyTorch reference step"))
+    else:
+        optimizer = get_megatron_optimizer(config, model_chunks)
+    if args.fused_adam and not args.use_precision_aware_optimizer:
         if _torch_adams(optimizer):
             configure_torch_adam(optimizer, fused=True)
             log("optimizer: torch's fused Adam kernels (--no-fused-adam for foreach)")

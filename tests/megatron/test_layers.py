@@ -189,3 +189,24 @@ def test_takes_grad_output_amax_only_when_it_quantizes_that_gradient_tensorwise(
     for kw, want in cases:
         for kind in ("column", "row"):
             assert _build(kind, config, **kw).takes_grad_output_amax is want, (kw, kind)
+
+
+def test_smooth_swiglu_stays_on_fc2_and_the_probe_measures_the_layer():
+    """The guard is kept only where megatron's MLP builds fc2 (tp_comm_buffer_name 'fc2'); the layer remembers
+    the recipe it was built with, and a probe attached to it measures its next training forward/backward."""
+    from megatron_int8.ops.health import LinearProbe, values_by_name
+
+    config, recipe = tiny_config(), Int8Recipe(smooth_swiglu=True)
+    fc2 = _build("row", config, recipe=recipe, bias=False, tp_comm_buffer_name="fc2")
+    proj = _build("row", config, recipe=recipe, bias=False, tp_comm_buffer_name="proj")
+    fc1 = _build("column", config, recipe=recipe, bias=False, tp_comm_buffer_name="fc1")
+    assert fc2.int8_recipe.smooth_swiglu and fc2.int8_built_recipe is fc2.int8_recipe
+    assert not proj.int8_recipe.smooth_swiglu and not fc1.int8_recipe.smooth_swiglu
+    probe = fc2.int8_probe = LinearProbe()
+    probe.arm()
+    x = torch.randn(16, 2, 64, requires_grad=True)
+    out, _ = fc2(x)
+    out.sum().backward()
+    (values,) = probe.take()
+    got = values_by_name(values)
+    assert got["x/amax"] == x.detach().abs().max().item() and 0 < got["wgrad/rel_err"] < 0.1

@@ -70,3 +70,64 @@ def test_specs_build_the_fused_norm(sequence_parallel):
     assert norm.weight.sequence_parallel is sequence_parallel
     config.normalization = "LayerNorm"
     assert type(SequenceParallelNorm(config, 32)) is torch.nn.LayerNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_copy_reference_keeps_int8_and_stays_within_the_quantization_bound(dtype):
+    """FusedRMSNorm(int8_copy=True) on CPU: torch's forward; backward keeps the INT8 copy (1 x 128 blocks, W = 300:
+    two full blocks and a partial one), the fp32 rstd and the weight; its gradients are float64's at the dequantized
+    copy, and within the quantization step's bound of float64's at x."""
+    from int8_bounds import assert_rms_norm_close, assert_rms_norm_int8_copy_bound
+
+    from megatron_int8.ops.rms_norm import INT8_COPY_BLOCK
+    from megatron_int8.reference import QTensor, dequantize, quantize
+
+    W = 300
+    x = heavy_tailed(4, 5, W, scale=40.0, dtype=dtype)
+    norm = FusedRMSNorm(W, eps=1e-6, int8_copy=True, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(W) + 0.5).to(dtype))
+    leaf = x.clone().requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                   lambda t: t):
+        y = norm(leaf)
+    assert saved == [(torch.int8, (20, W)), (torch.float32, (20, 3)), (dtype, (W,)), (torch.float32, (20, 1))]
+    assert torch.equal(y, torch.nn.functional.rms_norm(x, (W,), norm.weight.detach(), 1e-6))
+    dy = heavy_tailed(4, 5, W, dtype=dtype)
+    y.backward(dy)
+    copy = quantize(x.reshape(-1, W).float(), "block", block_size=INT8_COPY_BLOCK)
+    x_hat = dequantize(copy).view(x.shape)
+    assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y.detach(), leaf.grad, norm.weight.grad, grad_at=x_hat)
+    step = copy.scale.double().repeat_interleave(INT8_COPY_BLOCK, 1)[:, :W].view(x.shape)
+    assert_rms_norm_int8_copy_bound(x, norm.weight.detach(), 1e-6, dy, leaf.grad, norm.weight.grad, x_hat, step)
+    assert "int8_copy=True" in repr(norm)
+
+
+def test_int8_copy_follows_the_recipe_into_int8_layers_only():
+    """The spec's input and pre-MLP norms keep the INT8 copy under Int8Recipe(int8_norm_input=True) in INT8
+    layers, not in the BF16 baseline's, not by default, and never the q/k head norms; the flag sets the recipe
+    option; LayerNorm models reject it."""
+    import argparse
+
+    from megatron.core.transformer.spec_utils import build_module
+    from mcore_helpers import single_process_megatron, tiny_config
+
+    from megatron_int8 import Int8Recipe
+    from megatron_int8.megatron.cli import add_int8_arguments, policy_from_args
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
+
+    on = Int8Recipe(backend="reference", int8_norm_input=True)
+    with single_process_megatron():
+        config = tiny_config(qk_layernorm=True)
+        for recipe, int8, want in ((on, True, True), (on, False, False), (Int8Recipe(), True, False)):
+            layer = build_module(get_gpt_int8_layer_spec(recipe=recipe, int8=int8, qk_layernorm=True), config=config,
+                                 layer_number=1)
+            assert layer.input_layernorm.int8_copy is want and layer.pre_mlp_layernorm.int8_copy is want
+            assert not layer.self_attention.q_layernorm.int8_copy
+        with pytest.raises(ValueError, match="RMSNorm"):
+            build_module(get_gpt_int8_layer_spec(recipe=on, normalization="LayerNorm"),
+                         config=tiny_config(normalization="LayerNorm"), layer_number=1)
+    assert on.describe() == "int8[row,fprop/dgrad/wgrad,norm-in:int8]"
+    parser = add_int8_arguments(argparse.ArgumentParser())
+    assert policy_from_args(parser.parse_args(["--int8-linear", "--int8-norm-input"])).recipe.int8_norm_input

@@ -193,3 +193,65 @@ def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
         assert list(mlps[0].state_dict()) == list(mlps[1].state_dict())
         keys = [sorted(m.sharded_state_dict(prefix="mlp.", metadata=metadata)) for m in mlps]
         assert keys[0] == keys[1] and "mlp.linear_fc1.weight" in keys[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_copy_reference_keeps_int8_and_stays_within_the_quantization_bound(dtype):
+    """swiglu(int8_copy=True) on CPU: the same forward; backward keeps only the INT8 copy (1 x 128 blocks of each
+    half, F = 200: a full and a partial block) and its gradient is float64's at the dequantized copy, and within
+    the quantization step's bound of float64's at x."""
+    from int8_bounds import assert_swiglu_int8_copy_bound
+
+    from megatron_int8.ops.swiglu import INT8_COPY_BLOCK, dequantize_halves, int8_copy_of_halves
+
+    S, B, F = 3, 5, 200
+    x = heavy_tailed(S, B, 2 * F, scale=40.0, dtype=dtype).requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        y = swiglu(x, int8_copy=True)
+    assert saved == [(torch.int8, S * B * 2 * F), (torch.float32, S * B * 4)]
+    assert torch.equal(y, swiglu(x.detach()))
+    dy = heavy_tailed(S, B, F, dtype=dtype)
+    y.backward(dy)
+    q, scales = int8_copy_of_halves(x.detach())
+    x_hat = dequantize_halves(q, scales).view(x.shape)
+    assert_swiglu_close(x.detach(), dy, y.detach(), x.grad, grad_at=x_hat)
+    step = torch.cat([scales[:, i * 2:(i + 1) * 2].double().repeat_interleave(INT8_COPY_BLOCK, 1)[:, :F]
+                      for i in (0, 1)], 1).view(x.shape)
+    assert_swiglu_int8_copy_bound(x.detach(), dy, x.grad, x_hat, step)
+
+
+def test_int8_copy_follows_the_recipe_into_int8_layers_only():
+    """The spec's SwiGLU keeps the INT8 copy under Int8Recipe(int8_swiglu_input=True) in INT8 layers, not in the
+    BF16 baseline's, not by default; the flag sets the recipe option and the precision summary names it."""
+    import argparse
+
+    from megatron_int8.megatron.cli import add_int8_arguments, policy_from_args
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
+
+    on = Int8Recipe(backend="reference", int8_swiglu_input=True)
+    for recipe, int8, want in ((on, True, True), (on, False, False), (Int8Recipe(), True, False)):
+        spec = get_gpt_int8_layer_spec(recipe=recipe, int8=int8).submodules.mlp.submodules.activation_func
+        assert spec.params["int8_copy"] is want
+    assert SwiGLU(int8_copy=True).int8_copy and on.describe() == "int8[row,fprop/dgrad/wgrad,swiglu-in:int8]"
+    parser = add_int8_arguments(argparse.ArgumentParser())
+    assert policy_from_args(parser.parse_args(["--int8-linear", "--int8-swiglu-input"])).recipe.int8_swiglu_input
+    assert not policy_from_args(parser.parse_args(["--int8-linear"])).recipe.int8_swiglu_input
+    with pytest.raises(TypeError, match="int8_swiglu_input"):
+        Int8Recipe(int8_swiglu_input=1)
+
+
+def test_int8_swiglu_input_without_the_swiglu_module_is_an_error():
+    """A model whose MLPs would not run the SwiGLU module (megatron's own SwiGLU, MoE experts) rejects the option
+    instead of ignoring it; with the module slot open it builds."""
+    from megatron_int8.megatron.policy import Int8Policy
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
+
+    policy = Int8Policy(recipe=Int8Recipe(int8_swiglu_input=True))
+    with single_process_megatron():
+        for config in (tiny_config(), tiny_config(use_te_activation_func=True, bias_activation_fusion=False,
+                                                  num_moe_experts=4, moe_ffn_hidden_size=32)):
+            with pytest.raises(ValueError, match="--int8-swiglu-input"):
+                get_gpt_int8_block_spec(config, policy)
+        config = tiny_config(use_te_activation_func=True, bias_activation_fusion=False)
+        assert get_gpt_int8_block_spec(config, policy).layer_specs

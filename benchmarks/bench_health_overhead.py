@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""What INT8 health statistics cost end to end (issue #47's target: <= 1% at --int8-stats-interval 100).
+
+One trainer run per mode (eager, and CUDA-graphed with --graphed) with statistics every --interval steps
+and a log line every step (so each statistics step also pays its log line's read-out). From the JSONL step
+times after --warmup: a normal step's time (the median of the steps without statistics), the extra time of
+a statistics step (their mean minus that), and the overhead at interval N = extra / (N x normal step).
+Prints a markdown table and appends rows to benchmarks/results/bench_health_overhead.csv ($OUT on the GPU
+machine). Needs megatron-core (the trainer).
+
+    python benchmarks/bench_health_overhead.py --model llama2_7b --layers 4 --graphed
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import common
+from common import BENCH_OVERRIDES, MOCK_DATA, PARALLEL_OVERRIDES, ROOT
+
+
+def run(opts, graphed: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log.jsonl")
+        cmd = [sys.executable, "-m", "megatron_int8.pretrain", "--config",
+               os.path.join(ROOT, "configs", f"{opts.model}.yaml"), *MOCK_DATA, "--num-layers", str(opts.layers),
+               "--train-iters", str(opts.iters), "--seq-length", str(opts.seq_length), "--micro-batch-size",
+               str(opts.micro_batch_size), "--global-batch-size", str(opts.micro_batch_size * opts.grad_accum),
+               "--log-interval", "1", "--eval-iters", "0", "--log-jsonl", log, "--bf16", "--int8-linear",
+               "--int8-stats-interval", str(opts.interval), *BENCH_OVERRIDES, *PARALLEL_OVERRIDES]
+        if graphed:
+            cmd += ["--cuda-graph-impl", "local"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise RuntimeError(f"trainer failed ({'graphed' if graphed else 'eager'}, exit {proc.returncode})")
+        with open(log, encoding="utf-8") as f:
+            times = {r["iteration"]: r["step_time_s"] for r in map(json.loads, f) if "step_time_s" in r}
+    timed = {i: t for i, t in times.items() if i > opts.warmup}
+    stats_steps = [t for i, t in timed.items() if i % opts.interval == 0]
+    normal = statistics.median(t for i, t in timed.items() if i % opts.interval)
+    if not stats_steps:
+        raise RuntimeError(f"no statistics step after warm-up: raise --iters above {opts.warmup + opts.interval}")
+    extra = statistics.mean(stats_steps) - normal
+    return {"model": opts.model, "layers": opts.layers, "mode": "graphed" if graphed else "eager",
+            "normal_step_ms": round(normal * 1e3, 2), "stats_step_extra_ms": round(extra * 1e3, 2),
+            "stats_steps": len(stats_steps), "overhead_at_100_pct": round(100 * extra / (100 * normal), 3)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama2_7b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=8, help="iterations left out (autotuning, graph capture)")
+    p.add_argument("--interval", type=int, default=10, help="--int8-stats-interval of the measured runs")
+    p.add_argument("--seq-length", type=int, default=4096)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--graphed", action="store_true", help="also measure with --cuda-graph-impl local")
+    opts = p.parse_args(argv)
+    rows = [run(opts, graphed) for graphed in ([False, True] if opts.graphed else [False])]
+    print("| model | layers | mode | normal step (ms) | statistics step: extra (ms) | steps | overhead at interval 100 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['layers']} | {r['mode']} | {r['normal_step_ms']} | {r['stats_step_extra_ms']} | "
+              f"{r['stats_steps']} | {r['overhead_at_100_pct']}% |")
+    common.append_results("bench_health_overhead", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Per-layer INT8 health over a run (`--int8-stats-interval`) and automatic per-GEMM fallback
+(`--int8-auto-fallback`).
+
+`HealthMonitor` attaches a probe (ops.health.LinearProbe) to every INT8 linear of the model, arms them all
+before each statistics step (every `interval` iterations) and, at the log line, reads every measurement of
+the interval in one host sync. Values are the worst over tensor- and data-parallel ranks (MAX); under
+pipeline parallelism every rank gathers the other stages' layers, so that all ranks see the same table
+and take the same decisions.
+
+`AutoFallback` watches each GEMM (fprop, dgrad, wgrad) of each linear: a GEMM whose sampled relative error
+exceeds its `max_rel_err`, or whose operands' underflow exceeds `max_underflow`, on `patience` consecutive checks
+moves to a safer mode: tensorwise scales become row scales (the recipe's granularity is the linear's, so all
+three GEMMs of that linear get them), and with row (or block) scales that GEMM alone goes to high precision.
+Block scales are not a step on this ladder: their 1 x 128 tiles are finer than row scales for activations
+and gradients, but their 128 x 128 weight tiles are coarser than row scales' one scale per output channel,
+and an outlier weight row (as the aligned SwiGLU rows of the stress test) then sets the scale of 127 other
+rows (benchmarks/stress_outliers.py at tiny size, 2026-11-27: fc1 moved row -> block kept failing). Every move is logged with its reason, shown in the precision table,
+written to checkpoints (`state_dict`) and restored on resume, also when the resumed run has auto fallback
+off; only `--int8-reset-fallback` drops the moves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import torch
+
+from ..ops.health import GEMMS, STAT_NAMES, LinearProbe
+from ..recipe import Int8Recipe
+
+if TYPE_CHECKING:
+    from ..megatron.layers import Int8LinearMixin
+
+FINER_GRANULARITY = {"tensor": "row"}  # the one step that is finer for every operand (see the docstring)
+MODE_FIELDS = ("granularity",) + GEMMS  # what a fallback changes in a linear's recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackThresholds:
+    """When a GEMM falls back (docs/numerics.md explains the defaults).
+
+    max_rel_err: the largest sampled relative error of fprop, dgrad and wgrad against their exact results
+        (three values, or one value for all three). Row-scaled INT8 keeps fprop and dgrad near 1-2% (about crest / 440
+        per operand); a few channels 100x above the rest push fc2's fprop past 20%. wgrad contracts over
+        tokens whose output gradients are heavy-tailed per channel: a healthy run had a linear at 37%
+        (configs/tiny.yaml, mock data, iteration 5, 2026-11-27, CPU), an unbiased error that training
+        tolerates (docs/convergence.md's parity), so its limit is where the error is as large as the result.
+    max_underflow: the largest fraction of an operand's nonzero elements that quantize to zero in a GEMM
+        (the same healthy run: up to 0.36, a dY per token).
+    patience: consecutive statistics checks over a threshold before the move (a single noisy step does
+        not move a layer).
+    """
+
+    max_rel_err: Tuple[float, float, float] = (0.1, 0.1, 1.0)
+    max_underflow: float = 0.7
+    patience: int = 3
+
+    def __post_init__(self):
+        limits = self.max_rel_err
+        limits = tuple(float(v) for v in ((limits,) if isinstance(limits, (int, float)) else limits))
+        limits = limits * len(GEMMS) if len(limits) == 1 else limits
+        if len(limits) != len(GEMMS) or not all(v > 0 for v in limits):
+            raise ValueError(f"max_rel_err must be one positive value or one per GEMM {GEMMS}, got {self.max_rel_err}")
+        object.__setattr__(self, "max_rel_err", limits)
+        if not 0 < self.max_underflow <= 1:
+            raise ValueError(f"max_underflow must be in (0, 1], got {self.max_underflow}")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"patience must be a positive int, got {self.patience!r}")
+
+    def crossed(self, gemm: str, values: Dict[str, float]) -> List[str]:
+        """The thresholds `gemm` crosses in one check (`values`: stat name -> value; absent or NaN: not
+        crossed), as reasons for the log."""
+        err, under = values.get(f"{gemm}/rel_err", math.nan), values.get(f"{gemm}/underflow", math.nan)
+        limit = self.max_rel_err[GEMMS.index(gemm)]
+        reasons = [f"rel_err {err:.3g} > {limit:g}"] if err > limit else []
+        if under > self.max_underflow:
+            reasons.append(f"underflow {under:.3g} > {self.max_underflow:g}")
+        return reasons
+
+
+def recipe_mode(recipe: Int8Recipe) -> dict:
+    """The fields of a recipe that fallback changes."""
+    return {name: getattr(recipe, name) for name in MODE_FIELDS}
+
+
+def safer_mode(mode: dict, gemm: str) -> Optional[Tuple[dict, str]]:
+    """(the next safer mode for `gemm`, what changed), or None when that GEMM already runs in high precision."""
+    if not mode[gemm]:
+        return None
+    finer = FINER_GRANULARITY.get(mode["granularity"])
+    if finer is not None:
+        return {**mode, "granularity": finer}, f"scales {mode['granularity']} -> {finer}"
+    return {**mode, gemm: False}, f"{gemm} -> high precision"
+
+
+class AutoFallback:
+    """The fallback decisions and their state: each GEMM's streak of checks over a threshold, and the mode
+    every moved linear runs in (with the events that moved it). Deterministic in the checks it is given, so
+    every rank, given the same checks, holds the same state."""
+
+    def __init__(self, thresholds: FallbackThresholds = FallbackThresholds(), enabled: bool = True):
+        self.thresholds = thresholds
+        self.enabled = enabled
+        self.streaks: Dict[str, int] = {}
+        self.moved: Dict[str, dict] = {}  # linear name -> {"mode": {...}, "events": [...]}
+
+    def mode_of(self, name: str, built: dict) -> dict:
+        """The mode linear `name` runs in: its fallback mode if it moved, else the one it was built with."""
+        return dict(self.moved[name]["mode"]) if name in self.moved else dict(built)
+
+    def check(self, iteration: int, name: str, built: dict, values: Dict[str, float]) -> List[dict]:
+        """One statistics check of one linear (`values`: stat name -> value, NaN or absent: not measured);
+        returns the fallback events it causes (empty when auto fallback is off)."""
+        if not self.enabled:
+            return []
+        events = []
+        limits = self.thresholds
+        for gemm in GEMMS:
+            mode = self.mode_of(name, built)
+            if not mode[gemm]:
+                continue  # already high precision: nothing to watch
+            if all(math.isnan(values.get(f"{gemm}/{stat}", math.nan)) for stat in ("rel_err", "underflow")):
+                continue  # not measured this time: the streak neither grows nor breaks
+            reasons = limits.crossed(gemm, values)
+            key = f"{name}/{gemm}"
+            self.streaks[key] = self.streaks.get(key, 0) + 1 if reasons else 0
+            if self.streaks[key] < limits.patience:
+                continue
+            new_mode, change = safer_mode(mode, gemm)
+            event = {"iteration": iteration, "linear": name, "gemm": gemm, "change": change,
+                     "reason": f"{' and '.join(reasons)} on {limits.patience} consecutive checks"}
+            entry = self.moved.setdefault(name, {"mode": mode, "events": []})
+            entry["mode"] = new_mode
+            entry["events"].append(event)
+            for g in GEMMS:  # the linear runs differently now: its measurements start over
+                self.streaks.pop(f"{name}/{g}", None)
+            events.append(event)
+            break  # this check measured the old mode: the linear's other GEMMs wait for the next one
+        return events
+
+    def state_dict(self) -> dict:
+        return {"streaks": dict(self.streaks),
+                "moved": {name: {"mode": dict(e["mode"]), "events": [dict(v) for v in e["events"]]}
+                          for name, e in self.moved.items()}}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        state = state or {}
+        self.streaks = dict(state.get("streaks", {}))
+        self.moved = {name: {"mode": dict(e["mode"]), "events": list(e["events"])}
+                      for name, e in state.get("moved", {}).items()}
+        for name, entry in self.moved.items():
+            unknown = set(entry["mode"]) ^ set(MODE_FIELDS)
+            if unknown:
+                raise ValueError(f"int8 fallback state of {name}: unexpected mode fields {sorted(unknown)}")
+
+    def reset(self) -> List[str]:
+        """Forget every move (`--int8-reset-fallback`); returns the linears that had moved."""
+        names = sorted(self.moved)
+        self.moved, self.streaks = {}, {}
+        return names
+
+
+def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
+    """Every INT8 linear of the transformer layers by a name that is the same under any pipeline split:
+    'layer<global layer number>.<path in the layer>', e.g. 'layer3.mlp.linear_fc2'."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from ..megatron.layers import Int8LinearMixin  # here: the decisions above import without megatron-core
+
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    found = {}
+    for chunk in model_chunks:
+        layers = {name: m.layer_number for name, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
+        for name, module in chunk.named_modules():
+            if not (isinstance(module, Int8LinearMixin) and module.int8):
+                continue
+            owner = max((p for p in layers if name.startswith(p + ".")), key=len, default=None)
+            if owner is None:
+                continue  # outside the transformer layers (the output layer's high-precision class)
+            local = re.sub(r"^(module\.)+", "", name[len(owner) + 1:])
+            found[f"layer{layers[owner]}.{local}"] = module
+    return found
+
+
+def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback) -> List[str]:
+    """Give every local linear that moved its fallback mode (and the note the precision table shows);
+    returns the names changed."""
+    changed = []
+    for name, module in linears.items():
+        entry = fallback.moved.get(name)
+        mode = entry["mode"] if entry else recipe_mode(module.int8_built_recipe)
+        recipe = dataclasses.replace(module.int8_built_recipe, **mode)
+        module.int8_fallback_note = "; ".join(f"it {e['iteration']}: {e['gemm']} {e['change']}"
+                                              for e in entry["events"]) if entry else None
+        if recipe != module.int8_recipe:
+            module.int8_recipe = recipe
+            changed.append(name)
+    return changed
+
+
+class HealthMonitor:
+    """Probes on every INT8 linear, armed every `interval` iterations; `collect` reads them (one sync)."""
+
+    def __init__(self, linears: Dict[str, "Int8LinearMixin"], interval: int, fallback: AutoFallback):
+        """`linears`: `int8_linears(model)`. Collective under pipeline parallelism (it gathers the stages'
+        recipes)."""
+        if interval < 1:
+            raise ValueError(f"--int8-stats-interval must be >= 1, got {interval}")
+        self.interval = interval
+        self.fallback = fallback
+        self.linears = linears
+        self.built = built_modes(linears)
+        self.probes = {}
+        for name, module in self.linears.items():
+            module.int8_probe = self.probes[name] = LinearProbe()
+        self.armed_iterations: List[int] = []
+
+    def before_step(self, iteration: int) -> None:
+        """Arm the probes when `iteration` (the one about to run) is a statistics step; disarm the ones the
+        previous statistics step did not reach (an MoE expert without tokens), so that no later step's
+        measurement is filed under it."""
+        if iteration % self.interval == 0:
+            for probe in self.probes.values():
+                probe.arm()
+            self.armed_iterations.append(iteration)
+        elif (iteration - 1) % self.interval == 0:
+            for probe in self.probes.values():
+                probe.armed = False
+
+    def collect(self) -> List[Tuple[int, Dict[str, Dict[str, float]]]]:
+        """[(iteration, {linear: {stat: value}})] for every statistics step since the last call, over all
+        pipeline stages, worst over tensor- and data-parallel ranks; NaN values (not measured) left out."""
+        iterations, self.armed_iterations = self.armed_iterations, []
+        if not iterations:
+            return []
+        names = sorted(self.linears)
+        rows = []
+        for name in names:
+            taken = self.probes[name].take()[-len(iterations):]
+            # a step whose training forward did not reach this linear leaves NaN (not measured)
+            missing = torch.full((len(STAT_NAMES),), float("nan"), device=taken[0].device if taken else _device())
+            rows += taken + [missing] * (len(iterations) - len(taken))
+        table = torch.stack(rows).reshape(len(names), len(iterations), len(STAT_NAMES)) if rows else None
+        table = _worst_over_replicas(table).cpu() if table is not None else None  # the one host sync
+        local = {name: table[i] for i, name in enumerate(names)} if table is not None else {}
+        gathered = _gather_over_pipeline(local)
+        return [(it, {name: {s: float(v) for s, v in zip(STAT_NAMES, values[k].tolist()) if v == v}
+                      for name, values in sorted(gathered.items())})
+                for k, it in enumerate(iterations)]
+
+    def decide(self, checks) -> List[dict]:
+        """Run the fallback decisions over `collect`'s checks in order and apply the moves to this rank's
+        linears; returns the events. Every check of the batch measured the linears as they ran before the
+        batch's moves, so a linear's checks after its move are left out."""
+        events, moved = [], set()
+        for iteration, by_linear in checks:
+            for name, values in by_linear.items():
+                if name not in moved:
+                    new = self.fallback.check(iteration, name, self.built[name], values)
+                    moved.update(e["linear"] for e in new)
+                    events += new
+        if events:
+            apply_fallback(self.linears, self.fallback)
+        return events
+
+    def close(self) -> None:
+        for module in self.linears.values():
+            module.int8_probe = None
+
+
+def built_modes(linears: Dict[str, "Int8LinearMixin"]) -> Dict[str, dict]:
+    """Each local linear's mode as built (before any fallback), gathered over pipeline stages."""
+    local = {name: recipe_mode(m.int8_built_recipe) for name, m in linears.items()}
+    return _gather_over_pipeline(local)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _worst_over_replicas(table: torch.Tensor) -> torch.Tensor:
+    """Element-wise MAX over the tensor- and data-parallel ranks (NaN kept where no rank measured)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return table
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return table
+    table = torch.nan_to_num(table, nan=-math.inf)  # every statistic is >= 0: -inf marks "not measured"
+    for group in (parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()):
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.where(table == -math.inf, torch.full_like(table, math.nan), table)
+
+
+def _gather_over_pipeline(local: dict) -> dict:
+    """The union of every pipeline stage's dict (each stage holds other layers)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return local
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return local
+    group = parallel_state.get_pipeline_model_parallel_group()
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return local
+    parts = [None] * size
+    torch.distributed.all_gather_object(parts, local, group=group)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def summarize(checks, top: int = 1) -> str:
+    """The log line's part: per GEMM the worst relative error and underflow of the last check, with the
+    linear that has it."""
+    if not checks:
+        return ""
+    iteration, by_linear = checks[-1]
+    parts = []
+    for gemm in GEMMS:
+        for stat, fmt in (("rel_err", ".2e"), ("underflow", ".3f")):
+            key = f"{gemm}/{stat}"
+            ranked = sorted(((v[key], name) for name, v in by_linear.items() if key in v), reverse=True)[:top]
+            if ranked:
+                parts.append(f"{gemm} {stat} " + ", ".join(f"{v:{fmt}} ({name})" for v, name in ranked))
+    return f"int8 health (it {iteration}, worst): " + "; ".join(parts)
+
+
+def scalars(by_linear: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """One check as flat scalar names: int8_health/<linear>/<operand or GEMM>/<stat>."""
+    return {f"int8_health/{name}/{stat}": v for name, values in by_linear.items() for stat, v in values.items()}
+
+
+class RunHealth:
+    """What the trainer holds: the fallback state (always, since a checkpoint's moves apply to every resumed
+    run) and, with `--int8-stats-interval`, the monitor."""
+
+    def __init__(self, args, model_chunks):
+        thresholds = FallbackThresholds(max_rel_err=tuple(args.int8_fallback_max_rel_err),
+                                        max_underflow=args.int8_fallback_max_underflow,
+                                        patience=args.int8_fallback_patience)
+        self.fallback = AutoFallback(thresholds, enabled=bool(args.int8_auto_fallback))
+        self.linears = int8_linears(model_chunks)
+        self.reset_on_load = bool(args.int8_reset_fallback)
+        self.monitor = (HealthMonitor(self.linears, args.int8_stats_interval, self.fallback)
+                        if args.int8_stats_interval else None)
+
+    def after_load(self, log) -> bool:
+        """Apply the loaded moves (or drop them: --int8-reset-fallback); True when a linear's recipe changed."""
+        if self.reset_on_load:
+            dropped = self.fallback.reset()
+            log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} linear(s) back to their configured "
+                                                            f"recipe: {', '.join(dropped)}" if dropped else
+                                                            "no fallback moves to drop"))
+        changed = apply_fallback(self.linears, self.fallback)
+        for name in sorted(self.fallback.moved) if self.linears else ():  # a BF16 run keeps them, unused
+            log(f"int8 fallback restored from the checkpoint: {name} runs "
+                f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
+        return bool(changed)
+
+    def before_step(self, iteration: int) -> bool:
+        """Arm the probes for a statistics step; returns whether `iteration` is one."""
+        if self.monitor is None:
+            return False
+        self.monitor.before_step(iteration)
+        return iteration % self.monitor.interval == 0
+
+    def at_log_line(self, logger) -> Tuple[str, bool]:
+        """Read the interval's checks (one sync), log them, take the fallback decisions; returns (the log
+        line's summary, whether a linear moved). Collective: every rank calls it at the same iterations."""
+        if self.monitor is None:
+            return "", False
+        checks = self.monitor.collect()
+        logger.int8_health(checks)
+        events = self.monitor.decide(checks)
+        for event in events:
+            logger.int8_fallback(event)
+        return summarize(checks), bool(events)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+def describe_mode(mode: dict) -> str:
+    gemms = "/".join(g if mode[g] else f"{g}:hp" for g in GEMMS)
+    return f"{mode['granularity']} scales, {gemms}"

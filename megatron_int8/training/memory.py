@@ -1,0 +1,64 @@
+"""Bytes per parameter of what stays in memory between steps, printed at start so a user can plan a run.
+
+Per state, from the arguments and this rank's model: the model weight (bf16 or fp32), megatron's fp32
+main_grad (the DDP grad buffer, grad_reduce_in_fp32), the master weight (megatron's fp32 main param, the
+precision-aware optimizer's fp32 master or its int16 remainder; none for fp32 training, whose parameter
+is the master), Adam's two moments (fp32 4, bf16 2, int8 1 + a 4-byte scale per 128), and the INT8
+weight cache (Q(W) and Q(W)^T, one byte each per INT8-linear parameter, averaged over all parameters).
+The distributed optimizer shards the master weight and the moments over the data-parallel ranks (expert
+parameters over the expert-data-parallel ranks; the table uses the dense DP size for all).
+Activations and temporaries come on top; the logs' peak memory measures them.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from ..ops.adamw import QBLOCK
+
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QBLOCK}
+
+
+def weight_cache_bytes(modules) -> int:
+    """Bytes the INT8 weight cache holds for these modules' INT8 linears (Q(W) for fprop, Q(W)^T for dgrad)."""
+    from ..megatron.layers import Int8LinearMixin
+
+    total = 0
+    for module in modules:
+        if isinstance(module, Int8LinearMixin) and module.int8 and module.int8_recipe.cache_weights:
+            recipe = module.int8_recipe
+            per_element = int(recipe.fprop) + int(recipe.dgrad)
+            total += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2) * per_element
+    return total
+
+
+def bytes_per_parameter(args, models) -> Tuple[int, List[Tuple[str, float]]]:
+    """(parameters on this rank, [(state, bytes per parameter)...]) for `models` (unwrapped chunks)."""
+    numel = sum(p.numel() for model in models for p in model.parameters())
+    shards = args.data_parallel_size if args.use_distributed_optimizer else 1
+    precise = getattr(args, "use_precision_aware_optimizer", False)
+    rows = [("bf16 weight" if args.bf16 else "fp32 weight", 2.0 if args.bf16 else 4.0), ("main_grad (fp32)", 4.0)]
+    if args.bf16:
+        if precise and args.store_param_remainders:
+            rows.append(("master weight (int16 remainder)", 2.0 / shards))
+        else:
+            rows.append(("master weight (fp32)", 4.0 / shards))
+    if args.optimizer == "adam":
+        for name in ("exp_avg", "exp_avg_sq"):
+            dtype = getattr(args, f"{name}_dtype") if precise else "fp32"
+            rows.append((f"{name} ({dtype})", STATE_BYTES[dtype] / shards))
+    elif args.sgd_momentum:
+        rows.append(("momentum (fp32)", 4.0 / shards))
+    cache = weight_cache_bytes(m for model in models for m in model.modules())
+    if cache:
+        rows.append(("INT8 weight cache", cache / max(numel, 1)))
+    return numel, rows
+
+
+def format_bytes_per_parameter(args, models) -> str:
+    numel, rows = bytes_per_parameter(args, models)
+    total = sum(value for _, value in rows)
+    shards = args.data_parallel_size if args.use_distributed_optimizer else 1
+    where = f", optimizer states sharded over {shards} data-parallel ranks" if shards > 1 else ""
+    body = " | ".join(f"{name} {value:.2f}" for name, value in rows)
+    return (f"memory per parameter (bytes, {numel / 1e6:.2f} M parameters on this rank{where}): {body} | "
+            f"total {total:.2f} = {total * numel / 2**30:.2f} GiB between steps, before activations")

@@ -1,0 +1,177 @@
+"""Automatic per-GEMM fallback (megatron_int8.training.health.AutoFallback): decisions on crafted sequences of
+statistics, and its state through a checkpoint's common state (torch.save / torch.load) and a resumed run."""
+import io
+import math
+
+import pytest
+import torch
+
+from megatron_int8.training.health import (AutoFallback, FallbackThresholds, safer_mode, scalars, summarize)
+
+ROW = {"granularity": "row", "fprop": True, "dgrad": True, "wgrad": True}
+GOOD = {"fprop/rel_err": 0.02, "fprop/underflow": 0.01, "dgrad/rel_err": 0.03, "dgrad/underflow": 0.05,
+        "wgrad/rel_err": 0.02, "wgrad/underflow": 0.1}
+
+
+def with_(**changes):
+    return {**GOOD, **{k.replace("__", "/"): v for k, v in changes.items()}}
+
+
+def run(fallback, sequence, name="layer2.mlp.linear_fc2", built=ROW, start=100, step=100):
+    events = []
+    for i, values in enumerate(sequence):
+        events += fallback.check(start + i * step, name, built, values)
+    return events
+
+
+def test_each_gemm_has_its_own_error_limit():
+    """The default limits (fprop 0.1, dgrad 0.1, wgrad 1.0): a wgrad error of 0.4, which a healthy run showed,
+    never moves; the same error in dgrad does."""
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    assert run(fallback, [with_(wgrad__rel_err=0.4)] * 5) == []
+    assert [e["gemm"] for e in run(fallback, [with_(dgrad__rel_err=0.4)] * 2, start=600)] == ["dgrad"]
+    assert FallbackThresholds().crossed("wgrad", with_(wgrad__rel_err=1.5, wgrad__underflow=0.8)) == [
+        "rel_err 1.5 > 1", "underflow 0.8 > 0.7"]
+
+
+def test_healthy_statistics_never_move():
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    assert run(fallback, [GOOD] * 50) == [] and fallback.moved == {}
+
+
+def test_patience_counts_consecutive_checks_only():
+    """Over the error threshold twice, healthy once, twice again: no move with patience 3; a third
+    consecutive crossing moves fprop (row scales) to high precision, at that check, with the reason."""
+    fallback = AutoFallback(FallbackThresholds(max_rel_err=0.1, patience=3))
+    bad = with_(fprop__rel_err=0.25)
+    assert run(fallback, [bad, bad, GOOD, bad, bad]) == []
+    (event,) = run(fallback, [bad], start=600)
+    assert event["iteration"] == 600 and event["gemm"] == "fprop" and event["change"] == "fprop -> high precision"
+    assert "rel_err 0.25 > 0.1" in event["reason"] and "3 consecutive" in event["reason"]
+    assert fallback.mode_of("layer2.mlp.linear_fc2", ROW) == {**ROW, "fprop": False}
+
+
+def test_finer_scales_then_high_precision_for_that_gemm_only():
+    """tensor -> row scales for the linear, then the GEMM that still fails goes to high precision; the other
+    GEMMs stay INT8, a high-precision GEMM is no longer watched, and block scales go straight to it."""
+    fallback = AutoFallback(FallbackThresholds(max_underflow=0.5, patience=2))  # 0.7 by default
+    built = {**ROW, "granularity": "tensor"}
+    bad = with_(dgrad__underflow=0.9)
+    events = run(fallback, [bad] * 4, built=built)
+    assert [e["change"] for e in events] == ["scales tensor -> row", "dgrad -> high precision"]
+    assert all("underflow 0.9 > 0.5" in e["reason"] for e in events)
+    assert fallback.mode_of("layer2.mlp.linear_fc2", built) == {"granularity": "row", "fprop": True,
+                                                                 "dgrad": False, "wgrad": True}
+    assert run(fallback, [bad] * 10, built=built) == []
+    block = {**ROW, "granularity": "block"}
+    assert safer_mode(block, "wgrad") == ({**block, "wgrad": False}, "wgrad -> high precision")
+
+
+def test_a_move_restarts_every_streak_of_that_linear():
+    """wgrad was two checks into its streak when fprop moved the linear: wgrad needs three new crossings."""
+    fallback = AutoFallback(FallbackThresholds(patience=3))
+    both = with_(fprop__rel_err=0.5, wgrad__rel_err=1.5)
+    assert run(fallback, [with_(fprop__rel_err=0.5)] + [both] * 2) == [
+        {"iteration": 300, "linear": "layer2.mlp.linear_fc2", "gemm": "fprop", "change": "fprop -> high precision",
+         "reason": "rel_err 0.5 > 0.1 on 3 consecutive checks"}]
+    assert run(fallback, [with_(wgrad__rel_err=1.5)] * 2, start=400) == []
+    assert [e["gemm"] for e in run(fallback, [with_(wgrad__rel_err=1.5)], start=600)] == ["wgrad"]
+
+
+def test_unmeasured_checks_neither_grow_nor_break_a_streak():
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    bad = with_(fprop__rel_err=0.3)
+    missing = {k: v for k, v in bad.items() if not k.startswith("fprop")}
+    nan = with_(fprop__rel_err=math.nan, fprop__underflow=math.nan)
+    assert run(fallback, [bad, missing, nan]) == []
+    assert len(run(fallback, [bad], start=400)) == 1
+
+
+def test_linears_are_independent_and_disabled_fallback_only_watches():
+    fallback = AutoFallback(FallbackThresholds(patience=1))
+    bad = with_(fprop__rel_err=0.3)
+    assert len(run(fallback, [bad], name="layer1.mlp.linear_fc1")) == 1
+    assert "layer2.mlp.linear_fc2" not in fallback.moved
+    off = AutoFallback(FallbackThresholds(patience=1), enabled=False)
+    assert run(off, [bad] * 5) == [] and off.moved == {}
+
+
+def test_thresholds_are_checked():
+    for bad in ({"max_rel_err": 0}, {"max_rel_err": (0.1, 0.2)}, {"max_underflow": 1.5}, {"patience": 0}):
+        with pytest.raises(ValueError):
+            FallbackThresholds(**bad)
+    assert FallbackThresholds(max_rel_err=0.3).max_rel_err == (0.3, 0.3, 0.3)
+    assert FallbackThresholds(max_rel_err=[0.2]).max_rel_err == (0.2, 0.2, 0.2)
+    assert safer_mode({**ROW, "fprop": False}, "fprop") is None
+
+
+def test_state_round_trips_through_a_checkpoint_and_continues_identically():
+    """The state a checkpoint stores (torch.save of the common dict) gives back the same moves and streaks:
+    the resumed controller then decides exactly as the uninterrupted one, also for a streak that the
+    checkpoint interrupted."""
+    thresholds = FallbackThresholds(patience=3)
+    bad, under = with_(dgrad__rel_err=0.4), with_(wgrad__underflow=0.8)
+    built = {**ROW, "granularity": "tensor"}
+    sequence = [bad] * 3 + [under] * 3 + [bad] * 3
+    uninterrupted = AutoFallback(thresholds)
+    all_events = run(uninterrupted, sequence, built=built)
+    first = AutoFallback(thresholds)
+    events = run(first, sequence[:5], built=built)
+    buffer = io.BytesIO()
+    torch.save({"int8_fallback": first.state_dict()}, buffer)
+    buffer.seek(0)
+    resumed = AutoFallback(thresholds)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True)["int8_fallback"])
+    assert resumed.state_dict() == first.state_dict() and resumed.streaks  # a streak was under way
+    events += run(resumed, sequence[5:], start=600, built=built)
+    assert events == all_events
+    assert [(e["iteration"], e["gemm"], e["change"]) for e in events] == [
+        (300, "dgrad", "scales tensor -> row"), (600, "wgrad", "wgrad -> high precision"),
+        (900, "dgrad", "dgrad -> high precision")]
+    assert resumed.state_dict() == uninterrupted.state_dict()
+    assert resumed.reset() == ["layer2.mlp.linear_fc2"] and resumed.moved == {} and resumed.streaks == {}
+    with pytest.raises(ValueError, match="unexpected mode fields"):
+        AutoFallback().load_state_dict({"moved": {"x": {"mode": {"granularity": "row"}, "events": []}}})
+
+
+def test_summary_and_scalar_names():
+    checks = [(200, {"layer1.mlp.linear_fc1": {**GOOD, "x/amax": 3.0},
+                     "layer2.mlp.linear_fc2": with_(fprop__rel_err=0.2)})]
+    line = summarize(checks)
+    assert line.startswith("int8 health (it 200, worst): fprop rel_err 2.00e-01 (layer2.mlp.linear_fc2)")
+    names = scalars(checks[0][1])
+    assert names["int8_health/layer1.mlp.linear_fc1/x/amax"] == 3.0
+    assert names["int8_health/layer2.mlp.linear_fc2/fprop/rel_err"] == 0.2
+    assert summarize([]) == ""
+
+
+def test_plot_health_reads_the_log_as_written(tmp_path):
+    """scripts/plot_health.py: health lines by iteration (a resumed run's rewrite wins), other lines ignored,
+    fallback events, the PNG; a log without statistics is an error that says why."""
+    import json
+    import sys
+
+    from repo_paths import SCRIPTS
+
+    sys.path.insert(0, SCRIPTS)
+    import plot_health
+
+    log = tmp_path / "train_log.jsonl"
+    lines = [{"iteration": 1, "lm_loss": 5.0}]
+    for it in (10, 20, 30, 20):  # iteration 20 written again by a resumed run
+        by_linear = {"layer1.mlp.linear_fc2": with_(fprop__rel_err=0.01 * it), "layer1.mlp.linear_fc1": GOOD}
+        lines.append({"iteration": it, "int8_health": scalars(by_linear)})
+    lines[-1]["int8_health"]["int8_health/layer1.mlp.linear_fc2/fprop/rel_err"] = 0.5
+    lines.append({"iteration": 30, "int8_fallback": {"iteration": 30, "linear": "layer1.mlp.linear_fc2",
+                                                      "gemm": "fprop", "change": "fprop -> high precision",
+                                                      "reason": "r"}})
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    series, events = plot_health.read_health(str(log))
+    assert series["layer1.mlp.linear_fc2"]["fprop/rel_err"] == [(10, 0.1), (20, 0.5), (30, pytest.approx(0.3))]
+    assert plot_health.worst_linears(series, "fprop/rel_err", 1) == ["layer1.mlp.linear_fc2"]
+    assert [e["gemm"] for e in events] == ["fprop"]
+    assert plot_health.main([str(log), "--output", str(tmp_path / "h.png")]) == 0
+    assert (tmp_path / "h.png").stat().st_size > 10_000
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
+    assert plot_health.main([str(empty), "--output", str(tmp_path / "e.png")]) == 1

@@ -1,0 +1,78 @@
+"""INT8 health in the trainer on CPU (subprocesses, as a user runs it): statistics in the JSONL log and the log
+line without changing training, automatic fallback with its log, precision table and checkpoint, a resumed run
+that keeps the moves, and --int8-reset-fallback that drops them."""
+import json
+import os
+import sys
+
+import pytest
+from repo_paths import CONFIGS
+from test_training import SMALL_MODEL, _run
+
+pytestmark = pytest.mark.slow
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "3"]
+
+
+def train(*flags):
+    return _run([sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+                 *SMALL_MODEL, *MOCK, *flags])
+
+
+def records(path, key):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if key in r]
+
+
+def test_statistics_fallback_and_resume(tmp_path):
+    base = ["--int8-linear"]
+    # statistics alone change nothing: the losses equal a run without them
+    plain = train(*base, "--train-iters", "3", "--log-jsonl", str(tmp_path / "plain.jsonl"))
+    # every GEMM "fails" a threshold of 1e-9: after 2 checks fprop goes to high precision, then dgrad, then wgrad
+    out = train(*base, "--train-iters", "6", "--save", str(tmp_path / "a"), "--int8-stats-interval", "1",
+                "--int8-auto-fallback", "--int8-fallback-max-rel-err", "1e-9", "--int8-fallback-patience", "2")
+    log = tmp_path / "a" / "train_log.jsonl"
+    assert [r["lm_loss"] for r in records(log, "lm_loss")][:3] == [r["lm_loss"] for r in
+                                                                  records(tmp_path / "plain.jsonl", "lm_loss")]
+    assert "int8 health" not in plain
+    health = records(log, "int8_health")
+    assert [r["iteration"] for r in health] == [1, 2, 3, 4, 5, 6]
+    first = health[0]["int8_health"]
+    for linear in ("layer1.self_attention.linear_qkv", "layer2.mlp.linear_fc2"):
+        for stat in ("x/amax", "w/crest", "dy/kurtosis", "x/underflow", "dy/saturation", "fprop/rel_err",
+                     "dgrad/rel_err", "wgrad/rel_err", "wgrad/underflow"):
+            value = first[f"int8_health/{linear}/{stat}"]
+            assert value >= 0 and value == value
+        assert 1e-4 < first[f"int8_health/{linear}/fprop/rel_err"] < 0.2  # row-scaled INT8 of a fresh model
+    assert "| int8 health (it 3, worst): fprop rel_err" in out
+    events = [r["int8_fallback"] for r in records(log, "int8_fallback")]
+    moved = {e["linear"] for e in events}
+    assert len(moved) == 8  # 4 linears in each of 2 layers
+    # decided at the log lines of iterations 3 and 6; check 3 (6) measured the linears before the move at 2 (5)
+    assert sorted({(e["iteration"], e["gemm"]) for e in events}) == [(2, "fprop"), (5, "dgrad")]
+    assert len(events) == 16
+    assert "int8 fallback at iteration 2: layer1.mlp.linear_fc1 fprop: fprop -> high precision (rel_err" in out
+    assert "(fallback it 2: fprop fprop -> high precision)" in out  # the precision table printed again
+    assert "int8 fallback at iteration 5: layer2.mlp.linear_fc2 dgrad: dgrad -> high precision" in out
+
+    resumed = train(*base, "--train-iters", "8", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
+    assert ("int8 fallback restored from the checkpoint: layer2.mlp.linear_fc2 runs row scales, "
+            "fprop:hp/dgrad:hp/wgrad") in resumed
+    again = train(*base, "--train-iters", "9", "--load", str(tmp_path / "b"), "--int8-reset-fallback")
+    assert "int8 fallback: --int8-reset-fallback: 8 linear(s) back to their configured recipe" in again
+    assert "restored from the checkpoint" not in again
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--int8-auto-fallback"], "needs --int8-stats-interval"),
+    (["--int8-stats-interval", "-1"], "must be >= 0"),
+    (["--int8-stats-interval", "5", "--int8-fallback-max-underflow", "2"], "must be in (0, 1]"),
+])
+def test_health_arguments_are_checked(flags, message):
+    from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                       "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3", "--mock-data",
+                       "--vocab-size", "128", "--int8-linear", *flags])
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_args(args, 1)
