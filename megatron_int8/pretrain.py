@@ -19,13 +19,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     install_cpu_optimizer_support()
     from megatron_int8.training.args import ArgumentError, parse_args
-    from megatron_int8.training.loop import pretrain
+    from megatron_int8.training.loop import Interrupted, pretrain
+    from megatron_int8.training.safe_load import UnsafeCheckpointError
 
     try:
         pretrain(parse_args(argv))
-    except ArgumentError as err:
+    except (ArgumentError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt as err:  # one line, not the traceback of wherever Ctrl-C landed
+        print(str(err) if isinstance(err, Interrupted) else "interrupted before training started", file=sys.stderr,
+              flush=True)
+        return 130
     finally:
         import torch
 

@@ -89,7 +89,10 @@ class Encoder:
                 path = os.path.join(path, "tokenizer.json")
             tokenizer = Tokenizer.from_file(path)
             self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-            names = [self.eod_token] if self.eod_token else list(HF_EOD_CANDIDATES)
+            from megatron_int8.training.data import hf_eod_token
+
+            configured = hf_eod_token(os.path.dirname(path), self.eod_token)  # --eod-token, else the config's EOS
+            names = [configured] if configured else list(HF_EOD_CANDIDATES)
             ids = [tokenizer.token_to_id(n) for n in names]
             found = [(n, i) for n, i in zip(names, ids) if i is not None]
             if not found:
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model, or tokenizer.json (or its dir)")
     parser.add_argument("--train-sentencepiece", type=int, metavar="VOCAB", default=None,
                         help="first train a SentencePiece model of VOCAB tokens on the input (to --tokenizer-model)")
-    parser.add_argument("--eod-token", default=None, help=f"Hugging Face EOD token (default: first of {HF_EOD_CANDIDATES})")
+    parser.add_argument("--eod-token", default=None, help="Hugging Face EOD token (default: tokenizer_config.json's "
+                        f"eos_token, else the first of {HF_EOD_CANDIDATES} in the vocabulary)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval-s", type=float, default=2.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
@@ -152,6 +156,13 @@ def main(argv=None) -> int:
 
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    from megatron_int8.training.args import ArgumentError
+    from megatron_int8.training.data import check_tokenizer_file
+
+    try:
+        check_tokenizer_file(args.tokenizer_type, args.tokenizer_model)
+    except ArgumentError as err:
+        parser.error(str(err))
     encoder = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token)
     local = Encoder(args.tokenizer_type, args.tokenizer_model, args.eod_token).load()
     dtype = DType.optimal_dtype(local.vocab_size)

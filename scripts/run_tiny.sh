@@ -5,6 +5,9 @@
 #     bash scripts/run_tiny.sh [extra trainer flags, e.g. --train-iters 100]
 #     PRECISION=bf16 bash scripts/run_tiny.sh      # the same without INT8 (the baseline)
 #
+# Run again, it resumes from the last checkpoint in runs/tiny/checkpoints (with --train-iters N, up to N);
+# Ctrl-C saves and exits (--exit-signal-handler). A fresh start: another RUN_DIR, or delete runs/tiny.
+#
 # Steps (corpus and tokenizer are reused when present): corpus -> SentencePiece tokenizer ->
 # indexed dataset -> pretraining (CPU, or GPU with --bf16 if one is present) -> loss-curve PNG.
 # Everything goes under runs/tiny (RUN_DIR to change it).
@@ -49,8 +52,8 @@ fi
 echo "== 4/4 pretraining ($PRECISION${PRECISION_FLAGS[*]:+: ${PRECISION_FLAGS[*]}})"
 "$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml \
     --data-path "${DATA_PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
-    --data-cache-path "$RUN_DIR/data/cache" --save "$RUN_DIR/checkpoints" \
-    --log-jsonl "$RUN_DIR/train_log.jsonl" "${PRECISION_FLAGS[@]}" "$@"
+    --data-cache-path "$RUN_DIR/data/cache" --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" \
+    --exit-signal-handler --log-jsonl "$RUN_DIR/train_log.jsonl" "${PRECISION_FLAGS[@]}" "$@"
 
 "$PYTHON" scripts/plot_loss.py "$RUN_DIR/train_log.jsonl" --labels "tiny $PRECISION" \
     --output "$RUN_DIR/loss.png" --title "Tiny Llama-style model, $PRECISION linears" \

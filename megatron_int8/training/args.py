@@ -112,6 +112,12 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save a checkpoint and exit after an iteration divisible by this.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM or SIGINT (Ctrl-C): finish the current iteration, save a checkpoint to --save "
+                        "and exit with a one-line summary (all ranks stop at the same iteration).")
+    g.add_argument("--skip-train", action="store_true",
+                   help="No training: load --load's checkpoint (weights only), evaluate --eval-iters batches of the "
+                        "validation and test splits, print their loss and perplexity, and exit.")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
@@ -184,6 +190,9 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SentencePiece .model, or a tokenizer.json (or its directory) for HuggingFaceTokenizer.")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer size; with a real tokenizer, a check that it has this many tokens.")
+    g.add_argument("--eod-token", default=None,
+                   help="HuggingFaceTokenizer: the end-of-document token, where the tokenizer names no EOS token "
+                        "(default: tokenizer_config.json's eos_token).")
 
 
 def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -213,6 +222,12 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Keep the checkpoints of iterations divisible by this, and the latest; delete the others "
+                        "after each save (a multiple of --save-interval).")
+    g.add_argument("--most-recent-k", type=int, default=-1,
+                   help="Keep the K latest checkpoints, deleting older ones after each save (-1: keep all). With "
+                        "--save-retain-interval, a checkpoint either keeps stays.")
     g.add_argument("--no-load-optim", action="store_true", help="Load only the model weights.")
     g.add_argument("--no-load-rng", action="store_true")
 
@@ -270,7 +285,39 @@ def build_parser() -> argparse.ArgumentParser:
     add_int8_arguments(parser)
     _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)
+    _add_negations(parser)
     return parser
+
+
+def _negation(option: str) -> str:
+    """--x -> --no-x, --no-x -> --x, --disable-x -> --enable-x, --x-no-y -> --x-y."""
+    for prefix, opposite in (("--no-", "--"), ("--disable-", "--enable-")):
+        if option.startswith(prefix):
+            return opposite + option[len(prefix):]
+    return option.replace("-no-", "-", 1) if "-no-" in option else "--no-" + option[2:]
+
+
+def _add_negations(parser: argparse.ArgumentParser) -> None:
+    """Every on/off flag gets its opposite (restoring the built-in default), unless it has one already, so
+    that a switch a YAML file turns on (or off) can be set back from the command line."""
+    taken = {option for action in parser._actions for option in action.option_strings}
+    covered = {}  # dest -> whether a flag of each value exists
+    for action in parser._actions:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or (
+                isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool)):
+            covered.setdefault(action.dest, set()).add(action.const)
+    for action in list(parser._actions):
+        if not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            continue
+        if covered[action.dest] >= {True, False}:
+            continue  # a pair already (e.g. --fused-adam / --no-fused-adam)
+        option = next(o for o in action.option_strings if o.startswith("--"))
+        opposite = _negation(option)
+        if opposite in taken:
+            continue
+        parser.add_argument(opposite, dest=action.dest, action="store_const", const=not action.const,
+                            default=action.default, help=f"Undo {option} (e.g. set in --config).")
+        taken.add(opposite)
 
 
 # ------------------------------------------------------------------------------------------ YAML
@@ -288,7 +335,7 @@ def _option_actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Actio
 
 def _yaml_value(key: str, value, action: argparse.Action):
     """A YAML value converted to what argparse would have stored for the equivalent flag."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):  # on/off flags
         if not isinstance(value, bool):
             raise ArgumentError(f"config key '{key}': expected true or false, got {value!r}")
         # `disable_bias_linear: true` means the flag is given, which stores its `const`.
@@ -388,6 +435,35 @@ def _validate_cuda_graph(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--cuda-graph-impl local: {reason}")
 
 
+def _settle_skip_train(args: argparse.Namespace) -> None:
+    """--skip-train evaluates a checkpoint: it needs --load and evaluation batches, loads no optimizer state,
+    and no schedule; Megatron-LM's rules."""
+    if not args.load:
+        raise ArgumentError("--skip-train evaluates a checkpoint: give --load DIR")
+    if args.eval_iters <= 0:
+        raise ArgumentError("--skip-train evaluates --eval-iters batches per split: give --eval-iters > 0")
+    args.no_load_optim = True
+    args.save = None  # nothing is trained, so nothing is saved
+    args.train_iters = args.train_iters if args.train_iters is not None else 0
+    args.lr = args.lr if args.lr is not None else 0.0
+
+
+def _warn_silent_choices(args: argparse.Namespace) -> None:
+    """A note for settings that are valid but probably not what was meant."""
+    if not args.int8_linear:
+        defaults = build_parser()
+        changed = [f"--{name.replace('_', '-')}" for name in sorted(vars(args))
+                   if name.startswith("int8_") and name not in ("int8_linear", "int8_precision_table")
+                   and getattr(args, name) != defaults.get_default(name)]
+        if changed:
+            print(f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without "
+                  "--int8-linear (the linears run in BF16)", flush=True)
+    elif args.int8_granularity == "tensor" and args.int8_grad_rounding == "nearest":
+        print("warning: --int8-granularity tensor with --int8-grad-rounding nearest: one scale per gradient "
+              "tensor rounds most of its entries to zero, and training diverged from BF16 in docs/convergence.md; "
+              "use --int8-grad-rounding stochastic, or row granularity (the default)", flush=True)
+
+
 def _validate_int8_health(args: argparse.Namespace) -> None:
     if args.int8_stats_interval < 0:
         raise ArgumentError(f"--int8-stats-interval must be >= 0, got {args.int8_stats_interval}")
@@ -440,6 +516,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
     Checks that need no files or tokenizer: data files and vocab are checked in `data.py`.
     """
+    if args.skip_train:
+        _settle_skip_train(args)
     _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size", "train_iters", "lr"])
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -549,13 +627,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_micro_batches = args.global_batch_size // per_step
 
-    # Schedule.
+    # Schedule (none to check with --skip-train: no optimizer step).
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= max(args.lr_decay_iters, 1):
+    if not args.skip_train and args.lr_warmup_iters >= max(args.lr_decay_iters, 1):
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
                             f"{args.lr_decay_iters}")
-    if args.min_lr > args.lr:
+    if not args.skip_train and args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
@@ -569,6 +647,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.eval_iters < 0:
         raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.save_retain_interval is not None and args.save_interval and args.save_retain_interval % args.save_interval:
+        raise ArgumentError(f"--save-retain-interval {args.save_retain_interval} must be a multiple of "
+                            f"--save-interval {args.save_interval} (only saved iterations can be retained)")
+    if args.most_recent_k == 0 or args.most_recent_k < -1:
+        raise ArgumentError(f"--most-recent-k must be >= 1, or -1 to keep every checkpoint; got {args.most_recent_k}")
+    _warn_silent_choices(args)
     if args.profile:
         if not 1 <= args.profile_step_start < args.profile_step_end <= args.train_iters + 1:
             raise ArgumentError(f"--profile-step-start {args.profile_step_start} / --profile-step-end "

@@ -2,8 +2,15 @@
 
 Layout under --save:
   iter_0000100/                       one complete checkpoint (megatron dist_checkpointing format)
-      rng/rank_00000.pt               per-rank RNG states (python, numpy, torch, CUDA, megatron tracker)
+      common.pt                       iteration, data position, and the run's arguments as an
+                                      argparse.Namespace (as upstream Megatron-LM stores them)
+      rng/rank_00000.pt               per-rank RNG states (python, numpy, torch, CUDA, megatron tracker),
+                                      tensors and plain values only
   latest_checkpointed_iteration.txt   the tracker: written last, atomically (os.replace)
+
+Loading reads nothing but tensors and allowlisted types (safe_load.py). Retention (after each save):
+--save-retain-interval R keeps the checkpoints at multiples of R and the latest (Megatron-LM's flag);
+--most-recent-k K keeps the K latest (megatron's CheckpointConfig.most_recent_k); with both, either keeps.
 
 A save is written to `.tmp_iter_*` and renamed into place only when every rank has finished, so a
 run killed mid-save leaves the previous checkpoint and the tracker untouched.
@@ -33,8 +40,10 @@ stops with KeyError 'step'; `_steps_set_aside` hides the steps for that copy.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import re
 import shutil
 from contextlib import contextmanager
 from typing import Optional, Tuple
@@ -44,6 +53,7 @@ import torch
 
 from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
 from .model import adam_step, inner_optimizers
+from .safe_load import load_tensors_file, weights_only_loading
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DISTOPT_FORMATS = CHOICES[ENV_DISTOPT_FORMAT]  # the format of new saves; default fully_reshardable
@@ -78,6 +88,33 @@ def read_tracker(root: str) -> Optional[int]:
         raise RuntimeError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
+def latest_checkpoint_dir(root: str) -> str:
+    """The directory of the checkpoint the tracker under `root` names; raises if there is none."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no checkpoint in {root} ({TRACKER_FILE} missing)")
+    directory = checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory) and os.path.isdir(directory + ".replaced"):
+        directory += ".replaced"  # a re-save of this iteration was interrupted mid-rename
+    if not os.path.isdir(directory):
+        raise RuntimeError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {directory} is missing")
+    return directory
+
+
+def read_saved_arguments(root: str) -> argparse.Namespace:
+    """The arguments of the run that wrote the latest checkpoint under `root` (weights_only load)."""
+    from megatron.core import dist_checkpointing
+
+    directory = latest_checkpoint_dir(root)
+    with weights_only_loading(directory):
+        saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if not isinstance(saved, argparse.Namespace):
+        raise RuntimeError(f"{directory} records only the model shape, not the run's arguments (it was written "
+                           "before they were saved): resume it once with this version (--load, --save, one more "
+                           "iteration) to write a checkpoint that records them")
+    return saved
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -88,11 +125,14 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 def _rng_state() -> dict:
+    """Tensors and plain values only, so that a weights_only load reads it (numpy's state as a tensor)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"algorithm": algorithm, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
@@ -103,7 +143,11 @@ def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["algorithm"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -324,7 +368,8 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
     state["consumed_samples"] = consumed_samples
     state["adam_steps"] = _adam_steps(optimizer)
     state["world_size"] = torch.distributed.get_world_size()
-    state["args"] = {name: getattr(args, name, None) for name in ARCHITECTURE_ARGS}
+    state["args"] = saved_arguments(args)
+    state["checkpoint_version"] = 3.0  # upstream Megatron-LM's current version number: it reads this key
     state["int8_fallback"] = fallback.state_dict() if fallback is not None else None
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
@@ -338,14 +383,75 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
         os.replace(tmp, final)
         _atomic_write(os.path.join(root, TRACKER_FILE), str(iteration))
         shutil.rmtree(replaced, ignore_errors=True)
+        removed = apply_retention(root, iteration, getattr(args, "save_retain_interval", None),
+                                  getattr(args, "most_recent_k", -1))
     _barrier()
-    log(f"saved checkpoint at iteration {iteration} to {final}")
+    log(f"saved checkpoint at iteration {iteration} to {final}"
+        + (f" (removed iteration(s) {', '.join(map(str, removed))}: retention)" if _rank() == 0 and removed else ""))
     return final
 
 
-def _check_architecture(saved: dict, args) -> None:
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def saved_arguments(args) -> argparse.Namespace:
+    """The run's arguments of plain types, as the Namespace upstream Megatron-LM keeps in `common.pt`."""
+    return argparse.Namespace(**{name: value for name, value in sorted(vars(args).items()) if _plain(value)})
+
+
+def saved_iterations(root: str) -> list:
+    """Iterations of the complete checkpoints under `root`, ascending."""
+    found = [re.fullmatch(r"iter_(\d{7})", name) for name in os.listdir(root)] if os.path.isdir(root) else []
+    return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
+
+
+def apply_retention(root: str, latest: int, retain_interval: Optional[int], most_recent_k: int) -> list:
+    """Delete the checkpoints older than `latest` that neither rule keeps; returns their iterations.
+
+    retain_interval (Megatron-LM's --save-retain-interval): multiples of it are kept, and the latest;
+    most_recent_k: the k latest are kept (-1: all). Neither given: everything is kept."""
+    if retain_interval is None and most_recent_k < 0:
+        return []
+    keep_latest = most_recent_k if most_recent_k >= 0 else 1
+    older = [i for i in saved_iterations(root) if i < latest]
+    kept = set(older[len(older) - (keep_latest - 1):]) if keep_latest > 1 else set()
+    removed = [i for i in older if i not in kept and not (retain_interval and i % retain_interval == 0)]
+    for iteration in removed:
+        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+    return removed
+
+
+def check_save_target(args) -> None:
+    """Refuse a run that would write over a --save holding checkpoints from an iteration it does not resume.
+
+    Raises ArgumentError naming the way out: --load that directory, or another --save."""
     from .args import ArgumentError
 
+    if args.load and not os.path.isdir(args.load) and os.path.realpath(args.load) != os.path.realpath(args.save or ""):
+        raise ArgumentError(f"--load {args.load}: no such directory")
+    if not args.save:
+        return
+    saved = read_tracker(args.save)
+    if saved is None:
+        return
+    start = read_tracker(args.load) if args.load else None
+    if start is not None and start >= saved:
+        return
+    source = (f"--load {args.load} holds iteration {start}" if start is not None else
+              f"--load {args.load} holds no checkpoint" if args.load else "no --load")
+    raise ArgumentError(
+        f"--save {args.save} already holds checkpoints (latest: iteration {saved}) and this run would start "
+        f"{'from scratch' if start is None else f'at iteration {start}'} ({source}), writing over them and their "
+        f"log. To continue that run: --load {args.save}. To start another run: a new --save directory.")
+
+
+def _check_architecture(saved, args) -> None:
+    from .args import ArgumentError
+
+    saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
     diffs = [f"{name}: checkpoint {saved[name]!r}, now {getattr(args, name, None)!r}"
              for name in ARCHITECTURE_ARGS if name in saved and saved[name] != getattr(args, name, None)]
     if diffs:
@@ -366,12 +472,9 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     if iteration is None:
         log(f"no checkpoint in {args.load} ({TRACKER_FILE} missing): starting from scratch")
         return 0, 0
-    directory = checkpoint_dir(args.load, iteration)
-    if not os.path.isdir(directory) and os.path.isdir(directory + ".replaced"):
-        directory += ".replaced"  # a re-save of this iteration was interrupted mid-rename
-    if not os.path.isdir(directory):
-        raise RuntimeError(f"{args.load}/{TRACKER_FILE} names iteration {iteration} but {directory} is missing")
-    common = dist_checkpointing.load_common_state_dict(directory)
+    directory = latest_checkpoint_dir(args.load)
+    with weights_only_loading(directory):
+        common = dist_checkpointing.load_common_state_dict(directory)
     _check_architecture(common.get("args", {}), args)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
@@ -385,7 +488,8 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
                                 sharding_type=saved_format if with_optimizer else None)
     with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
         try:
-            loaded = dist_checkpointing.load(state, directory)
+            with weights_only_loading(directory):
+                loaded = dist_checkpointing.load(state, directory)
         except (CheckpointingException, CheckpointException) as error:
             # dp_reshardable, saved before `parallel_layout` was recorded: megatron finds buckets of another size
             if with_optimizer and saved_format == "dp_reshardable" and "optimizer.distributed" in str(error):
@@ -402,7 +506,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     rng_file = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
     if not args.no_load_rng:
         if common.get("world_size") == torch.distributed.get_world_size() and os.path.isfile(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            _set_rng_state(load_tensors_file(rng_file, allow_numpy_arrays=True))
         else:
             log("note: checkpoint written with another world size: RNG states not restored")
     if with_optimizer and saved_format is not None:

@@ -6,7 +6,9 @@ tokens (megatron-core's GPTDataset then loops forever computing its epoch count)
 """
 from __future__ import annotations
 
+import json
 import os
+import struct
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,6 +19,38 @@ from .args import ArgumentError
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 SPLIT_NAMES = ("train", "validation", "test")
 VOCAB_CHECK_TOKENS = 1 << 24  # token ids read per data file for the vocabulary check
+INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's .idx: header, version <Q, dtype code <B, 2 counts <Q
+INDEX_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron's DType codes -> bytes per token
+
+
+def check_tokenizer_file(kind: str, path: str) -> None:
+    """A tokenizer file of the other family fails here, naming the --tokenizer-type that reads it."""
+    json_file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
+    is_hf = os.path.isdir(path) or path.endswith(".json")
+    if not is_hf and os.path.isfile(path):
+        with open(path, "rb") as f:
+            is_hf = f.read(1) == b"{"  # a JSON object, whatever the name
+    if kind in SENTENCEPIECE_TYPES and is_hf:
+        raise ArgumentError(f"--tokenizer-model {path} is a Hugging Face tokenizer (tokenizer.json), not a "
+                            f"SentencePiece model: pass --tokenizer-type HuggingFaceTokenizer")
+    if kind == "HuggingFaceTokenizer" and not is_hf:
+        raise ArgumentError(f"--tokenizer-model {path} is not a Hugging Face tokenizer.json (or a directory holding "
+                            "one); for a SentencePiece .model pass --tokenizer-type SentencePieceTokenizer")
+    if kind == "HuggingFaceTokenizer" and not os.path.isfile(json_file):
+        raise ArgumentError(f"--tokenizer-model {path}: no tokenizer.json in this directory")
+
+
+def hf_eod_token(directory: str, eod_token: Optional[str]) -> Optional[str]:
+    """The end-of-document token of a Hugging Face tokenizer directory: --eod-token, else
+    tokenizer_config.json's eos_token (a string, or a dict with "content"); None if neither names one."""
+    if eod_token:
+        return eod_token
+    config = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
 
 
 def build_tokenizer(args):
@@ -27,9 +61,13 @@ def build_tokenizer(args):
     if kind == "NullTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path={"library": "null", "model_type": "gpt"},
                                                  vocab_size=args.vocab_size)
+    check_tokenizer_file(kind, args.tokenizer_model)
     if kind in SENTENCEPIECE_TYPES:
-        tokenizer = MegatronTokenizer.from_pretrained(
-            tokenizer_path=args.tokenizer_model, metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+        try:
+            tokenizer = MegatronTokenizer.from_pretrained(
+                tokenizer_path=args.tokenizer_model, metadata_path={"library": "sentencepiece", "model_type": "gpt"})
+        except RuntimeError as err:
+            raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: not a SentencePiece model ({err})") from None
     elif kind == "HuggingFaceTokenizer":
         try:
             import transformers  # noqa: F401  (megatron's HuggingFaceTokenizer wraps AutoTokenizer)
@@ -40,12 +78,58 @@ def build_tokenizer(args):
         directory = os.path.dirname(path) if os.path.isfile(path) else path
         tokenizer = MegatronTokenizer.from_pretrained(
             tokenizer_path=directory, metadata_path={"library": "huggingface", "model_type": "gpt"}, use_fast=True)
+        _settle_hf_eod(tokenizer, directory, getattr(args, "eod_token", None))
     else:
         raise ArgumentError(f"unsupported --tokenizer-type {kind}")
     if args.vocab_size is not None and tokenizer.vocab_size != args.vocab_size:
         raise ArgumentError(f"tokenizer/vocab mismatch: {args.tokenizer_model} has {tokenizer.vocab_size} tokens "
                             f"but --vocab-size is {args.vocab_size}; fix --vocab-size or use the matching tokenizer")
     return tokenizer
+
+
+def _settle_hf_eod(tokenizer, directory: str, eod_token: Optional[str]) -> None:
+    """megatron's GPTDataset appends the tokenizer's EOS id: a tokenizer.json alone names none (megatron then
+    fails deep inside with a TypeError). Take it from --eod-token or tokenizer_config.json, or say so."""
+    wrapper = tokenizer._tokenizer  # megatron's HuggingFaceTokenizer, around transformers' AutoTokenizer
+    hf = wrapper.tokenizer
+    name = hf_eod_token(directory, eod_token) or hf.eos_token
+    if name is None:
+        raise ArgumentError(f"{directory}: the tokenizer names no end-of-document (EOS) token, which the trainer puts "
+                            "between documents: pass --eod-token TOKEN (e.g. '<|endoftext|>'), or add \"eos_token\" "
+                            "to its tokenizer_config.json")
+    if name not in hf.get_vocab():
+        source = "--eod-token" if eod_token else f"{directory}/tokenizer_config.json"
+        raise ArgumentError(f"end-of-document token {name!r} (from {source}) is not a token of {directory}")
+    wrapper.eos_token = hf.eos_token = name
+
+
+def _check_indexed_files(prefix: str) -> None:
+    """The .idx must be whole and describe this .bin: a truncated, empty or other dataset's index fails
+    here, naming the files, instead of in megatron-core (a struct error, or silently wrong tokens)."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    remake = "recreate both files with scripts/preprocess_data.py"
+    size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(len(INDEX_HEADER) + 8 + 1 + 8 + 8)
+    if len(head) < len(INDEX_HEADER) + 25 or not head.startswith(INDEX_HEADER):
+        what = "empty" if size == 0 else "truncated" if INDEX_HEADER.startswith(head[:9]) else "not a megatron index"
+        raise ArgumentError(f"{idx} is {what} ({size} bytes): {remake}")
+    offset = len(INDEX_HEADER)
+    _version, code, sequences, documents = struct.unpack_from("<QBQQ", head, offset)
+    if code not in INDEX_DTYPE_SIZES:
+        raise ArgumentError(f"{idx}: unknown token dtype code {code}: {remake}")
+    expected = len(head) + sequences * (4 + 8) + documents * 8
+    if size != expected:
+        raise ArgumentError(f"{idx} is {'truncated' if size < expected else 'longer than its header says'}: its "
+                            f"header lists {sequences} sequences, which take {expected} bytes, and the file has "
+                            f"{size}: {remake}")
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=len(head), shape=(sequences,))
+    tokens = int(np.sum(lengths, dtype=np.int64))
+    token_bytes = tokens * INDEX_DTYPE_SIZES[code]
+    if os.path.getsize(bin_) != token_bytes:
+        raise ArgumentError(f"{bin_} does not match {idx}: the index describes {tokens} tokens ({token_bytes} bytes) "
+                            f"and the .bin has {os.path.getsize(bin_)} bytes; the two files come from different "
+                            f"preprocessing runs (or one was cut short): {remake}")
 
 
 def data_prefixes(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
@@ -69,10 +153,14 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
 
     prefixes, weights = data_prefixes(args.data_path)
     for prefix in prefixes:
+        if prefix.endswith((".bin", ".idx")):
+            raise ArgumentError(f"--data-path {prefix}: give the prefix of the .bin/.idx pair, without the "
+                                f"extension: --data-path {prefix[:-4]}")
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             raise ArgumentError(f"missing data file(s) {', '.join(missing)} (from --data-path); "
                                 "create them with scripts/preprocess_data.py")
+        _check_indexed_files(prefix)
     try:
         split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
     except (ValueError, AssertionError) as err:
@@ -106,20 +194,24 @@ def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
 
 def dataset_sizes(args) -> List[Optional[int]]:
     """Samples per split, as Megatron-LM requests them; None (build nothing extra) for the test split,
-    which this trainer never uses, and for validation without --eval-iters. megatron-core needs a
-    size for every split of a weighted blend: those unused splits then get one global batch."""
-    train = args.train_iters * args.global_batch_size
-    valid = None
-    if args.eval_iters > 0:
-        valid = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
-    sizes = [train, valid, None]
+    which training never uses (--skip-train evaluates it, and builds no train split), and for validation
+    without --eval-iters. megatron-core needs a size for every split of a weighted blend: those unused
+    splits then get one global batch."""
+    if getattr(args, "skip_train", False):
+        sizes = [None] + [args.eval_iters * args.global_batch_size] * 2
+    else:
+        train = args.train_iters * args.global_batch_size
+        valid = None
+        if args.eval_iters > 0:
+            valid = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
+        sizes = [train, valid, None]
     if not args.mock_data and data_prefixes(args.data_path)[1] is not None:
         sizes = [args.global_batch_size if size is None else size for size in sizes]
     return sizes
 
 
 def build_datasets(args, tokenizer):
-    """(train, valid) megatron-core datasets: GPTDataset/BlendedDataset over --data-path, or mock data.
+    """(train, valid, test) megatron-core datasets: GPTDataset/BlendedDataset over --data-path, or mock data.
 
     Call `check_data` first (before the model is built) for real data.
     """
@@ -143,8 +235,7 @@ def build_datasets(args, tokenizer):
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     # Every rank builds (memory-mapped, cached on disk by the first rank): TP ranks then read the same
     # micro-batches without a broadcast.
-    train, valid, _ = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
-    return train, valid
+    return tuple(BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build())
 
 
 class PretrainingSampler:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 from functools import partial
 from typing import Optional
@@ -13,12 +14,12 @@ from ..megatron.cli import policy_from_args
 from ..megatron.precision_table import print_precision_table
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import check_save_target, load_checkpoint, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .health import RunHealth
 from .memory import format_bytes_per_parameter
-from .metrics import StepPhases, TrainingLogger
+from .metrics import StepPhases, TrainingLogger, perplexity
 from .model import (build_config, build_model, build_optimizer, configure_torch_adam, initialize_distributed,
                     set_random_seed, settle_grad_reduce_overlap, unwrap)
 from .profiling import StepProfiler
@@ -128,6 +129,65 @@ def evaluate(forward_backward, data_iterator, model, args) -> float:
     return _reduce_loss(items)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C without --exit-signal-handler; its text says where training stood and how to resume."""
+
+
+class ExitSignals:
+    """SIGINT (Ctrl-C), and SIGTERM with --exit-signal-handler, set a flag that the loop reads after each
+    iteration: with --exit-signal-handler it then saves and exits (all ranks agree on the flag, so that they
+    stop after the same iteration); without it, it stops there without saving. A second signal interrupts at
+    once (a step that hangs). Raising in the handler instead would let the interrupt land anywhere, also
+    inside a finalizer or a fork hook (e.g. while a checkpoint's writer process starts), where Python prints
+    it with a traceback and drops it."""
+
+    def __init__(self, save_first: bool):
+        self.save_first = save_first
+        self.signals = (signal.SIGTERM, signal.SIGINT) if save_first else (signal.SIGINT,)
+        self.received = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def check(self) -> str:
+        """After an iteration: the signal's name if any rank received one and saves first ('' if none; collective);
+        KeyboardInterrupt after Ctrl-C without --exit-signal-handler."""
+        if not self.save_first:
+            if self.received:
+                raise KeyboardInterrupt
+            return ""
+        flag = torch.tensor([float(self.received)], device=_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())).name if flag.item() else ""
+
+
+def evaluate_splits(forward_backward, datasets: dict, model, args, iteration: int) -> dict:
+    """--skip-train: loss and perplexity of --eval-iters batches of each split that has data."""
+    results = {}
+    for name, dataset in datasets.items():
+        if dataset is None:
+            _log(f" {name} split: none (--split {args.split!r} gives it no share, or it has no documents)")
+            continue
+        iterator = build_data_iterator(dataset, 0, args) if _needs_data() else None
+        loss = evaluate(forward_backward, iterator, model, args)
+        results[name] = loss
+        _log(f" {name} loss at iteration {iteration} ({args.eval_iters} batches of {args.global_batch_size}) | "
+             f"lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")
+    return results
+
+
 def _wire_megatron_config(config, model, optimizer, args) -> None:
     """What megatron's schedules call back into: loss scaling, grad finalization, grad-sync overlap."""
     from megatron.core.distributed import finalize_model_grads
@@ -156,6 +216,9 @@ def pretrain(args) -> dict:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    check_save_target(args)
+    if args.exit_signal_handler and not args.save:
+        raise ArgumentError("--exit-signal-handler saves a checkpoint before it exits: give --save DIR")
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args)
     if not args.mock_data:
@@ -176,6 +239,14 @@ def pretrain(args) -> dict:
     num_params = sum(p.numel() for p in unwrap(model)[0].parameters())
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
     print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
+    if args.skip_train:
+        iteration, _ = load_checkpoint(args, model, None, None, _log)
+        if iteration == 0:
+            raise ArgumentError(f"--skip-train: no checkpoint in --load {args.load}")
+        _, valid_ds, test_ds = build_datasets(args, tokenizer)
+        losses = evaluate_splits(get_forward_backward_func(), {"validation": valid_ds, "test": test_ds}, model, args,
+                                 iteration)
+        return {"iteration": iteration, "valid_loss": losses.get("validation"), "test_loss": losses.get("test")}
     optimizer, scheduler = build_optimizer(args, model, _log)
     _log(format_bytes_per_parameter(args, unwrap(model)))
     _wire_megatron_config(config, model, optimizer, args)
@@ -189,7 +260,7 @@ def pretrain(args) -> dict:
                  + ("fused" if args.fused_adam else "torch's default") + ")")
     if health.after_load(_log):
         print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
-    train_ds, valid_ds = build_datasets(args, tokenizer)
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     needs_data = _needs_data()
     train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None
     consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
@@ -207,15 +278,25 @@ def pretrain(args) -> dict:
     if profiler is not None and args.profile_step_start <= iteration:
         _log(f"--profile: iterations {args.profile_step_start}-{args.profile_step_end - 1} ran before this "
              f"resumed run (from iteration {iteration}); nothing is profiled")
-    _log(f"training from iteration {iteration} to {args.train_iters}")
+    _log(f"training from iteration {iteration} to {args.train_iters}"
+         + (" (nothing to do: pass a larger --train-iters to train further)" if iteration >= args.train_iters else ""))
     if args.manual_gc:  # collect setup's garbage, freeze its survivors out of later scans, then only collect on request
         gc.collect()
         gc.freeze()
         gc.disable()
+    progress = {"iteration": iteration, "saved": (iteration, args.load) if iteration else None}
+    exit_signals = ExitSignals(save_first=args.exit_signal_handler)
     try:
-        loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model,
-                                             optimizer, scheduler, logger, profiler, iteration, consumed_samples,
-                                             health)
+        with exit_signals:
+            loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds,
+                                                 model, optimizer, scheduler, logger, profiler, progress, exit_signals,
+                                                 consumed_samples, health)
+    except KeyboardInterrupt:
+        saved, root = progress["saved"] or (None, None)
+        last = (f"the last checkpoint is iteration {saved} in {root}; resume with --load {root}" if saved
+                else "no checkpoint saved")
+        raise Interrupted(f"interrupted after iteration {progress['iteration']} ({last}; --exit-signal-handler "
+                          "saves on Ctrl-C or SIGTERM before exiting)") from None
     finally:
         health.close()
         if args.manual_gc:
@@ -229,9 +310,11 @@ def pretrain(args) -> dict:
 
 
 def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model, optimizer, scheduler, logger,
-           profiler, iteration, consumed_samples, health: RunHealth):
-    """The iterations; returns (last loss, last validation loss, iteration)."""
+           profiler, progress, exit_signals, consumed_samples, health: RunHealth):
+    """The iterations; returns (last loss, last validation loss, iteration). `progress` follows the iteration
+    and the last save, for the message of an interrupt."""
     loss = valid_loss = None
+    iteration = progress["iteration"]
     while iteration < args.train_iters:
         if profiler is not None:
             profiler.before_iteration(iteration + 1)
@@ -242,6 +325,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
         loss, grad_norm, skipped = train_step(forward_backward, train_iterator, model, optimizer, scheduler, args,
                                               phases)
         iteration += 1
+        progress["iteration"] = iteration
         consumed_samples += args.global_batch_size
         if args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()  # in the step time: it is part of what training costs
@@ -266,11 +350,17 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, valid_iterator, model, args)
             logger.validation(iteration, valid_loss)
-        exiting = args.exit_interval is not None and iteration % args.exit_interval == 0
+        signal_name = exit_signals.check()
+        exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
         if args.save and (iteration == args.train_iters or exiting
                           or (args.save_interval and iteration % args.save_interval == 0)):
             save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log, health.fallback)
+            progress["saved"] = (iteration, args.save)
         logger.pause_interval(time.time() - paused)
+        if signal_name:
+            _log(f"{signal_name} received: stopped after iteration {iteration} of {args.train_iters}, checkpoint "
+                 f"saved to {args.save}; resume with --load {args.save}")
+            break
         if exiting and iteration < args.train_iters:
             _log(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})")
             break

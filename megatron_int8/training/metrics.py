@@ -121,7 +121,7 @@ class TrainingLogger:
 
     The JSONL file gets one line per iteration ({"iteration", "lm_loss", ...}) and per validation
     ({"iteration", "valid_lm_loss"}); each line is flushed, so a crash loses nothing written. When
-    a run resumes, lines after the checkpoint's iteration (from the interrupted run) are dropped.
+    a run resumes, the log continues after the checkpoint's iteration (see `_open_jsonl`).
     """
 
     def __init__(self, args, padded_vocab_size: int, start_iteration: int, is_writer: bool, print_fn=print):
@@ -150,13 +150,24 @@ class TrainingLogger:
                 self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=10)
 
     def _open_jsonl(self, path: str, start_iteration: int) -> None:
+        """Append to the log. Resuming, the lines of iterations after the checkpoint's (the interrupted run's,
+        about to be redone) move to PATH.after-<iteration>; from scratch, an earlier log moves to PATH.previous."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("iteration", 0) <= start_iteration]
+                lines = [line for line in f if line.strip()]
+            earlier = [start_iteration > 0 and json.loads(line).get("iteration", 0) <= start_iteration
+                       for line in lines]
+            kept = [line for line, keep in zip(lines, earlier) if keep]
+            if len(kept) < len(lines):
+                aside = f"{path}.after-{start_iteration}" if start_iteration > 0 else f"{path}.previous"
+                with open(aside, "w", encoding="utf-8") as f:
+                    f.writelines(line for line, keep in zip(lines, earlier) if not keep)
+                self.print(f"note: {len(lines) - len(kept)} line(s) of {path} after iteration {start_iteration} "
+                           f"moved to {aside}")
             tmp = path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept if start_iteration > 0 else [])
+                f.writelines(kept)
             os.replace(tmp, path)
         self.jsonl = open(path, "a", encoding="utf-8")
 
@@ -243,7 +254,7 @@ class TrainingLogger:
         self._write({"iteration": iteration, "valid_lm_loss": loss})
         if self.tensorboard is not None:
             self.tensorboard.add_scalar("lm loss validation", loss, iteration)
-        line = f" validation loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {_ppl(loss):.6E}"
+        line = f" validation loss at iteration {iteration} | lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E}"
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
 
     def pause_interval(self, seconds: float) -> None:
@@ -258,5 +269,6 @@ class TrainingLogger:
             self.tensorboard.close()
 
 
-def _ppl(loss: float) -> float:
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) as Megatron-LM's log does."""
     return math.exp(min(loss, 20.0))

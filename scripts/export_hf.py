@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Convert a checkpoint of the trainer (any TP/PP/EP layout) to a Hugging Face transformers checkpoint.
+
+    python3 scripts/export_hf.py --load runs/tiny/checkpoints --output runs/tiny/hf [--dtype bfloat16]
+
+Writes config.json, model.safetensors, generation_config.json and the tokenizer (a SentencePiece model
+is converted to tokenizer.json: needs `pip install transformers protobuf`). Llama2/Llama3.1
+(LlamaForCausalLM), Qwen3 (Qwen3ForCausalLM) and Mixtral (MixtralForCausalLM); see
+megatron_int8/training/export.py.
+"""
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="the --save directory of a training run")
+    parser.add_argument("--output", required=True, help="directory for the transformers checkpoint")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tokenizer-model", default=None, help="where the checkpoint's tokenizer is, if moved")
+    args = parser.parse_args(argv)
+
+    from megatron_int8.training.cpu import install_cpu_optimizer_support
+
+    install_cpu_optimizer_support()
+    from megatron_int8.training.export import ExportError, export_hf
+
+    try:
+        export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""The user's journey after training starts (issue #48), on CPU with tiny models: nothing lost on a mistaken
+restart or an interrupt, checkpoint retention, evaluation (--skip-train), generation with a KV cache, export to
+Hugging Face transformers (logits compared), and checkpoint loading that runs no code from the checkpoint."""
+import json
+import math
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from repo_paths import ROOT
+from test_training import SMALL_MODEL, _free_port, data, losses, train  # noqa: F401  (`data`: fixture)
+
+pytestmark = pytest.mark.slow
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+
+
+def trainer_argv(data, *flags):
+    return [sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+            "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"], "--data-cache-path", data["cache"],
+            *SMALL_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", *flags]
+
+
+def run_python(code: str, *argv, timeout=300, nproc=1):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                 str(_free_port())] if nproc > 1 else [sys.executable])
+    result = subprocess.run(launcher + ["-c", code, *argv] if nproc == 1 else launcher + [code, *argv], cwd=ROOT,
+                            env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """Six INT8 iterations with validation and test splits; the checkpoint the later steps use."""
+    save = tmp_path_factory.mktemp("trained") / "ckpt"
+    out = train(data, "--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "4", "--split",
+                "90,5,5", "--eval-interval", "6", "--int8-linear", "--save", str(save))
+    return {"save": save, "out": out}
+
+
+# ------------------------------------------------------------------------------------------- nothing lost
+
+
+def test_restart_into_a_used_save_is_refused_and_resume_continues_the_log_with_retention(data, tmp_path):
+    save = tmp_path / "ckpt"
+    common = ["--save", str(save), "--save-interval", "1", "--eval-iters", "0"]
+    subprocess.run(trainer_argv(data, "--train-iters", "4", "--most-recent-k", "2", *common), cwd=ROOT, env=ENV,
+                   check=True, capture_output=True, timeout=300)
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000004", "latest_checkpointed_iteration.txt",
+                                        "train_log.jsonl"]
+    log_before = (save / "train_log.jsonl").read_text()
+    for mistake in ([], ["--load", str(tmp_path / "typo")], ["--load", str(tmp_path)]):
+        result = subprocess.run(trainer_argv(data, "--train-iters", "6", *common, *mistake), cwd=ROOT, env=ENV,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert (f"--load {tmp_path / 'typo'}: no such directory" in result.stderr if "typo" in str(mistake) else
+                "already holds checkpoints (latest: iteration 4)" in result.stderr
+                and f"To continue that run: --load {save}" in result.stderr), result.stderr
+    assert (save / "train_log.jsonl").read_text() == log_before and (save / "iter_0000004").is_dir()
+    # Resumed: the log continues, and retention keeps the 2 latest plus multiples of --save-retain-interval.
+    out = train(data, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "7", "--load",
+                str(save), "--most-recent-k", "2", "--save-retain-interval", "2", *common)
+    assert "loaded checkpoint" in out and "removed iteration(s) 3" in out
+    assert sorted(losses(save / "train_log.jsonl")) == list(range(1, 8))
+    assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000004", "iter_0000006", "iter_0000007"]
+
+
+def _started(log_path, iterations=2, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(log_path) and len(losses(log_path)) >= iterations:
+            return
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_exit_signal_handler_saves_and_exits_with_one_line(data, tmp_path, sig):
+    save = tmp_path / "ckpt"
+    process = subprocess.Popen(trainer_argv(data, "--train-iters", "10000", "--eval-iters", "0", "--save", str(save),
+                                            "--exit-signal-handler"),
+                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _started(save / "train_log.jsonl")
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-3000:]
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2 and max(losses(save / "train_log.jsonl")) == saved
+    assert f"{sig.name} received: stopped after iteration {saved} of 10000, checkpoint saved to {save}; " \
+           f"resume with --load {save}" in out
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_without_the_handler_ends_in_one_line(data, tmp_path):
+    save = tmp_path / "ckpt"
+    process = subprocess.Popen(trainer_argv(data, "--train-iters", "10000", "--eval-iters", "0", "--save", str(save),
+                                            "--save-interval", "1"),
+                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _started(save / "train_log.jsonl", iterations=3)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted after iteration "), err[-3000:]
+    assert f"resume with --load {save}" in lines[0] and "--exit-signal-handler" in lines[0]
+
+
+def test_run_tiny_resumes_when_run_again(data, tmp_path):
+    run_dir = tmp_path / "tiny"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    (run_dir / "data").mkdir()
+    (run_dir / "corpus.jsonl").write_text("{}\n")  # present: the script reuses what it finds
+    shutil.copy(data["tokenizer"], run_dir / "tokenizer" / "spm.model")
+    for ext in (".bin", ".idx"):
+        shutil.copy(data["prefix"] + ext, run_dir / "data" / f"stdlib_text_document{ext}")
+    small = [*SMALL_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0"]
+    for iterations in ("3", "5"):
+        result = subprocess.run(["bash", "scripts/run_tiny.sh", *small, "--train-iters", iterations], cwd=ROOT,
+                                env=dict(ENV, RUN_DIR=str(run_dir)), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "loaded checkpoint" in result.stdout and "(iteration 3," in result.stdout
+    assert sorted(losses(run_dir / "train_log.jsonl")) == [1, 2, 3, 4, 5]
+
+
+# ------------------------------------------------------------------------------------- evaluate, generate
+
+
+def test_skip_train_evaluates_validation_and_test(data, trained):
+    out = subprocess.run(trainer_argv(data, "--split", "90,5,5", "--int8-linear", "--skip-train", "--load",
+                                      str(trained["save"])),
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    valid = [line for line in out.stdout.splitlines() if line.startswith(" validation loss at iteration 6")]
+    test = [line for line in out.stdout.splitlines() if line.startswith(" test loss at iteration 6")]
+    assert len(valid) == 1 and len(test) == 1 and "lm loss PPL:" in test[0]
+    # the same batches the training run evaluated at its last iteration: the same loss
+    trained_loss = losses(trained["save"] / "train_log.jsonl", "valid_lm_loss")[6]
+    assert f"lm loss: {trained_loss:.6E}" in valid[0]
+    loss = float(test[0].split("lm loss: ")[1].split()[0])
+    ppl = float(test[0].split("lm loss PPL: ")[1])
+    assert 0 < loss < 10 and abs(ppl - math.exp(loss)) <= 1e-5 * ppl
+    assert not (trained["save"] / "iter_0000007").exists()
+
+
+GENERATE_CHECK = textwrap.dedent('''
+    import json, sys
+    from megatron_int8.training.cpu import install_cpu_optimizer_support
+    install_cpu_optimizer_support()
+    import torch
+    from megatron_int8.training.inference import _next_token, generate, load_for_inference
+    model, args, tokenizer = load_for_inference(sys.argv[1], int8=sys.argv[2] == "int8", log=lambda m: None)
+    prompt = tokenizer.tokenize("def main(args):\\n    ")
+    results = {"int8": args.int8_linear}
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):
+        cached = generate(model, prompt, 12, temperature=temperature, top_p=top_p, vocab_size=tokenizer.vocab_size,
+                          seed=3)
+        # the same sampler over a full forward pass of the whole sequence at every step (no cache)
+        generator, sequence = torch.Generator().manual_seed(3), list(prompt)
+        with torch.no_grad():
+            for _ in range(12):
+                logits = model(torch.tensor([sequence]), torch.arange(len(sequence)).unsqueeze(0), None,
+                               runtime_gather_output=True)[:, -1, :tokenizer.vocab_size]
+                sequence.append(int(_next_token(logits, temperature, top_p, generator)))
+        results[f"{temperature}"] = [cached, sequence[len(prompt):]]
+    print("RESULT " + json.dumps(results))
+''')
+
+
+@pytest.mark.parametrize("linears", ["int8", "bf16"])
+def test_generate_with_the_kv_cache_equals_full_recomputation(trained, linears):
+    out = run_python(GENERATE_CHECK, str(trained["save"]), linears)
+    results = json.loads(out.split("RESULT ")[1])
+    assert results["int8"] == (linears == "int8")
+    for key in ("0.0", "1.0"):
+        cached, full = results[key]
+        assert len(cached) == 12 and cached == full, (key, cached, full)
+    assert results["0.0"][0] != results["1.0"][0]  # top-p sampling is not greedy
+
+
+def test_generate_script_prints_the_continuation(trained):
+    result = subprocess.run([sys.executable, "scripts/generate.py", "--load", str(trained["save"]), "--prompt",
+                             "import os\n", "--max-new-tokens", "8", "--temperature", "0.7", "--top-p", "0.9"],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("import os\n") and len(result.stdout) > len("import os\n") + 1
+    assert "tokens, iteration 6, INT8 linears, temperature 0.7, top-p 0.9]" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+EXPORT_CHECK = textwrap.dedent('''
+    import json, sys
+    from megatron_int8.training.cpu import install_cpu_optimizer_support
+    install_cpu_optimizer_support()
+    import torch
+    from transformers import AutoModelForCausalLM
+    from megatron_int8.training.export import export_hf
+    from megatron_int8.training.inference import generate, load_for_inference
+    load, output = sys.argv[1], sys.argv[2]
+    results = {}
+    model, args, tokenizer = load_for_inference(load, int8=False, bf16=False, log=lambda m: None)
+    torch.manual_seed(0)
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 40))
+    with torch.no_grad():
+        reference = model(ids, torch.arange(40).expand(2, 40), None, runtime_gather_output=True).double()
+    for dtype in ("float32", "bfloat16"):
+        config = export_hf(load, f"{output}/{dtype}", dtype, log=lambda m: None)
+        hf = AutoModelForCausalLM.from_pretrained(f"{output}/{dtype}", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = hf(ids).logits.double()
+        results[dtype] = {"architecture": config["architectures"][0], "class": type(hf).__name__,
+                          "error": (logits - reference).abs().max().item(), "scale": reference.abs().max().item()}
+    prompt = ids[:1, :8]
+    with torch.no_grad():
+        hf_new = hf.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 8:].tolist()
+    results["hf_generate"] = hf_new
+    print("RESULT " + json.dumps(results))
+''')
+
+
+def _needs_transformers(tokenizer=False):
+    for module in ("transformers", "safetensors") + (("google.protobuf",) if tokenizer else ()):
+        pytest.importorskip(module)
+
+
+def _check_export(results, architecture):
+    assert results["float32"]["architecture"] == results["float32"]["class"] == architecture
+    # fp32 weights: the same arithmetic up to summation order
+    assert results["float32"]["error"] <= 1e-4 * results["float32"]["scale"], results
+    # bf16 weights: each weight rounded by 2^-9 relative; logits move by a few such steps
+    assert results["bfloat16"]["error"] <= 0.05 * results["float32"]["scale"], results
+    assert results["bfloat16"]["error"] > results["float32"]["error"]
+    assert len(results["hf_generate"]) == 6
+
+
+def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(data, trained, tmp_path):
+    _needs_transformers(tokenizer=True)
+    import sentencepiece as spm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = run_python(EXPORT_CHECK, str(trained["save"]), str(tmp_path))
+    _check_export(json.loads(out.split("RESULT ")[1]), "LlamaForCausalLM")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bfloat16")
+    text = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == spm.SentencePieceProcessor(model_file=data["tokenizer"]).encode(text)
+    assert tokenizer.decode(ids) == text
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16")
+    prompt = tokenizer("import os\n", return_tensors="pt", add_special_tokens=False)
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=True, top_p=0.9)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    assert tokenizer.decode(generated[0]).startswith("import os\n")
+
+
+@pytest.mark.parametrize("architecture, flags, nproc", [
+    ("Qwen3ForCausalLM", ["--qk-layernorm", "--use-rope-scaling", "--pipeline-model-parallel-size", "2"], 2),
+    ("MixtralForCausalLM", ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                            "--moe-grouped-gemm"], 2),
+])
+def test_export_qwen3_and_mixtral_from_parallel_layouts(data, tmp_path, architecture, flags, nproc):
+    _needs_transformers()
+    save = tmp_path / "ckpt"
+    train(data, "--train-iters", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
+          "--int8-linear", "--save", str(save), *flags, nproc=nproc)
+    out = run_python(EXPORT_CHECK, str(save), str(tmp_path / "hf"))
+    _check_export(json.loads(out.split("RESULT ")[1]), architecture)
+
+
+# ------------------------------------------------------------------------------------------- safe loading
+
+
+class _Planted:
+    """Unpickling it would create a marker file: the proof that code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_files_load_weights_only_and_planted_objects_are_refused(trained, tmp_path):
+    from megatron_int8.training.checkpoint import latest_checkpoint_dir
+    from megatron_int8.training.safe_load import UnsafeCheckpointError, check_dcp_metadata, load_tensors_file
+
+    directory = latest_checkpoint_dir(str(trained["save"]))
+    state = load_tensors_file(os.path.join(directory, "rng", "rank_00000.pt"))  # no numpy arrays needed
+    assert state["numpy"]["keys"].dtype == torch.int64 and state["numpy"]["keys"].numel() == 624
+    common = torch.load(os.path.join(directory, "common.pt"), weights_only=True)
+    assert type(common["args"]).__name__ == "Namespace" and common["args"].num_layers == 2
+    assert common["args"].int8_linear is True and common["checkpoint_version"] == 3.0
+    check_dcp_metadata(directory)
+
+    marker = tmp_path / "code_ran"
+    planted = tmp_path / "rank_00000.pt"
+    torch.save({**state, "numpy": _Planted(marker)}, planted)
+    with pytest.raises(UnsafeCheckpointError, match="rank_00000.pt holds an object outside the allowlist"):
+        load_tensors_file(str(planted), allow_numpy_arrays=True)
+    (tmp_path / "ckpt").mkdir()
+    with open(tmp_path / "ckpt" / ".metadata", "wb") as f:
+        pickle.dump({"state_dict_metadata": _Planted(marker)}, f)
+    with pytest.raises(UnsafeCheckpointError, match="refers to io.open, which is not a checkpoint record type"):
+        check_dcp_metadata(str(tmp_path / "ckpt"))
+    assert not marker.exists()
+
+
+def test_resume_refuses_a_planted_rng_file(data, trained, tmp_path):
+    save = tmp_path / "ckpt"
+    shutil.copytree(trained["save"], save)
+    marker = tmp_path / "code_ran"
+    rng = save / "iter_0000006" / "rng" / "rank_00000.pt"
+    torch.save({"random": _Planted(marker)}, rng)
+    result = subprocess.run(trainer_argv(data, "--split", "90,5,5", "--train-iters", "7", "--int8-linear", "--load",
+                                         str(save), "--save", str(save)),
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"error: {rng} holds an object outside the allowlist" in result.stderr
+    assert not marker.exists() and not (save / "iter_0000007").exists()

@@ -1,0 +1,216 @@
+"""Bad data, tokenizers and switches (issue #48), in-process and before anything trains: each fails with a
+message naming the file and the fix, or is noted; every on/off flag can be undone on the command line."""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from repo_paths import ROOT
+from test_data import _pretrain_error, _trainer_args, dataset  # noqa: F401  (`dataset`: fixture)
+
+from megatron_int8.training.args import ArgumentError, build_parser, parse_args, validate_args
+
+
+def _copy_dataset(dataset, tmp_path, name="copy"):
+    prefix = str(tmp_path / name)
+    for ext in (".bin", ".idx"):
+        shutil.copy(dataset["prefix"] + ext, prefix + ext)
+    return prefix
+
+
+def test_truncated_empty_and_mismatched_index_files_are_named(dataset, tmp_path):
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    prefix = _copy_dataset(dataset, tmp_path)
+    whole = open(prefix + ".idx", "rb").read()
+    open(prefix + ".idx", "wb").write(whole[: len(whole) // 2])
+    message = _pretrain_error(_trainer_args(dataset, "--data-path", prefix))
+    assert f"{prefix}.idx is truncated" in message and "scripts/preprocess_data.py" in message
+    open(prefix + ".idx", "wb").write(b"")
+    assert f"{prefix}.idx is empty (0 bytes)" in _pretrain_error(_trainer_args(dataset, "--data-path", prefix))
+    open(prefix + ".idx", "wb").write(whole[:12])
+    assert f"{prefix}.idx is truncated (12 bytes)" in _pretrain_error(_trainer_args(dataset, "--data-path", prefix))
+
+    # another dataset's index (same vocabulary, other documents) next to this .bin
+    other = str(tmp_path / "other")
+    builder = IndexedDatasetBuilder(other + ".bin", dtype=DType.optimal_dtype(300))
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        builder.add_document(rng.integers(0, 300, size=int(rng.integers(50, 400))), [0])
+    builder.finalize(other + ".idx")
+    shutil.copy(other + ".idx", prefix + ".idx")
+    message = _pretrain_error(_trainer_args(dataset, "--data-path", prefix))
+    assert f"{prefix}.bin does not match {prefix}.idx" in message and "different preprocessing runs" in message
+
+
+@pytest.mark.parametrize("extension", [".bin", ".idx"])
+def test_data_path_with_an_extension_names_the_prefix(dataset, extension):
+    message = _pretrain_error(_trainer_args(dataset, "--data-path", dataset["prefix"] + extension))
+    assert f"give the prefix of the .bin/.idx pair, without the extension: --data-path {dataset['prefix']}" in message
+
+
+def _bare_tokenizer_json(directory, eos=None):
+    """A byte-level BPE tokenizer.json with an <|endoftext|> token, and tokenizer_config.json naming it or not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 10, trainer)
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    if eos is not None:
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return tokenizer
+
+
+def test_a_tokenizer_of_the_other_kind_names_the_tokenizer_type(dataset, tmp_path):
+    pytest.importorskip("tokenizers")
+    _bare_tokenizer_json(tmp_path)
+    json_file = str(tmp_path / "tokenizer.json")
+    message = _pretrain_error(_trainer_args(dataset, "--tokenizer-model", json_file))  # tiny.yaml: SentencePiece
+    assert f"--tokenizer-model {json_file} is a Hugging Face tokenizer (tokenizer.json), not a SentencePiece model: " \
+           "pass --tokenizer-type HuggingFaceTokenizer" in message
+    message = _pretrain_error(_trainer_args(dataset, "--tokenizer-type", "HuggingFaceTokenizer"))
+    assert "is not a Hugging Face tokenizer.json" in message and "--tokenizer-type SentencePieceTokenizer" in message
+    result = subprocess.run([sys.executable, "scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"),
+                             "--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                             "--tokenizer-model", json_file], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "pass --tokenizer-type HuggingFaceTokenizer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_hf_tokenizer_without_eos_asks_for_it_and_takes_it_from_config_or_flag(dataset, tmp_path):
+    pytest.importorskip("transformers")
+    from megatron_int8.training.data import build_tokenizer
+
+    bare, configured = tmp_path / "bare", tmp_path / "configured"
+    hf = _bare_tokenizer_json(bare)
+    _bare_tokenizer_json(configured, eos="<|endoftext|>")
+    eod = hf.token_to_id("<|endoftext|>")
+
+    def args(directory, *extra):
+        return validate_args(_trainer_args(dataset, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                           str(directory), *extra), world_size=1)
+
+    with pytest.raises(ArgumentError, match="names no end-of-document \\(EOS\\) token.*pass --eod-token TOKEN"):
+        build_tokenizer(args(bare))
+    assert build_tokenizer(args(bare, "--eod-token", "<|endoftext|>")).eod == eod
+    assert build_tokenizer(args(configured)).eod == eod
+    assert build_tokenizer(args(configured, "--eod-token", "<pad>")).eod == hf.token_to_id("<pad>")
+    with pytest.raises(ArgumentError, match="end-of-document token '</s>' \\(from --eod-token\\) is not a token of"):
+        build_tokenizer(args(bare, "--eod-token", "</s>"))
+
+
+def _switches():
+    """(dest, the flag that sets it away from the default, the default) of every on/off flag."""
+    parser = build_parser()
+    switches = []
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
+            if action.const != parser.get_default(action.dest):
+                switches.append((action.dest, action.option_strings[0], parser.get_default(action.dest)))
+    return switches
+
+
+def test_every_yaml_switch_can_be_undone_on_the_command_line(tmp_path):
+    switches = _switches()
+    assert {flag for _, flag, _ in switches} >= {"--sequence-parallel", "--swiglu", "--disable-bias-linear",
+                                                 "--int8-linear", "--bf16", "--untie-embeddings-and-output-weights"}
+    parser = build_parser()
+    undo = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
+            if action.const == parser.get_default(action.dest) or parser.get_default(action.dest) is None:
+                undo.setdefault(action.dest, action.option_strings[0])
+    for dest, flag, default in switches:
+        config = tmp_path / "switch.yaml"
+        config.write_text(yaml.safe_dump({flag[2:]: True}))
+        assert getattr(parse_args(["--config", str(config)]), dest) != default, flag
+        assert dest in undo, f"{flag} set in a YAML file cannot be undone on the command line"
+        assert getattr(parse_args(["--config", str(config), undo[dest]]), dest) == default, (flag, undo[dest])
+    assert undo["sequence_parallel"] == "--no-sequence-parallel"
+    assert undo["add_bias_linear"] == "--enable-bias-linear"
+    assert undo["int8_no_weight_cache"] == "--int8-weight-cache"
+    assert undo["apply_rope_fusion"] == "--rope-fusion"
+
+
+def test_silent_choices_are_noted(dataset, capsys):
+    validate_args(_trainer_args(dataset, "--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"), 1)
+    assert "note: --int8-grad-rounding, --int8-granularity have no effect without --int8-linear" in capsys.readouterr().out
+    validate_args(_trainer_args(dataset, "--int8-linear", "--int8-granularity", "tensor"), 1)
+    out = capsys.readouterr().out
+    assert "warning: --int8-granularity tensor with --int8-grad-rounding nearest" in out
+    assert "docs/convergence.md" in out
+    for quiet in (["--int8-linear"], ["--int8-linear", "--int8-granularity", "tensor", "--int8-grad-rounding",
+                                      "stochastic"], []):
+        validate_args(_trainer_args(dataset, *quiet), 1)
+        assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--skip-train"], "--skip-train evaluates a checkpoint: give --load DIR"),
+    (["--skip-train", "--load", "x", "--eval-iters", "0"], "give --eval-iters > 0"),
+    (["--save-interval", "4", "--save-retain-interval", "6"], "--save-retain-interval 6 must be a multiple of"),
+    (["--most-recent-k", "0"], "--most-recent-k must be >= 1, or -1"),
+])
+def test_journey_arguments_are_checked(dataset, extra, message):
+    with pytest.raises(ArgumentError) as err:
+        validate_args(_trainer_args(dataset, *extra), world_size=1)
+    assert message in str(err.value)
+
+
+def test_skip_train_needs_no_schedule(dataset):
+    args = validate_args(_trainer_args(dataset, "--skip-train", "--load", "x", "--lr-warmup-iters", "100",
+                                       "--min-lr", "1"), world_size=1)
+    assert args.no_load_optim and args.save is None
+
+
+def test_export_without_protobuf_copies_the_sentencepiece_model(dataset, tmp_path, monkeypatch):
+    """transformers converts a SentencePiece model to tokenizer.json only with protobuf installed: without it
+    the export keeps the model as tokenizer.model (which transformers converts when loading) and says so."""
+    transformers = pytest.importorskip("transformers")
+    import sentencepiece as spm
+
+    from megatron_int8.training.export import _save_tokenizer
+
+    def no_protobuf(*args, **kwargs):
+        raise ImportError("SentencePieceExtractor requires the protobuf library")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_protobuf)
+    notes = []
+    args = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=dataset["tokenizer"])
+    eos, bos = _save_tokenizer(args, str(tmp_path), notes.append)
+    processor = spm.SentencePieceProcessor(model_file=dataset["tokenizer"])
+    assert (eos, bos) == (processor.eos_id(), processor.bos_id())
+    assert sorted(os.listdir(tmp_path)) == ["tokenizer.model", "tokenizer_config.json"]
+    assert (tmp_path / "tokenizer.model").read_bytes() == open(dataset["tokenizer"], "rb").read()
+    assert len(notes) == 1 and "requires the protobuf library" in notes[0]
+
+
+@pytest.mark.parametrize("save_first", [False, True])
+def test_a_second_signal_interrupts_at_once(save_first):
+    """The first SIGINT only sets the flag that the loop reads after its iteration; a second one (a step that
+    hangs) raises at once. Outside the loop the previous handlers are back."""
+    import signal
+
+    from megatron_int8.training.loop import ExitSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with ExitSignals(save_first=save_first) as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.received == signal.SIGINT
+        if not save_first:
+            with pytest.raises(KeyboardInterrupt):
+                signals.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the handler runs between bytecodes
+    assert signal.getsignal(signal.SIGINT) is before
