@@ -6,7 +6,6 @@ falls back to a default.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -58,31 +57,32 @@ def build_cache_dir(default: str) -> str:
     return os.environ.get(ENV_BUILD_CACHE) or default
 
 
-@torch.compiler.assume_constant_result  # torch.compile calls it once, then treats it as a constant
-@functools.lru_cache(maxsize=None)
+# looked up once, at import (a module search, not an import): torch.compile traces the backend choice inside the
+# linear's autograd.Function, where it cannot trace importlib, but reads a module constant
+TRITON_FOUND = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """triton is installed; whether this package's kernels import with it is ops.backend.triton_available's
+    question (get_backend asks it before it hands out the Triton backend)."""
+    return TRITON_FOUND
 
 
 def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend_name(device: torch.device, recipe: Int8Recipe) -> str:
-    """The backend a recipe runs with on a device; MEGATRON_INT8_BACKEND overrides the recipe."""
+def resolve_backend_name(device: torch.device, recipe: Int8Recipe, triton_usable: bool = None) -> str:
+    """The backend a recipe runs with on a device; MEGATRON_INT8_BACKEND overrides the recipe. `triton_usable`:
+    whether the Triton kernels import (default: whether triton is installed)."""
+    usable = triton_installed() if triton_usable is None else triton_usable
     choice = os.environ.get(ENV_BACKEND, "").strip() or recipe.backend
     if choice not in BACKENDS:
         raise ValueError(f"{ENV_BACKEND}={choice!r}: expected one of {', '.join(BACKENDS)}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and triton_installed() else "reference"
+        return "triton" if device.type == "cuda" and usable else "reference"
     if choice == "triton":
-        if not triton_installed():
+        if not usable:
             raise ImportError("INT8 backend 'triton' requested but triton is not importable")
         if not triton_runs_on(device):
             raise ValueError(f"INT8 backend 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got {device}")

@@ -12,7 +12,6 @@ from ..reference import ReferenceBackend
 __all__ = ["backend_instance", "get_backend", "quantize_kwargs", "triton_available", "triton_runs_on"]
 
 
-@torch.compiler.assume_constant_result  # torch.compile calls it once, then treats it as a constant
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     """triton is installed and this package's kernels import with it."""
@@ -39,7 +38,7 @@ def backend_instance(name: str):
 
 def get_backend(device: torch.device, recipe: Int8Recipe):
     """The backend `recipe` runs with on `device` (under torch.compile: library.traced_backend)."""
-    return backend_instance(resolve_backend_name(device, recipe))
+    return backend_instance(resolve_backend_name(device, recipe, triton_available()))
 
 
 @functools.lru_cache(maxsize=None)  # recipes are frozen and few: one dict each, shared (callers never mutate it)
