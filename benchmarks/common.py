@@ -4,7 +4,8 @@ an install), CUDA timing, the trainer runs of the end-to-end benchmarks, and the
 Every benchmark imports this module first (`import common`; a script's own folder is on sys.path).
 Results: `append_results(name, rows)` adds machine-readable rows to benchmarks/results/<name>.csv (to
 $OUT/<name>.csv where $OUT is set, as on the GPU machine) with the GPU, date, commit, software versions
-and the command that produced them.
+and the command that produced them. BENCH_COMMIT=<hash> names the commit where the checkout's git metadata is stale (a copy
+of the working tree, as on the GPU machine).
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def provenance() -> dict:
         proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return proc.stdout.strip() if proc.returncode == 0 else ""
 
-    commit = git("rev-parse", "--short", "HEAD") or os.environ.get("MEGATRON_INT8_COMMIT", "unknown")
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # a copy of a checkout (the GPU machine gets the working tree with stale git metadata) names its commit
+    commit = os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if "BENCH_COMMIT" not in os.environ and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": gpu,

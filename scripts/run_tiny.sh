@@ -3,18 +3,21 @@
 # machine (Python's standard-library sources), no downloads. Run after `pip install -e .`:
 #
 #     bash scripts/run_tiny.sh [extra trainer flags, e.g. --train-iters 100]
-#     PRECISION=bf16 bash scripts/run_tiny.sh      # the same without INT8 (the baseline)
+#     PRECISION=bf16 bash scripts/run_tiny.sh      # the same without INT8 (the baseline), under RUN_DIR/bf16
+#     PRECISION=both bash scripts/run_tiny.sh      # INT8, then BF16, and both curves on one chart
 #
 # Run again, it resumes from the last checkpoint in runs/tiny/checkpoints (with --train-iters N, up to N);
 # Ctrl-C saves and exits (--exit-signal-handler). A fresh start: another RUN_DIR, or delete runs/tiny.
 #
 # Steps (corpus and tokenizer are reused when present): corpus -> SentencePiece tokenizer ->
 # indexed dataset -> pretraining (CPU, or GPU with --bf16 if one is present) -> loss-curve PNG.
-# Everything goes under runs/tiny (RUN_DIR to change it).
+# Everything goes under runs/tiny (RUN_DIR to change it): the INT8 run's checkpoints/, train_log.jsonl and
+# loss.png there, the BF16 run's under runs/tiny/bf16 (its own checkpoints: the two never resume each other).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/tiny}
 PRECISION=${PRECISION:-int8}
+case "$PRECISION" in int8|bf16|both) ;; *) echo "PRECISION=$PRECISION: expected int8, bf16 or both" >&2; exit 2;; esac
 PYTHON=${PYTHON:-python3}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 mkdir -p "$RUN_DIR"
@@ -43,19 +46,31 @@ else
     echo "== 2/4 tokenizer and 3/4 dataset: reusing $RUN_DIR/tokenizer, $RUN_DIR/data"
 fi
 
-PRECISION_FLAGS=()
-[[ "$PRECISION" == "int8" ]] && PRECISION_FLAGS+=(--int8-linear)
-if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    PRECISION_FLAGS+=(--bf16)
+train_one() {  # PRECISION OUT_DIR [trainer flags]: one run, resumed from OUT_DIR/checkpoints when there
+    local precision=$1 out=$2
+    shift 2
+    local flags=()
+    [[ "$precision" == "int8" ]] && flags+=(--int8-linear)
+    if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        flags+=(--bf16)
+    fi
+    mkdir -p "$out"
+    echo "== 4/4 pretraining ($precision${flags[*]:+: ${flags[*]}}) into $out"
+    "$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml \
+        --data-path "${DATA_PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
+        --data-cache-path "$RUN_DIR/data/cache" --save "$out/checkpoints" --load "$out/checkpoints" \
+        --exit-signal-handler --log-jsonl "$out/train_log.jsonl" "${flags[@]}" "$@"
+    "$PYTHON" scripts/plot_loss.py "$out/train_log.jsonl" --labels "tiny $precision" \
+        --output "$out/loss.png" --title "Tiny Llama-style model, $precision linears" \
+        || echo "(no loss plot: see the message above; the JSONL log is complete)"
+}
+
+[[ "$PRECISION" != "bf16" ]] && train_one int8 "$RUN_DIR" "$@"
+[[ "$PRECISION" != "int8" ]] && train_one bf16 "$RUN_DIR/bf16" "$@"
+if [[ "$PRECISION" == "both" ]]; then
+    "$PYTHON" scripts/plot_loss.py "$RUN_DIR/train_log.jsonl" "$RUN_DIR/bf16/train_log.jsonl" --labels INT8 BF16 \
+        --output "$RUN_DIR/loss_both.png" --title "Tiny Llama-style model: INT8 vs BF16 linears" \
+        || echo "(no comparison plot: see the message above)"
+    echo "both curves: $RUN_DIR/loss_both.png"
 fi
-
-echo "== 4/4 pretraining ($PRECISION${PRECISION_FLAGS[*]:+: ${PRECISION_FLAGS[*]}})"
-"$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml \
-    --data-path "${DATA_PREFIX}_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
-    --data-cache-path "$RUN_DIR/data/cache" --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" \
-    --exit-signal-handler --log-jsonl "$RUN_DIR/train_log.jsonl" "${PRECISION_FLAGS[@]}" "$@"
-
-"$PYTHON" scripts/plot_loss.py "$RUN_DIR/train_log.jsonl" --labels "tiny $PRECISION" \
-    --output "$RUN_DIR/loss.png" --title "Tiny Llama-style model, $PRECISION linears" \
-    || echo "(no loss plot: see the message above; the JSONL log is complete)"
-echo "done in $(( $(date +%s) - started )) s: checkpoint $RUN_DIR/checkpoints, log $RUN_DIR/train_log.jsonl, plot $RUN_DIR/loss.png"
+echo "done in $(( $(date +%s) - started )) s under $RUN_DIR"

@@ -135,6 +135,31 @@ def test_run_tiny_resumes_when_run_again(data, tmp_path):
     assert sorted(losses(run_dir / "train_log.jsonl")) == [1, 2, 3, 4, 5]
 
 
+def test_run_tiny_both_trains_int8_and_bf16_apart_and_plots_both(data, tmp_path):
+    """PRECISION=both: an INT8 run in RUN_DIR, a BF16 run in RUN_DIR/bf16 (never resuming the other's
+    checkpoints), and one chart of both curves; an unknown PRECISION is refused before any work."""
+    run_dir = tmp_path / "tiny"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    (run_dir / "data").mkdir()
+    (run_dir / "corpus.jsonl").write_text("{}\n")
+    shutil.copy(data["tokenizer"], run_dir / "tokenizer" / "spm.model")
+    for ext in (".bin", ".idx"):
+        shutil.copy(data["prefix"] + ext, run_dir / "data" / f"stdlib_text_document{ext}")
+    small = [*SMALL_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-iters", "0",
+             "--train-iters", "3"]
+    bad = subprocess.run(["bash", "scripts/run_tiny.sh"], cwd=ROOT, env=dict(ENV, RUN_DIR=str(run_dir),
+                         PRECISION="fp8"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "expected int8, bf16 or both" in bad.stderr
+    result = subprocess.run(["bash", "scripts/run_tiny.sh", *small], cwd=ROOT,
+                            env=dict(ENV, RUN_DIR=str(run_dir), PRECISION="both"), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    int8, bf16 = losses(run_dir / "train_log.jsonl"), losses(run_dir / "bf16" / "train_log.jsonl")
+    assert sorted(int8) == sorted(bf16) == [1, 2, 3] and int8 != bf16  # two runs, not one resumed
+    assert " int8 int8[" in result.stdout and (run_dir / "bf16" / "checkpoints").is_dir()
+    assert (run_dir / "loss_both.png").stat().st_size > 0
+
+
 # ------------------------------------------------------------------------------------- evaluate, generate
 
 
