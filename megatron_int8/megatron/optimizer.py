@@ -92,6 +92,17 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
             return torch.zeros(flat.numel(), dtype=torch.int16, device=flat.device)
         return flat if flat.dtype == torch.float32 else flat.float()
 
+    def reload_masters(self) -> None:
+        """Master weights of the parameters' current values (after the weights alone were loaded): megatron's
+        reload_model_params leaves the precision-aware optimizer's masters to the optimizer."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state and "master_param" in state:
+                    master = self._new_master(param)
+                    if master.data_ptr() != state["master_param"].data_ptr():
+                        state["master_param"].copy_(master)
+
     def initialize_all_states(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:

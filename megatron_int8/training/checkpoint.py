@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
+from ..megatron.optimizer import precision_aware_optimizers
 from .model import adam_step, inner_optimizers
 from .safe_load import load_tensors_file, weights_only_loading
 
@@ -497,6 +498,12 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
                     directory, "its optimizer buckets do not match this run's: the error above")) from error
             raise
         unwrap(model_chunks)[0].load_state_dict(loaded["model"], strict=True)
+        if not with_optimizer and optimizer is not None:
+            # the weights alone (--no-load-optim): the optimizer's master weights were made from the initial
+            # weights, and its first step would write them back over the loaded ones (as megatron-LM does)
+            optimizer.reload_model_params()
+            for inner in precision_aware_optimizers(optimizer):
+                inner.reload_masters()
         if with_optimizer:
             with _steps_set_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
