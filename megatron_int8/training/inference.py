@@ -46,6 +46,7 @@ def load_for_inference(load: str, log=print, **overrides):
     from ..megatron.cli import policy_from_args
     from .checkpoint import load_checkpoint
     from .data import build_tokenizer
+    from .health import RunHealth
     from .model import build_config, build_model, initialize_distributed, unwrap
 
     args = inference_arguments(load, **overrides)
@@ -54,7 +55,9 @@ def load_for_inference(load: str, log=print, **overrides):
         initialize_distributed(args)
     config = build_config(args, lambda message: None)
     chunks = build_model(args, config, policy_from_args(args), args.padded_vocab_size, lambda message: None)
-    iteration, _ = load_checkpoint(args, chunks, None, None, log)
+    health = RunHealth(args, unwrap(chunks))  # GEMMs the auto-fallback moved to finer scales or BF16 stay there
+    iteration, _ = load_checkpoint(args, chunks, None, None, log, health.fallback)
+    health.after_load(log)
     model = unwrap(chunks)[0]
     model.eval()
     args.iteration = iteration

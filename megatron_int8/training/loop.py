@@ -240,9 +240,11 @@ def pretrain(args) -> dict:
     _log(f"model: {num_params / 1e6:.2f} M parameters on rank 0; {policy.describe()}")
     print_precision_table(unwrap(model), policy, print_fn=_log, full=args.int8_precision_table)
     if args.skip_train:
-        iteration, _ = load_checkpoint(args, model, None, None, _log)
+        health = RunHealth(args, unwrap(model))  # the checkpoint's fallback moves apply to evaluation too
+        iteration, _ = load_checkpoint(args, model, None, None, _log, health.fallback)
         if iteration == 0:
             raise ArgumentError(f"--skip-train: no checkpoint in --load {args.load}")
+        health.after_load(_log)
         _, valid_ds, test_ds = build_datasets(args, tokenizer)
         losses = evaluate_splits(get_forward_backward_func(), {"validation": valid_ds, "test": test_ds}, model, args,
                                  iteration)

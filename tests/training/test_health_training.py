@@ -58,6 +58,10 @@ def test_statistics_fallback_and_resume(tmp_path):
     resumed = train(*base, "--train-iters", "8", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
     assert ("int8 fallback restored from the checkpoint: layer2.mlp.linear_fc2 runs row scales, "
             "fprop:hp/dgrad:hp/wgrad") in resumed
+    # evaluation and inference run the moved GEMMs as training left them
+    evaluated = train(*base, "--load", str(tmp_path / "a"), "--skip-train", "--eval-iters", "1")
+    assert ("int8 fallback restored from the checkpoint: layer2.mlp.linear_fc2 runs row scales, "
+            "fprop:hp/dgrad:hp/wgrad") in evaluated and "validation loss at iteration 6" in evaluated
     again = train(*base, "--train-iters", "9", "--load", str(tmp_path / "b"), "--int8-reset-fallback")
     assert "int8 fallback: --int8-reset-fallback: 8 linear(s) back to their configured recipe" in again
     assert "restored from the checkpoint" not in again
