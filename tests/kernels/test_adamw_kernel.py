@@ -7,7 +7,7 @@ from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 from megatron_int8.ops.adamw import QBLOCK, AdamWScalars, BlockQuantized, adamw_step_reference
 
 
-@pytest.mark.skipif(INTERPRETING, reason="the driver runs in the parent session")
+@pytest.mark.skipif(INTERPRETING, reason="the driver runs in the parent pytest process")
 @pytest.mark.timeout(900)
 def test_kernel_under_interpreter():
     pytest.importorskip("triton")
