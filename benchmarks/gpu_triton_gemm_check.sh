@@ -2,6 +2,8 @@
 # One call on a Hopper GPU machine, from the repo root (issue #50): the Triton GEMMs' GPU tests, then their speed
 # against the CUDA kernel on bench_kernels' 42 GEMMs. Under 8 minutes on an H100.
 #   bash benchmarks/gpu_triton_gemm_check.sh     # env: TEST_TIMEOUT (180), BENCH_TIMEOUT (270), BENCH_ARGS, SKIP_TESTS
+#   SKIP_BENCH=1 bash ...  # the tests alone, without the benchmark's warm-up: safe beside other GPU work (autotuning
+#                          # is not), so the timed part can follow later, alone, with SKIP_TESTS=1
 # 1. In parallel (compiling dominates; the timings come after): tests/kernels/test_gemm_variants_gpu.py, one process
 #    per MEGATRON_INT8_GEMM_TMA_VARIANT (MEGATRON_INT8_GEMM_KERNEL=tma inside the tests), and test_kernels_gpu.py
 #    -k gemm with MEGATRON_INT8_GEMM_KERNEL=plain (the Triton pointer kernel, what GPUs without the CUDA kernel run)
@@ -35,12 +37,13 @@ if [ -z "$SKIP_TESTS" ]; then
       >"$LOGS/test_kernels_gpu_$kernel.log" 2>&1 &
     pids+=($!)
   done
-  # meanwhile the benchmark's own compiles (and autotuning) fill Triton's cache, so its timed run is shorter
-  timeout "${TEST_TIMEOUT:-180}" python3 benchmarks/bench_triton_gemm.py --warmup ${BENCH_ARGS} >"$LOGS/warmup.txt" 2>&1 &
-  warm=$!
+  if [ -z "$SKIP_BENCH" ]; then
+    # meanwhile the benchmark's own compiles (and autotuning) fill Triton's cache, so its timed run is shorter
+    timeout "${TEST_TIMEOUT:-180}" python3 benchmarks/bench_triton_gemm.py --warmup ${BENCH_ARGS} >"$LOGS/warmup.txt" 2>&1 &
+    warm=$!
+  fi
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  wait $warm
-  tail -3 "$LOGS/warmup.txt" | tee -a "$OUT/tests.log"
+  if [ -z "$SKIP_BENCH" ]; then wait $warm; tail -3 "$LOGS/warmup.txt" | tee -a "$OUT/tests.log"; fi
   for log in "$LOGS"/*.log; do
     echo "== $(basename "$log"): $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$log" | head -5
@@ -48,6 +51,7 @@ if [ -z "$SKIP_TESTS" ]; then
   echo "[tests $(( $(date +%s) - start )) s]" | tee -a "$OUT/tests.log"
   for log in "$LOGS"/*.log; do echo "===== $(basename "$log")"; tail -60 "$log"; done >>"$OUT/tests.log"
 fi
+[ -n "$SKIP_BENCH" ] && exit $status
 timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/bench_triton_gemm.py ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" \
   | grep -v "^|" || status=1
 cat "$OUT/bench_triton_gemm.md" 2>/dev/null

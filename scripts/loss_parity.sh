@@ -14,6 +14,11 @@
 # ablation means the same whatever the default: int8_nearest / int8_sr (tensorwise, gradients rounded to
 # nearest / stochastically), int8_row, int8_block, int8_wgrad_bf16 (wgrad in BF16), int8_dgrad_wgrad_bf16
 # (only fprop INT8) -- all four with nearest rounding -- int8_row_sr, int8_first_last_bf16 (default recipe).
+# Memory options (issue #46), each on the default recipe: int8_optimizer (INT8 Adam moments + master-weight
+# remainders, on the distributed optimizer they need), int8_swiglu_input, int8_norm_input (activations saved in
+# INT8), and int8_memory, the stack that
+# bench_e2e measures (optimizer + SwiGLU input + the Q(W)-only weight cache) with the health statistics and the
+# auto fallback on, so its JSONL also shows whether a fallback fires on a healthy run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/parity}
@@ -38,6 +43,7 @@ if [[ ! -f "${PREFIX}_text_document.bin" ]]; then
         --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece "$VOCAB" --workers "$WORKERS"
 fi
 
+PRECISION_AWARE="--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --store-param-remainders"
 variant_flags() {
     case "$1" in
         bf16) ;;
@@ -51,6 +57,11 @@ variant_flags() {
         int8_wgrad_bf16) echo --int8-linear --int8-bf16-gemms wgrad --int8-grad-rounding nearest ;;
         int8_dgrad_wgrad_bf16) echo --int8-linear --int8-bf16-gemms dgrad,wgrad --int8-grad-rounding nearest ;;
         int8_first_last_bf16) echo --int8-linear --int8-first-last-layers-bf16 ;;
+        int8_optimizer) echo --int8-linear $PRECISION_AWARE ;;
+        int8_swiglu_input) echo --int8-linear --int8-swiglu-input ;;
+        int8_norm_input) echo --int8-linear --int8-norm-input ;;
+        int8_memory) echo --int8-linear $PRECISION_AWARE --int8-swiglu-input --int8-no-dgrad-weight-cache \
+            --int8-stats-interval 100 --int8-auto-fallback ;;
         *) echo "unknown variant $1" >&2; return 1 ;;
     esac
 }
