@@ -47,12 +47,13 @@ def load_for_inference(load: str, log=print, **overrides):
     from .checkpoint import load_checkpoint
     from .data import build_tokenizer
     from .health import RunHealth
-    from .model import build_config, build_model, initialize_distributed, unwrap
+    from .model import build_config, build_model, initialize_distributed, set_random_seed, unwrap
 
     args = inference_arguments(load, **overrides)
     tokenizer = build_tokenizer(args)
     if not torch.distributed.is_initialized():
         initialize_distributed(args)
+    set_random_seed(args.seed)  # megatron's layers draw their (overwritten) init from its RNG streams, on GPU too
     config = build_config(args, lambda message: None)
     chunks = build_model(args, config, policy_from_args(args), args.padded_vocab_size, lambda message: None)
     health = RunHealth(args, unwrap(chunks))  # GEMMs the auto-fallback moved to finer scales or BF16 stay there

@@ -187,6 +187,9 @@ GENERATE_CHECK = textwrap.dedent('''
     import torch
     from megatron_int8.training.inference import _next_token, generate, load_for_inference
     model, args, tokenizer = load_for_inference(sys.argv[1], int8=sys.argv[2] == "int8", log=lambda m: None)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    # megatron's layers fork this stream at construction: on a GPU, building without it fails
+    assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
     prompt = tokenizer.tokenize("def main(args):\\n    ")
     results = {"int8": args.int8_linear}
     for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):
