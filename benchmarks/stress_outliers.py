@@ -22,10 +22,14 @@ per-input-channel scales).
 Writes to --output-dir: stress.jsonl (losses, statistics checks, fallback events), table.md (printed too)
 and stress.png. The table gives each run's departure from BF16's loss (windowed means), the noise band, the
 first step from the injection start on at which the departure exceeds both 1% and the noise band (see
-`first_departure`), the first statistics check that crossed a fallback threshold, and the fallbacks.
+`first_departure`), the onset of the largest departure (`departure_onset`: an early crossing that recovers,
+as INT8 can show while the loss still falls steeply, is not where the outliers' harm begins), the first
+statistics check that crossed a fallback threshold, its lead over that onset, and the fallbacks.
+--summarize redoes the table and the plot from a recorded stress.jsonl.
 
     python3 benchmarks/stress_outliers.py --output-dir runs/stress                 # one GPU, parity shape
     python3 benchmarks/stress_outliers.py --size tiny --steps 12 --device cpu --output-dir /tmp/stress
+    python3 benchmarks/stress_outliers.py --summarize runs/stress/stress.jsonl --output-dir runs/stress
 """
 import argparse
 import dataclasses
@@ -182,6 +186,16 @@ def crossing(values: dict, thresholds: FallbackThresholds):
     return [g for g in GEMMS if thresholds.crossed(g, values)]
 
 
+def flagged_linear(check: dict, thresholds: FallbackThresholds):
+    """(linear, GEMMs) of one statistics check that crossed a fallback threshold, the worst by relative error;
+    None if none did."""
+    flagged = {name: crossing(v, thresholds) for name, v in check.items() if crossing(v, thresholds)}
+    if not flagged:
+        return None
+    name = max(flagged, key=lambda n: max(check[n].get(f"{g}/rel_err", 0) for g in flagged[n]))
+    return name, flagged[name]
+
+
 def initial_state(cfg: dict, seed: int) -> dict:
     """The model's initial weights drawn with `seed`."""
     torch.manual_seed(seed)
@@ -225,10 +239,9 @@ def train(run: str, cfg: dict, init_state: dict, batches, args, device, log):
             check = {name: values_by_name(vs[-1]) for name, linear in linears.items()
                      if linear.probe is not None and (vs := linear.probe.take())}
             result["checks"].append((step, check))
-            flagged = {name: crossing(v, thresholds) for name, v in check.items() if crossing(v, thresholds)}
+            flagged = flagged_linear(check, thresholds)
             if flagged and result["flag"] is None:
-                name = max(flagged, key=lambda n: max(check[n].get(f"{g}/rel_err", 0) for g in flagged[n]))
-                result["flag"] = (step, name, flagged[name])
+                result["flag"] = (step, *flagged)
             for name, values in check.items():
                 for event in fallback.check(step, name, recipe_mode(linears[name].built_recipe), values):
                     linear = linears[name]
@@ -275,6 +288,22 @@ def first_departure(dep, band, start: int):
     return next((i + 1 for i in range(start, len(dep)) if dep[i] > max(DEPARTURE, band[i])), None)
 
 
+def departure_onset(dep, band, start: int):
+    """The first step (1-based) of the stretch over both DEPARTURE and the noise band that holds the largest
+    departure after `start` (None if that never crosses): where the departure that matters begins. A short
+    crossing that recovers earlier, as INT8 can show while the loss still falls steeply, is not its start."""
+    threshold = [max(DEPARTURE, b) for b in band]
+    if len(dep) <= start:
+        return None
+    peak = max(range(start, len(dep)), key=lambda i: dep[i])
+    if dep[peak] <= threshold[peak]:
+        return None
+    i = peak
+    while i > start and dep[i - 1] > threshold[i - 1]:
+        i -= 1
+    return i + 1
+
+
 def summary_rows(results, args):
     """One dict per run: the table's figures (also the results CSV's rows). Without a bf16_seed2 run the
     noise band is 0."""
@@ -286,6 +315,7 @@ def summary_rows(results, args):
     for run, r in results.items():
         dep = departures(r["loss"], reference, args.window)
         departed = first_departure(dep, band, start) if run not in BF16_RUNS else None
+        onset = departure_onset(dep, band, start) if run not in BF16_RUNS else None
         flag_step = r["flag"][0] if r["flag"] else None
         rows.append({
             "size": args.size, "steps": args.steps, "growth": args.growth, "run": run,
@@ -293,9 +323,10 @@ def summary_rows(results, args):
             "final_departure": dep[-1], "max_departure": max(dep[start:] or dep),
             "noise_band_max": max(band[start:] or band), "injection_start": start,
             "first_departure_step": departed,
+            "departure_onset_step": onset,
             "first_flag_step": flag_step,
             "first_flag": f"{r['flag'][1]} {'/'.join(r['flag'][2])}" if r["flag"] else "",
-            "flag_lead_steps": departed - flag_step if departed and flag_step else None,
+            "flag_lead_steps": onset - flag_step if onset and flag_step else None,
             "fallbacks": "; ".join(f"{e['iteration']}: {e['linear']} {e['gemm']} {e['change']}"
                                    for e in r["events"]),
             "seconds": round(r["seconds"], 1)})
@@ -307,14 +338,15 @@ def summary_table(rows) -> str:
     start = rows[0]["injection_start"]
     lines = [f"| run | final loss | departure from BF16 (last window) | max departure (after step {start}) | "
              f"noise band (max, after step {start}) | first step after {start} over 1% and the noise band | "
-             "first health flag (step: linear, GEMMs) | flag lead (steps) | fallbacks (step: linear GEMM change) | "
-             "seconds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "onset of the largest departure | first health flag (step: linear, GEMMs) | flag lead over the onset "
+             "(steps) | fallbacks (step: linear GEMM change) | seconds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         flag = f"{r['first_flag_step']}: {r['first_flag']}" if r["first_flag_step"] else "-"
         lines.append(f"| {r['run']} | {r['final_loss']:.4f} | {100 * r['final_departure']:+.2f}% | "
                      f"{100 * r['max_departure']:+.2f}% | {100 * r['noise_band_max']:.2f}% | "
-                     f"{dash(r['first_departure_step'])} | {flag} | {dash(r['flag_lead_steps'])} | "
+                     f"{dash(r['first_departure_step'])} | {dash(r['departure_onset_step'])} | {flag} | "
+                     f"{dash(r['flag_lead_steps'])} | "
                      f"{dash(r['fallbacks'])} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -365,6 +397,32 @@ def plot(results, args, path, watched) -> None:
     fig.savefig(path, dpi=120)
 
 
+def read_results(path: str):
+    """(args, results, watched) from a stress.jsonl this script wrote: the table and the plot can be redone
+    from the log alone (the health flag is recomputed from the recorded checks, as during the run)."""
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or "args" not in lines[0]:
+        raise SystemExit(f"{path}: not a stress_outliers.py log (its first line holds the run's arguments)")
+    args = argparse.Namespace(**lines[0]["args"])
+    thresholds = FallbackThresholds(tuple(args.max_rel_err), args.max_underflow, args.patience)
+    results = {run: {"loss": [], "checks": [], "events": [], "flag": None, "seconds": math.nan} for run in args.runs}
+    for line in lines[1:]:
+        r = results[line["run"]]
+        if "lm_loss" in line:
+            r["loss"].append(line["lm_loss"])
+        elif "int8_health" in line:
+            r["checks"].append((line["iteration"], line["int8_health"]))
+            flagged = flagged_linear(line["int8_health"], thresholds)
+            if flagged and r["flag"] is None:
+                r["flag"] = (line["iteration"], *flagged)
+        elif "int8_fallback" in line:
+            r["events"].append(line["int8_fallback"])
+        elif "seconds" in line:
+            r["seconds"] = line["seconds"]
+    return args, results, lines[0]["injected"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="parity")
@@ -390,10 +448,22 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=20, help="steps per windowed mean loss")
     parser.add_argument("--log-interval", type=int, default=50)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--summarize", metavar="STRESS_JSONL", default=None,
+                        help="train nothing: redo table.md and stress.png in --output-dir from a recorded log")
     parser.add_argument("--results-dir", default=None,
                         help="where benchmarks/common.append_results writes stress_outliers.csv (default: $OUT or "
                              "benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        output_dir = args.output_dir
+        args, results, watched = read_results(args.summarize)
+        os.makedirs(output_dir, exist_ok=True)
+        table = summary_table(summary_rows(results, args))
+        with open(os.path.join(output_dir, "table.md"), "w", encoding="utf-8") as f:
+            f.write(table + "\n")
+        print(table)
+        plot(results, args, os.path.join(output_dir, "stress.png"), watched)
+        return 0
     if "bf16" not in args.runs:
         parser.error("--runs needs bf16: departures are measured from it")
     if not 0 <= args.inject_start < args.inject_end <= 1:
@@ -424,6 +494,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps({"run": run, "iteration": step, "int8_health": check}) + "\n")
             for event in r["events"]:
                 f.write(json.dumps({"run": run, "iteration": event["iteration"], "int8_fallback": event}) + "\n")
+            f.write(json.dumps({"run": run, "seconds": r["seconds"]}) + "\n")
     rows = summary_rows(results, args)
     table = summary_table(rows)
     common.append_results("stress_outliers", rows, directory=args.results_dir)

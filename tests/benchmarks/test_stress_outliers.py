@@ -33,6 +33,18 @@ def test_first_departure_counts_from_the_injection_start_beyond_1pct_and_the_noi
     assert so.first_departure([-0.03] * 7, [0.0] * 7, start=0) is None  # a lower loss is no departure
 
 
+def test_departure_onset_is_the_start_of_the_stretch_holding_the_peak():
+    so = _stress_outliers()
+    # an early crossing that recovers (steps 2-3), then the departure that grows (steps 6-8, peak at 8)
+    dep = [0.0, 0.02, 0.015, 0.004, 0.008, 0.011, 0.03, 0.06, 0.05]
+    assert so.first_departure(dep, [0.0] * 9, start=0) == 2
+    assert so.departure_onset(dep, [0.0] * 9, start=0) == 6
+    assert so.departure_onset(dep, [0.0] * 5 + [0.02] * 4, start=0) == 7  # step 6 lies inside the band
+    assert so.departure_onset(dep, [0.0] * 9, start=7) == 8  # counted from the start on
+    assert so.departure_onset([0.009] * 9, [0.0] * 9, start=0) is None
+    assert so.departure_onset([0.02, 0.03], [0.0, 0.0], start=2) is None  # nothing after the start
+
+
 @pytest.mark.slow
 def test_tiny_stress_run(tmp_path):
     stress_outliers = _stress_outliers()
@@ -56,3 +68,7 @@ def test_tiny_stress_run(tmp_path):
     int8_row = next(line for line in table if line.startswith("| int8 |"))
     assert "mlp.linear_fc" in int8_row  # the first health flag names an injected MLP
     assert {r["run"] for r in lines if "int8_fallback" in r} == {"fallback"}
+    # the log alone gives the same table back (health flags recomputed from the recorded checks)
+    assert stress_outliers.main(["--summarize", str(tmp_path / "stress.jsonl"),
+                                 "--output-dir", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "table.md").read_text() == (tmp_path / "table.md").read_text()
