@@ -32,9 +32,13 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 PROVENANCE = ("date", "commit", "gpu", "torch", "triton", "command")
 
 
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF",)  # beside MEGATRON_INT8_*: what provenance() puts before the command
+
+
 def provenance() -> dict:
     """Where a measurement comes from: date, commit (with '+dirty' for uncommitted changes), GPU, versions,
-    and the command line."""
+    and the command line, after the settings in the environment that change what runs (MEGATRON_INT8_*,
+    PYTORCH_CUDA_ALLOC_CONF)."""
     try:
         import triton
         triton_version = triton.__version__
@@ -52,7 +56,9 @@ def provenance() -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": gpu,
             "torch": torch.__version__, "triton": triton_version,
-            "command": " ".join(shlex.quote(a) for a in ["python3", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
+            "command": " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k in RECORDED_ENV
+                                   or k.startswith("MEGATRON_INT8_")),
+                                 *(shlex.quote(a) for a in ["python3", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])])}
 
 
 def append_results(name: str, rows, directory: str = None) -> str:

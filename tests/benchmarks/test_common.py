@@ -1,5 +1,6 @@
 """benchmarks/common.py: the results CSVs every benchmark appends to."""
 import csv
+import os
 
 import pytest
 
@@ -55,3 +56,14 @@ def test_rows_go_to_out_on_the_gpu_machine(tmp_path, monkeypatch):
 def test_a_repeated_header_cell_keeps_both_values():
     (_, rows), = common.markdown_tables("| x | ms | y | ms |\n|---|---|---|---|\n| a | 1 | b | 2 |\n")
     assert rows == [{"x": "a", "ms": "1", "y": "b", "ms (2)": "2"}]
+
+
+def test_the_command_names_the_settings_that_change_what_runs(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("MEGATRON_INT8_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "plain")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("HOME", "/elsewhere")  # not recorded
+    command = common.provenance()["command"]
+    assert command.startswith("MEGATRON_INT8_GEMM_KERNEL=plain PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 ")
+    assert "HOME" not in command
