@@ -89,11 +89,13 @@ def test_grouped_gemm_keeps_tiles_within_an_expert(monkeypatch):
         assert grouped is (variant if align % variant.block_m == 0 else G.TMA_VARIANTS["base"])
 
 
-def test_base_is_the_tile_the_package_used():
-    """The default keeps the results and the speed of the path before the variants: 128 x 256 x 128 tiles on
-    8 warps, 3 stages, one epilogue store for 16-bit outputs and two column halves for fp32."""
+def test_base_is_the_tile_the_package_used_and_duo_the_default():
+    """base keeps the tile of the path before the variants: 128 x 256 x 128 tiles on 8 warps, 3 stages, one
+    epilogue store for 16-bit outputs and two column halves for fp32. The default is duo, the fastest on the
+    benchmark's GEMMs: 128 x 128 tiles, 4 warps, two programs per SM."""
     base = G.TMA_VARIANTS["base"]
     assert base == G.TmaVariant(128, 256, 128, 8, 3, False, None)
     assert base.launch_options(torch.bfloat16, 132)["EPI_SPLIT"] == 1
     assert base.launch_options(torch.float32, 132)["EPI_SPLIT"] == 2
-    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "base"
+    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "duo"
+    assert G.TMA_VARIANTS["duo"] == G.TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
