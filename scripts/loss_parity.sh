@@ -16,9 +16,9 @@
 # (only fprop INT8) -- all four with nearest rounding -- int8_row_sr, int8_first_last_bf16 (default recipe).
 # Memory options (issue #46), each on the default recipe: int8_optimizer (INT8 Adam moments + master-weight
 # remainders, on the distributed optimizer they need), int8_swiglu_input, int8_norm_input (activations saved in
-# INT8), and int8_memory, the stack that
-# bench_e2e measures (optimizer + SwiGLU input + the Q(W)-only weight cache) with the health statistics and the
-# auto fallback on, so its JSONL also shows whether a fallback fires on a healthy run.
+# INT8), and int8_memory, the stack that bench_e2e measures (optimizer + SwiGLU input + the Q(W)-only weight
+# cache) with the health statistics and the auto fallback on, so its JSONL also shows whether a fallback fires
+# on a healthy run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/parity}
