@@ -354,7 +354,8 @@ def corpus(opts) -> int:
     order (the first 98% train), so a split's tokens are its documents' lengths in the indexed dataset."""
     import numpy
     import yaml
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                       parse_and_normalize_split)
     from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
 
     text_bytes = documents = 0
@@ -367,17 +368,21 @@ def corpus(opts) -> int:
     per_document = dataset.sequence_lengths.astype(numpy.int64)  # preprocess_data writes one sequence per document
     with open(opts.config, encoding="utf-8") as f:
         config = yaml.safe_load(f)
-    split = parse_and_normalize_split(str(config.get("split", "969, 30, 1")))
-    bounds = numpy.cumsum([0.0] + split)  # megatron's rule: documents [round(a * n), round(b * n)) per split
+    # megatron's rule (BlendedMegatronDatasetBuilder): split k holds documents [round(a * n), round(b * n))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(config.get("split", "969, 30, 1"))))
     n = len(per_document)
-    train_end, valid_end = (int(round(bounds[k] * n)) for k in (1, 2))
+    tokens_of = [0 if bounds is None else int(per_document[int(round(bounds[0] * n)):int(round(bounds[1] * n))].sum())
+                 for bounds in matrix]
     train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
     vocab = int(opts.vocab_size) if opts.vocab_size else None
     tokens = numpy.memmap(get_bin_path(opts.prefix), dtype=dataset.index.dtype, mode="r")  # the tokens, back to back
-    counts = numpy.bincount(tokens)
+    counts = numpy.zeros(1, dtype=numpy.int64)
+    for start in range(0, len(tokens), 1 << 26):  # in chunks: bincount widens its input to int64
+        chunk = numpy.bincount(tokens[start:start + (1 << 26)])
+        counts = numpy.pad(counts, (0, max(0, len(chunk) - len(counts))))
+        counts[:len(chunk)] += chunk
     stats = {"corpus_mb": text_bytes / 2**20, "documents": documents, "indexed_documents": n,
-             "tokens": int(per_document.sum()), "train_tokens": int(per_document[:train_end].sum()),
-             "valid_tokens": int(per_document[train_end:valid_end].sum()),
+             "tokens": int(per_document.sum()), "train_tokens": tokens_of[0], "valid_tokens": tokens_of[1],
              "distinct_token_ids": int(numpy.count_nonzero(counts)), "vocab_size": vocab or len(counts),
              "tokens_trained": train_iters * tokens_per_iteration}
     stats["epochs"] = stats["tokens_trained"] / stats["train_tokens"]

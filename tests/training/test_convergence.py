@@ -57,8 +57,9 @@ def logs(tmp_path_factory):
     """A BF16 and an INT8 run of the tiny model on mock data (same seed), logged as the trainer logs; the INT8 run
     with health statistics every 5 iterations and thresholds that every GEMM crosses, so fallback moves happen."""
     root = tmp_path_factory.mktemp("convergence")
-    for name, flags in (("bf16", []), ("int8", ["--int8-linear", "--int8-stats-interval", "5", "--int8-auto-fallback",
-                                                "--int8-fallback-max-rel-err", "1e-9", "--int8-fallback-patience", "4"])):
+    forced_fallback = ["--int8-linear", "--int8-stats-interval", "5", "--int8-auto-fallback",
+                       "--int8-fallback-max-rel-err", "1e-9", "--int8-fallback-patience", "4"]
+    for name, flags in (("bf16", []), ("int8", forced_fallback)):
         _run([sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
               *SMALL_MODEL, *MOCK, "--log-jsonl", str(root / f"{name}.jsonl"), *flags])
     (root / "run.yaml").write_text(f"train_iters: {ITERATIONS}\nglobal_batch_size: {GLOBAL_BATCH}\nseq_length: {SEQ}\n")
@@ -181,3 +182,56 @@ def test_status_collects_finished_runs_into_out(logs, tmp_path):
     assert files == ["bf16.jsonl", "convergence.md", "convergence.png", "health.png", "int8.jsonl", "logs.tar.gz"]
     listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
     assert sorted(listed) == ["bf16.log", "int8.log", "pipeline.log"]
+
+
+def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
+    """`corpus` on a small indexed dataset: every document's tokens are its SentencePiece ids plus one EOD, the
+    training split is megatron's first 90% of the documents, epochs = tokens trained / training-split tokens."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.jsonl"
+    _run([sys.executable, "scripts/prepare_tiny_corpus.py", "--output", str(corpus), "--max-mb", "0.3"])
+    _run([sys.executable, "scripts/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
+          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "spm.model"),
+          "--train-sentencepiece", "400"])
+    config = tmp_path / "run.yaml"
+    config.write_text('train_iters: 10\nglobal_batch_size: 4\nseq_length: 64\nsplit: "90,10,0"\n')
+    assert convergence_report.main(["corpus", "--corpus", str(corpus), "--prefix", str(tmp_path / "c_text_document"),
+                                    "--config", str(config), "--vocab-size", "400",
+                                    "--output", str(tmp_path / "stats.json")]) == 0
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    ids = [processor.encode(text) + [processor.eos_id()] for text in texts]
+    train_documents = round(0.9 * len(texts))
+    assert stats["documents"] == stats["indexed_documents"] == len(texts)
+    assert stats["corpus_mb"] == pytest.approx(sum(len(t.encode()) for t in texts) / 2**20)
+    assert stats["tokens"] == sum(map(len, ids))
+    assert stats["train_tokens"] == sum(map(len, ids[:train_documents]))
+    assert stats["valid_tokens"] == stats["tokens"] - stats["train_tokens"] > 0
+    assert stats["distinct_token_ids"] == len({i for doc in ids for i in doc}) and stats["vocab_size"] == 400
+    assert stats["tokens_trained"] == 10 * 4 * 64
+    assert stats["epochs"] == pytest.approx(2560 / stats["train_tokens"])
+
+
+def test_corpus_of_all_sources_with_docs(tmp_path, monkeypatch):
+    """prepare_tiny_corpus --source all --docs: the standard library's files, then site-packages' (not twice),
+    .py sources with .rst/.md documentation, tests and other files skipped."""
+    import sysconfig
+
+    import prepare_tiny_corpus
+
+    stdlib, purelib = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    files = {stdlib / "os.py": "import sys\n", stdlib / "README.rst": "The library.\n",
+             stdlib / "tests" / "t.py": "x\n",
+             purelib / "pkg" / "a.py": "a = 1\n", purelib / "pkg" / "guide.md": "# Guide\n",
+             purelib / "pkg" / "data.txt": "1 2 3\n"}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(stdlib), "purelib": str(purelib)})
+    for flags, expected in (([], ["os.py", "pkg/a.py"]),
+                            (["--docs"], ["README.rst", "os.py", "pkg/a.py", "pkg/guide.md"])):
+        out = tmp_path / "corpus.jsonl"
+        assert prepare_tiny_corpus.main(["--source", "all", "--output", str(out), *flags]) == 0
+        assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == expected
