@@ -11,7 +11,10 @@
 # Send each next call at once, within 30 s of the last reply: an idle machine goes back after 30 s and takes
 # the data and checkpoints with it (a fresh machine starts everything over). The runs live in their own
 # process sessions (setsid), so they go on between calls; every `status` call writes to $OUT what there is so
-# far. The machine is held 30 minutes at most: start ~2 min, data ~3-5 min, then the runs.
+# far. The machine is held 30 minutes at most: its start, the data build (a few minutes, not yet timed) and
+# both runs must fit in it, so make this the session's first GPU work. Each status line gives the minutes of
+# steps left; if call 1 shows more than ~20, both runs will not finish in the lease (TRAIN_ITERS, set at the
+# first `start`, shortens the schedule; below 2289 iterations the runs see fewer than 300M tokens).
 #
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
@@ -26,11 +29,16 @@
 #           scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what the runs
 #           logged so far. It returns early when both runs have finished or one failed (exit 1).
 #
-# The corpus statistics (scripts/convergence_report.py corpus -> corpus.json, printed by the data build and
-# quoted in convergence.md): corpus bytes = UTF-8 bytes of the files' text; tokens = the indexed dataset's
-# document lengths (with one end-of-document token each), split as megatron's GPTDataset splits the documents
-# (train = the first 98%); distinct token ids = vocabulary entries that occur; epochs = tokens the run trains on
-# (train_iters x global batch x sequence length) / tokens of the training split.
+# The corpus statistics (scripts/convergence_report.py corpus -> corpus.json, printed by the data build, by
+# every `status` and in convergence.md): corpus bytes = UTF-8 bytes of the files' text; tokens = the indexed
+# dataset's document lengths (with one end-of-document token each), split as megatron's GPTDataset splits the
+# documents (train = the first 98%); distinct token ids = vocabulary entries that occur; epochs = tokens the run
+# trains on (train_iters x global batch x sequence length) / tokens of the training split.
+# Corpus size: what the GPU machine's Python holds, measured at run time. On the CPU machine of 2026-11-27
+# (Python 3.11 and its packages) the same selection was 222.7 MB in 21255 files (214.9 MB .py, 7.8 MB .rst/.md);
+# the GPU image has more packages (jax, transformers, scipy, ...). At the parity corpus's ~0.32 tokens per byte
+# (8192-token vocabulary: 25M training tokens from 80 MB, docs/convergence.md), 301.5M tokens are one epoch of
+# ~900 MB: expect 1.5-4 epochs.
 #
 # Environment: RUN_DIR (runs/convergence), CONFIG (configs/convergence_350m.yaml), CORPUS_MB (1024), VOCAB
 # (8192), WORKERS (nproc), TRAIN_ITERS (the YAML's unless set; the first `start` keeps it in RUN_DIR/train_iters
@@ -80,10 +88,12 @@ build_data() {  # each step ends the function on failure (errexit does not hold 
             --tokenizer-type SentencePieceTokenizer --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
             --train-sentencepiece "$VOCAB" --workers "$WORKERS" --log-interval-s 15 || return 1
     fi
-    if [[ ! -f "$RUN_DIR/corpus.json" ]]; then
-        "$PYTHON" "${REPORT[@]}" corpus --corpus "$RUN_DIR/corpus.jsonl" --prefix "$DATA" --config "$CONFIG" \
-            --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --output "$RUN_DIR/corpus.json" || return 1
-    fi
+}
+
+corpus_statistics() {  # after the launch: the runs need not wait for it
+    [[ -f "$RUN_DIR/corpus.json" ]] && return
+    "$PYTHON" "${REPORT[@]}" corpus --corpus "$RUN_DIR/corpus.jsonl" --prefix "$DATA" --config "$CONFIG" \
+        --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --output "$RUN_DIR/corpus.json"
 }
 
 launch() {  # launch NAME: one precision on its two GPUs, in its own process session; NAME.pid, NAME.rc, NAME.log
@@ -106,7 +116,7 @@ launch() {  # launch NAME: one precision on its two GPUs, in its own process ses
         --log-jsonl "$RUN_DIR/$name.jsonl" "${flags[@]}" >> "$RUN_DIR/$name.log" 2>&1 < /dev/null &
 }
 
-pipeline() {  # the data, then both runs (what `start` leaves running in the background)
+pipeline() {  # the data, both runs, the corpus statistics (what `start` leaves running in the background)
     echo $$ > "$RUN_DIR/pipeline.pid"
     local status=0
     build_data || status=$?
@@ -116,6 +126,7 @@ pipeline() {  # the data, then both runs (what `start` leaves running in the bac
             elif alive "$RUN_DIR/$name.pid"; then echo "== $name: running"
             else launch "$name"; fi
         done
+        corpus_statistics || echo "warning: the corpus statistics failed (above); the runs go on"
     fi
     echo "$status" > "$RUN_DIR/pipeline.rc"
 }
@@ -194,7 +205,6 @@ status() {
         die "nothing started in $RUN_DIR (no pipeline.log): run 'bash scripts/convergence_4gpu.sh start' first"
     fi
     [[ -d /tmp/site/megatron ]] && export PYTHONPATH=/tmp/site:$PWD
-    [[ -f "$RUN_DIR/corpus.json" ]] && grep -h "^corpus: " "$RUN_DIR/pipeline.log" | tail -n 1
     local deadline=$((started + wait_s - 45))  # the report and the copies take the rest
     while true; do
         show_progress
@@ -212,6 +222,7 @@ status() {
     done
     report
     collect
+    grep -h "^corpus: .* epochs" "$RUN_DIR/pipeline.log" | tail -n 1 || true
     [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
     [[ $done -eq ${#RUNS[@]} ]] && echo "both runs finished: convergence.md, convergence.png and health.png are in \$OUT"
     return 0
