@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Build a JSONL text corpus from files already on this machine (no downloads): the .py sources of the
-Python standard library, or of the installed packages (site-packages: larger, for bigger runs).
-One document per source file: {"text": ..., "path": ...}.
+Python standard library, or of the installed packages (site-packages: larger, for bigger runs), or both
+(all); --docs adds their documentation files (.rst, .md). One document per file: {"text": ..., "path": ...}.
 
     python3 scripts/prepare_tiny_corpus.py --output runs/tiny/corpus.jsonl --max-mb 8
     python3 scripts/prepare_tiny_corpus.py --source site-packages --output corpus.jsonl --max-mb 120
+    python3 scripts/prepare_tiny_corpus.py --source all --docs --output corpus.jsonl --max-mb 2048   # everything
 """
 import argparse
 import json
@@ -15,16 +16,19 @@ import sysconfig
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
 
-SOURCES = {"stdlib": "stdlib", "site-packages": "purelib"}  # --source -> sysconfig path name
+# --source -> sysconfig path names, walked in this order (the stdlib walk skips its site-packages)
+SOURCES = {"stdlib": ("stdlib",), "site-packages": ("purelib",), "all": ("stdlib", "purelib")}
+DOC_SUFFIXES = (".rst", ".md")
 
 
-def python_sources(root: str, max_file_bytes: int):
-    """.py files under root (tests and caches skipped), sorted so that the corpus is the same on every run."""
+def python_sources(root: str, max_file_bytes: int, suffixes=(".py",)):
+    """Files with these suffixes under root (tests and caches skipped), sorted so that the corpus is the same
+    on every run."""
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("."))
         for name in sorted(files):
             path = os.path.join(directory, name)
-            if name.endswith(".py") and 0 < os.path.getsize(path) <= max_file_bytes:
+            if name.endswith(suffixes) and 0 < os.path.getsize(path) <= max_file_bytes:
                 yield root, path
 
 
@@ -32,16 +36,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--source", choices=sorted(SOURCES), default="stdlib", help="which Python sources")
+    parser.add_argument("--docs", action="store_true", help="also the documentation files (.rst, .md)")
     parser.add_argument("--max-mb", type=float, default=8.0, help="stop after this many MB of text")
     parser.add_argument("--max-file-kb", type=float, default=256.0, help="skip larger source files")
     args = parser.parse_args(argv)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    source_root = sysconfig.get_paths()[SOURCES[args.source]]
+    roots = [sysconfig.get_paths()[name] for name in SOURCES[args.source]]
+    suffixes = (".py",) + (DOC_SUFFIXES if args.docs else ())
+    files = (found for root in roots for found in python_sources(root, int(args.max_file_kb * 1024), suffixes))
     budget, written, docs = int(args.max_mb * 2**20), 0, 0
     tmp = args.output + ".tmp"
     with open(tmp, "w", encoding="utf-8") as out:
-        for root, path in python_sources(source_root, int(args.max_file_kb * 1024)):
+        for root, path in files:
             try:
                 with open(path, encoding="utf-8") as f:
                     text = f.read()
@@ -53,7 +60,7 @@ def main(argv=None) -> int:
             if written >= budget:
                 break
     if docs == 0:
-        print(f"error: no Python sources found under {source_root}", file=sys.stderr)
+        print(f"error: no Python sources found under {' or '.join(roots)}", file=sys.stderr)
         return 1
     os.replace(tmp, args.output)  # a partial corpus never looks complete
     print(f"corpus: {docs} documents, {written / 2**20:.1f} MB -> {args.output}")

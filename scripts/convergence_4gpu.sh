@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# Issue #51: INT8 vs BF16 convergence of a ~350M-parameter Llama-style model (configs/convergence_350m.yaml,
+# 344.0M parameters) over 2300 iterations x 64 x 2048 = 301.5M tokens per precision, both at once on one
+# 4-GPU machine (nvidia-h100-x4 or nvidia-h200-x4): BF16 on GPUs 0,1 and INT8 (default recipe,
+# --int8-stats-interval 100 --int8-auto-fallback) on GPUs 2,3, each with torchrun --nproc-per-node 2 (data
+# parallel), same seed, so the same initialization, data order and validation batches.
+#
+# The lead's calls (repo root, `carry: [".whl"]` with the megatron-core wheel, as benchmarks/gpu_*_check.sh):
+#   call 1:           bash scripts/convergence_4gpu.sh start && bash scripts/convergence_4gpu.sh status 540
+#   following calls:  bash scripts/convergence_4gpu.sh status 560
+# Send each next call at once, within 30 s of the last reply: an idle machine goes back after 30 s and takes
+# the data and checkpoints with it (a fresh machine starts everything over). The runs live in their own
+# process sessions (setsid), so they go on between calls; every `status` call writes to $OUT what there is so
+# far. The machine is held 30 minutes at most: its start, the data build (a few minutes, not yet timed) and
+# both runs must fit in it, so make this the session's first GPU work. Each status line gives the minutes of
+# steps left; if call 1 shows more than ~20, both runs will not finish in the lease (TRAIN_ITERS, set at the
+# first `start`, shortens the schedule; below 2289 iterations the runs see fewer than 300M tokens).
+#
+# start     builds the data once, in the background: the corpus is every .py source and .rst/.md
+#           documentation file of the machine's Python (standard library, then site-packages), up to
+#           CORPUS_MB (1024) MB (scripts/prepare_tiny_corpus.py --source all --docs); one SentencePiece
+#           tokenizer of VOCAB (8192) tokens and the indexed dataset (scripts/preprocess_data.py), split
+#           98/2/0 by documents (the last 2% held out for validation); then launches both runs. Each run
+#           resumes from its checkpoint directory when one exists (--load = --save), so `start` after a run
+#           died continues it, and a run that is alive or finished is left alone.
+# status [S] waits up to S seconds (default 0) while printing each run's progress (iteration, loss, last
+#           validation loss, tokens/s, steps left) every 30 s, and copies to $OUT: bf16.jsonl, int8.jsonl,
+#           corpus.json, logs.tar.gz (the runs' and the data build's output), and the report of
+#           scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what the runs
+#           logged so far. It returns early when both runs have finished or one failed (exit 1).
+#
+# The corpus statistics (scripts/convergence_report.py corpus -> corpus.json, printed by the data build, by
+# every `status` and in convergence.md): corpus bytes = UTF-8 bytes of the files' text; tokens = the indexed
+# dataset's document lengths (with one end-of-document token each), split as megatron's GPTDataset splits the
+# documents (train = the first 98%); distinct token ids = vocabulary entries that occur; epochs = tokens the run
+# trains on (train_iters x global batch x sequence length) / tokens of the training split.
+# Corpus size: what the GPU machine's Python holds, measured at run time. On the CPU machine of 2026-11-27
+# (Python 3.11 and its packages) the same selection was 222.7 MB in 21255 files (214.9 MB .py, 7.8 MB .rst/.md);
+# the GPU image has more packages (jax, transformers, scipy, ...). At the parity corpus's ~0.32 tokens per byte
+# (8192-token vocabulary: 25M training tokens from 80 MB, docs/convergence.md), 301.5M tokens are one epoch of
+# ~900 MB: expect 1.5-4 epochs.
+#
+# Environment: RUN_DIR (runs/convergence), CONFIG (configs/convergence_350m.yaml), CORPUS_MB (1024), VOCAB
+# (8192), WORKERS (nproc), TRAIN_ITERS (the YAML's unless set; the first `start` keeps it in RUN_DIR/train_iters
+# for later calls), SAVE_INTERVAL (the YAML's unless set),
+# EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
+# (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${RUN_DIR:-runs/convergence}
+CONFIG=${CONFIG:-configs/convergence_350m.yaml}
+PYTHON=${PYTHON:-python3}
+CORPUS_MB=${CORPUS_MB:-1024}
+VOCAB=${VOCAB:-8192}
+WORKERS=${WORKERS:-$(nproc)}
+PREFIX="$RUN_DIR/data/corpus"
+DATA="${PREFIX}_text_document"
+RUNS=(bf16 int8)
+declare -A GPUS=([bf16]=0,1 [int8]=2,3) PORT=([bf16]=29511 [int8]=29512)
+TRAIN_ITERS=${TRAIN_ITERS:-$(cat "$RUN_DIR/train_iters" 2>/dev/null || awk '/^train_iters:/ {print $2}' "$CONFIG")}
+REPORT=(scripts/convergence_report.py)
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+# NVLink multicast stays off on the lent machines (NCCL, PyTorch symmetric memory, NVSHMEM)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+die() { echo "error: $*" >&2; exit 1; }
+alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+finished() { [[ "$(cat "$RUN_DIR/$1/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null)" == "$TRAIN_ITERS" ]]; }
+
+python_path() {  # megatron-core from the carried wheels where the machine's Python lacks it (/tmp/site stays)
+    if [[ -d /tmp/site/megatron ]]; then export PYTHONPATH=/tmp/site:$PWD; return; fi
+    export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+    "$PYTHON" -c "import megatron.core" 2>/dev/null && return
+    ls .whl/*.whl > /dev/null 2>&1 || die "megatron-core is not installed and no .whl/ was carried (carry: [\".whl\"])"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+}
+
+build_data() {  # each step ends the function on failure (errexit does not hold in `build_data || ...`)
+    if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
+        echo "== corpus: .py sources and .rst/.md docs of the standard library and site-packages (up to $CORPUS_MB MB)"
+        "$PYTHON" scripts/prepare_tiny_corpus.py --source all --docs --output "$RUN_DIR/corpus.jsonl" \
+            --max-mb "$CORPUS_MB" || return 1
+    fi
+    if [[ ! -f "$DATA.bin" ]]; then  # preprocess_data.py renames the .bin into place only when complete
+        echo "== SentencePiece ($VOCAB tokens) + indexed dataset, $WORKERS workers"
+        "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text --output-prefix "$PREFIX" \
+            --tokenizer-type SentencePieceTokenizer --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
+            --train-sentencepiece "$VOCAB" --workers "$WORKERS" --log-interval-s 15 || return 1
+    fi
+}
+
+corpus_statistics() {  # after the launch: the runs need not wait for it
+    [[ -f "$RUN_DIR/corpus.json" ]] && return
+    "$PYTHON" "${REPORT[@]}" corpus --corpus "$RUN_DIR/corpus.jsonl" --prefix "$DATA" --config "$CONFIG" \
+        --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --output "$RUN_DIR/corpus.json"
+}
+
+launch() {  # launch NAME: one precision on its two GPUs, in its own process session; NAME.pid, NAME.rc, NAME.log
+    local name=$1 flags=()
+    read -r -a flags <<< "${EXTRA_FLAGS:-}"
+    if [[ $name == int8 ]]; then
+        local int8_extra=()
+        read -r -a int8_extra <<< "${INT8_FLAGS:-}"
+        flags+=(--int8-linear --int8-stats-interval 100 --int8-auto-fallback "${int8_extra[@]}")
+    fi
+    [[ -n "${SAVE_INTERVAL:-}" ]] && flags+=(--save-interval "$SAVE_INTERVAL")
+    mkdir -p "$RUN_DIR/$name/ckpt"
+    rm -f "$RUN_DIR/$name.rc"
+    echo "== launching $name on GPUs ${GPUS[$name]}: ${flags[*]}"
+    setsid bash -c 'echo $$ > "$1"; rc=$2; shift 2; "$@"; echo $? > "$rc"' _ "$RUN_DIR/$name.pid" "$RUN_DIR/$name.rc" \
+        env CUDA_VISIBLE_DEVICES="${GPUS[$name]}" "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+        --master-port "${PORT[$name]}" -m megatron_int8.pretrain --config "$CONFIG" --train-iters "$TRAIN_ITERS" \
+        --data-path "$DATA" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --data-cache-path "$RUN_DIR/data/cache_$name" \
+        --save "$RUN_DIR/$name/ckpt" --load "$RUN_DIR/$name/ckpt" --most-recent-k 1 --exit-signal-handler \
+        --log-jsonl "$RUN_DIR/$name.jsonl" "${flags[@]}" >> "$RUN_DIR/$name.log" 2>&1 < /dev/null &
+}
+
+pipeline() {  # the data, both runs, the corpus statistics (what `start` leaves running in the background)
+    echo $$ > "$RUN_DIR/pipeline.pid"
+    local status=0
+    build_data || status=$?
+    if [[ $status -eq 0 ]]; then
+        for name in "${RUNS[@]}"; do
+            if finished "$name"; then echo "== $name: finished ($TRAIN_ITERS iterations)"
+            elif alive "$RUN_DIR/$name.pid"; then echo "== $name: running"
+            else launch "$name"; fi
+        done
+        corpus_statistics || echo "warning: the corpus statistics failed (above); the runs go on"
+    fi
+    echo "$status" > "$RUN_DIR/pipeline.rc"
+}
+
+start() {
+    mkdir -p "$RUN_DIR"
+    python_path
+    local gpus name
+    gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+    [[ $gpus -ge ${MIN_GPUS:-4} ]] || die "this needs 4 GPUs (BF16 on 0,1, INT8 on 2,3); torch sees $gpus"
+    if alive "$RUN_DIR/pipeline.pid"; then echo "the data build is running: see $RUN_DIR/pipeline.log"; return; fi
+    echo "$TRAIN_ITERS" > "$RUN_DIR/train_iters"  # what every later call compares the runs with
+    rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
+    for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
+    # setsid execs (a background job of a script is no process-group leader), so $! is the pipeline's shell
+    setsid bash "$PWD/scripts/convergence_4gpu.sh" _pipeline >> "$RUN_DIR/pipeline.log" 2>&1 < /dev/null &
+    echo $! > "$RUN_DIR/pipeline.pid"
+    echo "started in the background (log: $RUN_DIR/pipeline.log); follow with: bash scripts/convergence_4gpu.sh status 540"
+}
+
+state_of() {  # state_of NAME: finished / running / failed (exit N) / not started
+    local name=$1
+    if finished "$name"; then echo finished
+    elif alive "$RUN_DIR/$name.pid"; then echo running
+    elif [[ -f "$RUN_DIR/$name.rc" ]]; then echo "failed (exit $(cat "$RUN_DIR/$name.rc"))"
+    else echo "not started"; fi
+}
+
+show_progress() {
+    echo "-- $(date -u +%H:%M:%S)"
+    if alive "$RUN_DIR/pipeline.pid"; then
+        echo "pipeline: $(grep -v '^\s*$' "$RUN_DIR/pipeline.log" | tail -n 1)"
+    elif [[ "$(cat "$RUN_DIR/pipeline.rc" 2>/dev/null)" != 0 ]]; then
+        echo "data build failed or stopped: the end of $RUN_DIR/pipeline.log:"; tail -n 15 "$RUN_DIR/pipeline.log"
+    fi
+    for name in "${RUNS[@]}"; do
+        echo "$name [$(state_of "$name")]: $("$PYTHON" "${REPORT[@]}" progress --log "$RUN_DIR/$name.jsonl" \
+            --config "$CONFIG" --train-iters "$TRAIN_ITERS")"
+    done
+    if command -v nvidia-smi > /dev/null; then
+        echo "GPUs (index, utilization, memory used): $(nvidia-smi --query-gpu=index,utilization.gpu,memory.used \
+            --format=csv,noheader 2>/dev/null | paste -sd ';')"
+    fi
+}
+
+collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 7 here)
+    [[ -n "${OUT:-}" ]] || return 0
+    local name logs=()
+    for name in "${RUNS[@]}"; do [[ -f "$RUN_DIR/$name.jsonl" ]] && cp "$RUN_DIR/$name.jsonl" "$OUT/"; done
+    [[ -f "$RUN_DIR/corpus.json" ]] && cp "$RUN_DIR/corpus.json" "$OUT/"
+    for name in pipeline.log bf16.log int8.log bf16.jsonl.after-* int8.jsonl.after-*; do
+        [[ -f "$RUN_DIR/$name" ]] && logs+=("$name")
+    done
+    [[ ${#logs[@]} -gt 0 ]] && tar -czf "$OUT/logs.tar.gz" -C "$RUN_DIR" "${logs[@]}"
+    return 0
+}
+
+report() {
+    [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/int8.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
+    "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/int8.jsonl" --config "$CONFIG" \
+        --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
+        > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
+    grep -E "^- (BF16|INT8)|^Check|^At the end|^The runs have not|spikes without|^INT8 / BF16|fallback|move\(s\)" \
+        "$RUN_DIR/report/convergence.md" || true
+    if [[ -n "${OUT:-}" ]]; then
+        cp "$RUN_DIR"/report/convergence.{png,md} "$OUT/"
+        [[ -f "$RUN_DIR/report/health.png" ]] && cp "$RUN_DIR/report/health.png" "$OUT/"
+    fi
+    return 0
+}
+
+status() {
+    local wait_s=${1:-0} started=$SECONDS
+    [[ $wait_s =~ ^[0-9]+$ ]] || die "status takes a number of seconds, got '$wait_s'"
+    if [[ ! -f "$RUN_DIR/pipeline.log" ]]; then
+        die "nothing started in $RUN_DIR (no pipeline.log): run 'bash scripts/convergence_4gpu.sh start' first"
+    fi
+    [[ -d /tmp/site/megatron ]] && export PYTHONPATH=/tmp/site:$PWD
+    local deadline=$((started + wait_s - 45))  # the report and the copies take the rest
+    while true; do
+        show_progress
+        collect
+        local done=0 failed=0 name
+        for name in "${RUNS[@]}"; do
+            case "$(state_of "$name")" in finished) done=$((done + 1)) ;; failed*) failed=1 ;; esac
+        done
+        if ! alive "$RUN_DIR/pipeline.pid" && [[ "$(cat "$RUN_DIR/pipeline.rc" 2>/dev/null)" != 0 ]]; then failed=1; fi
+        [[ $done -eq ${#RUNS[@]} || $failed -eq 1 || $SECONDS -ge $deadline ]] && break
+        sleep $((deadline - SECONDS < 30 ? (deadline - SECONDS > 1 ? deadline - SECONDS : 1) : 30))
+    done
+    for name in "${RUNS[@]}"; do
+        if [[ "$(state_of "$name")" == failed* ]]; then echo "== the end of $RUN_DIR/$name.log:"; tail -n 25 "$RUN_DIR/$name.log"; fi
+    done
+    report
+    collect
+    grep -h "^corpus: .* epochs" "$RUN_DIR/pipeline.log" | tail -n 1 || true
+    [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
+    [[ $done -eq ${#RUNS[@]} ]] && echo "both runs finished: convergence.md, convergence.png and health.png are in \$OUT"
+    return 0
+}
+
+case "${1:-}" in
+    start) start ;;
+    status) status "${2:-0}" ;;
+    _pipeline) python_path; pipeline ;;
+    *) echo "usage: bash scripts/convergence_4gpu.sh start | status [SECONDS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""INT8 vs BF16 convergence at a larger scale (issue #51): the report of two runs, and the corpus's statistics.
+
+    # one PNG (training and validation loss of both, the gap, gradient norms, tokens/s), a markdown summary and
+    # the INT8 run's health plot, from the trainer's JSONL logs (R = runs/convergence):
+    python3 scripts/convergence_report.py report --bf16 R/bf16.jsonl --int8 R/int8.jsonl \\
+        --config configs/convergence_350m.yaml --output-dir R/report [--corpus-stats R/corpus.json]
+    # corpus bytes, documents, tokens of each split, distinct token ids and the epochs a run takes:
+    python3 scripts/convergence_report.py corpus --corpus R/corpus.jsonl --prefix R/data/corpus_text_document \\
+        --config configs/convergence_350m.yaml --output R/corpus.json
+    # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
+    python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
+
+Both work on runs still in progress: the summary says how far each run is, and a check that needs evaluations
+the runs have not reached yet says so instead of passing.
+
+Definitions (the summary repeats them):
+- gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same seed, so the same batches);
+- the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run;
+- a loss spike: a step whose training loss exceeds the mean of the --spike-window steps before it by more than
+  --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts below
+from plot_health import read_health, worst_linears  # noqa: E402
+from plot_loss import read_log, smooth, summary_table  # noqa: E402
+
+HEALTH_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
+                "wgrad/underflow")
+LABELS = ("BF16", "INT8")
+
+
+def read_series(path, key):
+    """{iteration: value} of one per-step key of a trainer JSONL log (None values dropped; later lines win)."""
+    series = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                if record.get(key) is not None and "iteration" in record:
+                    series[record["iteration"]] = record[key]
+    return series
+
+
+def run_schedule(config_path, train_iters=None):
+    """(train_iters, tokens per iteration) from the run's YAML (train_iters overridable, as on the command line)."""
+    import yaml
+
+    with open(config_path, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    return int(train_iters or config["train_iters"]), int(config["global_batch_size"]) * int(config["seq_length"])
+
+
+def validation_gaps(bf16_valid, int8_valid):
+    """[(iteration, bf16 loss, int8 loss, gap in %)] at the evaluations both runs have."""
+    return [(it, bf16_valid[it], int8_valid[it], 100.0 * (int8_valid[it] / bf16_valid[it] - 1.0))
+            for it in sorted(set(bf16_valid) & set(int8_valid))]
+
+
+def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
+    """(verdict, failing rows): verdict is True when every evaluation after settle x train_iters has
+    gap <= limit, False when one does not, None when no such evaluation exists yet."""
+    judged = [row for row in gaps if row[0] > settle * train_iters]
+    failing = [row for row in judged if row[3] > limit_percent]
+    return (None if not judged else not failing), failing
+
+
+def loss_spikes(train, threshold=0.10, window=50):
+    """[(iteration, loss, trailing mean)]: steps whose loss exceeds the mean of the `window` logged steps
+    before them by more than `threshold` (a fraction); the first `window` steps are not judged."""
+    steps = sorted(train)
+    spikes, total = [], 0.0
+    for k, it in enumerate(steps):
+        if k >= window:
+            mean = total / window
+            if train[it] > (1.0 + threshold) * mean:
+                spikes.append((it, train[it], mean))
+            total -= train[steps[k - window]]
+        total += train[it]
+    return spikes
+
+
+def unmatched_spikes(spikes, reference, tolerance):
+    """The spikes of `spikes` with no spike of `reference` within `tolerance` iterations."""
+    seen = [it for it, _, _ in reference]
+    return [s for s in spikes if not any(abs(s[0] - it) <= tolerance for it in seen)]
+
+
+def window_means(series, train_iters, windows):
+    """[(first, last, mean of the values logged in [first, last])] over `windows` equal spans of the run;
+    spans the run has not reached are left out."""
+    span = max(1, math.ceil(train_iters / windows))
+    rows = []
+    for first in range(1, train_iters + 1, span):
+        last = min(first + span - 1, train_iters)
+        values = [v for it, v in series.items() if first <= it <= last]
+        if values:
+            rows.append((first, last, sum(values) / len(values)))
+    return rows
+
+
+def throughput(tokens_per_s, skip=10):
+    """Median tokens/s over the logged steps after the first `skip` (start-up, compilation), or None."""
+    values = [tokens_per_s[it] for it in sorted(tokens_per_s)[skip:]]
+    return statistics.median(values) if values else None
+
+
+def check_columns(series, columns=8):
+    """Up to `columns` evenly spaced iterations of the statistics checks (the first and the last among them)."""
+    checks = sorted({it for stats in series.values() for points in stats.values() for it, _ in points})
+    if len(checks) <= columns:
+        return checks
+    return [checks[round(k * (len(checks) - 1) / (columns - 1))] for k in range(columns)]
+
+
+def largest_at(series, stat, iterations):
+    """Per iteration, (the largest value of `stat` over the linears, the linear with it); None where unmeasured."""
+    largest = dict.fromkeys(iterations)
+    for linear, stats in series.items():
+        for it, value in stats.get(stat, []):
+            if it in largest and value == value and (largest[it] is None or value > largest[it][0]):
+                largest[it] = (value, linear)
+    return [largest[it] for it in iterations]
+
+
+def _fmt(value, digits=4):
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def health_section(int8_log, health_png):
+    """Markdown of the INT8 run's health records and fallback events (plot_health's readers)."""
+    series, events = read_health(int8_log)
+    lines = ["## INT8 health (the INT8 run's --int8-stats-interval records)", ""]
+    if not series:
+        return lines + ["No `int8_health` records in the INT8 log (was it started with --int8-stats-interval?).", ""]
+    iterations = check_columns(series)
+    lines += [f"{len(series)} INT8 linears. The largest value over the linears at evenly spaced checks, and the "
+              "linear with it at the last:", "",
+              "| statistic | " + " | ".join(f"it {it}" for it in iterations) + " | worst linear at the end |",
+              "|---" * (len(iterations) + 2) + "|"]
+    for stat in HEALTH_STATS:
+        largest = largest_at(series, stat, iterations)
+        if any(largest):
+            lines.append(f"| {stat} | " + " | ".join("n/a" if v is None else f"{v[0]:.3g}" for v in largest)
+                         + f" | {largest[-1][1] if largest[-1] else 'n/a'} |")
+    lines += ["", "The three worst linears at the last check, with their largest value over the run:", "",
+              "| statistic | linear | last | largest over the run |", "|---|---|---|---|"]
+    for stat in HEALTH_STATS:
+        for linear in worst_linears(series, stat, 3):
+            points = series[linear][stat]
+            lines.append(f"| {stat} | {linear} | {points[-1][1]:.3g} | {max(v for _, v in points):.3g} |")
+    if health_png:
+        lines += ["", f"Every linear's statistics over time: `{os.path.basename(health_png)}` "
+                      "(scripts/plot_health.py, the 8 worst per panel)."]
+    lines += ["", "## Automatic fallback", ""]
+    if not events:
+        lines.append("No `int8_fallback` event: no GEMM crossed its threshold on enough consecutive checks.")
+    else:
+        lines += [f"{len(events)} move(s):", "", "| iteration | linear | GEMM | change | reason |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {e['iteration']} | {e['linear']} | {e['gemm']} | {e['change']} | {e['reason']} |" for e in events]
+    return lines + [""]
+
+
+def plot(runs, gaps, train_iters, settle, limit, output):
+    """One PNG: training (smoothed) and validation loss, the gap, gradient norms and tokens/s of both runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    (loss_ax, gap_ax), (norm_ax, speed_ax) = axes
+    low, high = math.inf, -math.inf
+    for (label, data), color in zip(runs, ("tab:blue", "tab:red")):
+        steps = sorted(data["train"])
+        curve = smooth([data["train"][s] for s in steps], 20)
+        loss_ax.plot(steps, curve, color=color, label=f"{label} training (mean of 20)")
+        valid = data["valid"]
+        if valid:
+            loss_ax.plot(sorted(valid), [valid[s] for s in sorted(valid)], "o--", color=color, markersize=4,
+                         label=f"{label} validation")
+        low, high = min([low, *curve, *valid.values()]), max(high, max(curve))
+        for ax, key, window in ((norm_ax, "grad_norm", 20), (speed_ax, "tokens_per_s", 20)):
+            points = sorted(data[key])
+            if points:
+                ax.plot(points, smooth([data[key][s] for s in points], window), color=color, label=label)
+    if math.isfinite(low):
+        loss_ax.set_ylim(low * 0.97, min(high, 2.0 * low))
+    loss_ax.set_title("lm loss")
+    bf16_train, int8_train = runs[0][1]["train"], runs[1][1]["train"]
+    common = sorted(set(bf16_train) & set(int8_train))
+    if common:
+        ratio = smooth([int8_train[s] for s in common], 50)
+        reference = smooth([bf16_train[s] for s in common], 50)
+        gap_ax.plot(common, [100 * (a / b - 1) for a, b in zip(ratio, reference)], color="gray",
+                    label="training loss (means of 50)")
+    if gaps:
+        gap_ax.plot([g[0] for g in gaps], [g[3] for g in gaps], "o-", color="black", label="validation loss")
+    gap_ax.axhline(0, color="gray", linewidth=0.8)
+    for bound in (limit, -limit):
+        gap_ax.axhline(bound, color="tab:green", linestyle=":", linewidth=1)
+    gap_ax.axvline(settle * train_iters, color="tab:green", linestyle="--", linewidth=0.8,
+                   label=f"{settle:.0%} of the run")
+    gap_ax.set_title("gap INT8 / BF16 - 1 (%)")
+    norm_ax.set_yscale("log")
+    norm_ax.set_title("gradient norm (mean of 20)")
+    speed_ax.set_title("tokens/s per run (mean of 20 steps)")
+    for ax in axes.flat:
+        ax.set_xlabel("iteration")
+        ax.set_xlim(0, train_iters)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+
+
+def report(opts) -> int:
+    train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
+    runs = []
+    for label, path in zip(LABELS, (opts.bf16, opts.int8)):
+        if not os.path.exists(path):
+            print(f"error: no log {path}", file=sys.stderr)
+            return 1
+        train, valid = read_log(path)
+        if not train:
+            print(f"error: {path} has no training loss records yet", file=sys.stderr)
+            return 1
+        runs.append((label, {"train": train, "valid": valid, "grad_norm": read_series(path, "grad_norm"),
+                             "tokens_per_s": read_series(path, "tokens_per_s"),
+                             "step_time_s": read_series(path, "step_time_s")}))
+    (_, bf16), (_, int8) = runs
+    gaps = validation_gaps(bf16["valid"], int8["valid"])
+    verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
+    os.makedirs(opts.output_dir, exist_ok=True)
+    png = os.path.join(opts.output_dir, "convergence.png")
+    plot(runs, gaps, train_iters, opts.settle, opts.gap_limit, png)
+    health_png = os.path.join(opts.output_dir, "health.png")
+    from plot_health import main as plot_health
+
+    if plot_health([opts.int8, "--output", health_png]) != 0:
+        health_png = None
+
+    done = {label: max(data["train"]) for label, data in runs}
+    lines = [f"# INT8 vs BF16 convergence: `{os.path.basename(opts.config)}`", ""]
+    for label, last in done.items():
+        lines.append(f"- {label}: iteration {last} of {train_iters} ({last * tokens_per_iteration / 1e6:.1f}M of "
+                     f"{train_iters * tokens_per_iteration / 1e6:.1f}M tokens)" + ("" if last >= train_iters else
+                                                                                    ", **not finished**"))
+    if opts.corpus_stats and os.path.exists(opts.corpus_stats):
+        with open(opts.corpus_stats, encoding="utf-8") as f:
+            lines += ["", "Corpus: " + corpus_sentence(json.load(f))]
+    lines += ["", f"![curves]({os.path.basename(png)})", "", "## Loss", "",
+              summary_table([(label, data["train"], data["valid"]) for label, data in runs]), "",
+              "## Validation gap at every evaluation", "",
+              "gap = INT8 / BF16 - 1 of the validation loss at the same iteration (one seed: the same batches).", "",
+              "| iteration | tokens | BF16 | INT8 | gap |", "|---|---|---|---|---|"]
+    lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |"
+              for it, b, i, g in gaps]
+    rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
+    if verdict is None:
+        lines += ["", f"Check ({rule}): **not judged yet**, no common evaluation after iteration "
+                      f"{opts.settle * train_iters:.0f}."]
+    elif verdict:
+        worst = max((g for g in gaps if g[0] > opts.settle * train_iters), key=lambda g: g[3])
+        lines += ["", f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."]
+    else:
+        lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
+                                                                        for it, _, _, g in failing) + "."]
+    if gaps and gaps[-1][0] >= train_iters:
+        lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
+    elif gaps:
+        lines.append(f"The runs have not finished: the last common evaluation is at iteration {gaps[-1][0]} "
+                     f"({gaps[-1][3]:+.2f}%).")
+
+    spikes = {label: loss_spikes(data["train"], opts.spike_threshold, opts.spike_window) for label, data in runs}
+    int8_only = unmatched_spikes(spikes["INT8"], spikes["BF16"], opts.spike_match)
+    lines += ["", "## Loss spikes", "",
+              f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "
+              f"{opts.spike_window} steps before it.", ""]
+    for label in LABELS:
+        listed = ", ".join(f"{it} ({loss:.3f} vs {mean:.3f})" for it, loss, mean in spikes[label][:10])
+        lines.append(f"- {label}: {len(spikes[label])} spike(s)" + (f": {listed}" if listed else "")
+                     + (" ..." if len(spikes[label]) > 10 else ""))
+    lines.append(f"- INT8 spikes without a BF16 spike within {opts.spike_match} iterations: {len(int8_only)}"
+                 + (": " + ", ".join(str(s[0]) for s in int8_only[:20]) if int8_only else ""))
+
+    lines += ["", "## Gradient norms (mean over each span)", "", "| iterations | BF16 | INT8 | INT8 / BF16 |",
+              "|---|---|---|---|"]
+    int8_means = {(a, b): m for a, b, m in window_means(int8["grad_norm"], train_iters, opts.windows)}
+    for first, last, mean in window_means(bf16["grad_norm"], train_iters, opts.windows):
+        other = int8_means.get((first, last))
+        lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other, 3)} | "
+                     f"{_fmt(other / mean if other is not None else None, 3)} |")
+
+    lines += ["", "## Throughput (two data-parallel GPUs per run)", "",
+              "| run | tokens/s (median step after the first 10) | training time (sum of step times) |",
+              "|---|---|---|"]
+    speeds = {}
+    for label, data in runs:
+        speeds[label] = throughput(data["tokens_per_s"])
+        seconds = sum(data["step_time_s"].values())
+        lines.append(f"| {label} | {_fmt(speeds[label], 0)} | {seconds / 60:.1f} min |")
+    if speeds["BF16"] and speeds["INT8"]:
+        lines.append(f"\nINT8 / BF16: {speeds['INT8'] / speeds['BF16']:.3f}x.")
+    lines += [""] + health_section(opts.int8, health_png)
+    summary = os.path.join(opts.output_dir, "convergence.md")
+    with open(summary, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {png}, {summary}" + (f", {health_png}" if health_png else ""))
+    return 0
+
+
+def progress(opts) -> int:
+    """One line on a run in progress: last iteration, loss, last validation, recent tokens/s, time left."""
+    train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
+    if not os.path.exists(opts.log):
+        print("no log yet")
+        return 0
+    train, valid = read_log(opts.log)
+    if not train:
+        print("no training step logged yet")
+        return 0
+    last = max(train)
+    recent = sorted(train)[-20:]
+    speed, step = read_series(opts.log, "tokens_per_s"), read_series(opts.log, "step_time_s")
+    speeds, steps = [speed[it] for it in recent if it in speed], [step[it] for it in recent if it in step]
+    line = (f"iteration {last}/{train_iters} ({last * tokens_per_iteration / 1e6:.1f}M tokens), loss {train[last]:.4f}"
+            + (f", validation {valid[max(valid)]:.4f} at {max(valid)}" if valid else ""))
+    if speeds and steps:
+        left = (train_iters - last) * sum(steps) / len(steps)
+        line += f", {sum(speeds) / len(speeds):.0f} tokens/s (last 20 steps), steps left {left / 60:.1f} min"
+    print(line)
+    return 0
+
+
+def corpus_sentence(stats):
+    return (f"{stats['corpus_mb']:.1f} MB of text in {stats['documents']} files, {stats['tokens'] / 1e6:.1f}M tokens "
+            f"({stats['train_tokens'] / 1e6:.1f}M in the training split, {stats['valid_tokens'] / 1e6:.2f}M held out "
+            f"for validation), {stats['distinct_token_ids']} distinct token ids of {stats['vocab_size']}; a run of "
+            f"{stats['tokens_trained'] / 1e6:.1f}M tokens takes {stats['epochs']:.2f} epochs of the training split.")
+
+
+def corpus(opts) -> int:
+    """Counts the corpus as the trainer reads it: megatron's GPTDataset splits the documents by --split in
+    order (the first 98% train), so a split's tokens are its documents' lengths in the indexed dataset."""
+    import numpy
+    import yaml
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                       parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path
+
+    text_bytes = documents = 0
+    with open(opts.corpus, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                text_bytes += len(json.loads(line)["text"].encode("utf-8"))
+                documents += 1
+    dataset = IndexedDataset(opts.prefix)
+    per_document = dataset.sequence_lengths.astype(numpy.int64)  # preprocess_data writes one sequence per document
+    with open(opts.config, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    # megatron's rule (BlendedMegatronDatasetBuilder): split k holds documents [round(a * n), round(b * n))
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(config.get("split", "969, 30, 1"))))
+    n = len(per_document)
+    tokens_of = [0 if bounds is None else int(per_document[int(round(bounds[0] * n)):int(round(bounds[1] * n))].sum())
+                 for bounds in matrix]
+    train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
+    vocab = int(opts.vocab_size) if opts.vocab_size else None
+    tokens = numpy.memmap(get_bin_path(opts.prefix), dtype=dataset.index.dtype, mode="r")  # the tokens, back to back
+    counts = numpy.zeros(1, dtype=numpy.int64)
+    for start in range(0, len(tokens), 1 << 26):  # in chunks: bincount widens its input to int64
+        chunk = numpy.bincount(tokens[start:start + (1 << 26)])
+        counts = numpy.pad(counts, (0, max(0, len(chunk) - len(counts))))
+        counts[:len(chunk)] += chunk
+    stats = {"corpus_mb": text_bytes / 2**20, "documents": documents, "indexed_documents": n,
+             "tokens": int(per_document.sum()), "train_tokens": tokens_of[0], "valid_tokens": tokens_of[1],
+             "distinct_token_ids": int(numpy.count_nonzero(counts)), "vocab_size": vocab or len(counts),
+             "tokens_trained": train_iters * tokens_per_iteration}
+    stats["epochs"] = stats["tokens_trained"] / stats["train_tokens"]
+    with open(opts.output, "w", encoding="utf-8") as f:
+        json.dump(stats, f, indent=1)
+    print("corpus: " + corpus_sentence(stats))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    rep = commands.add_parser("report", help="PNG + markdown summary of a BF16 and an INT8 run")
+    rep.add_argument("--bf16", required=True, help="the BF16 run's JSONL log")
+    rep.add_argument("--int8", required=True, help="the INT8 run's JSONL log (with int8_health records)")
+    rep.add_argument("--config", required=True, help="the runs' YAML (train_iters, global batch, sequence length)")
+    rep.add_argument("--train-iters", type=int, default=None, help="the runs' --train-iters, where not the YAML's")
+    rep.add_argument("--output-dir", required=True, help="where convergence.png, convergence.md, health.png go")
+    rep.add_argument("--corpus-stats", default=None, help="the JSON of the `corpus` command, quoted in the summary")
+    rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
+    rep.add_argument("--settle", type=float, default=0.1,
+                     help="fraction of the run before the gap is judged (default: %(default)s)")
+    rep.add_argument("--spike-threshold", type=float, default=0.10,
+                     help="a spike: loss above the trailing mean by more than this fraction (default: %(default)s)")
+    rep.add_argument("--spike-window", type=int, default=50,
+                     help="trailing steps of the spike mean (default: %(default)s)")
+    rep.add_argument("--spike-match", type=int, default=5,
+                     help="a BF16 spike this close (iterations) matches an INT8 one (default: %(default)s)")
+    rep.add_argument("--windows", type=int, default=10, help="spans of the gradient-norm table (default: %(default)s)")
+    cor = commands.add_parser("corpus", help="corpus bytes, tokens per split, distinct token ids, epochs of a run")
+    cor.add_argument("--corpus", required=True, help="the JSONL corpus (scripts/prepare_tiny_corpus.py)")
+    cor.add_argument("--prefix", required=True, help="the indexed dataset's prefix (..._text_document)")
+    cor.add_argument("--config", required=True, help="the run's YAML (split, train_iters, batch, sequence length)")
+    cor.add_argument("--train-iters", type=int, default=None)
+    cor.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's vocabulary, for the summary")
+    cor.add_argument("--output", required=True, help="JSON to write")
+    pro = commands.add_parser("progress", help="one line on a run in progress (its JSONL log)")
+    pro.add_argument("--log", required=True)
+    pro.add_argument("--config", required=True)
+    pro.add_argument("--train-iters", type=int, default=None)
+    opts = parser.parse_args(argv)
+    if opts.command == "progress":
+        return progress(opts)
+    if opts.command == "report":
+        for name in ("spike_threshold", "settle"):
+            if not 0 < getattr(opts, name) < 1:
+                parser.error(f"--{name.replace('_', '-')} must be in (0, 1)")
+        if opts.spike_window < 1 or opts.windows < 1 or opts.gap_limit <= 0:
+            parser.error("--spike-window and --windows must be >= 1, --gap-limit > 0")
+        return report(opts)
+    return corpus(opts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

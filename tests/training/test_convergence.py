@@ -1,0 +1,237 @@
+"""Issue #51's convergence run, on CPU: the ~350M config builds a model of that size through the trainer's own code,
+scripts/convergence_report.py reads two real trainer logs (a BF16 and an INT8 run with health statistics and
+fallback moves) into the gap table, the 1% check, spikes and the PNG, and scripts/convergence_4gpu.sh's `status`
+mode collects a finished pair of runs into $OUT and refuses an empty run directory with a clear message."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from repo_paths import CONFIGS, ROOT, SCRIPTS
+from test_training import SMALL_MODEL, _run
+
+sys.path.insert(0, SCRIPTS)
+import convergence_report  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "scripts", "convergence_4gpu.sh")
+ITERATIONS, GLOBAL_BATCH, SEQ = 40, 4, 64
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--micro-batch-size", "2",
+        "--global-batch-size", str(GLOBAL_BATCH), "--eval-interval", "10", "--train-iters", str(ITERATIONS)]
+
+
+def test_config_builds_a_350m_llama_for_300m_tokens():
+    """configs/convergence_350m.yaml at 2 data-parallel ranks with the 8192-token vocabulary: the model the trainer
+    builds (on the meta device) has the parameters the architecture's arithmetic gives, 330-370M, and the schedule
+    trains >= 300M tokens with an evaluation every 5% of the run."""
+    import torch
+    from mcore_helpers import single_process_megatron
+
+    from megatron_int8.megatron.cli import policy_from_args
+    from megatron_int8.training.args import parse_args, validate_args
+    from megatron_int8.training.model import build_config, build_model, unwrap
+
+    args = validate_args(parse_args(["--config", os.path.join(CONFIGS, "convergence_350m.yaml"), "--mock-data",
+                                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192"]), world_size=2)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (24, 1024, 3584)
+    assert (args.num_attention_heads, args.num_query_groups, args.kv_channels, args.seq_length) == (16, 4, 64, 2048)
+    assert args.swiglu and args.normalization == "RMSNorm" and args.position_embedding_type == "rope"
+    assert args.untie_embeddings_and_output_weights and args.bf16 and not args.add_bias_linear
+    assert args.data_parallel_size == 2 and args.global_batch_size // (2 * args.micro_batch_size) == 4
+    assert args.train_iters * args.global_batch_size * args.seq_length >= 300e6
+    assert args.eval_interval * 20 == args.train_iters and args.lr_decay_style == "cosine"
+    with single_process_megatron():
+        config = build_config(args, log=lambda message: None)
+        with torch.device("meta"):
+            model = unwrap(build_model(args, config, policy_from_args(args), 8192, log=lambda message: None))[0]
+        built = sum(p.numel() for p in model.parameters())
+    h, q, kv, ffn, vocab = 1024, 16 * 64, 4 * 64, 3584, 8192
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h  # QKV, output projection, SwiGLU, two RMSNorms
+    assert built == 24 * per_layer + 2 * vocab * h + h  # + embedding, untied output layer, final norm
+    assert 330e6 <= built <= 370e6, built
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    """A BF16 and an INT8 run of the tiny model on mock data (same seed), logged as the trainer logs; the INT8 run
+    with health statistics every 5 iterations and thresholds that every GEMM crosses, so fallback moves happen."""
+    root = tmp_path_factory.mktemp("convergence")
+    forced_fallback = ["--int8-linear", "--int8-stats-interval", "5", "--int8-auto-fallback",
+                       "--int8-fallback-max-rel-err", "1e-9", "--int8-fallback-patience", "4"]
+    for name, flags in (("bf16", []), ("int8", forced_fallback)):
+        _run([sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+              *SMALL_MODEL, *MOCK, "--log-jsonl", str(root / f"{name}.jsonl"), *flags])
+    (root / "run.yaml").write_text(f"train_iters: {ITERATIONS}\nglobal_batch_size: {GLOBAL_BATCH}\nseq_length: {SEQ}\n")
+    return root
+
+
+def records(path, key):
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if key in r]
+
+
+def edited(src, dst, iteration, key, factor):
+    """A copy of a log with one record's `key` at `iteration` multiplied by `factor`."""
+    with open(src) as f, open(dst, "w") as out:
+        for record in map(json.loads, f):
+            if record.get("iteration") == iteration and key in record:
+                record[key] *= factor
+            out.write(json.dumps(record) + "\n")
+    return str(dst)
+
+
+def report(logs, out, bf16=None, int8=None, *extra):
+    assert convergence_report.main(["report", "--bf16", bf16 or str(logs / "bf16.jsonl"), "--int8",
+                                    int8 or str(logs / "int8.jsonl"), "--config", str(logs / "run.yaml"),
+                                    "--output-dir", str(out), *extra]) == 0
+    return (out / "convergence.md").read_text()
+
+
+@pytest.mark.slow
+def test_report_of_two_real_logs(logs, tmp_path):
+    bf16_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(logs / "bf16.jsonl", "valid_lm_loss")}
+    int8_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(logs / "int8.jsonl", "valid_lm_loss")}
+    assert sorted(bf16_valid) == sorted(int8_valid) == [10, 20, 30, 40]
+    summary = report(logs, tmp_path / "a")
+    for it in (10, 20, 30, 40):  # the gap table: every evaluation, the gap from the logged losses
+        gap = 100 * (int8_valid[it] / bf16_valid[it] - 1)
+        assert (f"| {it} | {it * GLOBAL_BATCH * SEQ / 1e6:.1f}M | {bf16_valid[it]:.4f} | {int8_valid[it]:.4f} | "
+                f"{gap:+.2f}% |") in summary
+    assert "Check (gap <= 1% at every evaluation after the first 10% of the run): **met**" in summary
+    assert f"At the end (iteration {ITERATIONS}): gap" in summary
+    assert "- BF16: 0 spike(s)" in summary and "- INT8: 0 spike(s)" in summary
+    assert "| 1-4 | " in summary and "| 37-40 | " in summary  # gradient norms over ten spans of the run
+    assert "INT8 / BF16: " in summary
+    # health: the statistics at every check (5, 10, ..., 40) and the fallback moves the thresholds forced
+    assert "| statistic | it 5 | it 10 | it 15 | it 20 | it 25 | it 30 | it 35 | it 40 |" in summary
+    assert "| fprop/rel_err | " in summary and "| wgrad/underflow | " in summary
+    events = records(logs / "int8.jsonl", "int8_fallback")
+    assert events and f"{len(events)} move(s):" in summary
+    first = events[0]["int8_fallback"]
+    assert f"| {first['iteration']} | {first['linear']} | {first['gemm']} | {first['change']} |" in summary
+    for png in ("convergence.png", "health.png"):
+        assert (tmp_path / "a" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # an INT8 loss spike (x1.5 at iteration 30) that BF16 does not have, and a 2% gap at the evaluation of 20
+    spiked = edited(logs / "int8.jsonl", tmp_path / "spiked.jsonl", 30, "lm_loss", 1.5)
+    worse = edited(spiked, tmp_path / "worse.jsonl", 20, "valid_lm_loss", 1.02)
+    summary = report(logs, tmp_path / "b", None, worse, "--spike-window", "10")
+    assert "- INT8: 1 spike(s): 30 (" in summary and "- BF16: 0 spike(s)" in summary
+    assert "INT8 spikes without a BF16 spike within 5 iterations: 1: 30" in summary
+    gap = 100 * (int8_valid[20] * 1.02 / bf16_valid[20] - 1)
+    assert f"**not met** at iteration 20 ({gap:+.2f}%)." in summary
+    # the same spike in both runs is not INT8's
+    both = edited(logs / "bf16.jsonl", tmp_path / "both.jsonl", 30, "lm_loss", 1.5)
+    summary = report(logs, tmp_path / "c", both, spiked, "--spike-window", "10")
+    assert "INT8 spikes without a BF16 spike within 5 iterations: 0" in summary
+
+    # runs still in progress: of 200 iterations, the check judges the evaluations after 20 (30 and 40) ...
+    summary = report(logs, tmp_path / "d", None, worse, "--train-iters", "200")
+    assert "iteration 40 of 200" in summary and "**not finished**" in summary
+    assert "**met** (largest" in summary and "The runs have not finished" in summary
+    # ... of 400, none (the first 10% is 40 iterations)
+    summary = report(logs, tmp_path / "e", None, None, "--train-iters", "400")
+    assert "**not judged yet**" in summary
+
+
+def test_loss_spikes_follow_their_definition():
+    """A step more than 10% above the mean of the 5 before it; the first 5 steps are not judged, and a spike
+    raises the mean that the next steps are judged against."""
+    losses = {it: 2.0 for it in range(1, 21)}
+    losses.update({3: 5.0, 8: 2.19, 12: 2.3, 16: 2.24})  # 8: 2.19 / mean(5, 2, 2, 2, 2) = 0.84
+    spikes = convergence_report.loss_spikes(losses, threshold=0.10, window=5)
+    assert [(it, round(mean, 3)) for it, _, mean in spikes] == [(12, 2.038)]  # 2.3 / 2.038 = 1.129; 16: 1.087
+    assert convergence_report.unmatched_spikes(spikes, [(14, 2.5, 2.0)], tolerance=2) == []
+    assert convergence_report.unmatched_spikes(spikes, [(15, 2.5, 2.0)], tolerance=2) == spikes
+
+
+def test_the_script_parses_and_status_needs_a_started_run(tmp_path):
+    assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
+    env = dict(os.environ, RUN_DIR=str(tmp_path / "nothing"))
+    result = subprocess.run(["bash", SCRIPT, "status", "300"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert "nothing started in" in result.stderr and "convergence_4gpu.sh start" in result.stderr
+    result = subprocess.run(["bash", SCRIPT, "status", "soon"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 1 and "status takes a number of seconds" in result.stderr
+    result = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "usage:" in result.stderr
+
+
+@pytest.mark.slow
+def test_status_collects_finished_runs_into_out(logs, tmp_path):
+    """Two runs whose checkpoints reached the last iteration: `status` returns at once, prints their progress and
+    the report's verdicts, and leaves at most 8 files in $OUT (what comes back from a device call)."""
+    run_dir, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    for name in ("bf16", "int8"):
+        (run_dir / name / "ckpt").mkdir(parents=True)
+        (run_dir / name / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(ITERATIONS))
+        shutil.copy(logs / f"{name}.jsonl", run_dir / f"{name}.jsonl")
+        (run_dir / f"{name}.log").write_text(f"{name} trainer output\n")
+    (run_dir / "pipeline.log").write_text("== launching\n")
+    (run_dir / "pipeline.rc").write_text("0\n")
+    env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), CONFIG=str(logs / "run.yaml"), PYTHON=sys.executable)
+    result = subprocess.run(["bash", SCRIPT, "status", "300"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"bf16 [finished]: iteration {ITERATIONS}/{ITERATIONS}" in result.stdout
+    assert "Check (gap <= 1%" in result.stdout and "both runs finished" in result.stdout
+    files = sorted(os.listdir(out))
+    assert files == ["bf16.jsonl", "convergence.md", "convergence.png", "health.png", "int8.jsonl", "logs.tar.gz"]
+    listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert sorted(listed) == ["bf16.log", "int8.log", "pipeline.log"]
+
+
+def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
+    """`corpus` on a small indexed dataset: every document's tokens are its SentencePiece ids plus one EOD, the
+    training split is megatron's first 90% of the documents, epochs = tokens trained / training-split tokens."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.jsonl"
+    _run([sys.executable, "scripts/prepare_tiny_corpus.py", "--output", str(corpus), "--max-mb", "0.3"])
+    _run([sys.executable, "scripts/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
+          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "spm.model"),
+          "--train-sentencepiece", "400"])
+    config = tmp_path / "run.yaml"
+    config.write_text('train_iters: 10\nglobal_batch_size: 4\nseq_length: 64\nsplit: "90,10,0"\n')
+    assert convergence_report.main(["corpus", "--corpus", str(corpus), "--prefix", str(tmp_path / "c_text_document"),
+                                    "--config", str(config), "--vocab-size", "400",
+                                    "--output", str(tmp_path / "stats.json")]) == 0
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    ids = [processor.encode(text) + [processor.eos_id()] for text in texts]
+    train_documents = round(0.9 * len(texts))
+    assert stats["documents"] == stats["indexed_documents"] == len(texts)
+    assert stats["corpus_mb"] == pytest.approx(sum(len(t.encode()) for t in texts) / 2**20)
+    assert stats["tokens"] == sum(map(len, ids))
+    assert stats["train_tokens"] == sum(map(len, ids[:train_documents]))
+    assert stats["valid_tokens"] == stats["tokens"] - stats["train_tokens"] > 0
+    assert stats["distinct_token_ids"] == len({i for doc in ids for i in doc}) and stats["vocab_size"] == 400
+    assert stats["tokens_trained"] == 10 * 4 * 64
+    assert stats["epochs"] == pytest.approx(2560 / stats["train_tokens"])
+
+
+def test_corpus_of_all_sources_with_docs(tmp_path, monkeypatch):
+    """prepare_tiny_corpus --source all --docs: the standard library's files, then site-packages' (not twice),
+    .py sources with .rst/.md documentation, tests and other files skipped."""
+    import sysconfig
+
+    import prepare_tiny_corpus
+
+    stdlib, purelib = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    files = {stdlib / "os.py": "import sys\n", stdlib / "README.rst": "The library.\n",
+             stdlib / "tests" / "t.py": "x\n",
+             purelib / "pkg" / "a.py": "a = 1\n", purelib / "pkg" / "guide.md": "# Guide\n",
+             purelib / "pkg" / "data.txt": "1 2 3\n"}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(stdlib), "purelib": str(purelib)})
+    for flags, expected in (([], ["os.py", "pkg/a.py"]),
+                            (["--docs"], ["README.rst", "os.py", "pkg/a.py", "pkg/guide.md"])):
+        out = tmp_path / "corpus.jsonl"
+        assert prepare_tiny_corpus.main(["--source", "all", "--output", str(out), *flags]) == 0
+        assert [json.loads(line)["path"] for line in out.read_text().splitlines()] == expected
