@@ -5,16 +5,19 @@
 # --int8-stats-interval 100 --int8-auto-fallback) on GPUs 2,3, each with torchrun --nproc-per-node 2 (data
 # parallel), same seed, so the same initialization, data order and validation batches.
 #
-# The lead's calls (repo root, `carry: [".whl"]` with the megatron-core wheel, as benchmarks/gpu_*_check.sh):
+# On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
+# status 3600` to follow it (repo root; megatron-core installed, or its wheel in .whl/ as in
+# benchmarks/gpu_*_check.sh). On a machine lent in commands of at most 10 minutes, as this project's GPU
+# machines are:
 #   call 1:           bash scripts/convergence_4gpu.sh start && bash scripts/convergence_4gpu.sh status 540
 #   following calls:  bash scripts/convergence_4gpu.sh status 560
-# Send each next call at once, within 30 s of the last reply: an idle machine goes back after 30 s and takes
-# the data and checkpoints with it (a fresh machine starts everything over). The runs live in their own
-# process sessions (setsid), so they go on between calls; every `status` call writes to $OUT what there is so
-# far. The machine is held 30 minutes at most: its start, the data build (a few minutes, not yet timed) and
-# both runs must fit in it, so make this the session's first GPU work. Each status line gives the minutes of
-# steps left; if call 1 shows more than ~20, both runs will not finish in the lease (TRAIN_ITERS, set at the
-# first `start`, shortens the schedule; below 2289 iterations the runs see fewer than 300M tokens).
+# and send each next call at once: such a machine goes back after 30 s idle and takes the data and checkpoints
+# with it (a fresh machine starts everything over). The runs live in their own process sessions (setsid), so
+# they go on between calls; every `status` call writes to $OUT what there is so far. Such a machine is held 30
+# minutes at most: its start, the data build (a few minutes, not yet timed) and both runs must fit in it. Each
+# status line gives the minutes of steps left; if call 1 shows more than ~20, both runs will not finish in time
+# (TRAIN_ITERS, set at the first `start`, shortens the schedule; below 2289 iterations the runs see fewer than
+# 300M tokens).
 #
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
