@@ -3,6 +3,7 @@ random init, no downloads) trained a few steps on one GPU: INT8 (convert_to_int8
 eager and compiled.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py [--seq 2048] [--micro-batch 4] [--iters 10]
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py --shape-policy auto    # BF16 where INT8 loses
 
 A step is forward, backward and AdamW on bf16 parameters, random token ids. "compiled" compiles each decoder
 layer (`layer.compile()`, the regional compilation torchtitan uses: one compilation serves every layer);
@@ -18,7 +19,7 @@ import torch
 import common  # noqa: F401  (puts the repository on sys.path)
 from common import append_results, time_ms
 
-from megatron_int8 import convert_to_int8_training  # noqa: E402
+from megatron_int8 import Int8Recipe, convert_to_int8_training  # noqa: E402
 
 VARIANTS = ("bf16 eager", "int8 eager", "bf16 compiled", "int8 compiled")
 
@@ -41,6 +42,9 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--full-compile", action="store_true")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--shape-policy", choices=("int8", "auto"), default="int8",
+                   help="the INT8 runs' Int8Recipe.shape_policy; auto labels them 'int8-auto' (a first eager step "
+                        "times each shape, before any compile)")
     opts = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf_llama.py needs a CUDA GPU")
@@ -51,7 +55,11 @@ def main(argv=None):
         precision, mode = variant.split()
         model = build()
         if precision == "int8":
-            convert_to_int8_training(model)
+            convert_to_int8_training(model, Int8Recipe(shape_policy=opts.shape_policy))
+            if opts.shape_policy == "auto":
+                variant = f"int8-auto {mode}"
+                model(input_ids=ids, labels=ids).loss.backward()  # decides per shape; compiled graphs reuse it
+                model.zero_grad(set_to_none=True)
         n_params = sum(p.numel() for p in model.parameters())
         if mode == "compiled":
             if opts.full_compile:
