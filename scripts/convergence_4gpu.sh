@@ -12,7 +12,7 @@
 #   call 1:           bash scripts/convergence_4gpu.sh start && bash scripts/convergence_4gpu.sh status 540
 #   following calls:  bash scripts/convergence_4gpu.sh status 560
 # and send each next call at once: such a machine goes back after 30 s idle and takes the data and checkpoints
-# with it (a fresh machine starts everything over). The runs live in their own process sessions (setsid), so
+# with it (a fresh machine starts everything over). The runs are detached (setsid), so
 # they go on between calls; every `status` call writes to $OUT what there is so far. Such a machine is held 30
 # minutes at most: its start, the data build (a few minutes, not yet timed) and both runs must fit in it. Each
 # status line gives the minutes of steps left; if call 1 shows more than ~20, both runs will not finish in time
@@ -99,7 +99,7 @@ corpus_statistics() {  # after the launch: the runs need not wait for it
         --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --output "$RUN_DIR/corpus.json"
 }
 
-launch() {  # launch NAME: one precision on its two GPUs, in its own process session; NAME.pid, NAME.rc, NAME.log
+launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAME.pid, NAME.rc, NAME.log
     local name=$1 flags=()
     read -r -a flags <<< "${EXTRA_FLAGS:-}"
     if [[ $name == int8 ]]; then
