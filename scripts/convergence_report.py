@@ -29,23 +29,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts below
 from plot_health import read_health, worst_linears  # noqa: E402
-from plot_loss import read_log, smooth, summary_table  # noqa: E402
+from plot_loss import read_series, smooth, summary_table  # noqa: E402
 
 HEALTH_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                 "wgrad/underflow")
 LABELS = ("BF16", "INT8")
-
-
-def read_series(path, key):
-    """{iteration: value} of one per-step key of a trainer JSONL log (None values dropped; later lines win)."""
-    series = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                if record.get(key) is not None and "iteration" in record:
-                    series[record["iteration"]] = record[key]
-    return series
 
 
 def run_schedule(config_path, train_iters=None):
@@ -229,13 +217,12 @@ def report(opts) -> int:
         if not os.path.exists(path):
             print(f"error: no log {path}", file=sys.stderr)
             return 1
-        train, valid = read_log(path)
-        if not train:
+        keys = ("train", "valid", "grad_norm", "tokens_per_s", "step_time_s")
+        data = dict(zip(keys, read_series(path, "lm_loss", "valid_lm_loss", *keys[2:])))
+        if not data["train"]:
             print(f"error: {path} has no training loss records yet", file=sys.stderr)
             return 1
-        runs.append((label, {"train": train, "valid": valid, "grad_norm": read_series(path, "grad_norm"),
-                             "tokens_per_s": read_series(path, "tokens_per_s"),
-                             "step_time_s": read_series(path, "step_time_s")}))
+        runs.append((label, data))
     (_, bf16), (_, int8) = runs
     gaps = validation_gaps(bf16["valid"], int8["valid"])
     verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
@@ -325,13 +312,12 @@ def progress(opts) -> int:
     if not os.path.exists(opts.log):
         print("no log yet")
         return 0
-    train, valid = read_log(opts.log)
+    train, valid, speed, step = read_series(opts.log, "lm_loss", "valid_lm_loss", "tokens_per_s", "step_time_s")
     if not train:
         print("no training step logged yet")
         return 0
     last = max(train)
     recent = sorted(train)[-20:]
-    speed, step = read_series(opts.log, "tokens_per_s"), read_series(opts.log, "step_time_s")
     speeds, steps = [speed[it] for it in recent if it in speed], [step[it] for it in recent if it in step]
     line = (f"iteration {last}/{train_iters} ({last * tokens_per_iteration / 1e6:.1f}M tokens), loss {train[last]:.4f}"
             + (f", validation {valid[max(valid)]:.4f} at {max(valid)}" if valid else ""))

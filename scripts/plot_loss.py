@@ -11,19 +11,19 @@ import os
 import sys
 
 
-def read_log(path):
-    """({iteration: train loss}, {iteration: validation loss}); later lines win (resumed runs)."""
-    train, valid = {}, {}
+def read_series(path, *keys):
+    """[{iteration: value}] for each per-step key of a trainer JSONL log, in one pass (None values dropped;
+    later lines win: resumed runs)."""
+    series = [{} for _ in keys]
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
                 continue
             record = json.loads(line)
-            if "lm_loss" in record:
-                train[record["iteration"]] = record["lm_loss"]
-            if "valid_lm_loss" in record:
-                valid[record["iteration"]] = record["valid_lm_loss"]
-    return train, valid
+            for key, values in zip(keys, series):
+                if record.get(key) is not None and "iteration" in record:
+                    values[record["iteration"]] = record[key]
+    return series
 
 
 def smooth(values, window):
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     figure, axis = plt.subplots(figsize=(8, 5))
     runs = []
     for path, label in zip(args.logs, labels):
-        train, valid = read_log(path)
+        train, valid = read_series(path, "lm_loss", "valid_lm_loss")
         if not train:
             print(f"error: {path} has no training loss records", file=sys.stderr)
             return 1
