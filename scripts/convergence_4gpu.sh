@@ -120,7 +120,6 @@ launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAM
 }
 
 pipeline() {  # the data, both runs, the corpus statistics (what `start` leaves running in the background)
-    echo $$ > "$RUN_DIR/pipeline.pid"
     local status=0
     build_data || status=$?
     if [[ $status -eq 0 ]]; then
