@@ -105,7 +105,8 @@ sys.path[0] = mlm                       # as `python3 $mlm/pretrain_gpt.py`: the
 import megatron.core, megatron.training.training as training
 from megatron.core.utils import unwrap_model
 from megatron.training import get_args
-from megatron_int8.megatron.policy import policy_from_args, print_precision_table
+from megatron_int8.megatron.cli import policy_from_args
+from megatron_int8.megatron.precision_table import print_precision_table
 print(f"megatron.core {megatron.core.__version__} from {megatron.core.__path__[0]}; megatron.training from "
       f"{training.__file__}", flush=True)
 get_model = training.get_model

@@ -97,3 +97,20 @@ def test_the_scan_sees_relative_and_function_level_imports(tmp_path):
     finally:
         PACKAGE = saved
     assert graph["megatron_int8.ops.thing"] == {"megatron_int8.training"}
+
+
+def test_shell_scripts_import_names_that_exist():
+    """The Python that the shell scripts embed (heredocs, `python3 -c`) is not imported by any test: a renamed
+    function would first fail on a GPU machine. Every `from megatron_int8... import name` in them must resolve."""
+    import importlib
+    import re
+
+    pattern = re.compile(r"from (megatron_int8[\w.]*) import ([\w ,]+)")
+    found = []
+    for script in sorted(PACKAGE.parent.glob("*/**/*.sh")):
+        for module, names in pattern.findall(script.read_text(encoding="utf-8")):
+            for name in (n.split(" as ")[0].strip() for n in names.split(",")):
+                found.append((script.name, module, name))
+                assert hasattr(importlib.import_module(module), name), \
+                    f"{script.name}: `from {module} import {name}`: no such name"
+    assert any(script == "gpu_megatron_lm_check.sh" for script, _, _ in found)  # the scan sees the heredocs
