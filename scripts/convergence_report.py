@@ -244,8 +244,15 @@ def report(opts) -> int:
     if opts.corpus_stats and os.path.exists(opts.corpus_stats):
         with open(opts.corpus_stats, encoding="utf-8") as f:
             lines += ["", "Corpus: " + corpus_sentence(json.load(f))]
-    lines += ["", f"![curves]({os.path.basename(png)})", "", "## Loss", "",
-              summary_table([(label, data["train"], data["valid"]) for label, data in runs]), "",
+    # a run ahead of the other would be compared at a later, lower point of its curve: cut both to the common part
+    common_last = min(done.values())
+    upto = {label: {key: {it: v for it, v in data[key].items() if it <= common_last} for key in ("train", "valid")}
+            for label, data in runs}
+    lines += ["", f"![curves]({os.path.basename(png)})", "", "## Loss", ""]
+    if len(set(done.values())) > 1:
+        lines += [f"Both runs up to iteration {common_last}, the last one both reached (the losses and spikes below).",
+                  ""]
+    lines += [summary_table([(label, upto[label]["train"], upto[label]["valid"]) for label, _ in runs]), "",
               "## Validation gap at every evaluation", "",
               "gap = INT8 / BF16 - 1 of the validation loss at the same iteration (one seed: the same batches).", "",
               "| iteration | tokens | BF16 | INT8 | gap |", "|---|---|---|---|---|"]
@@ -267,7 +274,7 @@ def report(opts) -> int:
         lines.append(f"The runs have not finished: the last common evaluation is at iteration {gaps[-1][0]} "
                      f"({gaps[-1][3]:+.2f}%).")
 
-    spikes = {label: loss_spikes(data["train"], opts.spike_threshold, opts.spike_window) for label, data in runs}
+    spikes = {label: loss_spikes(upto[label]["train"], opts.spike_threshold, opts.spike_window) for label, _ in runs}
     int8_only = unmatched_spikes(spikes["INT8"], spikes["BF16"], opts.spike_match)
     lines += ["", "## Loss spikes", "",
               f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "

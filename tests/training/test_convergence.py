@@ -130,6 +130,14 @@ def test_report_of_two_real_logs(logs, tmp_path):
     summary = report(logs, tmp_path / "d", None, worse, "--train-iters", "200")
     assert "iteration 40 of 200" in summary and "**not finished**" in summary
     assert "**met** (largest" in summary and "The runs have not finished" in summary
+    # one run ahead of the other: the losses and spikes are compared up to the iteration both reached
+    with open(logs / "int8.jsonl") as f, open(tmp_path / "behind.jsonl", "w") as out:
+        out.writelines(line for line in f if json.loads(line).get("iteration", 0) <= 25)
+    summary = report(logs, tmp_path / "f", None, str(tmp_path / "behind.jsonl"), "--train-iters", "200")
+    assert "Both runs up to iteration 25, the last one both reached" in summary
+    bf16_train = {r["iteration"]: r["lm_loss"] for r in records(logs / "bf16.jsonl", "lm_loss")}
+    assert f"| BF16 | 25 | {sum(bf16_train[i] for i in range(1, 26)) / 25:.4f} | +0.00% |" in summary
+    assert "| INT8 | 25 | " in summary and "iteration 40 of 200" in summary
     # ... of 400, none (the first 10% is 40 iterations)
     summary = report(logs, tmp_path / "e", None, None, "--train-iters", "400")
     assert "**not judged yet**" in summary
