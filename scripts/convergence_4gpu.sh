@@ -14,10 +14,16 @@
 # and send each next call at once: such a machine goes back after 30 s idle and takes the data and checkpoints
 # with it (a fresh machine starts everything over). The runs are detached (setsid), so
 # they go on between calls; every `status` call writes to $OUT what there is so far. Such a machine is held 30
-# minutes at most: its start, the data build (a few minutes, not yet timed) and both runs must fit in it. Each
+# minutes at most: its start, the data build (1.5 minutes on 4 H100s) and both runs must fit in it. Each
 # status line gives the minutes of steps left; if call 1 shows more than ~20, both runs will not finish in time
 # (TRAIN_ITERS, set at the first `start`, shortens the schedule; below 2289 iterations the runs see fewer than
 # 300M tokens).
+#
+# Both runs replay CUDA graphs (--cuda-graph-impl local; GRAPHS=none turns them off). At this width a step
+# is bound by kernel launches: eager, on 4 H100s (2026-11-27, 57ce0e5), BF16 ran 305k and INT8 228k tokens/s per
+# pair of GPUs, so INT8 needed ~22 minutes of steps and did not finish in one machine loan. Graphed, one H100
+# with the same per-GPU work (micro-batch 8 x 4) ran a step in 378 ms (BF16) and 346 ms (INT8): ~14.5 and ~13.3
+# minutes for the whole schedule.
 #
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
@@ -47,7 +53,8 @@
 # (8192), WORKERS (nproc), TRAIN_ITERS (the YAML's unless set; the first `start` keeps it in RUN_DIR/train_iters
 # for later calls), SAVE_INTERVAL (the YAML's unless set),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
-# (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml).
+# (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
+# GRAPHS (local: CUDA graphs, or none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
@@ -108,6 +115,7 @@ launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAM
         flags+=(--int8-linear --int8-stats-interval 100 --int8-auto-fallback "${int8_extra[@]}")
     fi
     [[ -n "${SAVE_INTERVAL:-}" ]] && flags+=(--save-interval "$SAVE_INTERVAL")
+    flags+=(--cuda-graph-impl "${GRAPHS:-local}")
     mkdir -p "$RUN_DIR/$name/ckpt"
     rm -f "$RUN_DIR/$name.rc"
     echo "== launching $name on GPUs ${GPUS[$name]}: ${flags[*]}"
