@@ -37,9 +37,17 @@ MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mix
 PAPER_SPEEDUP = {"llama2_7b": 1.21, "llama2_13b": 1.16, "llama3.1_8b": 1.17, "qwen3_4b": 1.07,
                  "qwen3_8b": 1.20, "mixtral_8x7b_8l": 1.12}
 
+def config_name(name: str) -> str:
+    if not os.path.exists(os.path.join(common.ROOT, "configs", f"{name}.yaml")):
+        raise argparse.ArgumentTypeError(f"no configs/{name}.yaml")
+    return name
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--models", nargs="+", default=list(MODELS), type=config_name, metavar="MODEL",
+                   help=f"configs/MODEL.yaml (default: the six models, {' '.join(MODELS)}); a config without "
+                        "vocab_size (convergence_350m) needs --extra --vocab-size V")
     p.add_argument("--depths", nargs=2, type=int, default=[2, 4], metavar=("L1", "L2"),
                    help="Two depths to measure (Mixtral uses half of each, at least 1).")
     p.add_argument("--iters", type=int, default=12, help="Training iterations per run.")
@@ -237,7 +245,8 @@ def format_table(rows, opts) -> str:
             peaks += f" / {r['fp8_peak_gb']:.1f}" if has_fp8 else " / n/a"
             residents += f" / {r['fp8_resident_gb']:.1f}" if has_fp8 else " / n/a"
             loss += f" / {r['fp8_loss']:.3f}" if has_fp8 else " / n/a"
-        cells += [f"{PAPER_SPEEDUP[r['model']]:.2f}x", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}",
+        paper = PAPER_SPEEDUP.get(r["model"])
+        cells += [f"{paper:.2f}x" if paper else "n/a", peaks, f"{r['int8_peak_gb'] / r['bf16_peak_gb']:.2f}",
                   residents, f"{step_memory(r, 'int8') / step_memory(r, 'bf16'):.2f}", loss]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
