@@ -12,11 +12,16 @@ timed: the shapes are the local GEMM's.
 Where no timing can run, the call runs INT8 and nothing is cached: on a device the timer cannot time (the
 default one times CUDA only), during CUDA-graph capture, and while torch.compile traces (a compiled graph
 takes the decisions eager calls made: run one eager step first).
+
+The default timer counts the host's kernel launches, as an eager step pays them. A step replayed as a CUDA
+graph does not, and INT8 launches more kernels than a BF16 linear: `launch_free_timer` times the GPU's work
+alone, and the trainer uses it with --cuda-graph-impl local.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -27,7 +32,7 @@ from ..dispatch import ENV_SHAPE_POLICY, env_choice
 from ..recipe import HIGH_PRECISION, Int8Recipe
 
 __all__ = ["ShapeDecision", "auto_shapes", "cuda_event_timer", "decisions", "describe_precision", "format_decisions",
-           "recipe_for_shape", "set_timer"]
+           "launch_free_timer", "recipe_for_shape", "set_timer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,35 @@ def cuda_event_timer(fn: Callable[[], None], path: str, warmup: int = 2, reps: i
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+_SLEEP_CYCLES_PER_S = 2.0e9  # at least any GPU's clock: the sleep lasts at least as long as asked
+
+
+def launch_free_timer(fn: Callable[[], None], path: str, warmup: int = 2, reps: int = 5) -> Optional[float]:
+    """Mean ms of `fn`'s GPU work alone, as a replayed CUDA graph runs it: the GPU sleeps while the host queues
+    `reps` calls, then runs them back to back. Where the GPU woke before the host had queued them all (a call that
+    synchronizes, or a host slower than planned), the launches were timed too: cuda_event_timer's figure then."""
+    if not torch.cuda.is_available():
+        return None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_call_s = time.perf_counter() - began  # host and GPU together: more than the host alone takes to queue it
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2 * reps * one_call_s * _SLEEP_CYCLES_PER_S))
+    start.record()
+    for _ in range(reps):
+        fn()
+    queued_in_time = not start.query()  # the GPU still sleeps: every launch was queued before the timed work
+    end.record()
+    end.synchronize()
+    if not queued_in_time:
+        return cuda_event_timer(fn, path, warmup=0, reps=reps)
+    return start.elapsed_time(end) / reps
 
 
 _timer: Callable[..., Optional[float]] = cuda_event_timer

@@ -12,6 +12,7 @@ import torch
 
 from ..megatron.cli import policy_from_args
 from ..megatron.precision_table import print_precision_table
+from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import check_save_target, load_checkpoint, save_checkpoint
@@ -274,6 +275,7 @@ def pretrain(args) -> dict:
         forward_backward = GraphedForwardBackward(forward_backward, args.cuda_graph_warmup_steps)
         _log(f"CUDA graph: each step's forward and backward captured after {args.cuda_graph_warmup_steps} eager "
              "steps, then replayed")
+        shape_policy.set_timer(shape_policy.launch_free_timer)  # replays pay no launches: nor may the timing
     for chunk in model:
         chunk.train()
     profiler = StepProfiler.from_args(args, torch.distributed.get_rank(), partial(print, flush=True))

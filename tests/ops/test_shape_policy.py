@@ -1,4 +1,6 @@
 """Int8Recipe(shape_policy="auto") with a fake timer (CPU): the faster path per shape, measured once."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,3 +134,64 @@ def test_cuda_timer_decides_once_per_shape(monkeypatch):
     assert torch.equal(y, expected) and torch.equal(int8_linear(x, w, None, AUTO), expected)
     assert len(shape_policy.decisions()) == 1
     print(shape_policy.format_decisions())
+
+
+class FakeEvent:
+    """A CUDA event stand-in: `woke` says whether the GPU had reached it when the host asked."""
+    woke, elapsed_ms = False, 0.0
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def query(self):
+        return FakeEvent.woke
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return FakeEvent.elapsed_ms
+
+
+@pytest.mark.parametrize("woke", [False, True])
+def test_launch_free_timer_times_queued_work_or_falls_back(monkeypatch, woke):
+    """The GPU sleeps while the host queues the timed calls: their mean is the GPU time alone. If the GPU woke
+    before the host was done, the launches were timed too, and the synchronous timer's figure is returned."""
+    slept, calls = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "woke", woke)
+    monkeypatch.setattr(FakeEvent, "elapsed_ms", 2.5)
+    monkeypatch.setattr(shape_policy, "cuda_event_timer", lambda fn, path, warmup, reps: ("synchronous", reps))
+
+    def fn():
+        time.sleep(0.002)
+        calls.append(1)
+
+    got = shape_policy.launch_free_timer(fn, "int8", warmup=2, reps=5)
+    assert len(calls) == 2 + 1 + 5  # warm-up, the host-time probe, the timed calls
+    # the sleep covers twice the 5 calls at >= 2 ms each, at the clock bound
+    assert len(slept) == 1 and slept[0] >= 2 * 5 * 0.002 * shape_policy._SLEEP_CYCLES_PER_S
+    assert got == (("synchronous", 5) if woke else pytest.approx(2.5 / 5))
+
+
+@pytest.mark.gpu
+def test_launch_free_timer_drops_the_launches_only():
+    """A launch-bound call (200 tiny kernels) costs far less GPU time than host-and-GPU time; a GEMM-bound
+    one costs the same either way (within 15%: single timings)."""
+    tiny = torch.ones(16, device="cuda")
+
+    def launches():
+        for _ in range(200):
+            tiny.add_(1)
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm = lambda: a @ a  # noqa: E731
+    assert shape_policy.launch_free_timer(launches, "hp") < 0.5 * shape_policy.cuda_event_timer(launches, "hp")
+    free, synchronous = shape_policy.launch_free_timer(gemm, "hp"), shape_policy.cuda_event_timer(gemm, "hp")
+    assert free == pytest.approx(synchronous, rel=0.15)
