@@ -189,7 +189,7 @@ def crossing(values: dict, thresholds: FallbackThresholds):
 def flagged_linear(check: dict, thresholds: FallbackThresholds):
     """(linear, GEMMs) of one statistics check that crossed a fallback threshold, the worst by relative error;
     None if none did."""
-    flagged = {name: crossing(v, thresholds) for name, v in check.items() if crossing(v, thresholds)}
+    flagged = {name: gemms for name, v in check.items() if (gemms := crossing(v, thresholds))}
     if not flagged:
         return None
     name = max(flagged, key=lambda n: max(check[n].get(f"{g}/rel_err", 0) for g in flagged[n]))
