@@ -122,8 +122,9 @@ try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:  # with MEGATRON_INT8_SHAPE_POLICY=auto: what each shape measured and ran
     from megatron_int8.ops.shape_policy import format_decisions
-    if format_decisions():
-        print("shape policy decisions:\n" + format_decisions(), flush=True)
+    decisions = format_decisions()
+    if decisions:
+        print("shape policy decisions:\n" + decisions, flush=True)
 EOF
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
