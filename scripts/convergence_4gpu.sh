@@ -214,7 +214,7 @@ status() {
     if [[ ! -f "$RUN_DIR/pipeline.log" ]]; then
         die "nothing started in $RUN_DIR (no pipeline.log): run 'bash scripts/convergence_4gpu.sh start' first"
     fi
-    [[ -d /tmp/site/megatron ]] && export PYTHONPATH=/tmp/site:$PWD
+    python_path
     local deadline=$((started + wait_s - 45))  # the report and the copies take the rest
     while true; do
         show_progress
