@@ -5,7 +5,8 @@
     # the INT8 run's health plot, from the trainer's JSONL logs (R = runs/convergence):
     python3 scripts/convergence_report.py report --bf16 R/bf16.jsonl --int8 R/int8.jsonl \\
         --config configs/convergence_350m.yaml --output-dir R/report [--corpus-stats R/corpus.json]
-    # corpus bytes, documents, tokens of each split, distinct token ids and the epochs a run takes:
+    # corpus bytes, documents, tokens of each split, distinct token ids, the epochs a run takes, SHA-256 of the
+    # text and of the tokens:
     python3 scripts/convergence_report.py corpus --corpus R/corpus.jsonl --prefix R/data/corpus_text_document \\
         --config configs/convergence_350m.yaml --output R/corpus.json
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
@@ -21,6 +22,7 @@ Definitions (the summary repeats them):
   --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -339,7 +341,17 @@ def corpus_sentence(stats):
     return (f"{stats['corpus_mb']:.1f} MB of text in {stats['documents']} files, {stats['tokens'] / 1e6:.1f}M tokens "
             f"({stats['train_tokens'] / 1e6:.1f}M in the training split, {stats['valid_tokens'] / 1e6:.2f}M held out "
             f"for validation), {stats['distinct_token_ids']} distinct token ids of {stats['vocab_size']}; a run of "
-            f"{stats['tokens_trained'] / 1e6:.1f}M tokens takes {stats['epochs']:.2f} epochs of the training split.")
+            f"{stats['tokens_trained'] / 1e6:.1f}M tokens takes {stats['epochs']:.2f} epochs of the training split."
+            + (f" SHA-256 of the text {stats['text_sha256'][:12]}, of the tokens {stats['tokens_sha256'][:12]}."
+               if "tokens_sha256" in stats else ""))
+
+
+def file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def corpus(opts) -> int:
@@ -377,7 +389,9 @@ def corpus(opts) -> int:
     stats = {"corpus_mb": text_bytes / 2**20, "documents": documents, "indexed_documents": n,
              "tokens": int(per_document.sum()), "train_tokens": tokens_of[0], "valid_tokens": tokens_of[1],
              "distinct_token_ids": int(numpy.count_nonzero(counts)), "vocab_size": vocab or len(counts),
-             "tokens_trained": train_iters * tokens_per_iteration}
+             "tokens_trained": train_iters * tokens_per_iteration,
+             # two runs saw the same data only if both match (the tokenizer is trained on the machine)
+             "text_sha256": file_sha256(opts.corpus), "tokens_sha256": file_sha256(get_bin_path(opts.prefix))}
     stats["epochs"] = stats["tokens_trained"] / stats["train_tokens"]
     with open(opts.output, "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=1)

@@ -2,6 +2,7 @@
 scripts/convergence_report.py reads two real trainer logs (a BF16 and an INT8 run with health statistics and
 fallback moves) into the gap table, the 1% check, spikes and the PNG, and scripts/convergence_4gpu.sh's `status`
 mode collects a finished pair of runs into $OUT and refuses an empty run directory with a clear message."""
+import hashlib
 import json
 import os
 import shutil
@@ -220,6 +221,10 @@ def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     assert stats["distinct_token_ids"] == len({i for doc in ids for i in doc}) and stats["vocab_size"] == 400
     assert stats["tokens_trained"] == 10 * 4 * 64
     assert stats["epochs"] == pytest.approx(2560 / stats["train_tokens"])
+    bin_path = tmp_path / "c_text_document.bin"
+    assert stats["text_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest()
+    assert stats["tokens_sha256"] == hashlib.sha256(bin_path.read_bytes()).hexdigest()
+    assert f"of the tokens {stats['tokens_sha256'][:12]}" in convergence_report.corpus_sentence(stats)
 
 
 def test_corpus_of_all_sources_with_docs(tmp_path, monkeypatch):
