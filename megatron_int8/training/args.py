@@ -119,7 +119,12 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="No training: load --load's checkpoint (weights only), evaluate --eval-iters batches of the "
                         "validation and test splits, print their loss and perplexity, and exit.")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="Seeds the initialization and, unless --data-seed is given, the data order.")
+    g.add_argument("--data-seed", type=int, default=None,
+                   help="Seeds the data order alone (megatron's sample shuffle). Two runs with the same --data-seed "
+                        "and different --seed see the same batches from different initializations: the run-to-run "
+                        "noise of a loss comparison (default: --seed).")
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
