@@ -5,6 +5,10 @@
 # --int8-stats-interval 100 --int8-auto-fallback) on GPUs 2,3, each with torchrun --nproc-per-node 2 (data
 # parallel), same seed, so the same initialization, data order and validation batches.
 #
+# The noise floor: SECOND=bf16_init2 runs, in INT8's place, BF16 from another initialization (--seed + 1) on the
+# same batches (--data-seed), and the same report compares it with BF16: how far two BF16 runs drift apart is the
+# scale the INT8 gap is judged against. In a RUN_DIR where the BF16 run has finished, `start` runs only the new one.
+#
 # On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
 # status 3600` to follow it (repo root; megatron-core installed, or its wheel in .whl/ as in
 # benchmarks/gpu_*_check.sh). On a machine lent in commands of at most 10 minutes, as this project's GPU
@@ -54,7 +58,8 @@
 # for later calls), SAVE_INTERVAL (the YAML's unless set),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
 # (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
-# GRAPHS (local: CUDA graphs, or none).
+# GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run on GPUs 2,3; the first `start` keeps it
+# in RUN_DIR/second).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
@@ -65,8 +70,14 @@ VOCAB=${VOCAB:-8192}
 WORKERS=${WORKERS:-$(nproc)}
 PREFIX="$RUN_DIR/data/corpus"
 DATA="${PREFIX}_text_document"
-RUNS=(bf16 int8)
-declare -A GPUS=([bf16]=0,1 [int8]=2,3) PORT=([bf16]=29511 [int8]=29512)
+# the run beside BF16: int8, or bf16_init2 for the noise floor (kept in RUN_DIR/second by the first `start`)
+SECOND=${SECOND:-$(cat "$RUN_DIR/second" 2>/dev/null || echo int8)}
+[[ $SECOND == int8 || $SECOND == bf16_init2 ]] || { echo "error: SECOND is int8 or bf16_init2, got '$SECOND'" >&2; exit 2; }
+RUNS=(bf16 "$SECOND")
+declare -A GPUS=([bf16]=0,1 [$SECOND]=2,3) PORT=([bf16]=29511 [$SECOND]=29512)
+declare -A LABEL=([bf16]=BF16 [int8]=INT8 [bf16_init2]="BF16, init seed 2")
+SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
+SEED=${SEED:-1234}
 TRAIN_ITERS=${TRAIN_ITERS:-$(cat "$RUN_DIR/train_iters" 2>/dev/null || awk '/^train_iters:/ {print $2}' "$CONFIG")}
 REPORT=(scripts/convergence_report.py)
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
@@ -113,6 +124,8 @@ launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAM
         local int8_extra=()
         read -r -a int8_extra <<< "${INT8_FLAGS:-}"
         flags+=(--int8-linear --int8-stats-interval 100 --int8-auto-fallback "${int8_extra[@]}")
+    elif [[ $name == bf16_init2 ]]; then  # BF16's batches from another initialization
+        flags+=(--seed $((SEED + 1)) --data-seed "$SEED")
     fi
     [[ -n "${SAVE_INTERVAL:-}" ]] && flags+=(--save-interval "$SAVE_INTERVAL")
     flags+=(--cuda-graph-impl "${GRAPHS:-local}")
@@ -146,9 +159,10 @@ start() {
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-    [[ $gpus -ge ${MIN_GPUS:-4} ]] || die "this needs 4 GPUs (BF16 on 0,1, INT8 on 2,3); torch sees $gpus"
+    [[ $gpus -ge ${MIN_GPUS:-4} ]] || die "this needs 4 GPUs (BF16 on 0,1, $SECOND on 2,3); torch sees $gpus"
     if alive "$RUN_DIR/pipeline.pid"; then echo "the data build is running: see $RUN_DIR/pipeline.log"; return; fi
     echo "$TRAIN_ITERS" > "$RUN_DIR/train_iters"  # what every later call compares the runs with
+    echo "$SECOND" > "$RUN_DIR/second"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
     for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
     # setsid execs (a background job of a script is no process-group leader), so $! is the pipeline's shell
@@ -184,22 +198,26 @@ show_progress() {
 
 collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 7 here)
     [[ -n "${OUT:-}" ]] || return 0
-    local name logs=()
+    local name path logs=()
     for name in "${RUNS[@]}"; do [[ -f "$RUN_DIR/$name.jsonl" ]] && cp "$RUN_DIR/$name.jsonl" "$OUT/"; done
     [[ -f "$RUN_DIR/corpus.json" ]] && cp "$RUN_DIR/corpus.json" "$OUT/"
-    for name in pipeline.log bf16.log int8.log bf16.jsonl.after-* int8.jsonl.after-*; do
-        [[ -f "$RUN_DIR/$name" ]] && logs+=("$name")
+    # the trainers' output, and the records a resumed run set aside (its log's .after-<iteration> files)
+    for name in pipeline "${RUNS[@]}"; do
+        for path in "$RUN_DIR/$name.log" "$RUN_DIR/$name".jsonl.after-*; do
+            [[ -f "$path" ]] && logs+=("${path##*/}")
+        done
     done
     [[ ${#logs[@]} -gt 0 ]] && tar -czf "$OUT/logs.tar.gz" -C "$RUN_DIR" "${logs[@]}"
     return 0
 }
 
 report() {
-    [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/int8.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
-    "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/int8.jsonl" --config "$CONFIG" \
+    [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
+    "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
+        --labels BF16 "${LABEL[$SECOND]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
-    grep -E "^- (BF16|INT8)|^Check|^At the end|^The runs have not|spikes without|^INT8 / BF16|fallback|move\(s\)" \
+    grep -E "^- (BF16|INT8)|^Check|^At the end|^The runs have not|spikes without|^[^|]* / BF16: |fallback|move\(s\)" \
         "$RUN_DIR/report/convergence.md" || true
     if [[ -n "${OUT:-}" ]]; then
         cp "$RUN_DIR"/report/convergence.{png,md} "$OUT/"
@@ -234,7 +252,7 @@ status() {
     collect
     grep -h "^corpus: .* epochs" "$RUN_DIR/pipeline.log" | tail -n 1 || true
     [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
-    [[ $done -eq ${#RUNS[@]} ]] && echo "both runs finished: convergence.md, convergence.png and health.png are in \$OUT"
+    [[ $done -eq ${#RUNS[@]} ]] && echo "both runs finished: the report (convergence.md, its PNGs) is in \$OUT"
     return 0
 }
 

@@ -9,6 +9,9 @@
     # text and of the tokens:
     python3 scripts/convergence_report.py corpus --corpus R/corpus.jsonl --prefix R/data/corpus_text_document \\
         --config configs/convergence_350m.yaml --output R/corpus.json
+    # the noise floor: the same report over two BF16 runs that differ only in --seed (same --data-seed):
+    python3 scripts/convergence_report.py report --bf16 R/bf16.jsonl --int8 R/bf16_init2.jsonl \\
+        --labels BF16 "BF16, init 2" --config configs/convergence_350m.yaml --output-dir R/report
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
     python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
 
@@ -16,7 +19,7 @@ Both work on runs still in progress: the summary says how far each run is, and a
 the runs have not reached yet says so instead of passing.
 
 Definitions (the summary repeats them):
-- gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same seed, so the same batches);
+- gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same data seed, so the same batches);
 - the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run;
 - a loss spike: a step whose training loss exceeds the mean of the --spike-window steps before it by more than
   --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations.
@@ -123,12 +126,13 @@ def _fmt(value, digits=4):
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def health_section(int8_log, health_png):
+def health_section(int8_log, health_png, label="INT8"):
     """Markdown of the INT8 run's health records and fallback events (plot_health's readers)."""
     series, events = read_health(int8_log)
-    lines = ["## INT8 health (the INT8 run's --int8-stats-interval records)", ""]
+    lines = [f"## INT8 health (the {label} run's --int8-stats-interval records)", ""]
     if not series:
-        return lines + ["No `int8_health` records in the INT8 log (was it started with --int8-stats-interval?).", ""]
+        return lines + [f"No `int8_health` records in the {label} log (was it an INT8 run with "
+                        "--int8-stats-interval?).", ""]
     iterations = check_columns(series)
     lines += [f"{len(series)} INT8 linears. The largest value over the linears at evenly spaced checks, and the "
               "linear with it at the last:", "",
@@ -198,7 +202,7 @@ def plot(runs, gaps, train_iters, settle, limit, output):
         gap_ax.axhline(bound, color="tab:green", linestyle=":", linewidth=1)
     gap_ax.axvline(settle * train_iters, color="tab:green", linestyle="--", linewidth=0.8,
                    label=f"{settle:.0%} of the run")
-    gap_ax.set_title("gap INT8 / BF16 - 1 (%)")
+    gap_ax.set_title(f"gap {runs[1][0]} / {runs[0][0]} - 1 (%)")
     norm_ax.set_yscale("log")
     norm_ax.set_title("gradient norm (mean of 20)")
     speed_ax.set_title("tokens/s per run (mean of 20 steps)")
@@ -215,7 +219,11 @@ def plot(runs, gaps, train_iters, settle, limit, output):
 def report(opts) -> int:
     train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
     runs = []
-    for label, path in zip(LABELS, (opts.bf16, opts.int8)):
+    ref, other = opts.labels
+    if ref == other:
+        print(f"error: --labels needs two different names, got {ref!r} twice", file=sys.stderr)
+        return 1
+    for label, path in zip(opts.labels, (opts.bf16, opts.int8)):
         if not os.path.exists(path):
             print(f"error: no log {path}", file=sys.stderr)
             return 1
@@ -238,7 +246,7 @@ def report(opts) -> int:
         health_png = None
 
     done = {label: max(data["train"]) for label, data in runs}
-    lines = [f"# INT8 vs BF16 convergence: `{os.path.basename(opts.config)}`", ""]
+    lines = [f"# {other} vs {ref} convergence: `{os.path.basename(opts.config)}`", ""]
     for label, last in done.items():
         lines.append(f"- {label}: iteration {last} of {train_iters} ({last * tokens_per_iteration / 1e6:.1f}M of "
                      f"{train_iters * tokens_per_iteration / 1e6:.1f}M tokens)" + ("" if last >= train_iters else
@@ -256,8 +264,8 @@ def report(opts) -> int:
                   ""]
     lines += [summary_table([(label, upto[label]["train"], upto[label]["valid"]) for label, _ in runs]), "",
               "## Validation gap at every evaluation", "",
-              "gap = INT8 / BF16 - 1 of the validation loss at the same iteration (one seed: the same batches).", "",
-              "| iteration | tokens | BF16 | INT8 | gap |", "|---|---|---|---|---|"]
+              f"gap = {other} / {ref} - 1 of the validation loss at the same iteration (one data seed: the same "
+              "batches).", "", f"| iteration | tokens | {ref} | {other} | gap |", "|---|---|---|---|---|"]
     lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |"
               for it, b, i, g in gaps]
     rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
@@ -277,24 +285,24 @@ def report(opts) -> int:
                      f"({gaps[-1][3]:+.2f}%).")
 
     spikes = {label: loss_spikes(upto[label]["train"], opts.spike_threshold, opts.spike_window) for label, _ in runs}
-    int8_only = unmatched_spikes(spikes["INT8"], spikes["BF16"], opts.spike_match)
+    int8_only = unmatched_spikes(spikes[other], spikes[ref], opts.spike_match)
     lines += ["", "## Loss spikes", "",
               f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "
               f"{opts.spike_window} steps before it.", ""]
-    for label in LABELS:
+    for label in opts.labels:
         listed = ", ".join(f"{it} ({loss:.3f} vs {mean:.3f})" for it, loss, mean in spikes[label][:10])
         lines.append(f"- {label}: {len(spikes[label])} spike(s)" + (f": {listed}" if listed else "")
                      + (" ..." if len(spikes[label]) > 10 else ""))
-    lines.append(f"- INT8 spikes without a BF16 spike within {opts.spike_match} iterations: {len(int8_only)}"
+    lines.append(f"- {other} spikes without a {ref} spike within {opts.spike_match} iterations: {len(int8_only)}"
                  + (": " + ", ".join(str(s[0]) for s in int8_only[:20]) if int8_only else ""))
 
-    lines += ["", "## Gradient norms (mean over each span)", "", "| iterations | BF16 | INT8 | INT8 / BF16 |",
+    lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]
     int8_means = {(a, b): m for a, b, m in window_means(int8["grad_norm"], train_iters, opts.windows)}
     for first, last, mean in window_means(bf16["grad_norm"], train_iters, opts.windows):
-        other = int8_means.get((first, last))
-        lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other, 3)} | "
-                     f"{_fmt(other / mean if other is not None else None, 3)} |")
+        other_mean = int8_means.get((first, last))
+        lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other_mean, 3)} | "
+                     f"{_fmt(other_mean / mean if other_mean is not None else None, 3)} |")
 
     lines += ["", "## Throughput (two data-parallel GPUs per run)", "",
               "| run | tokens/s (median step after the first 10) | training time (sum of step times) |",
@@ -304,9 +312,9 @@ def report(opts) -> int:
         speeds[label] = throughput(data["tokens_per_s"])
         seconds = sum(data["step_time_s"].values())
         lines.append(f"| {label} | {_fmt(speeds[label], 0)} | {seconds / 60:.1f} min |")
-    if speeds["BF16"] and speeds["INT8"]:
-        lines.append(f"\nINT8 / BF16: {speeds['INT8'] / speeds['BF16']:.3f}x.")
-    lines += [""] + health_section(opts.int8, health_png)
+    if speeds[ref] and speeds[other]:
+        lines.append(f"\n{other} / {ref}: {speeds[other] / speeds[ref]:.3f}x.")
+    lines += [""] + health_section(opts.int8, health_png, other)
     summary = os.path.join(opts.output_dir, "convergence.md")
     with open(summary, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
@@ -403,8 +411,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     rep = commands.add_parser("report", help="PNG + markdown summary of a BF16 and an INT8 run")
-    rep.add_argument("--bf16", required=True, help="the BF16 run's JSONL log")
-    rep.add_argument("--int8", required=True, help="the INT8 run's JSONL log (with int8_health records)")
+    rep.add_argument("--bf16", required=True, help="the BF16 run's JSONL log (the reference)")
+    rep.add_argument("--int8", required=True,
+                     help="the INT8 run's JSONL log (with int8_health records), or any run compared with the reference")
+    rep.add_argument("--labels", nargs=2, default=list(LABELS), metavar=("REFERENCE", "OTHER"),
+                     help="the two runs' names in the summary and the PNG (default: %(default)s); e.g. BF16 "
+                          "'BF16 (init seed 2)' for a noise-floor pair")
     rep.add_argument("--config", required=True, help="the runs' YAML (train_iters, global batch, sequence length)")
     rep.add_argument("--train-iters", type=int, default=None, help="the runs' --train-iters, where not the YAML's")
     rep.add_argument("--output-dir", required=True, help="where convergence.png, convergence.md, health.png go")

@@ -143,6 +143,18 @@ def test_report_of_two_real_logs(logs, tmp_path):
     summary = report(logs, tmp_path / "e", None, None, "--train-iters", "400")
     assert "**not judged yet**" in summary
 
+    # a noise-floor pair: two BF16 runs under their own names, no health section to read
+    other = edited(logs / "bf16.jsonl", tmp_path / "init2.jsonl", 20, "valid_lm_loss", 1.03)
+    summary = report(logs, tmp_path / "g", None, other, "--labels", "BF16", "BF16, init 2")
+    assert summary.startswith("# BF16, init 2 vs BF16 convergence")
+    assert "| iteration | tokens | BF16 | BF16, init 2 | gap |" in summary and "INT8" not in summary.split("## INT8")[0]
+    assert "**not met** at iteration 20 (+3.00%)" in summary
+    assert "- BF16, init 2 spikes without a BF16 spike within 5 iterations: 0" in summary
+    assert "No `int8_health` records in the BF16, init 2 log" in summary
+    assert not (tmp_path / "g" / "health.png").exists()
+    assert convergence_report.main(["report", "--bf16", other, "--int8", other, "--config", str(logs / "run.yaml"),
+                                    "--output-dir", str(tmp_path / "h"), "--labels", "BF16", "BF16"]) == 1
+
 
 def test_loss_spikes_follow_their_definition():
     """A step more than 10% above the mean of the 5 before it; the first 5 steps are not judged, and a spike
@@ -191,6 +203,42 @@ def test_status_collects_finished_runs_into_out(logs, tmp_path):
     assert files == ["bf16.jsonl", "convergence.md", "convergence.png", "health.png", "int8.jsonl", "logs.tar.gz"]
     listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
     assert sorted(listed) == ["bf16.log", "int8.log", "pipeline.log"]
+
+
+@pytest.mark.slow
+def test_start_and_status_of_a_noise_floor_pair_on_cpu(tmp_path):
+    """`start` on a CPU (MIN_GPUS=0, the tiny model) with SECOND=bf16_init2: the data build, both runs (BF16, and
+    BF16 with --seed + 1 on the same --data-seed), then `status` collects the report, which a later `status`
+    without SECOND still makes for this pair, with the records a resumed run set aside."""
+    run_dir, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
+               CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
+               WORKERS="2", TRAIN_ITERS="4", SECOND="bf16_init2",
+               EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 2 "
+               "--split 90,10,0")
+    started = subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stdout + started.stderr
+    result = subprocess.run(["bash", SCRIPT, "status", "400"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=450)
+    assert result.returncode == 0, result.stdout + result.stderr + (run_dir / "pipeline.log").read_text()
+    assert "both runs finished" in result.stdout and "- BF16, init seed 2: iteration 4 of 4" in result.stdout
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert "== launching bf16_init2 on GPUs 2,3: " in pipeline and "--seed 1235 --data-seed 1234" in pipeline
+    assert "--seed" not in pipeline.split("== launching bf16 on GPUs 0,1: ")[1].splitlines()[0]
+    first = {name: records(run_dir / f"{name}.jsonl", "lm_loss")[0]["lm_loss"] for name in ("bf16", "bf16_init2")}
+    assert first["bf16"] != first["bf16_init2"]  # another initialization
+    assert (out / "convergence.md").read_text().startswith("# BF16, init seed 2 vs BF16 convergence")
+    assert sorted(os.listdir(out)) == ["bf16.jsonl", "bf16_init2.jsonl", "convergence.md", "convergence.png",
+                                       "corpus.json", "logs.tar.gz"]
+
+    (run_dir / "bf16_init2.jsonl.after-2").write_text("{}\n")
+    del env["SECOND"]
+    result = subprocess.run(["bash", SCRIPT, "status"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "bf16_init2 [finished]" in result.stdout, result.stdout + result.stderr
+    listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
+    assert sorted(listed) == ["bf16.log", "bf16_init2.jsonl.after-2", "bf16_init2.log", "pipeline.log"]
 
 
 def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
