@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Upstream Megatron-LM's own pretrain_gpt.py (core_v0.16.1 + patches/megatron-lm-core_v0.16.1.patch) on
 # ONE GPU: a 4-layer Llama-style model on mock data, first with --int8-linear, then the same run in BF16
-# (upstream's local spec). One call on the GPU machine, from the repository root:
+# with the INT8 spec's attention and norms (bf16_spec: --int8-linear with every linear in
+# --int8-bf16-modules), then in BF16 with upstream's local spec (whose attention is unfused). One call on the
+# GPU machine, from the repository root:
 #
 #   bash benchmarks/gpu_megatron_lm_check.sh
 #
@@ -10,8 +12,8 @@
 # pydantic (upstream's megatron/rl imports it) take wheels from third_party/wheels/, made with
 #   python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d third_party/wheels pydantic==2.12.5
-# Logs go to $OUT (default /tmp/out): megatron_lm_{int8,bf16}.log and the iteration lines.
-# Environment: ITERS [30], RUN_TIMEOUT [240 s per run], PRECISIONS ["int8 bf16"], EXTRA_ARGS (appended
+# Logs go to $OUT (default /tmp/out): megatron_lm_{int8,bf16_spec,bf16}.log and the iteration lines.
+# Environment: ITERS [30], RUN_TIMEOUT [240 s per run], PRECISIONS ["int8 bf16_spec bf16"], EXTRA_ARGS (appended
 # to both runs), PRINT_ARGS=1 (print the pretrain_gpt.py flags and exit; needs no GPU).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -130,8 +132,13 @@ EOF
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-for precision in ${PRECISIONS:-int8 bf16}; do
-  flags=(); [ "$precision" = int8 ] && flags=(--int8-linear)
+for precision in ${PRECISIONS:-int8 bf16_spec bf16}; do
+  case $precision in
+    int8) flags=(--int8-linear) ;;
+    bf16_spec) flags=(--int8-linear --int8-bf16-modules linear_qkv linear_proj linear_fc1 linear_fc2) ;;
+    bf16) flags=() ;;
+    *) echo "PRECISIONS: int8, bf16_spec or bf16, got '$precision'" >&2; exit 2 ;;
+  esac
   log=$OUT/megatron_lm_$precision.log
   echo "== Megatron-LM pretrain_gpt.py, $precision: torchrun --nproc-per-node 1 ... ${flags[*]} $EXTRA_ARGS"
   start=$(date +%s)
