@@ -207,7 +207,7 @@ def train(run: str, cfg: dict, init_state: dict, batches, args, device, log):
     torch.manual_seed(args.seed)
     model = Model(cfg).to(device)
     model.load_state_dict(init_state)
-    thresholds = FallbackThresholds(tuple(args.max_rel_err), args.max_underflow, args.patience)
+    thresholds = FallbackThresholds(tuple(args.max_rel_err), tuple(args.max_underflow), args.patience)
     fallback = AutoFallback(thresholds, enabled=run == "fallback")
     linears = model.linears()
     if run not in BF16_RUNS:
@@ -405,7 +405,7 @@ def read_results(path: str):
     if not lines or "args" not in lines[0]:
         raise SystemExit(f"{path}: not a stress_outliers.py log (its first line holds the run's arguments)")
     args = argparse.Namespace(**lines[0]["args"])
-    thresholds = FallbackThresholds(tuple(args.max_rel_err), args.max_underflow, args.patience)
+    thresholds = FallbackThresholds(tuple(args.max_rel_err), tuple(args.max_underflow), args.patience)
     results = {run: {"loss": [], "checks": [], "events": [], "flag": None, "seconds": math.nan} for run in args.runs}
     for line in lines[1:]:
         r = results[line["run"]]
@@ -443,7 +443,8 @@ def main(argv=None) -> int:
     parser.add_argument("--stats-interval", type=int, default=10)
     parser.add_argument("--max-rel-err", type=float, nargs="+", default=list(FallbackThresholds.max_rel_err),
                         help="fprop dgrad wgrad, or one for all")
-    parser.add_argument("--max-underflow", type=float, default=FallbackThresholds.max_underflow)
+    parser.add_argument("--max-underflow", type=float, nargs="+", default=list(FallbackThresholds.max_underflow),
+                        help="fprop dgrad wgrad, or one for all")
     parser.add_argument("--patience", type=int, default=FallbackThresholds.patience)
     parser.add_argument("--window", type=int, default=20, help="steps per windowed mean loss")
     parser.add_argument("--log-interval", type=int, default=50)

@@ -252,9 +252,11 @@ def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--int8-fallback-max-rel-err", type=float, nargs="+", default=[0.1, 0.1, 1.0],
                    metavar="LIMIT", help="Auto-fallback thresholds on the GEMMs' sampled relative errors: fprop "
                                         "dgrad wgrad, or one for all (default: %(default)s).")
-    g.add_argument("--int8-fallback-max-underflow", type=float, default=0.7,
-                   help="Auto-fallback threshold on the fraction of a GEMM operand's nonzero elements that "
-                        "quantize to zero (default: %(default)s).")
+    g.add_argument("--int8-fallback-max-underflow", type=float, nargs="+", default=[0.7, 0.7, 0.9], metavar="LIMIT",
+                   help="Auto-fallback thresholds on the fraction of a GEMM operand's nonzero elements that "
+                        "quantize to zero: fprop dgrad wgrad, or one for all (default: %(default)s; wgrad's "
+                        "operands, scaled per channel over the tokens, underflow more as training goes on: "
+                        "docs/numerics.md).")
     g.add_argument("--int8-fallback-patience", type=int, default=3,
                    help="Consecutive statistics checks over a threshold before a GEMM moves (default: %(default)s).")
     g.add_argument("--int8-reset-fallback", action="store_true",
@@ -480,8 +482,10 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
     if len(limits) not in (1, 3) or not all(v > 0 for v in limits):
         raise ArgumentError(f"--int8-fallback-max-rel-err takes one positive limit, or three (fprop dgrad wgrad), "
                             f"got {limits}")
-    if not 0 < args.int8_fallback_max_underflow <= 1:
-        raise ArgumentError(f"--int8-fallback-max-underflow must be in (0, 1], got {args.int8_fallback_max_underflow}")
+    limits = args.int8_fallback_max_underflow
+    if len(limits) not in (1, 3) or not all(0 < v <= 1 for v in limits):
+        raise ArgumentError(f"--int8-fallback-max-underflow takes one limit, or three (fprop dgrad wgrad), each in "
+                            f"(0, 1], got {limits}")
     if args.int8_fallback_patience < 1:
         raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
 

@@ -30,8 +30,8 @@ def test_each_gemm_has_its_own_error_limit():
     fallback = AutoFallback(FallbackThresholds(patience=2))
     assert run(fallback, [with_(wgrad__rel_err=0.4)] * 5) == []
     assert [e["gemm"] for e in run(fallback, [with_(dgrad__rel_err=0.4)] * 2, start=600)] == ["dgrad"]
-    assert FallbackThresholds().crossed("wgrad", with_(wgrad__rel_err=1.5, wgrad__underflow=0.8)) == [
-        "rel_err 1.5 > 1", "underflow 0.8 > 0.7"]
+    assert FallbackThresholds().crossed("wgrad", with_(wgrad__rel_err=1.5, wgrad__underflow=0.95)) == [
+        "rel_err 1.5 > 1", "underflow 0.95 > 0.9"]
 
 
 def test_healthy_statistics_never_move():
@@ -97,11 +97,26 @@ def test_linears_are_independent_and_disabled_fallback_only_watches():
 
 
 def test_thresholds_are_checked():
-    for bad in ({"max_rel_err": 0}, {"max_rel_err": (0.1, 0.2)}, {"max_underflow": 1.5}, {"patience": 0}):
+    for bad in ({"max_rel_err": 0}, {"max_rel_err": (0.1, 0.2)}, {"max_underflow": 1.5},
+                {"max_underflow": (0.5, 0.5, 0)}, {"max_underflow": (0.5, 0.6)}, {"patience": 0}):
         with pytest.raises(ValueError):
             FallbackThresholds(**bad)
     assert FallbackThresholds(max_rel_err=0.3).max_rel_err == (0.3, 0.3, 0.3)
     assert FallbackThresholds(max_rel_err=[0.2]).max_rel_err == (0.2, 0.2, 0.2)
+    assert FallbackThresholds(max_underflow=0.5).max_underflow == (0.5, 0.5, 0.5)
+
+
+def test_wgrad_has_its_own_underflow_limit():
+    """wgrad's operands (per channel over the tokens) may underflow more than fprop's and dgrad's before a move:
+    0.8 moves dgrad (limit 0.7) but not wgrad (limit 0.9); 0.95 moves wgrad."""
+    thresholds = FallbackThresholds()
+    assert thresholds.max_underflow == (0.7, 0.7, 0.9)
+    assert thresholds.crossed("dgrad", {"dgrad/underflow": 0.8}) == ["underflow 0.8 > 0.7"]
+    assert thresholds.crossed("wgrad", {"wgrad/underflow": 0.8}) == []
+    assert thresholds.crossed("wgrad", {"wgrad/underflow": 0.95}) == ["underflow 0.95 > 0.9"]
+    fallback = AutoFallback(FallbackThresholds(patience=2))
+    events = run(fallback, [with_(wgrad__underflow=0.8, dgrad__underflow=0.8)] * 2)
+    assert [(e["gemm"], e["change"]) for e in events] == [("dgrad", "dgrad -> high precision")]
     assert safer_mode({**ROW, "fprop": False}, "fprop") is None
 
 
@@ -110,7 +125,7 @@ def test_state_round_trips_through_a_checkpoint_and_continues_identically():
     the resumed controller then decides exactly as the uninterrupted one, also for a streak that the
     checkpoint interrupted."""
     thresholds = FallbackThresholds(patience=3)
-    bad, under = with_(dgrad__rel_err=0.4), with_(wgrad__underflow=0.8)
+    bad, under = with_(dgrad__rel_err=0.4), with_(wgrad__underflow=0.95)
     built = {**ROW, "granularity": "tensor"}
     sequence = [bad] * 3 + [under] * 3 + [bad] * 3
     uninterrupted = AutoFallback(thresholds)

@@ -70,7 +70,8 @@ def test_statistics_fallback_and_resume(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--int8-auto-fallback"], "needs --int8-stats-interval"),
     (["--int8-stats-interval", "-1"], "must be >= 0"),
-    (["--int8-stats-interval", "5", "--int8-fallback-max-underflow", "2"], "must be in (0, 1]"),
+    (["--int8-stats-interval", "5", "--int8-fallback-max-underflow", "2"], "each in (0, 1], got"),
+    (["--int8-stats-interval", "5", "--int8-fallback-max-underflow", "0.7", "0.9"], "or three (fprop dgrad wgrad)"),
 ])
 def test_health_arguments_are_checked(flags, message):
     from megatron_int8.training.args import ArgumentError, parse_args, validate_args
