@@ -341,8 +341,23 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, *, with_optimizer: b
         if is_loading:
             _prime_distributed_optimizers(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+        _common_steps_on_host(state["optimizer"])
         state["opt_param_scheduler"] = scheduler.state_dict()
     return state
+
+
+def _common_steps_on_host(state) -> None:
+    """megatron-core keeps Adam's shared step (`common_step`) where torch's fused Adam holds it, on each rank's
+    GPU. Its save-time check that every rank holds the same common state then compares rank 0's cuda:0 tensor
+    with another rank's cuda:1 one, fails on the devices (not the values) and warns at every save of a
+    data-parallel run ("Rank 1 common state dict differs ... common_step"). On the host the steps compare
+    equal; loading moves them back (torch's Adam puts a fused step on its parameter's device)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "common_step" and isinstance(value, torch.Tensor):
+                state[key] = value.cpu()
+            else:
+                _common_steps_on_host(value)
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, optimizer, scheduler, log,

@@ -26,20 +26,21 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _run(argv, timeout=300, gpu=False):
+def _run(argv, timeout=300, gpu=False, stderr=False):
+    """The command's stdout (then its stderr too, where `stderr`), after asserting that it succeeded."""
     # CPU tests stay on the CPU (gloo) on GPU machines too; tests/test_training_gpu.py uses the GPUs.
     env = dict(os.environ, PYTHONWARNINGS="ignore", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}))
     result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(argv)}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
-    return result.stdout
+    return result.stdout + (result.stderr if stderr else "")
 
 
-def train(data, *flags, nproc=1, gpu=False):
+def train(data, *flags, nproc=1, gpu=False, stderr=False):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                  "--master-port", str(_free_port())] if nproc > 1 else [sys.executable])
     return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                             "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-                            "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags), gpu=gpu)
+                            "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags), gpu=gpu, stderr=stderr)
 
 
 def losses(log_path, key="lm_loss"):

@@ -1,8 +1,8 @@
 """The trainer on GPUs (skipped on CPU): BF16 with INT8 Triton kernels on one GPU, its `--profile`
 report and its CUDA-graph steps; the FP8 peer
-(--fp8-peer, torchao float8) on one GPU; tensor plus sequence parallelism with the distributed optimizer
-resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint saved at TP=2 + SP on two GPUs
-resumed at TP=1 on one."""
+(--fp8-peer, torchao float8) on one GPU; tensor plus sequence parallelism with the distributed optimizer, and
+data parallelism with the regular one, resuming to the same losses on two GPUs (NCCL); and an INT8 checkpoint
+saved at TP=2 + SP on two GPUs resumed at TP=1 on one."""
 import importlib.util
 import re
 
@@ -139,6 +139,24 @@ def test_gpu_tp2_sequence_parallel_resume(data, tmp_path):  # noqa: F811
     assert sorted(resumed) == list(range(1, 7))
     # GPU attention backward kernels may reorder sums: equal up to BF16 noise, not bitwise.
     assert all(abs(resumed[i] - expected[i]) < 2e-2 for i in range(1, 7)), (resumed, expected)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_dp2_saves_without_a_rank_mismatch_and_resumes(data, tmp_path):  # noqa: F811
+    """DP 2 with the regular optimizer (torch's fused Adam, whose shared step lives on each rank's GPU): no
+    "common state dict differs" warning at a save (megatron-core compared the ranks' steps across devices), and
+    the resumed run follows the uninterrupted one."""
+    common = ["--bf16", "--int8-linear", "--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--eval-interval", "3"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    out = train(data, *common, "--save", str(whole), "--save-interval", "3", nproc=2, gpu=True, stderr=True)
+    out += train(data, *common, "--save", str(split), "--exit-interval", "3", nproc=2, gpu=True, stderr=True)
+    assert "saved checkpoint" in out and "common state dict differs" not in out
+    resumed_out = train(data, *common, "--save", str(split), "--load", str(split), nproc=2, gpu=True)
+    assert "loaded checkpoint" in resumed_out
+    expected, resumed = losses(whole / "train_log.jsonl"), losses(split / "train_log.jsonl")
+    assert sorted(resumed) == list(range(1, 7))
+    assert all(abs(resumed[i] - expected[i]) < 2e-2 for i in range(4, 7)), (resumed, expected)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
