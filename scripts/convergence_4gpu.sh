@@ -7,7 +7,8 @@
 #
 # The noise floor: SECOND=bf16_init2 runs, in INT8's place, BF16 from another initialization (--seed + 1) on the
 # same batches (--data-seed), and the same report compares it with BF16: how far two BF16 runs drift apart is the
-# scale the INT8 gap is judged against. In a RUN_DIR where the BF16 run has finished, `start` runs only the new one.
+# scale the INT8 gap is judged against. In a RUN_DIR where the BF16 run has finished, `start` runs only the new one,
+# and a later report of the INT8 pair (SECOND=int8) in that RUN_DIR shows the noise floor's gap beside INT8's.
 #
 # On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
 # status 3600` to follow it (repo root; megatron-core installed, or its wheel in .whl/ as in
@@ -213,11 +214,13 @@ collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 
 
 report() {
     [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
+    local noise=()  # a noise-floor run in the same RUN_DIR: its gap goes beside INT8's
+    [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] && noise=(--noise-floor "$RUN_DIR/bf16_init2.jsonl")
     "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
-        --labels BF16 "${LABEL[$SECOND]}" \
+        --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
-    grep -E "^- (BF16|INT8)|^Check|^At the end|^The runs have not|spikes without|^[^|]* / BF16: |fallback|move\(s\)" \
+    grep -E "^- (BF16|INT8)|^Check|^Noise floor|^At the end|^The runs have not|spikes without|^[^|]* / BF16: |fallback|move\(s\)" \
         "$RUN_DIR/report/convergence.md" || true
     if [[ -n "${OUT:-}" ]]; then
         cp "$RUN_DIR"/report/convergence.{png,md} "$OUT/"

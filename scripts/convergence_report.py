@@ -64,6 +64,18 @@ def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
     return (None if not judged else not failing), failing
 
 
+def noise_summary(gaps, noise_at, train_iters, settle):
+    """Lines comparing the gap with the noise floor's at the judged evaluations (none without a noise floor)."""
+    judged = [(it, g) for it, _, _, g in gaps if it > settle * train_iters and it in noise_at]
+    if not judged:
+        return []
+    widest = max(judged, key=lambda row: abs(noise_at[row[0]]))
+    beyond = [it for it, g in judged if abs(g) > abs(noise_at[it])]
+    return [f"Noise floor, after the first {settle:.0%}: its largest gap is {noise_at[widest[0]]:+.2f}% (iteration "
+            f"{widest[0]}); the gap is larger in magnitude than the noise floor's at {len(beyond)} of {len(judged)} "
+            "evaluations" + (": " + ", ".join(map(str, beyond)) if beyond else "") + "."]
+
+
 def loss_spikes(train, threshold=0.10, window=50):
     """[(iteration, loss, trailing mean)]: steps whose loss exceeds the mean of the `window` logged steps
     before them by more than `threshold` (a fraction); the first `window` steps are not judged."""
@@ -162,8 +174,9 @@ def health_section(int8_log, health_png, label="INT8"):
     return lines + [""]
 
 
-def plot(runs, gaps, train_iters, settle, limit, output):
-    """One PNG: training (smoothed) and validation loss, the gap, gradient norms and tokens/s of both runs."""
+def plot(runs, gaps, train_iters, settle, limit, output, noise_gaps=()):
+    """One PNG: training (smoothed) and validation loss, the gap (and the noise floor's), gradient norms and
+    tokens/s of both runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,6 +210,9 @@ def plot(runs, gaps, train_iters, settle, limit, output):
                     label="training loss (means of 50)")
     if gaps:
         gap_ax.plot([g[0] for g in gaps], [g[3] for g in gaps], "o-", color="black", label="validation loss")
+    if noise_gaps:
+        gap_ax.plot([g[0] for g in noise_gaps], [g[3] for g in noise_gaps], "s--", color="tab:purple", markersize=4,
+                    label=f"noise floor: {runs[0][0]} from another init (validation)")
     gap_ax.axhline(0, color="gray", linewidth=0.8)
     for bound in (limit, -limit):
         gap_ax.axhline(bound, color="tab:green", linestyle=":", linewidth=1)
@@ -236,9 +252,15 @@ def report(opts) -> int:
     (_, bf16), (_, int8) = runs
     gaps = validation_gaps(bf16["valid"], int8["valid"])
     verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
+    noise_gaps = []
+    if opts.noise_floor:
+        if not os.path.exists(opts.noise_floor):
+            print(f"error: no log {opts.noise_floor}", file=sys.stderr)
+            return 1
+        noise_gaps = validation_gaps(bf16["valid"], read_series(opts.noise_floor, "valid_lm_loss")[0])
     os.makedirs(opts.output_dir, exist_ok=True)
     png = os.path.join(opts.output_dir, "convergence.png")
-    plot(runs, gaps, train_iters, opts.settle, opts.gap_limit, png)
+    plot(runs, gaps, train_iters, opts.settle, opts.gap_limit, png, noise_gaps)
     health_png = os.path.join(opts.output_dir, "health.png")
     from plot_health import main as plot_health
 
@@ -265,9 +287,17 @@ def report(opts) -> int:
     lines += [summary_table([(label, upto[label]["train"], upto[label]["valid"]) for label, _ in runs]), "",
               "## Validation gap at every evaluation", "",
               f"gap = {other} / {ref} - 1 of the validation loss at the same iteration (one data seed: the same "
-              "batches).", "", f"| iteration | tokens | {ref} | {other} | gap |", "|---|---|---|---|---|"]
-    lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |"
-              for it, b, i, g in gaps]
+              "batches)." + (f" Noise floor: the same gap of {ref} from another initialization "
+                             f"(`{os.path.basename(opts.noise_floor)}`)." if noise_gaps else ""), ""]
+    noise_at = {it: g for it, _, _, g in noise_gaps}
+    if noise_gaps:
+        lines += [f"| iteration | tokens | {ref} | {other} | gap | noise floor gap |", "|---|---|---|---|---|---|"]
+        lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% | "
+                  + (f"{noise_at[it]:+.2f}% |" if it in noise_at else "n/a |") for it, b, i, g in gaps]
+    else:
+        lines += [f"| iteration | tokens | {ref} | {other} | gap |", "|---|---|---|---|---|"]
+        lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |"
+                  for it, b, i, g in gaps]
     rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
     if verdict is None:
         lines += ["", f"Check ({rule}): **not judged yet**, no common evaluation after iteration "
@@ -278,6 +308,7 @@ def report(opts) -> int:
     else:
         lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
                                                                         for it, _, _, g in failing) + "."]
+    lines += noise_summary(gaps, noise_at, train_iters, opts.settle)
     if gaps and gaps[-1][0] >= train_iters:
         lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
     elif gaps:
@@ -420,6 +451,9 @@ def main(argv=None) -> int:
     rep.add_argument("--config", required=True, help="the runs' YAML (train_iters, global batch, sequence length)")
     rep.add_argument("--train-iters", type=int, default=None, help="the runs' --train-iters, where not the YAML's")
     rep.add_argument("--output-dir", required=True, help="where convergence.png, convergence.md, health.png go")
+    rep.add_argument("--noise-floor", default=None, metavar="LOG",
+                     help="a run of the reference precision from another initialization on the same batches (--seed "
+                          "changed, --data-seed kept): its gap to the reference, beside the other run's")
     rep.add_argument("--corpus-stats", default=None, help="the JSON of the `corpus` command, quoted in the summary")
     rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
     rep.add_argument("--settle", type=float, default=0.1,

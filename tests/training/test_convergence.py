@@ -155,6 +155,17 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert convergence_report.main(["report", "--bf16", other, "--int8", other, "--config", str(logs / "run.yaml"),
                                     "--output-dir", str(tmp_path / "h"), "--labels", "BF16", "BF16"]) == 1
 
+    # the INT8 pair beside that noise floor: its gap column, and where INT8's gap is the wider of the two
+    noise = edited(edited(logs / "bf16.jsonl", tmp_path / "n1.jsonl", 20, "valid_lm_loss", 1.03),
+                   tmp_path / "noise.jsonl", 30, "valid_lm_loss", 0.999)
+    summary = report(logs, tmp_path / "i", None, None, "--noise-floor", noise)
+    assert "| iteration | tokens | BF16 | INT8 | gap | noise floor gap |" in summary
+    assert f"| {int8_valid[20] / bf16_valid[20] * 100 - 100:+.2f}% | +3.00% |" in summary
+    beyond = [it for it in (10, 20, 30, 40)
+              if abs(int8_valid[it] / bf16_valid[it] - 1) > abs({20: 0.03, 30: -0.001}.get(it, 0.0))]
+    assert (f"Noise floor, after the first 10%: its largest gap is +3.00% (iteration 20); the gap is larger in "
+            f"magnitude than the noise floor's at {len(beyond)} of 4 evaluations") in summary
+
 
 def test_loss_spikes_follow_their_definition():
     """A step more than 10% above the mean of the 5 before it; the first 5 steps are not judged, and a spike
@@ -191,6 +202,7 @@ def test_status_collects_finished_runs_into_out(logs, tmp_path):
         (run_dir / name / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(ITERATIONS))
         shutil.copy(logs / f"{name}.jsonl", run_dir / f"{name}.jsonl")
         (run_dir / f"{name}.log").write_text(f"{name} trainer output\n")
+    shutil.copy(logs / "bf16.jsonl", run_dir / "bf16_init2.jsonl")  # a noise-floor run of this RUN_DIR
     (run_dir / "pipeline.log").write_text("== launching\n")
     (run_dir / "pipeline.rc").write_text("0\n")
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), CONFIG=str(logs / "run.yaml"), PYTHON=sys.executable)
@@ -199,6 +211,7 @@ def test_status_collects_finished_runs_into_out(logs, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"bf16 [finished]: iteration {ITERATIONS}/{ITERATIONS}" in result.stdout
     assert "Check (gap <= 1%" in result.stdout and "both runs finished" in result.stdout
+    assert "Noise floor, after the first 10%: its largest gap is +0.00%" in result.stdout
     files = sorted(os.listdir(out))
     assert files == ["bf16.jsonl", "convergence.md", "convergence.png", "health.png", "int8.jsonl", "logs.tar.gz"]
     listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
