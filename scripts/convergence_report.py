@@ -290,14 +290,11 @@ def report(opts) -> int:
               "batches)." + (f" Noise floor: the same gap of {ref} from another initialization "
                              f"(`{os.path.basename(opts.noise_floor)}`)." if noise_gaps else ""), ""]
     noise_at = {it: g for it, _, _, g in noise_gaps}
-    if noise_gaps:
-        lines += [f"| iteration | tokens | {ref} | {other} | gap | noise floor gap |", "|---|---|---|---|---|---|"]
-        lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% | "
-                  + (f"{noise_at[it]:+.2f}% |" if it in noise_at else "n/a |") for it, b, i, g in gaps]
-    else:
-        lines += [f"| iteration | tokens | {ref} | {other} | gap |", "|---|---|---|---|---|"]
-        lines += [f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |"
-                  for it, b, i, g in gaps]
+    lines += [f"| iteration | tokens | {ref} | {other} | gap |" + (" noise floor gap |" if noise_gaps else ""),
+              "|---" * (5 + bool(noise_gaps)) + "|"]
+    for it, b, i, g in gaps:
+        noise = (f" {noise_at[it]:+.2f}% |" if it in noise_at else " n/a |") if noise_gaps else ""
+        lines.append(f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |" + noise)
     rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
     if verdict is None:
         lines += ["", f"Check ({rule}): **not judged yet**, no common evaluation after iteration "
