@@ -18,6 +18,7 @@ import yaml
 
 from ..megatron.cli import add_int8_arguments
 from ..megatron.policy import FP8_RECIPES
+from .health import per_gemm_limits
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 OPTIMIZER_STATE_DTYPES = ("fp32", "bf16", "int8")  # what the precision-aware optimizer stores
@@ -478,14 +479,11 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
         raise ArgumentError("--int8-stats-interval measures INT8 linears: it needs --int8-linear")
     if args.int8_auto_fallback and not args.int8_stats_interval:
         raise ArgumentError("--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N")
-    limits = args.int8_fallback_max_rel_err
-    if len(limits) not in (1, 3) or not all(v > 0 for v in limits):
-        raise ArgumentError(f"--int8-fallback-max-rel-err takes one positive limit, or three (fprop dgrad wgrad), "
-                            f"got {limits}")
-    limits = args.int8_fallback_max_underflow
-    if len(limits) not in (1, 3) or not all(0 < v <= 1 for v in limits):
-        raise ArgumentError(f"--int8-fallback-max-underflow takes one limit, or three (fprop dgrad wgrad), each in "
-                            f"(0, 1], got {limits}")
+    try:  # the thresholds' own rule
+        per_gemm_limits("--int8-fallback-max-rel-err", args.int8_fallback_max_rel_err, math.inf)
+        per_gemm_limits("--int8-fallback-max-underflow", args.int8_fallback_max_underflow, 1.0)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     if args.int8_fallback_patience < 1:
         raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
 
@@ -539,6 +537,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.manual_gc_interval and not args.manual_gc:
         raise ArgumentError("--manual-gc-interval needs --manual-gc")
     _validate_cuda_graph(args)
+    if args.data_seed is None:
+        args.data_seed = args.seed
 
     # Model shape.
     if args.max_position_embeddings is None:

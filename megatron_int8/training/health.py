@@ -61,8 +61,8 @@ class FallbackThresholds:
     patience: int = 3
 
     def __post_init__(self):
-        object.__setattr__(self, "max_rel_err", _per_gemm("max_rel_err", self.max_rel_err, math.inf))
-        object.__setattr__(self, "max_underflow", _per_gemm("max_underflow", self.max_underflow, 1.0))
+        object.__setattr__(self, "max_rel_err", per_gemm_limits("max_rel_err", self.max_rel_err, math.inf))
+        object.__setattr__(self, "max_underflow", per_gemm_limits("max_underflow", self.max_underflow, 1.0))
         if not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience must be a positive int, got {self.patience!r}")
 
@@ -77,13 +77,14 @@ class FallbackThresholds:
         return reasons
 
 
-def _per_gemm(name: str, limits, largest: float) -> Tuple[float, ...]:
-    """One limit per GEMM (fprop, dgrad, wgrad) from one value or three, each in (0, largest]."""
+def per_gemm_limits(name: str, limits, largest: float) -> Tuple[float, ...]:
+    """One limit per GEMM (fprop, dgrad, wgrad) from one value or three, each in (0, largest]; ValueError naming
+    `name` (a field, or the command-line flag that gave them) otherwise."""
     values = tuple(float(v) for v in ((limits,) if isinstance(limits, (int, float)) else limits))
     values = values * len(GEMMS) if len(values) == 1 else values
     if len(values) != len(GEMMS) or not all(0 < v <= largest for v in values):
         bound = "positive" if largest == math.inf else f"in (0, {largest:g}]"
-        raise ValueError(f"{name} must be one value or one per GEMM {GEMMS}, each {bound}; got {limits}")
+        raise ValueError(f"{name} takes one limit, or three ({' '.join(GEMMS)}), each {bound}, got {limits}")
     return values
 
 
