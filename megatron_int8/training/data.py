@@ -210,11 +210,6 @@ def dataset_sizes(args) -> List[Optional[int]]:
     return sizes
 
 
-def data_seed(args) -> int:
-    """The seed of the data order: --data-seed, else --seed."""
-    return args.seed if getattr(args, "data_seed", None) is None else args.data_seed
-
-
 def build_datasets(args, tokenizer):
     """(train, valid, test) megatron-core datasets: GPTDataset/BlendedDataset over --data-path, or mock data.
 
@@ -225,7 +220,7 @@ def build_datasets(args, tokenizer):
 
     sizes = dataset_sizes(args)
     config = GPTDatasetConfig(
-        random_seed=data_seed(args),
+        random_seed=args.data_seed,
         sequence_length=args.seq_length,
         blend=data_prefixes(args.data_path) if not args.mock_data else None,
         split=args.split,
@@ -285,5 +280,5 @@ def build_data_iterator(dataset, consumed_samples: int, args) -> Optional[Iterat
     # restores before building iterators (stochastic rounding and dropout consume that RNG).
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
-        persistent_workers=args.num_workers > 0, generator=torch.Generator().manual_seed(data_seed(args)))
+        persistent_workers=args.num_workers > 0, generator=torch.Generator().manual_seed(args.data_seed))
     return iter(loader)
