@@ -26,9 +26,9 @@
 #
 # Both runs replay CUDA graphs (--cuda-graph-impl local; GRAPHS=none turns them off). At this width a step
 # is bound by kernel launches: eager, on 4 H100s (2026-11-27, 57ce0e5), BF16 ran 305k and INT8 228k tokens/s per
-# pair of GPUs, so INT8 needed ~22 minutes of steps and did not finish in one machine loan. Graphed, one H100
-# with the same per-GPU work (micro-batch 8 x 4) ran a step in 378 ms (BF16) and 346 ms (INT8): ~14.5 and ~13.3
-# minutes for the whole schedule.
+# pair of GPUs, so INT8 needed ~22 minutes of steps and did not finish in one machine loan. Graphed, on 4 H100s
+# (2026-11-28, 4e3d701), BF16 ran 339k and INT8 378k tokens/s per pair: 14.9 and 14.1 minutes of steps, both runs
+# finished 18 minutes after call 1 began.
 #
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
