@@ -33,13 +33,14 @@
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
 #           CORPUS_MB (1024) MB (scripts/prepare_tiny_corpus.py --source all --docs); one SentencePiece
-#           tokenizer of VOCAB (8192) tokens and the indexed dataset (scripts/preprocess_data.py), split
+#           tokenizer of VOCAB (8192) tokens (or TOKENIZER, a model file to reuse) and the indexed dataset
+#           (scripts/preprocess_data.py), split
 #           98/2/0 by documents (the last 2% held out for validation); then launches both runs. Each run
 #           resumes from its checkpoint directory when one exists (--load = --save), so `start` after a run
 #           died continues it, and a run that is alive or finished is left alone.
 # status [S] waits up to S seconds (default 0) while printing each run's progress (iteration, loss, last
 #           validation loss, tokens/s, steps left) every 30 s, and copies to $OUT: bf16.jsonl, int8.jsonl,
-#           corpus.json, logs.tar.gz (the runs' and the data build's output), and the report of
+#           corpus.json, logs.tar.gz (the runs' and the data build's output, and tokenizer/spm.model), and the report of
 #           scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what the runs
 #           logged so far. It returns early when both runs have finished or one failed (exit 1).
 #
@@ -57,6 +58,9 @@
 # Environment: RUN_DIR (runs/convergence), CONFIG (configs/convergence_350m.yaml), CORPUS_MB (1024), VOCAB
 # (8192), WORKERS (nproc), TRAIN_ITERS (the YAML's unless set; the first `start` keeps it in RUN_DIR/train_iters
 # for later calls), SAVE_INTERVAL (the YAML's unless set),
+# TOKENIZER (a SentencePiece model to use instead of training one: training it is not reproducible across
+# machines, three runs of 2026-11-27/28 got 97.90M-97.95M tokens from the same text; with the corpus's SHA-256
+# unchanged, a tokenizer from an earlier run's logs.tar.gz gives that run's token stream),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
 # (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
 # GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run on GPUs 2,3; the first `start` keeps it
@@ -105,17 +109,23 @@ build_data() {  # each step ends the function on failure (errexit does not hold 
             --max-mb "$CORPUS_MB" || return 1
     fi
     if [[ ! -f "$DATA.bin" ]]; then  # preprocess_data.py renames the .bin into place only when complete
-        echo "== SentencePiece ($VOCAB tokens) + indexed dataset, $WORKERS workers"
+        local train=(--train-sentencepiece "$VOCAB")
+        if [[ -n "${TOKENIZER:-}" ]]; then  # another run's tokenizer: its token stream, where the corpus is the same
+            mkdir -p "$RUN_DIR/tokenizer" && cp "$TOKENIZER" "$RUN_DIR/tokenizer/spm.model" || return 1
+            train=()
+        fi
+        echo "== ${train[*]:+SentencePiece ($VOCAB tokens) + }indexed dataset, $WORKERS workers"
         "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text --output-prefix "$PREFIX" \
             --tokenizer-type SentencePieceTokenizer --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
-            --train-sentencepiece "$VOCAB" --workers "$WORKERS" --log-interval-s 15 || return 1
+            "${train[@]}" --workers "$WORKERS" --log-interval-s 15 || return 1
     fi
 }
 
 corpus_statistics() {  # after the launch: the runs need not wait for it
     [[ -f "$RUN_DIR/corpus.json" ]] && return
     "$PYTHON" "${REPORT[@]}" corpus --corpus "$RUN_DIR/corpus.jsonl" --prefix "$DATA" --config "$CONFIG" \
-        --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --output "$RUN_DIR/corpus.json"
+        --train-iters "$TRAIN_ITERS" --vocab-size "$VOCAB" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
+        --output "$RUN_DIR/corpus.json"
 }
 
 launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAME.pid, NAME.rc, NAME.log
@@ -208,6 +218,7 @@ collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 
             [[ -f "$path" ]] && logs+=("${path##*/}")
         done
     done
+    [[ -f "$RUN_DIR/tokenizer/spm.model" ]] && logs+=(tokenizer/spm.model)  # TOKENIZER= for a run on the same stream
     [[ ${#logs[@]} -gt 0 ]] && tar -czf "$OUT/logs.tar.gz" -C "$RUN_DIR" "${logs[@]}"
     return 0
 }
@@ -215,7 +226,7 @@ collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 
 report() {
     [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
     local noise=()  # a noise-floor run in the same RUN_DIR: its gap goes beside INT8's
-    [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] && noise=(--noise-floor "$RUN_DIR/bf16_init2.jsonl")
+    [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] && noise=(--noise-floor "$RUN_DIR/bf16.jsonl" "$RUN_DIR/bf16_init2.jsonl")
     "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
         --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \

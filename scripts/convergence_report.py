@@ -12,6 +12,7 @@
     # the noise floor: the same report over two BF16 runs that differ only in --seed (same --data-seed):
     python3 scripts/convergence_report.py report --bf16 R/bf16.jsonl --int8 R/bf16_init2.jsonl \\
         --labels BF16 "BF16, init 2" --config configs/convergence_350m.yaml --output-dir R/report
+    # ... and beside the INT8 pair: add --noise-floor R/bf16.jsonl R/bf16_init2.jsonl to the first command
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
     python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
 
@@ -254,10 +255,12 @@ def report(opts) -> int:
     verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
     noise_gaps = []
     if opts.noise_floor:
-        if not os.path.exists(opts.noise_floor):
-            print(f"error: no log {opts.noise_floor}", file=sys.stderr)
-            return 1
-        noise_gaps = validation_gaps(bf16["valid"], read_series(opts.noise_floor, "valid_lm_loss")[0])
+        for path in opts.noise_floor:
+            if not os.path.exists(path):
+                print(f"error: no log {path}", file=sys.stderr)
+                return 1
+        noise_ref, noise_other = (read_series(path, "valid_lm_loss")[0] for path in opts.noise_floor)
+        noise_gaps = validation_gaps(noise_ref, noise_other)
     os.makedirs(opts.output_dir, exist_ok=True)
     png = os.path.join(opts.output_dir, "convergence.png")
     plot(runs, gaps, train_iters, opts.settle, opts.gap_limit, png, noise_gaps)
@@ -288,7 +291,8 @@ def report(opts) -> int:
               "## Validation gap at every evaluation", "",
               f"gap = {other} / {ref} - 1 of the validation loss at the same iteration (one data seed: the same "
               "batches)." + (f" Noise floor: the same gap of {ref} from another initialization "
-                             f"(`{os.path.basename(opts.noise_floor)}`)." if noise_gaps else ""), ""]
+                             f"(`{os.path.basename(opts.noise_floor[1])}` against `{os.path.basename(opts.noise_floor[0])}`)."
+                             if noise_gaps else ""), ""]
     noise_at = {it: g for it, _, _, g in noise_gaps}
     lines += [f"| iteration | tokens | {ref} | {other} | gap |" + (" noise floor gap |" if noise_gaps else ""),
               "|---" * (5 + bool(noise_gaps)) + "|"]
@@ -378,7 +382,8 @@ def corpus_sentence(stats):
             f"({stats['train_tokens'] / 1e6:.1f}M in the training split, {stats['valid_tokens'] / 1e6:.2f}M held out "
             f"for validation), {stats['distinct_token_ids']} distinct token ids of {stats['vocab_size']}; a run of "
             f"{stats['tokens_trained'] / 1e6:.1f}M tokens takes {stats['epochs']:.2f} epochs of the training split."
-            + (f" SHA-256 of the text {stats['text_sha256'][:12]}, of the tokens {stats['tokens_sha256'][:12]}."
+            + (f" SHA-256 of the text {stats['text_sha256'][:12]}, of the tokens {stats['tokens_sha256'][:12]}"
+               + (f", of the tokenizer {stats['tokenizer_sha256'][:12]}" if "tokenizer_sha256" in stats else "") + "."
                if "tokens_sha256" in stats else ""))
 
 
@@ -428,6 +433,8 @@ def corpus(opts) -> int:
              "tokens_trained": train_iters * tokens_per_iteration,
              # two runs saw the same data only if both match (the tokenizer is trained on the machine)
              "text_sha256": file_sha256(opts.corpus), "tokens_sha256": file_sha256(get_bin_path(opts.prefix))}
+    if opts.tokenizer_model:
+        stats["tokenizer_sha256"] = file_sha256(opts.tokenizer_model)
     stats["epochs"] = stats["tokens_trained"] / stats["train_tokens"]
     with open(opts.output, "w", encoding="utf-8") as f:
         json.dump(stats, f, indent=1)
@@ -448,9 +455,10 @@ def main(argv=None) -> int:
     rep.add_argument("--config", required=True, help="the runs' YAML (train_iters, global batch, sequence length)")
     rep.add_argument("--train-iters", type=int, default=None, help="the runs' --train-iters, where not the YAML's")
     rep.add_argument("--output-dir", required=True, help="where convergence.png, convergence.md, health.png go")
-    rep.add_argument("--noise-floor", default=None, metavar="LOG",
-                     help="a run of the reference precision from another initialization on the same batches (--seed "
-                          "changed, --data-seed kept): its gap to the reference, beside the other run's")
+    rep.add_argument("--noise-floor", nargs=2, default=None, metavar=("REFERENCE", "LOG"),
+                     help="a noise-floor pair: a run of the reference precision (--bf16 itself, or one of another "
+                          "machine's token stream) and one from another initialization on its batches (--seed "
+                          "changed, --data-seed kept): their gap, beside the other run's")
     rep.add_argument("--corpus-stats", default=None, help="the JSON of the `corpus` command, quoted in the summary")
     rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
     rep.add_argument("--settle", type=float, default=0.1,
@@ -468,6 +476,7 @@ def main(argv=None) -> int:
     cor.add_argument("--config", required=True, help="the run's YAML (split, train_iters, batch, sequence length)")
     cor.add_argument("--train-iters", type=int, default=None)
     cor.add_argument("--vocab-size", type=int, default=None, help="the tokenizer's vocabulary, for the summary")
+    cor.add_argument("--tokenizer-model", default=None, help="the tokenizer file, whose SHA-256 the JSON records")
     cor.add_argument("--output", required=True, help="JSON to write")
     pro = commands.add_parser("progress", help="one line on a run in progress (its JSONL log)")
     pro.add_argument("--log", required=True)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from repo_paths import CONFIGS, ROOT, SCRIPTS
@@ -158,13 +159,20 @@ def test_report_of_two_real_logs(logs, tmp_path):
     # the INT8 pair beside that noise floor: its gap column, and where INT8's gap is the wider of the two
     noise = edited(edited(logs / "bf16.jsonl", tmp_path / "n1.jsonl", 20, "valid_lm_loss", 1.03),
                    tmp_path / "noise.jsonl", 30, "valid_lm_loss", 0.999)
-    summary = report(logs, tmp_path / "i", None, None, "--noise-floor", noise)
+    summary = report(logs, tmp_path / "i", None, None, "--noise-floor", str(logs / "bf16.jsonl"), noise)
     assert "| iteration | tokens | BF16 | INT8 | gap | noise floor gap |" in summary
     assert f"| {int8_valid[20] / bf16_valid[20] * 100 - 100:+.2f}% | +3.00% |" in summary
     beyond = [it for it in (10, 20, 30, 40)
               if abs(int8_valid[it] / bf16_valid[it] - 1) > abs({20: 0.03, 30: -0.001}.get(it, 0.0))]
     assert (f"Noise floor, after the first 10%: its largest gap is +3.00% (iteration 20); the gap is larger in "
             f"magnitude than the noise floor's at {len(beyond)} of 4 evaluations") in summary
+
+    # a noise-floor pair of its own (another machine's token stream): its gap is to its own reference, not to --bf16
+    own_ref = edited(logs / "bf16.jsonl", tmp_path / "own_ref.jsonl", 30, "valid_lm_loss", 1.5)
+    own_other = edited(logs / "bf16.jsonl", tmp_path / "own_other.jsonl", 20, "valid_lm_loss", 0.98)
+    summary = report(logs, tmp_path / "j", None, None, "--noise-floor", own_ref, own_other)
+    assert "| -2.00% |" in summary and f"| {-1 / 3 * 100:+.2f}% |" in summary and "+3.00%" not in summary
+    assert "(`own_other.jsonl` against `own_ref.jsonl`)" in summary
 
 
 def test_loss_spikes_follow_their_definition():
@@ -251,7 +259,26 @@ def test_start_and_status_of_a_noise_floor_pair_on_cpu(tmp_path):
                             timeout=120)
     assert result.returncode == 0 and "bf16_init2 [finished]" in result.stdout, result.stdout + result.stderr
     listed = subprocess.run(["tar", "-tzf", str(out / "logs.tar.gz")], capture_output=True, text=True).stdout.split()
-    assert sorted(listed) == ["bf16.log", "bf16_init2.jsonl.after-2", "bf16_init2.log", "pipeline.log"]
+    assert sorted(listed) == ["bf16.log", "bf16_init2.jsonl.after-2", "bf16_init2.log", "pipeline.log",
+                              "tokenizer/spm.model"]
+
+    # TOKENIZER: another RUN_DIR on the same corpus reuses this tokenizer, so it reads the same token stream (its
+    # runs are made to fail at once: only the data build matters here)
+    tokenizer, stats = run_dir / "tokenizer" / "spm.model", json.loads((run_dir / "corpus.json").read_text())
+    assert stats["tokenizer_sha256"] == hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(run_dir / "corpus.jsonl", again / "corpus.jsonl")
+    env.update(RUN_DIR=str(again), TOKENIZER=str(tokenizer), EXTRA_FLAGS="--not-a-trainer-flag")
+    started = subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stdout + started.stderr
+    for _ in range(240):
+        if (again / "pipeline.rc").exists():
+            break
+        time.sleep(0.5)
+    pipeline = (again / "pipeline.log").read_text()
+    assert "training a SentencePiece" not in pipeline and "== indexed dataset" in pipeline, pipeline
+    assert json.loads((again / "corpus.json").read_text())["tokens_sha256"] == stats["tokens_sha256"], pipeline
 
 
 def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
@@ -267,8 +294,8 @@ def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text('train_iters: 10\nglobal_batch_size: 4\nseq_length: 64\nsplit: "90,10,0"\n')
     assert convergence_report.main(["corpus", "--corpus", str(corpus), "--prefix", str(tmp_path / "c_text_document"),
-                                    "--config", str(config), "--vocab-size", "400",
-                                    "--output", str(tmp_path / "stats.json")]) == 0
+                                    "--config", str(config), "--vocab-size", "400", "--tokenizer-model",
+                                    str(tmp_path / "spm.model"), "--output", str(tmp_path / "stats.json")]) == 0
     stats = json.loads((tmp_path / "stats.json").read_text())
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     processor = spm.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
@@ -285,7 +312,9 @@ def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     bin_path = tmp_path / "c_text_document.bin"
     assert stats["text_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest()
     assert stats["tokens_sha256"] == hashlib.sha256(bin_path.read_bytes()).hexdigest()
-    assert f"of the tokens {stats['tokens_sha256'][:12]}" in convergence_report.corpus_sentence(stats)
+    assert stats["tokenizer_sha256"] == hashlib.sha256((tmp_path / "spm.model").read_bytes()).hexdigest()
+    assert (f"of the tokens {stats['tokens_sha256'][:12]}, of the tokenizer {stats['tokenizer_sha256'][:12]}."
+            in convergence_report.corpus_sentence(stats))
 
 
 def test_corpus_of_all_sources_with_docs(tmp_path, monkeypatch):
