@@ -34,15 +34,15 @@
 #           documentation file of the machine's Python (standard library, then site-packages), up to
 #           CORPUS_MB (1024) MB (scripts/prepare_tiny_corpus.py --source all --docs); one SentencePiece
 #           tokenizer of VOCAB (8192) tokens (or TOKENIZER, a model file to reuse) and the indexed dataset
-#           (scripts/preprocess_data.py), split
-#           98/2/0 by documents (the last 2% held out for validation); then launches both runs. Each run
+#           (scripts/preprocess_data.py), split 98/2/0 by documents (the last 2% held out for validation);
+#           then launches both runs. Each run
 #           resumes from its checkpoint directory when one exists (--load = --save), so `start` after a run
 #           died continues it, and a run that is alive or finished is left alone.
 # status [S] waits up to S seconds (default 0) while printing each run's progress (iteration, loss, last
 #           validation loss, tokens/s, steps left) every 30 s, and copies to $OUT: bf16.jsonl, int8.jsonl,
-#           corpus.json, logs.tar.gz (the runs' and the data build's output, and tokenizer/spm.model), and the report of
-#           scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what the runs
-#           logged so far. It returns early when both runs have finished or one failed (exit 1).
+#           corpus.json, logs.tar.gz (the runs' and the data build's output, and tokenizer/spm.model), and
+#           the report of scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what
+#           the runs logged so far. It returns early when both runs have finished or one failed (exit 1).
 #
 # The corpus statistics (scripts/convergence_report.py corpus -> corpus.json, printed by the data build, by
 # every `status` and in convergence.md): corpus bytes = UTF-8 bytes of the files' text; tokens = the indexed
@@ -226,7 +226,8 @@ collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 
 report() {
     [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
     local noise=()  # a noise-floor run in the same RUN_DIR: its gap goes beside INT8's
-    [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] && noise=(--noise-floor "$RUN_DIR/bf16.jsonl" "$RUN_DIR/bf16_init2.jsonl")
+    [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] &&
+        noise=(--noise-floor "$RUN_DIR/bf16.jsonl" "$RUN_DIR/bf16_init2.jsonl")
     "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
         --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \

@@ -290,8 +290,8 @@ def report(opts) -> int:
     lines += [summary_table([(label, upto[label]["train"], upto[label]["valid"]) for label, _ in runs]), "",
               "## Validation gap at every evaluation", "",
               f"gap = {other} / {ref} - 1 of the validation loss at the same iteration (one data seed: the same "
-              "batches)." + (f" Noise floor: the same gap of {ref} from another initialization "
-                             f"(`{os.path.basename(opts.noise_floor[1])}` against `{os.path.basename(opts.noise_floor[0])}`)."
+              "batches)." + (" Noise floor: the same gap of {} from another initialization (`{}` against `{}`).".format(
+                                 ref, *(os.path.basename(path) for path in reversed(opts.noise_floor)))
                              if noise_gaps else ""), ""]
     noise_at = {it: g for it, _, _, g in noise_gaps}
     lines += [f"| iteration | tokens | {ref} | {other} | gap |" + (" noise floor gap |" if noise_gaps else ""),
