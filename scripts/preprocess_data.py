@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import random
 import sys
 import time
 
@@ -44,9 +45,27 @@ def read_documents(paths, json_keys):
                 yield json_keys[0], f.read()
 
 
-def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int) -> None:
-    """BPE over the input's lines; whitespace-preserving so that decode(encode(code)) == code.
-    Characters outside the 99.99% coverage become UTF-8 byte tokens (byte fallback): still lossless."""
+def sample_lines(lines, count: int, seed: int = 1234) -> list:
+    """A uniform sample of `count` lines (all of them if fewer), in input order: a reservoir sample drawn with
+    Python's seeded generator. SentencePiece's own sampler (input_sentence_size) cannot be reproduced: from 0.2.3
+    on it draws from abseil's generator, which salts every seed with per-process entropy, so the same corpus gave
+    a different tokenizer in every process."""
+    rng, sample = random.Random(seed), []
+    for i, line in enumerate(lines):
+        if i < count:
+            sample.append((i, line))
+        else:
+            j = rng.randrange(i + 1)
+            if j < count:
+                sample[j] = (i, line)
+    sample.sort(key=lambda item: item[0])
+    return [line for _, line in sample]
+
+
+def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, sample: int = 2_000_000) -> None:
+    """BPE over a sample of the input's lines (sample_lines: the same corpus gives the same tokenizer);
+    whitespace-preserving so that decode(encode(code)) == code. Characters outside the 99.99% coverage become
+    UTF-8 byte tokens (byte fallback): still lossless."""
     import sentencepiece as spm
 
     def lines():
@@ -58,13 +77,14 @@ def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int) -> N
     os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
     prefix = model_path[: -len(".model")] if model_path.endswith(".model") else model_path
     started = time.time()
-    spm.set_random_generator_seed(1234)  # the same corpus gives the same tokenizer
     print(f"training a SentencePiece BPE tokenizer ({vocab_size} tokens) on {', '.join(paths)} ...", flush=True)
+    chosen = sample_lines(lines(), sample)
+    print(f"  on {len(chosen)} lines (a seeded sample of at most {sample})", flush=True)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+        sentence_iterator=iter(chosen), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_by_whitespace=True,
         allow_whitespace_only_pieces=True, byte_fallback=True, split_digits=True, character_coverage=0.9999,
-        user_defined_symbols=["\n", "\t"], input_sentence_size=2_000_000, shuffle_input_sentence=True,
+        user_defined_symbols=["\n", "\t"], input_sentence_size=0, shuffle_input_sentence=False,
         max_sentence_length=16384, num_threads=os.cpu_count() or 1, minloglevel=2)
     if prefix + ".model" != model_path:
         os.replace(prefix + ".model", model_path)
@@ -138,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model, or tokenizer.json (or its dir)")
     parser.add_argument("--train-sentencepiece", type=int, metavar="VOCAB", default=None,
                         help="first train a SentencePiece model of VOCAB tokens on the input (to --tokenizer-model)")
+    parser.add_argument("--sentencepiece-sample", type=int, metavar="LINES", default=2_000_000,
+                        help="--train-sentencepiece trains on a seeded sample of this many of the input's non-empty "
+                             "lines (default: %(default)s)")
     parser.add_argument("--eod-token", default=None, help="Hugging Face EOD token (default: tokenizer_config.json's "
                         f"eos_token, else the first of {HF_EOD_CANDIDATES} in the vocabulary)")
     parser.add_argument("--workers", type=int, default=1)
@@ -150,7 +173,10 @@ def main(argv=None) -> int:
     if args.train_sentencepiece is not None:
         if args.tokenizer_type == "HuggingFaceTokenizer":
             parser.error("--train-sentencepiece makes a SentencePiece model: use a SentencePiece --tokenizer-type")
-        train_sentencepiece(args.input, args.json_keys, args.tokenizer_model, args.train_sentencepiece)
+        if args.sentencepiece_sample < 1:
+            parser.error(f"--sentencepiece-sample must be at least 1, got {args.sentencepiece_sample}")
+        train_sentencepiece(args.input, args.json_keys, args.tokenizer_model, args.train_sentencepiece,
+                            args.sentencepiece_sample)
     elif not os.path.exists(args.tokenizer_model):
         parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file (or pass --train-sentencepiece VOCAB)")
 

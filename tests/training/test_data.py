@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_int8.training.args import ArgumentError, parse_args, validate_args
-from repo_paths import ROOT
+from repo_paths import ROOT, SCRIPTS
 
 CODE = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n\n\nclass A:\n    pass\n"
 
@@ -60,6 +60,48 @@ def test_preprocess_errors(tmp_path):
                       str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
                       "--tokenizer-model", str(tmp_path / "m.model"), "--train-sentencepiece", "100"])
     assert wrong_key.returncode != 0 and "no key 'text'" in wrong_key.stderr
+
+
+def test_sample_lines_is_seeded_uniform_and_keeps_input_order():
+    sys.path.insert(0, SCRIPTS)
+    from preprocess_data import sample_lines
+
+    lines = [f"line {i}" for i in range(10_000)]
+    sample = sample_lines(iter(lines), 1000)
+    assert sample == sample_lines(iter(lines), 1000) and len(set(sample)) == 1000
+    picked = [int(line.split()[1]) for line in sample]
+    assert picked == sorted(picked)
+    # uniform: each tenth of the input holds about a tenth of the sample (binomial sd ~9.5: +-5 sd)
+    assert all(abs(sum(p // 1000 == decile for p in picked) - 100) < 48 for decile in range(10))
+    assert sample_lines(iter(lines[:50]), 1000) == lines[:50]
+    assert sample_lines(iter(lines), 1000, seed=7) != sample
+
+
+def test_a_sampled_tokenizer_is_the_same_in_every_process(tmp_path):
+    """--train-sentencepiece on a sample of the lines: two processes give the same model and the same tokens
+    (SentencePiece's own sampler gave a different model in every process)."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.jsonl"
+    assert _run(["scripts/prepare_tiny_corpus.py", "--output", str(corpus), "--max-mb", "0.3"]).returncode == 0
+    lines = sum(1 for doc in corpus.read_text().splitlines() for line in json.loads(doc)["text"].split("\n")
+                if line.strip())
+    assert lines > 3000  # so that a sample of 1500 leaves most lines out
+    models = []
+    for name in ("a", "b"):
+        result = _run(["scripts/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(tmp_path / name),
+                       "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                       str(tmp_path / name / "spm.model"), "--train-sentencepiece", "400",
+                       "--sentencepiece-sample", "1500"])
+        assert result.returncode == 0 and "on 1500 lines" in result.stdout, result.stderr[-3000:]
+        processor = spm.SentencePieceProcessor(model_file=str(tmp_path / name / "spm.model"))
+        models.append([(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.vocab_size())])
+    assert models[0] == models[1]
+    assert (tmp_path / "a_text_document.bin").read_bytes() == (tmp_path / "b_text_document.bin").read_bytes()
+    bad = _run(["scripts/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
+                "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "c.model"),
+                "--train-sentencepiece", "400", "--sentencepiece-sample", "0"])
+    assert bad.returncode != 0 and "--sentencepiece-sample must be at least 1" in bad.stderr
 
 
 def _trainer_args(dataset, *extra):
