@@ -58,9 +58,10 @@
 # Environment: RUN_DIR (runs/convergence), CONFIG (configs/convergence_350m.yaml), CORPUS_MB (1024), VOCAB
 # (8192), WORKERS (nproc), TRAIN_ITERS (the YAML's unless set; the first `start` keeps it in RUN_DIR/train_iters
 # for later calls), SAVE_INTERVAL (the YAML's unless set),
-# TOKENIZER (a SentencePiece model to use instead of training one: training it is not reproducible across
-# machines, three runs of 2026-11-27/28 got 97.90M-97.95M tokens from the same text; with the corpus's SHA-256
-# unchanged, a tokenizer from an earlier run's logs.tar.gz gives that run's token stream),
+# TOKENIZER (a SentencePiece model to use instead of training one; with the corpus's SHA-256 unchanged, a tokenizer
+# from an earlier run's logs.tar.gz gives that run's token stream. Training is reproducible since acee284: before,
+# SentencePiece's own line sampler drew another sample in every process, and three runs of 2026-11-27/28 got
+# 97.90M-97.95M tokens from the same text),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
 # (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
 # GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run on GPUs 2,3; the first `start` keeps it
