@@ -240,10 +240,11 @@ def report(opts) -> int:
     if ref == other:
         print(f"error: --labels needs two different names, got {ref!r} twice", file=sys.stderr)
         return 1
+    missing = [path for path in (opts.bf16, opts.int8, *(opts.noise_floor or ())) if not os.path.exists(path)]
+    if missing:
+        print(f"error: no log {missing[0]}", file=sys.stderr)
+        return 1
     for label, path in zip(opts.labels, (opts.bf16, opts.int8)):
-        if not os.path.exists(path):
-            print(f"error: no log {path}", file=sys.stderr)
-            return 1
         keys = ("train", "valid", "grad_norm", "tokens_per_s", "step_time_s")
         data = dict(zip(keys, read_series(path, "lm_loss", "valid_lm_loss", *keys[2:])))
         if not data["train"]:
@@ -255,10 +256,6 @@ def report(opts) -> int:
     verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
     noise_gaps = []
     if opts.noise_floor:
-        for path in opts.noise_floor:
-            if not os.path.exists(path):
-                print(f"error: no log {path}", file=sys.stderr)
-                return 1
         noise_ref, noise_other = (read_series(path, "valid_lm_loss")[0] for path in opts.noise_floor)
         noise_gaps = validation_gaps(noise_ref, noise_other)
     os.makedirs(opts.output_dir, exist_ok=True)
@@ -431,7 +428,7 @@ def corpus(opts) -> int:
              "tokens": int(per_document.sum()), "train_tokens": tokens_of[0], "valid_tokens": tokens_of[1],
              "distinct_token_ids": int(numpy.count_nonzero(counts)), "vocab_size": vocab or len(counts),
              "tokens_trained": train_iters * tokens_per_iteration,
-             # two runs saw the same data only if both match (the tokenizer is trained on the machine)
+             # two runs saw the same data only if both match
              "text_sha256": file_sha256(opts.corpus), "tokens_sha256": file_sha256(get_bin_path(opts.prefix))}
     if opts.tokenizer_model:
         stats["tokenizer_sha256"] = file_sha256(opts.tokenizer_model)
