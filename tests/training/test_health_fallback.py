@@ -104,6 +104,7 @@ def test_thresholds_are_checked():
     assert FallbackThresholds(max_rel_err=0.3).max_rel_err == (0.3, 0.3, 0.3)
     assert FallbackThresholds(max_rel_err=[0.2]).max_rel_err == (0.2, 0.2, 0.2)
     assert FallbackThresholds(max_underflow=0.5).max_underflow == (0.5, 0.5, 0.5)
+    assert safer_mode({**ROW, "fprop": False}, "fprop") is None
 
 
 def test_wgrad_has_its_own_underflow_limit():
@@ -117,7 +118,6 @@ def test_wgrad_has_its_own_underflow_limit():
     fallback = AutoFallback(FallbackThresholds(patience=2))
     events = run(fallback, [with_(wgrad__underflow=0.8, dgrad__underflow=0.8)] * 2)
     assert [(e["gemm"], e["change"]) for e in events] == [("dgrad", "dgrad -> high precision")]
-    assert safer_mode({**ROW, "fprop": False}, "fprop") is None
 
 
 def test_state_round_trips_through_a_checkpoint_and_continues_identically():
