@@ -23,7 +23,10 @@ Definitions (the summary repeats them):
 - gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same data seed, so the same batches);
 - the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run;
 - a loss spike: a step whose training loss exceeds the mean of the --spike-window steps before it by more than
-  --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations.
+  --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations;
+- a gradient-norm spike: a step whose gradient norm exceeds --grad-spike-factor (3) times the median of the
+  --spike-window steps before it, matched between the runs in the same way. Clipping bounds the step's size, not
+  its direction, so such a step can move a run off its course for a while without any loss spike.
 """
 import argparse
 import hashlib
@@ -89,6 +92,18 @@ def loss_spikes(train, threshold=0.10, window=50):
                 spikes.append((it, train[it], mean))
             total -= train[steps[k - window]]
         total += train[it]
+    return spikes
+
+
+def grad_norm_spikes(norms, factor=3.0, window=50):
+    """[(iteration, norm, trailing median)]: steps whose gradient norm exceeds `factor` times the median of the
+    `window` logged steps before them; the first `window` steps are not judged."""
+    steps = sorted(norms)
+    spikes = []
+    for k in range(window, len(steps)):
+        median = statistics.median(norms[it] for it in steps[k - window:k])
+        if norms[steps[k]] > factor * median:
+            spikes.append((steps[k], norms[steps[k]], median))
     return spikes
 
 
@@ -325,6 +340,21 @@ def report(opts) -> int:
     lines.append(f"- {other} spikes without a {ref} spike within {opts.spike_match} iterations: {len(int8_only)}"
                  + (": " + ", ".join(str(s[0]) for s in int8_only[:20]) if int8_only else ""))
 
+    upto_norms = {label: {it: v for it, v in data["grad_norm"].items() if it <= common_last} for label, data in runs}
+    norm_spikes = {label: grad_norm_spikes(upto_norms[label], opts.grad_spike_factor, opts.spike_window)
+                   for label, _ in runs}
+    lines += ["", "## Gradient-norm spikes", "",
+              f"A step whose gradient norm exceeds {opts.grad_spike_factor:g}x the median of the {opts.spike_window} "
+              "steps before it (clipping bounds its size, not its direction).", ""]
+    for label in opts.labels:
+        listed = ", ".join(f"{it} ({norm:.2f} vs {median:.2f})" for it, norm, median in norm_spikes[label][:10])
+        lines.append(f"- {label}: {len(norm_spikes[label])} spike(s)" + (f": {listed}" if listed else "")
+                     + (" ..." if len(norm_spikes[label]) > 10 else ""))
+    for label, reference in ((other, ref), (ref, other)):
+        alone = unmatched_spikes(norm_spikes[label], norm_spikes[reference], opts.spike_match)
+        lines.append(f"- {label} spikes with no {reference} spike within {opts.spike_match} iterations: {len(alone)}"
+                     + (": " + ", ".join(str(s[0]) for s in alone[:20]) if alone else ""))
+
     lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]
     int8_means = {(a, b): m for a, b, m in window_means(int8["grad_norm"], train_iters, opts.windows)}
@@ -463,7 +493,10 @@ def main(argv=None) -> int:
     rep.add_argument("--spike-threshold", type=float, default=0.10,
                      help="a spike: loss above the trailing mean by more than this fraction (default: %(default)s)")
     rep.add_argument("--spike-window", type=int, default=50,
-                     help="trailing steps of the spike mean (default: %(default)s)")
+                     help="trailing steps a loss or gradient-norm spike is judged against (default: %(default)s)")
+    rep.add_argument("--grad-spike-factor", type=float, default=3.0,
+                     help="a gradient-norm spike: norm above this multiple of the trailing median "
+                          "(default: %(default)s)")
     rep.add_argument("--spike-match", type=int, default=5,
                      help="a BF16 spike this close (iterations) matches an INT8 one (default: %(default)s)")
     rep.add_argument("--windows", type=int, default=10, help="spans of the gradient-norm table (default: %(default)s)")
@@ -486,8 +519,8 @@ def main(argv=None) -> int:
         for name in ("spike_threshold", "settle"):
             if not 0 < getattr(opts, name) < 1:
                 parser.error(f"--{name.replace('_', '-')} must be in (0, 1)")
-        if opts.spike_window < 1 or opts.windows < 1 or opts.gap_limit <= 0:
-            parser.error("--spike-window and --windows must be >= 1, --gap-limit > 0")
+        if opts.spike_window < 1 or opts.windows < 1 or opts.gap_limit <= 0 or opts.grad_spike_factor <= 1:
+            parser.error("--spike-window and --windows must be >= 1, --gap-limit > 0, --grad-spike-factor > 1")
         return report(opts)
     return corpus(opts)
 

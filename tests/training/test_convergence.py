@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +124,14 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert "INT8 spikes without a BF16 spike within 5 iterations: 1: 30" in summary
     gap = 100 * (int8_valid[20] * 1.02 / bf16_valid[20] - 1)
     assert f"**not met** at iteration 20 ({gap:+.2f}%)." in summary
+    # a gradient-norm spike (x5 at iteration 35) that BF16 does not have, listed apart from the loss spikes
+    kicked = edited(logs / "int8.jsonl", tmp_path / "kicked.jsonl", 35, "grad_norm", 5.0)
+    summary = report(logs, tmp_path / "k", None, kicked, "--spike-window", "10")
+    int8_norms = {r["iteration"]: r["grad_norm"] for r in records(logs / "int8.jsonl", "grad_norm")}
+    median = statistics.median(int8_norms[it] for it in range(25, 35))
+    assert f"- INT8: 1 spike(s): 35 ({5 * int8_norms[35]:.2f} vs {median:.2f})" in summary
+    assert "- INT8 spikes with no BF16 spike within 5 iterations: 1: 35" in summary
+    assert "- BF16 spikes with no INT8 spike within 5 iterations: 0" in summary
     # the same spike in both runs is not INT8's
     both = edited(logs / "bf16.jsonl", tmp_path / "both.jsonl", 30, "lm_loss", 1.5)
     summary = report(logs, tmp_path / "c", both, spiked, "--spike-window", "10")
@@ -184,6 +193,17 @@ def test_loss_spikes_follow_their_definition():
     assert [(it, round(mean, 3)) for it, _, mean in spikes] == [(12, 2.038)]  # 2.3 / 2.038 = 1.129; 16: 1.087
     assert convergence_report.unmatched_spikes(spikes, [(14, 2.5, 2.0)], tolerance=2) == []
     assert convergence_report.unmatched_spikes(spikes, [(15, 2.5, 2.0)], tolerance=2) == spikes
+
+
+def test_grad_norm_spikes_follow_their_definition():
+    """A step above 3x the median of the 5 before it; the first 5 steps are not judged, and a median, unlike a
+    mean, barely moves for one large norm in its window (step 2's 9.0, step 9's 1.25)."""
+    norms = {it: 0.4 + 0.01 * (it % 3) for it in range(1, 21)}  # 0.41, 0.42, 0.40, ...
+    norms.update({2: 9.0, 9: 1.25, 10: 1.3, 14: 1.2})
+    spikes = convergence_report.grad_norm_spikes(norms, factor=3.0, window=5)
+    # 9: 1.25 / 0.41 = 3.05; 10: 1.3 / 0.42 = 3.10; 14: 1.2 / 0.42 = 2.86 is not one
+    assert [(it, round(median, 2)) for it, _, median in spikes] == [(9, 0.41), (10, 0.42)]
+    assert convergence_report.unmatched_spikes(spikes, [(12, 2.0, 0.4)], tolerance=2) == [spikes[0]]
 
 
 def test_the_script_parses_and_status_needs_a_started_run(tmp_path):
