@@ -28,7 +28,7 @@
 # is bound by kernel launches: eager, on 4 H100s (2026-11-27, 57ce0e5), BF16 ran 305k and INT8 228k tokens/s per
 # pair of GPUs, so INT8 needed ~22 minutes of steps and did not finish in one machine loan. Graphed, on 4 H100s
 # (2026-11-28, 4e3d701), BF16 ran 339k and INT8 378k tokens/s per pair: 14.9 and 14.1 minutes of steps, both runs
-# finished 18 minutes after call 1 began.
+# finished 18 minutes after call 1 began; on 4 H200s (2026-11-28, d4525ef) 351k and 409k, finished after 19.
 #
 # start     builds the data once, in the background: the corpus is every .py source and .rst/.md
 #           documentation file of the machine's Python (standard library, then site-packages), up to
