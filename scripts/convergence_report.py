@@ -23,7 +23,7 @@ Definitions (the summary repeats them):
 - gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same data seed, so the same batches);
 - the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run;
 - a loss spike: a step whose training loss exceeds the mean of the --spike-window steps before it by more than
-  --spike-threshold (10%); an INT8 spike "BF16 does not have" has no BF16 spike within --spike-match iterations;
+  --spike-threshold (10%); a spike the other run does not have: none of the other's within --spike-match iterations;
 - a gradient-norm spike: a step whose gradient norm exceeds --grad-spike-factor (3) times the median of the
   --spike-window steps before it, matched between the runs in the same way. Clipping bounds the step's size, not
   its direction, so such a step can move a run off its course for a while without any loss spike.
@@ -111,6 +111,22 @@ def unmatched_spikes(spikes, reference, tolerance):
     """The spikes of `spikes` with no spike of `reference` within `tolerance` iterations."""
     seen = [it for it, _, _ in reference]
     return [s for s in spikes if not any(abs(s[0] - it) <= tolerance for it in seen)]
+
+
+def spike_lines(spikes, labels, tolerance, digits, listed=10):
+    """Markdown lines: each run's spikes (iteration, value vs its trailing level), then, each way, the spikes of
+    one run with none of the other's within `tolerance` iterations."""
+    lines = []
+    for label in labels:
+        shown = ", ".join(f"{it} ({value:.{digits}f} vs {level:.{digits}f})"
+                          for it, value, level in spikes[label][:listed])
+        lines.append(f"- {label}: {len(spikes[label])} spike(s)" + (f": {shown}" if shown else "")
+                     + (" ..." if len(spikes[label]) > listed else ""))
+    for label, reference in (labels[::-1], labels):
+        alone = unmatched_spikes(spikes[label], spikes[reference], tolerance)
+        lines.append(f"- {label} spikes with no {reference} spike within {tolerance} iterations: {len(alone)}"
+                     + (": " + ", ".join(str(it) for it, _, _ in alone[:20]) if alone else ""))
+    return lines
 
 
 def window_means(series, train_iters, windows):
@@ -293,7 +309,8 @@ def report(opts) -> int:
             lines += ["", "Corpus: " + corpus_sentence(json.load(f))]
     # a run ahead of the other would be compared at a later, lower point of its curve: cut both to the common part
     common_last = min(done.values())
-    upto = {label: {key: {it: v for it, v in data[key].items() if it <= common_last} for key in ("train", "valid")}
+    upto = {label: {key: {it: v for it, v in data[key].items() if it <= common_last}
+                    for key in ("train", "valid", "grad_norm")}
             for label, data in runs}
     lines += ["", f"![curves]({os.path.basename(png)})", "", "## Loss", ""]
     if len(set(done.values())) > 1:
@@ -328,32 +345,17 @@ def report(opts) -> int:
         lines.append(f"The runs have not finished: the last common evaluation is at iteration {gaps[-1][0]} "
                      f"({gaps[-1][3]:+.2f}%).")
 
-    spikes = {label: loss_spikes(upto[label]["train"], opts.spike_threshold, opts.spike_window) for label, _ in runs}
-    int8_only = unmatched_spikes(spikes[other], spikes[ref], opts.spike_match)
+    loss = {label: loss_spikes(upto[label]["train"], opts.spike_threshold, opts.spike_window) for label in opts.labels}
     lines += ["", "## Loss spikes", "",
               f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "
               f"{opts.spike_window} steps before it.", ""]
-    for label in opts.labels:
-        listed = ", ".join(f"{it} ({loss:.3f} vs {mean:.3f})" for it, loss, mean in spikes[label][:10])
-        lines.append(f"- {label}: {len(spikes[label])} spike(s)" + (f": {listed}" if listed else "")
-                     + (" ..." if len(spikes[label]) > 10 else ""))
-    lines.append(f"- {other} spikes without a {ref} spike within {opts.spike_match} iterations: {len(int8_only)}"
-                 + (": " + ", ".join(str(s[0]) for s in int8_only[:20]) if int8_only else ""))
-
-    upto_norms = {label: {it: v for it, v in data["grad_norm"].items() if it <= common_last} for label, data in runs}
-    norm_spikes = {label: grad_norm_spikes(upto_norms[label], opts.grad_spike_factor, opts.spike_window)
-                   for label, _ in runs}
+    lines += spike_lines(loss, opts.labels, opts.spike_match, digits=3)
+    norms = {label: grad_norm_spikes(upto[label]["grad_norm"], opts.grad_spike_factor, opts.spike_window)
+             for label in opts.labels}
     lines += ["", "## Gradient-norm spikes", "",
               f"A step whose gradient norm exceeds {opts.grad_spike_factor:g}x the median of the {opts.spike_window} "
               "steps before it (clipping bounds its size, not its direction).", ""]
-    for label in opts.labels:
-        listed = ", ".join(f"{it} ({norm:.2f} vs {median:.2f})" for it, norm, median in norm_spikes[label][:10])
-        lines.append(f"- {label}: {len(norm_spikes[label])} spike(s)" + (f": {listed}" if listed else "")
-                     + (" ..." if len(norm_spikes[label]) > 10 else ""))
-    for label, reference in ((other, ref), (ref, other)):
-        alone = unmatched_spikes(norm_spikes[label], norm_spikes[reference], opts.spike_match)
-        lines.append(f"- {label} spikes with no {reference} spike within {opts.spike_match} iterations: {len(alone)}"
-                     + (": " + ", ".join(str(s[0]) for s in alone[:20]) if alone else ""))
+    lines += spike_lines(norms, opts.labels, opts.spike_match, digits=2)
 
     lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]

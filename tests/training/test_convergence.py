@@ -121,7 +121,7 @@ def test_report_of_two_real_logs(logs, tmp_path):
     worse = edited(spiked, tmp_path / "worse.jsonl", 20, "valid_lm_loss", 1.02)
     summary = report(logs, tmp_path / "b", None, worse, "--spike-window", "10")
     assert "- INT8: 1 spike(s): 30 (" in summary and "- BF16: 0 spike(s)" in summary
-    assert "INT8 spikes without a BF16 spike within 5 iterations: 1: 30" in summary
+    assert "- INT8 spikes with no BF16 spike within 5 iterations: 1: 30" in summary
     gap = 100 * (int8_valid[20] * 1.02 / bf16_valid[20] - 1)
     assert f"**not met** at iteration 20 ({gap:+.2f}%)." in summary
     # a gradient-norm spike (x5 at iteration 35) that BF16 does not have, listed apart from the loss spikes
@@ -135,7 +135,7 @@ def test_report_of_two_real_logs(logs, tmp_path):
     # the same spike in both runs is not INT8's
     both = edited(logs / "bf16.jsonl", tmp_path / "both.jsonl", 30, "lm_loss", 1.5)
     summary = report(logs, tmp_path / "c", both, spiked, "--spike-window", "10")
-    assert "INT8 spikes without a BF16 spike within 5 iterations: 0" in summary
+    assert "- INT8 spikes with no BF16 spike within 5 iterations: 0" in summary
 
     # runs still in progress: of 200 iterations, the check judges the evaluations after 20 (30 and 40) ...
     summary = report(logs, tmp_path / "d", None, worse, "--train-iters", "200")
@@ -159,7 +159,7 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert summary.startswith("# BF16, init 2 vs BF16 convergence")
     assert "| iteration | tokens | BF16 | BF16, init 2 | gap |" in summary and "INT8" not in summary.split("## INT8")[0]
     assert "**not met** at iteration 20 (+3.00%)" in summary
-    assert "- BF16, init 2 spikes without a BF16 spike within 5 iterations: 0" in summary
+    assert "- BF16, init 2 spikes with no BF16 spike within 5 iterations: 0" in summary
     assert "No `int8_health` records in the BF16, init 2 log" in summary
     assert not (tmp_path / "g" / "health.png").exists()
     assert convergence_report.main(["report", "--bf16", other, "--int8", other, "--config", str(logs / "run.yaml"),
