@@ -500,7 +500,7 @@ def main(argv=None) -> int:
                      help="a gradient-norm spike: norm above this multiple of the trailing median "
                           "(default: %(default)s)")
     rep.add_argument("--spike-match", type=int, default=5,
-                     help="a BF16 spike this close (iterations) matches an INT8 one (default: %(default)s)")
+                     help="a spike of one run this close (iterations) matches one of the other (default: %(default)s)")
     rep.add_argument("--windows", type=int, default=10, help="spans of the gradient-norm table (default: %(default)s)")
     cor = commands.add_parser("corpus", help="corpus bytes, tokens per split, distinct token ids, epochs of a run")
     cor.add_argument("--corpus", required=True, help="the JSONL corpus (scripts/prepare_tiny_corpus.py)")
