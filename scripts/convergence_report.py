@@ -80,31 +80,27 @@ def noise_summary(gaps, noise_at, train_iters, settle):
             "evaluations" + (": " + ", ".join(map(str, beyond)) if beyond else "") + "."]
 
 
-def loss_spikes(train, threshold=0.10, window=50):
-    """[(iteration, loss, trailing mean)]: steps whose loss exceeds the mean of the `window` logged steps
-    before them by more than `threshold` (a fraction); the first `window` steps are not judged."""
-    steps = sorted(train)
-    spikes, total = [], 0.0
-    for k, it in enumerate(steps):
-        if k >= window:
-            mean = total / window
-            if train[it] > (1.0 + threshold) * mean:
-                spikes.append((it, train[it], mean))
-            total -= train[steps[k - window]]
-        total += train[it]
+def trailing_spikes(series, window, level, factor):
+    """[(iteration, value, trailing level)]: steps whose value exceeds `factor` times `level` (a mean or a median)
+    of the `window` logged steps before them; the first `window` steps are not judged."""
+    steps = sorted(series)
+    spikes = []
+    for k in range(window, len(steps)):
+        trailing = level([series[it] for it in steps[k - window:k]])
+        if series[steps[k]] > factor * trailing:
+            spikes.append((steps[k], series[steps[k]], trailing))
     return spikes
+
+
+def loss_spikes(train, threshold=0.10, window=50):
+    """Steps whose loss exceeds the mean of the `window` steps before them by more than `threshold` (a fraction)."""
+    return trailing_spikes(train, window, statistics.fmean, 1.0 + threshold)
 
 
 def grad_norm_spikes(norms, factor=3.0, window=50):
-    """[(iteration, norm, trailing median)]: steps whose gradient norm exceeds `factor` times the median of the
-    `window` logged steps before them; the first `window` steps are not judged."""
-    steps = sorted(norms)
-    spikes = []
-    for k in range(window, len(steps)):
-        median = statistics.median(norms[it] for it in steps[k - window:k])
-        if norms[steps[k]] > factor * median:
-            spikes.append((steps[k], norms[steps[k]], median))
-    return spikes
+    """Steps whose gradient norm exceeds `factor` times the median of the `window` steps before them: a median, so
+    that one large norm (28.9 against 0.6 in the 344M run) does not lift the level and hide the burst after it."""
+    return trailing_spikes(norms, window, statistics.median, factor)
 
 
 def unmatched_spikes(spikes, reference, tolerance):
