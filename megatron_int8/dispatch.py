@@ -31,8 +31,9 @@ CHOICES = {
     ENV_GEMM_AUTOTUNE: ("1", "0"),
     # kernels.int8_gemm.TMA_VARIANTS: "base" keeps the TMA kernel's tuned list and its fixed tile; another name
     # is one fixed configuration wherever the TMA kernel runs (untuned launches, tma, and auto's TMA candidate).
-    # Default "duo": the fastest on bench_triton_gemm's 42 GEMMs (docs/kernels.md)
-    ENV_GEMM_TMA_VARIANT: ("duo", "base", "flat", "s4", "w16", "duo8"),
+    # Default "auto": duo, and the warp-specialized Gluon kernel where K > 4096 (the fastest pair on
+    # bench_triton_gemm's 42 GEMMs, docs/kernels.md); "ws": the Gluon kernel wherever it applies
+    ENV_GEMM_TMA_VARIANT: ("auto", "ws", "duo", "base", "flat", "s4", "w16", "duo8"),
     ENV_NORM_KERNEL: ("auto", "torch", "triton"),
     ENV_DIRECT_LAUNCH: ("1", "0"),
     ENV_DISTOPT_FORMAT: ("fully_reshardable", "dp_reshardable"),

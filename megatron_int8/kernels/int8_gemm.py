@@ -51,7 +51,7 @@ import triton.testing
 
 from .. import reference as ref
 from ..dispatch import CHOICES, ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, ENV_GEMM_TMA_VARIANT, env_choice, env_flag
-from . import sm90_gemm
+from . import int8_gemm_ws, sm90_gemm
 from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2, num_sms
 from ._tl import SEGMENT_ALIGN
 
@@ -335,7 +335,8 @@ def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
 class TmaVariant(NamedTuple):
     """A fixed configuration of the persistent TMA kernel. `epi_split` None: by the output's size (epi_split());
     `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
-    registers together)."""
+    registers together). `gluon_min_k` not None: GEMMs with K above it go to the warp-specialized Gluon kernel
+    (kernels/int8_gemm_ws.py) where it applies (int8_gemm_ws.supports); the rest run this configuration."""
     block_m: int
     block_n: int
     block_k: int
@@ -344,6 +345,7 @@ class TmaVariant(NamedTuple):
     flatten: bool
     epi_split: Optional[int]
     programs_per_sm: int = 1
+    gluon_min_k: Optional[int] = None
 
     def launch_options(self, c_dtype: torch.dtype, n_sms: int) -> dict:
         """The kernel's tile keywords and launch options for an output of c_dtype on a GPU of n_sms SMs."""
@@ -375,7 +377,13 @@ class TmaVariant(NamedTuple):
 #   main_grad at 0.93x; it trails base only on dgrads with K >= 19456 (0.68-0.73x against 0.83x).
 # - duo8: duo on 8 warps (2 warpgroups of 64 x 128 per program, 4 per SM): ptxas gives the 16-bit-output build
 #   128 registers per thread, exactly what two programs of 256 threads may hold.
+# - auto (the default): duo, but GEMMs with K > int8_gemm_ws.MIN_K and a 16-bit output go to the warp-specialized
+#   Gluon kernel, which issues its wgmmas asynchronously; on an H100 (bench_triton_gemm.py) it is the faster of
+#   the two exactly there (its epilogue is not overlapped, so short k loops lose).
+# - ws: the Gluon kernel wherever it applies (the rest as duo).
 TMA_VARIANTS = {
+    "auto": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K),
+    "ws": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=0),
     "duo": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2),
     "base": TmaVariant(128, 256, 128, 8, 3, False, None),
     "flat": TmaVariant(128, 256, 128, 8, 3, True, None),
@@ -396,6 +404,7 @@ def tma_variant(grouped: bool = False) -> TmaVariant:
 
 
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
+_GEMM_WS = LaunchCache(int8_gemm_ws.KERNEL) if int8_gemm_ws.KERNEL is not None else None
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
 _PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
 CHOSEN = {}  # (M, N, K) -> "cuda" or "triton": the kernel the latest plan for that shape took (benchmarks)
@@ -595,7 +604,7 @@ def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     else:
         cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, N)
     launch = cache.prepare(grid, tuple(ARG if isinstance(v, torch.Tensor) else v for v in launch_args), **kw)
-    tma = cache is _GEMM_TMA
+    tma = cache is _GEMM_TMA or cache is _GEMM_WS  # device-side tensor descriptors
 
     def run(a, b, bias, accumulate_into, out):
         if tma:  # the scratch allocator is per thread, and backward runs on autograd's own
@@ -649,11 +658,19 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
 
 
 def _variant_launch(args, meta, nb: int):
-    """(cache, grid, arguments, keywords) of the persistent TMA kernel in the selected fixed configuration."""
+    """(cache, grid, arguments, keywords) of the persistent TMA kernel in the selected fixed configuration, or
+    of the Gluon kernel where the configuration hands it this GEMM (TmaVariant.gluon_min_k)."""
     _ensure_allocator()
     grouped = meta.get("GROUPED", False)
-    opts = tma_variant(grouped).launch_options(args[2].dtype, num_sms(args[0].device))
-    tiles = cdiv(args[6], opts["BLOCK_M"]) * cdiv(args[7], opts["BLOCK_N"])
+    variant = tma_variant(grouped)
+    M, N, K, c = args[6], args[7], args[8], args[2]
+    if (variant.gluon_min_k is not None and K > variant.gluon_min_k
+            and int8_gemm_ws.supports(c, meta["HAS_BIAS"], meta["ACCUMULATE"], grouped)):
+        opts = int8_gemm_ws.launch_options(meta["SCALE_MODE"])
+        tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
+        return _GEMM_WS, (min(num_sms(args[0].device), tiles),), _tma_args(args, nb), opts
+    opts = variant.launch_options(c.dtype, num_sms(args[0].device))
+    tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
     return _GEMM_TMA, (min(opts["NUM_SMS"], tiles),), _tma_args(args, nb), dict(
         opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
         GROUPED=grouped)

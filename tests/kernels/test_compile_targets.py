@@ -14,6 +14,8 @@ Where the kernels fall back on Ampere:
   loads and stores (`rewrite_tensor_descriptor_to_pointer` below capability 9), so no bulk-tensor copy and
   no wgmma is left in its PTX. It is checked, not launched, there.
 - Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
+- The Gluon GEMM (int8_gemm_ws.py) is Hopper's alone (its wgmmas are written out): compiled for sm_90a only, and
+  launched only on capability 9.
 On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; each `TMA_VARIANTS` entry is
 compiled for it too, and its shared memory must fit one program (or `programs_per_sm` of them) per SM.
 
@@ -50,10 +52,12 @@ RP = importlib.import_module("megatron_int8.kernels.rope")
 CE = importlib.import_module("megatron_int8.kernels.cross_entropy")
 
 
-def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), **options):
+def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), source=ASTSource,
+                **options):
     """triton.compile of `kernel` for `target`: pointer arguments (names ending in _ptr) typed by `pointers`
     (default fp32) and 16-byte aligned, `floats` fp32, every other runtime argument i32; constexprs not given
-    take the kernel's defaults; `options`: further launch options (enable_fp_fusion)."""
+    take the kernel's defaults; `source`: GluonASTSource for a Gluon kernel; `options`: further launch options
+    (enable_fp_fusion)."""
     signature, values, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         name = param.name
@@ -67,7 +71,7 @@ def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, f
             signature[name] = "fp32" if name in floats else "i32"
     unknown = set(constexprs) - set(values)
     assert not unknown, f"{kernel.__name__} has no constexprs {unknown}"
-    return triton.compile(ASTSource(kernel, signature, values, attrs), target=target,
+    return triton.compile(source(kernel, signature, values, attrs), target=target,
                           options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
@@ -160,6 +164,28 @@ def test_grouped_tma_gemm_compiles_for_hopper():
                     HOPPER)
 
 
+WS = importlib.import_module("megatron_int8.kernels.int8_gemm_ws")
+
+
+@pytest.mark.skipif(WS.KERNEL is None, reason=str(WS.unavailable_reason()))
+@pytest.mark.parametrize("out,scale_mode", [("bf16", 1), ("fp16", 0)])
+def test_gluon_gemm_compiles_for_hopper_with_async_wgmma(out, scale_mode):
+    """The warp-specialized Gluon GEMM (Hopper only: the dispatch gives it sm_90 GEMMs, int8_gemm_ws.supports): the
+    k loop waits with one wgmma group still in flight (`wait_group 1`, where Triton's TMA kernel waits for 0), the
+    producer's registers are handed to the consumers (setmaxnreg), loads are bulk tensor copies from descriptors
+    made on the device, and the ring fits one program per SM."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    opts = WS.launch_options(scale_mode)  # num_warps is also a constexpr of the kernel (the consumers' layout)
+    compiled = compile_for(HOPPER, WS.KERNEL, _gemm_pointers(out), opts, opts["num_warps"], num_stages=1,
+                           source=GluonASTSource)
+    ptx = assert_code_for(compiled, HOPPER)
+    assert "wgmma.mma_async" in ptx and ".s32.s8.s8" in ptx
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx and "tensormap" in ptx
+    assert compiled.metadata.shared <= HOPPER_MAX_SHARED_PER_BLOCK, compiled.metadata.shared
+
+
 # ---------------------------------------------------------------------------------- the other kernels
 def _quantize_cases():
     ATR, ATC = Q._AMAX_TILE
@@ -238,7 +264,7 @@ def test_every_kernel_is_covered():
 
     import megatron_int8.kernels as package
 
-    covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, *(k for k, *_ in OTHER_CASES.values())}
+    covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, WS.KERNEL, *(k for k, *_ in OTHER_CASES.values())}
     launched = set()
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")

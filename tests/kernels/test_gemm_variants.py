@@ -50,8 +50,12 @@ def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
         **opts)
 
 
+# the Triton configurations (auto and ws run duo's where the Gluon kernel does not apply: see below)
+TRITON_VARIANTS = [name for name, variant in G.TMA_VARIANTS.items() if variant.gluon_min_k is None]
+
+
 @needs_interpreter
-@pytest.mark.parametrize("name", list(G.TMA_VARIANTS))
+@pytest.mark.parametrize("name", TRITON_VARIANTS)
 @pytest.mark.parametrize("granularity,out_dtype,accumulate", [("tensor", torch.bfloat16, False),
                                                                ("row", torch.float32, False),
                                                                ("row", torch.float32, True)])
@@ -89,13 +93,47 @@ def test_grouped_gemm_keeps_tiles_within_an_expert(monkeypatch):
         assert grouped is (variant if align % variant.block_m == 0 else G.TMA_VARIANTS["base"])
 
 
-def test_base_is_the_tile_the_package_used_and_duo_the_default():
+def test_base_is_the_tile_the_package_used_and_auto_the_default():
     """base keeps the tile of the path before the variants: 128 x 256 x 128 tiles on 8 warps, 3 stages, one
-    epilogue store for 16-bit outputs and two column halves for fp32. The default is duo, the fastest on the
-    benchmark's GEMMs: 128 x 128 tiles, 4 warps, two programs per SM."""
+    epilogue store for 16-bit outputs and two column halves for fp32. The default is auto: duo (128 x 128 tiles,
+    4 warps, two programs per SM), and the Gluon kernel for K > MIN_K; ws is duo with the Gluon kernel for any K."""
     base = G.TMA_VARIANTS["base"]
     assert base == G.TmaVariant(128, 256, 128, 8, 3, False, None)
     assert base.launch_options(torch.bfloat16, 132)["EPI_SPLIT"] == 1
     assert base.launch_options(torch.float32, 132)["EPI_SPLIT"] == 2
-    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "duo"
-    assert G.TMA_VARIANTS["duo"] == G.TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
+    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "auto"
+    duo = G.TMA_VARIANTS["duo"]
+    assert duo == G.TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
+    assert G.TMA_VARIANTS["auto"] == duo._replace(gluon_min_k=G.int8_gemm_ws.MIN_K)
+    assert G.TMA_VARIANTS["ws"] == duo._replace(gluon_min_k=0)
+
+
+@pytest.mark.parametrize("variant,K,out_dtype,bias,accumulate,want", [
+    ("auto", 4096 + 16, torch.bfloat16, False, False, "ws"),
+    ("auto", 4096 + 16, torch.float16, False, False, "ws"),
+    ("auto", 4096, torch.bfloat16, False, False, "tma"),  # a short k loop: the epilogue would not be hidden
+    ("auto", 4096 + 16, torch.float32, False, False, "tma"),  # an fp32 tile beside the accumulator spills
+    ("auto", 4096 + 16, torch.float32, False, True, "tma"),  # main_grad: the TMA kernel's reduce-add
+    ("auto", 4096 + 16, torch.bfloat16, True, False, "tma"),  # no bias in the Gluon kernel
+    ("ws", 64, torch.bfloat16, False, False, "ws"),
+    ("duo", 8192, torch.bfloat16, False, False, "tma"),
+])
+def test_variant_routes_gemms_to_the_gluon_kernel(monkeypatch, variant, K, out_dtype, bias, accumulate, want):
+    """_variant_launch on a Hopper (faked here): which kernel a fixed configuration launches, and with what."""
+    if G._GEMM_WS is None:
+        pytest.skip(G.int8_gemm_ws.unavailable_reason())
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", variant)
+    monkeypatch.setattr(G.int8_gemm_ws, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(G, "num_sms", lambda device: 132)
+    M, N = 1000, 4096
+    a, b = torch.zeros(M, K, dtype=torch.int8), torch.zeros(N, K, dtype=torch.int8)
+    c, scales = torch.empty(M, N, dtype=out_dtype), (torch.ones(M), torch.ones(N))
+    args = G._plain_args(a, b, c, *scales, c, M, N, K, (1, 0, 1, 0), K, 1, scales[0])
+    meta = dict(SCALE_MODE=1, HAS_BIAS=bias, ACCUMULATE=accumulate)
+    cache, grid, launch_args, kw = G._variant_launch(args, meta, N)
+    assert ("ws" if cache is G._GEMM_WS else "tma") == want
+    assert launch_args == G._tma_args(args, N)  # both kernels take the same runtime arguments
+    if want == "ws":
+        assert grid == (min(132, 8 * 16),) and (kw["BLOCK_M"], kw["BLOCK_N"], kw["SCALE_MODE"]) == (128, 256, 1)
+    else:
+        assert kw["BLOCK_N"] == 128 and kw["ACCUMULATE"] == accumulate

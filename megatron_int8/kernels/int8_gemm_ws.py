@@ -1,0 +1,179 @@
+"""A warp-specialized INT8 GEMM for Hopper written in Gluon (`triton.experimental.gluon`): Triton's own
+Hopper path, with no nvcc.
+
+Why: Triton 3.6 issues an int8 wgmma synchronously (its pipeliner lets a dot run asynchronously only with
+an fp32 accumulator), so every k-block of the TMA kernel in int8_gemm.py waits for its wgmmas before the
+next ones issue. Gluon states the schedule explicitly:
+- one producer warp issues the TMA loads of a STAGES-deep ring (a `ready` and an `empty` mbarrier per slot);
+- the consumer warpgroups (the default partition, 8 warps: 64 rows of the 128 x 256 tile each) wait on
+  `ready`, issue the k-block's wgmmas asynchronously, wait until only that group is in flight, and hand the
+  previous k-block's slot back through `empty`; so one wgmma group runs while the next is issued;
+- the tile loop is persistent (one program per SM, group-M order, as the TMA kernel's).
+Its epilogue is not overlapped with the next tile's wgmmas: it pays off where the k loop is long
+(`MIN_K`), and the dispatch (int8_gemm.TMA_VARIANTS["auto"]) keeps the Triton `duo` tile below that.
+
+Contract (`supports`): sm_90 (wgmma), tensor or row scales, no bias, no grouped GEMM, a bf16 or fp16
+output (an fp32 tile beside the accumulator spills registers: wgrads into main_grad stay on the TMA kernel's
+reduce-add), fewer than 2**31 output elements, and what the TMA kernel needs of its operands
+(int8_gemm._tma_eligible: K <= MAX_EXACT_K, aligned). Epilogue in the reference's order, (acc * sa) * sb
+then the cast, so results are bit-identical to the reference backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    _MISSING = None
+except ImportError as exc:  # a Triton without Gluon: the dispatch keeps the Triton TMA kernel
+    _MISSING = f"triton.experimental.gluon is not importable ({exc})"
+
+MIN_K = 4096  # the dispatch's threshold: longer k loops amortize the unoverlapped epilogue (docs/kernels.md)
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 256, 128, 4, 8, 8
+_PRODUCER_WARPS, _PRODUCER_REGS = 1, 40
+
+
+def unavailable_reason():
+    """Why the kernel cannot be used with this Triton (None where it can)."""
+    return _MISSING
+
+
+if _MISSING is None:
+    # Triton 3.6 names the TMA copy async_copy_global_to_shared; later versions call it async_load and make
+    # the old name raise
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+    @gluon.jit
+    def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """Group-M order: GROUP_M row-tiles walk each column of tiles together (int8_gemm's order)."""
+        group = GROUP_M * num_pid_n
+        first_m = (tile_id // group) * GROUP_M
+        size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+        return first_m + (tile_id % group) % size_m, (tile_id % group) // size_m
+
+    @gluon.jit
+    def _producer(a_ptr, b_ptr, stride_am, stride_bn, a_bufs, b_bufs, ready, empty, M, N, K,  #
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr):
+        # device-side TMA descriptors (int8_gemm's scratch allocator), made here so that the consumers' registers
+        # hold nothing of them
+        a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BLOCK_M, BLOCK_K], a_bufs.layout)
+        b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BLOCK_N, BLOCK_K], b_bufs.layout)
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        step = 0
+        for tile_id in range(pid, num_pid_m * num_pid_n, nprog):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            for kk in range(k_tiles):
+                s = step % STAGES
+                # a fresh mbarrier counts as having completed the phase before its first, so the first pass
+                # over the ring (parity 1) does not wait
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], bar, a_bufs.index(s))
+                _tma_load(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K], bar, b_bufs.index(s))
+                step += 1
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, ready, empty, c_ptr, sa_ptr, sb_ptr, M, N, K,  #
+                  SCALE_MODE: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                  num_warps: gl.constexpr):
+        # int8 wgmma: k = 32 per instruction; triton lowers n <= 224 for 8-bit types, so 256 columns are two
+        # n = 128 instructions. With 8 warps each warpgroup owns 64 rows.
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, 128, 32])
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, acc_layout)
+        step = 0
+        for tile_id in range(pid, num_pid_m * num_pid_n, nprog):
+            for kk in range(k_tiles):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                a_s = a_bufs.index(s)
+                b_s = b_bufs.index(s)
+                acc = warpgroup_mma(a_s, b_s.permute((1, 0)), acc, use_acc=kk > 0, is_async=True)
+                acc, a_s, b_s = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_s, b_s))
+                # the previous step's wgmmas are done: its slot goes back to the producer (at kk == 0 that was
+                # the previous tile's last step, released after the tile's final wait)
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            out = acc.to(gl.float32)
+            if SCALE_MODE == 0:
+                out = (out * gl.load(sa_ptr)) * gl.load(sb_ptr)
+            else:
+                sa = gl.load(sa_ptr + offs_m, mask=offs_m < M, other=0.0)
+                sb = gl.load(sb_ptr + offs_n, mask=offs_n < N, other=0.0)
+                out = (out * gl.expand_dims(sa, 1)) * gl.expand_dims(sb, 0)
+            rows = gl.expand_dims(offs_m, 1)
+            cols = gl.expand_dims(offs_n, 0)
+            # int32 offsets (supports() requires M * N < 2**31): int64 ones spill registers
+            gl.store(c_ptr + (rows * N + cols), out.to(c_ptr.dtype.element_ty), mask=(rows < M) & (cols < N))
+
+    @gluon.jit
+    def _int8_gemm_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
+                             strip_ptr, NB,  #
+                             SCALE_MODE: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                             GROUP_M: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             num_warps: gl.constexpr):
+        """c[M, N] = (a[M, K] @ b[N, K]^T) * scales, row-major c. The runtime arguments are the TMA kernel's
+        (int8_gemm._tma_args), so a plan binds either; bias_ptr, strip_ptr and NB are unused (no bias, no
+        grouped GEMM)."""
+        layout: gl.constexpr = gl.NVMMASharedLayout(128, 8, 2)  # 128-byte swizzle of int8 rows, as wgmma reads
+        a_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], layout)
+        b_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)  # the consumers arrive once, after a barrier among them
+        fence_async_shared()
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, sa_ptr, sb_ptr, M, N, K, SCALE_MODE, BLOCK_M, BLOCK_N,
+                         BLOCK_K, STAGES, GROUP_M, num_warps)),
+            (_producer, (a_ptr, b_ptr, stride_am, stride_bn, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, STAGES, GROUP_M)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+    KERNEL = _int8_gemm_ws_kernel
+else:
+    KERNEL = None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device):
+    return torch.cuda.get_device_capability(device)
+
+
+def supports(c: torch.Tensor, has_bias: bool, accumulate: bool, grouped: bool) -> bool:
+    """Whether a GEMM that the TMA kernel takes (int8_gemm._tma_eligible) can run here instead, into c: Gluon
+    present, a Hopper GPU (wgmma: sm_90 only), no bias, not accumulating, not grouped, a 16-bit c of fewer than
+    2**31 elements."""
+    return (KERNEL is not None and not (has_bias or accumulate or grouped) and c.element_size() == 2
+            and c.numel() < 2**31 and _capability(c.device)[0] == 9)
+
+
+def launch_options(scale_mode: int) -> dict:
+    """The kernel's constexprs and launch options."""
+    return dict(SCALE_MODE=scale_mode, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                STAGES=STAGES, GROUP_M=GROUP_M, PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS,
+                num_warps=NUM_WARPS)
