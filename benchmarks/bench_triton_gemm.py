@@ -19,6 +19,7 @@ results/triton_gemm_*.csv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -55,6 +56,29 @@ def kernels(variants, tuned):
     for v in variants:
         table[f"tma {v}"] = ("tma", v, False)
     return table
+
+
+_AS_LAUNCHED = {k: os.environ.get(k) for k in (ENV_GEMM_KERNEL, ENV_GEMM_TMA_VARIANT)}
+
+
+def _set_env(env: dict) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def as_launched():
+    """The kernel switches as the benchmark was launched (select() changes them), so that the results' recorded
+    command is the one that ran."""
+    current = {k: os.environ.get(k) for k in _AS_LAUNCHED}
+    _set_env(_AS_LAUNCHED)
+    try:
+        yield
+    finally:
+        _set_env(current)
 
 
 def select(selection) -> bool:
@@ -221,7 +245,8 @@ def _write(out_dir, out, section):
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_triton_gemm.md"), "w") as fh:
             fh.write("\n".join(out))
-    common.record_tables("triton_gemm", "\n".join(section))
+    with as_launched():
+        common.record_tables("triton_gemm", "\n".join(section))
 
 
 if __name__ == "__main__":
