@@ -21,9 +21,10 @@ starting at a multiple of SEGMENT_ALIGN, and b the experts' stacked operands; ea
 SEGMENT_ALIGN) reads its expert from a per-strip table and offsets b's rows and scales by expert * N. One
 launch for all experts, a fixed tile (token counts change with every routing, so nothing is tuned).
 
-On Hopper, a hand-written CUDA kernel (kernels/sm90_gemm.py) takes the tensor- and row-scale GEMMs without
-bias first: `_gemm_plan` keeps it, or with autotuning the faster of it and the Triton choice below. Its
-grouped mode takes the grouped GEMMs with a bf16 output.
+On Hopper, Triton's TMA kernel shares the 16-bit-output GEMMs with K > 4096 with a warp-specialized Gluon
+kernel (kernels/int8_gemm_ws.py; TMA_VARIANTS "auto"), and a hand-written CUDA kernel (kernels/sm90_gemm.py)
+takes the tensor- and row-scale GEMMs without bias first: `_gemm_plan` keeps it, or with autotuning the faster
+of it and the Triton choice below. Its grouped mode takes the grouped GEMMs with a bf16 output.
 
 Triton dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
@@ -371,20 +372,22 @@ class TmaVariant(NamedTuple):
 # - s4: flat with the epilogue in 4 column sub-tiles, which frees shared memory for a 4th stage (208 / 224 KB).
 # - w16: 256 x 128 tiles on 16 warps (4 warpgroups of 64 x 128, each waiting only for its own wgmmas), 4 stages,
 #   4 epilogue sub-tiles (208 / 224 KB).
-# - duo (the default): 128 x 128 tiles on 4 warps, 3 stages, 2 programs per SM (104 / 112 KB each), so that one
+# - duo: 128 x 128 tiles on 4 warps, 3 stages, 2 programs per SM (104 / 112 KB each), so that one
 #   program's waits and epilogue overlap the other's mainloop. On an H100 (d197f8a, bench_triton_gemm.py) it ran
 #   the 42 GEMMs at a median 0.887x the CUDA kernel (base 0.807x, base's tuned list 0.823x) and the wgrads into
 #   main_grad at 0.93x; it trails base only on dgrads with K >= 19456 (0.68-0.73x against 0.83x).
 # - duo8: duo on 8 warps (2 warpgroups of 64 x 128 per program, 4 per SM): ptxas gives the 16-bit-output build
 #   128 registers per thread, exactly what two programs of 256 threads may hold.
 # - auto (the default): duo, but GEMMs with K > int8_gemm_ws.MIN_K and a 16-bit output go to the warp-specialized
-#   Gluon kernel, which issues its wgmmas asynchronously; on an H100 (bench_triton_gemm.py) it is the faster of
-#   the two exactly there (its epilogue is not overlapped, so short k loops lose).
+#   Gluon kernel, which issues its wgmmas asynchronously; it is the faster of the two exactly there (its epilogue
+#   is not overlapped, so short k loops lose). On an H100 (cc2d3ba, bench_triton_gemm.py) auto ran the 42 GEMMs at
+#   a median 0.907x the CUDA kernel, duo 0.882x, the Gluon kernel alone 0.867x.
 # - ws: the Gluon kernel wherever it applies (the rest as duo).
+_DUO = TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
 TMA_VARIANTS = {
-    "auto": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K),
-    "ws": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=0),
-    "duo": TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2),
+    "auto": _DUO._replace(gluon_min_k=int8_gemm_ws.MIN_K),
+    "ws": _DUO._replace(gluon_min_k=0),
+    "duo": _DUO,
     "base": TmaVariant(128, 256, 128, 8, 3, False, None),
     "flat": TmaVariant(128, 256, 128, 8, 3, True, None),
     "s4": TmaVariant(128, 256, 128, 8, 4, True, 4),

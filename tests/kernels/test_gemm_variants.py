@@ -137,3 +137,14 @@ def test_variant_routes_gemms_to_the_gluon_kernel(monkeypatch, variant, K, out_d
         assert grid == (min(132, 8 * 16),) and (kw["BLOCK_M"], kw["BLOCK_N"], kw["SCALE_MODE"]) == (128, 256, 1)
     else:
         assert kw["BLOCK_N"] == 128 and kw["ACCUMULATE"] == accumulate
+
+
+@pytest.mark.parametrize("capability,fits", [((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)])
+def test_gluon_kernel_is_for_hopper_only(monkeypatch, capability, fits):
+    """wgmma exists on sm_90 alone: Ampere, Ada and Blackwell keep the Triton kernels (and the compile test builds
+    the Gluon kernel for sm_90a only)."""
+    if G._GEMM_WS is None:
+        pytest.skip(G.int8_gemm_ws.unavailable_reason())
+    monkeypatch.setattr(G.int8_gemm_ws, "_capability", lambda device: capability)
+    c = torch.empty(64, 64, dtype=torch.bfloat16)
+    assert G.int8_gemm_ws.supports(c, has_bias=False, accumulate=False, grouped=False) is fits
