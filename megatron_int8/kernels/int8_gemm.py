@@ -380,8 +380,8 @@ class TmaVariant(NamedTuple):
 #   128 registers per thread, exactly what two programs of 256 threads may hold.
 # - auto (the default): duo, but GEMMs with K > int8_gemm_ws.MIN_K and a 16-bit output go to the warp-specialized
 #   Gluon kernel, which issues its wgmmas asynchronously; it is the faster of the two exactly there (its epilogue
-#   is not overlapped, so short k loops lose). On an H100 (cc2d3ba, bench_triton_gemm.py) auto ran the 42 GEMMs at
-#   a median 0.907x the CUDA kernel, duo 0.882x, the Gluon kernel alone 0.867x.
+#   is not overlapped, so short k loops lose). On an H100 (72c340d, bench_triton_gemm.py) auto ran the 42 GEMMs at
+#   a median 0.915x the CUDA kernel, duo 0.884x, the Gluon kernel alone 0.858x.
 # - ws: the Gluon kernel wherever it applies (the rest as duo).
 _DUO = TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
 TMA_VARIANTS = {
