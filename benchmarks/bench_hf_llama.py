@@ -5,7 +5,7 @@ eager and compiled.
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py [--seq 2048] [--micro-batch 4] [--iters 10]
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py --shape-policy auto    # BF16 where INT8 loses
 
-A step is forward, backward and AdamW on bf16 parameters, random token ids. "compiled" compiles each decoder
+A step is forward (no KV cache), backward and AdamW on bf16 parameters, random token ids. "compiled" compiles each decoder
 layer (`layer.compile()`, the regional compilation torchtitan uses: one compilation serves every layer);
 --full-compile compiles the whole model instead (minutes longer). Appends to
 benchmarks/results/hf_llama.csv ($OUT/hf_llama.csv on the GPU machine). About 3 minutes on an H100.
@@ -48,6 +48,9 @@ def main(argv=None):
     opts = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf_llama.py needs a CUDA GPU")
+    # a layer that recompiles past Dynamo's limit runs eager from then on, silently: a "compiled" figure must not
+    # hold eager layers (the KV cache of a default forward made every layer recompile, so that all but 8 ran eager)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     ids = torch.randint(0, 32000, (opts.micro_batch, opts.seq), device="cuda")
     tokens = ids.numel()
     result = {}
@@ -58,7 +61,8 @@ def main(argv=None):
             convert_to_int8_training(model, Int8Recipe(shape_policy=opts.shape_policy))
             if opts.shape_policy == "auto":
                 variant = f"int8-auto {mode}"
-                model(input_ids=ids, labels=ids).loss.backward()  # decides per shape; compiled graphs reuse it
+                # decides per shape; compiled graphs reuse it
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
                 model.zero_grad(set_to_none=True)
         n_params = sum(p.numel() for p in model.parameters())
         if mode == "compiled":
@@ -70,7 +74,7 @@ def main(argv=None):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
         def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
