@@ -88,10 +88,10 @@ def main(argv=None):
     rows = []
     for v, tps in result.items():
         ref = result.get(f"bf16 {v.split()[1]}")
-        ratio = tps / ref if ref else float("nan")
-        lines.append(f"| {v} | {tps:.0f} | {ratio:.3f}x |")
-        rows.append({"variant": v, "seq": opts.seq, "micro_batch": opts.micro_batch,
-                     "full_compile": opts.full_compile, "tokens_per_s": round(tps), "vs_bf16": round(ratio, 4)})
+        ratio = tps / ref if ref else None  # None: BF16 of the same mode was not run in this process
+        lines.append(f"| {v} | {tps:.0f} | {f'{ratio:.3f}x' if ratio else 'n/a'} |")
+        rows.append({"variant": v, "seq": opts.seq, "micro_batch": opts.micro_batch, "full_compile": opts.full_compile,
+                     "tokens_per_s": round(tps), "vs_bf16": round(ratio, 4) if ratio else ""})
     print(f"\nLlamaForCausalLM ~1.1B, micro-batch {opts.micro_batch} x {opts.seq}, {torch.cuda.get_device_name()}\n"
           + "\n".join(lines))
     append_results("hf_llama", rows)
