@@ -21,17 +21,34 @@ then the cast, so results are bit-identical to the reference backend.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
+import triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    _MISSING = None
-except ImportError as exc:  # a Triton without Gluon: the dispatch keeps the Triton TMA kernel
-    _MISSING = f"triton.experimental.gluon is not importable ({exc})"
+MIN_TRITON = (3, 6)  # Gluon's API as this kernel uses it (warp_specialize, device-side descriptors): 3.6 to 3.9 tested
+
+
+def gluon_problem(version: str) -> Optional[str]:
+    """Why this Triton cannot run the kernel (None where it can): Gluon's API changed before 3.6."""
+    try:
+        found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"unrecognised triton version {version!r}"
+    if found < MIN_TRITON:
+        return f"needs triton >= {'.'.join(map(str, MIN_TRITON))} for Gluon's API, found {version}"
+    return None
+
+
+_MISSING = gluon_problem(triton.__version__)
+if _MISSING is None:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                      warpgroup_mma, warpgroup_mma_wait)
+    except ImportError as exc:  # a Triton without Gluon: the dispatch keeps the Triton TMA kernel
+        _MISSING = f"triton.experimental.gluon is not importable ({exc})"
 
 MIN_K = 4096  # the dispatch's threshold: longer k loops amortize the unoverlapped epilogue (docs/kernels.md)
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, NUM_WARPS = 128, 256, 128, 4, 8, 8

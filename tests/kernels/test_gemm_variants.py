@@ -148,3 +148,11 @@ def test_gluon_kernel_is_for_hopper_only(monkeypatch, capability, fits):
     monkeypatch.setattr(G.int8_gemm_ws, "_capability", lambda device: capability)
     c = torch.empty(64, 64, dtype=torch.bfloat16)
     assert G.int8_gemm_ws.supports(c, has_bias=False, accumulate=False, grouped=False) is fits
+
+
+@pytest.mark.parametrize("version,usable", [("3.6.0", True), ("3.9.0", True), ("3.10.0+git1234", True),
+                                            ("3.5.1", False), ("2.3.0", False), ("nightly", False)])
+def test_gluon_kernel_needs_a_triton_with_its_api(version, usable):
+    """Older Tritons have Gluon with another API: the dispatch must keep the Triton kernels there, with a reason."""
+    problem = G.int8_gemm_ws.gluon_problem(version)
+    assert (problem is None) is usable, problem
