@@ -5,9 +5,9 @@ eager and compiled.
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py [--seq 2048] [--micro-batch 4] [--iters 10]
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_hf_llama.py --shape-policy auto    # BF16 where INT8 loses
 
-A step is forward (no KV cache), backward and AdamW on bf16 parameters, random token ids. "compiled" compiles each decoder
-layer (`layer.compile()`, the regional compilation torchtitan uses: one compilation serves every layer);
---full-compile compiles the whole model instead (minutes longer). Appends to
+A step is forward (no KV cache), backward and AdamW on bf16 parameters, random token ids. "compiled" compiles
+each decoder layer (`layer.compile()`, the regional compilation torchtitan uses: one compilation serves every
+layer); --full-compile compiles the whole model instead (minutes longer). Appends to
 benchmarks/results/hf_llama.csv ($OUT/hf_llama.csv on the GPU machine). About 3 minutes on an H100.
 """
 from __future__ import annotations
