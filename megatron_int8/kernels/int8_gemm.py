@@ -53,7 +53,7 @@ import triton.testing
 from .. import reference as ref
 from ..dispatch import CHOICES, ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, ENV_GEMM_TMA_VARIANT, env_choice, env_flag
 from . import int8_gemm_ws, sm90_gemm
-from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2, num_sms
+from .launch import ARG, LaunchCache, PlanCache, capability, cdiv, next_pow2, num_sms
 from ._tl import SEGMENT_ALIGN
 
 
@@ -310,11 +310,6 @@ def _ensure_allocator():
     triton.set_allocator(_scratch_alloc)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
-
-
 def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
     """Hopper, tensor or row scales, no split contraction, and what TMA descriptors need: 16-byte aligned
     base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
@@ -324,7 +319,7 @@ def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
         return False
     if any(s.dim() and s.stride(-1) != 1 for s in scales):
         return False
-    if _capability(ad.device)[0] < 9:
+    if capability(ad.device)[0] < 9:
         return False
     if not c.is_contiguous() or (c.shape[1] * c.element_size()) % 16:
         return False

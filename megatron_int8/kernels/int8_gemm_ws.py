@@ -20,11 +20,12 @@ then the cast, so results are bit-identical to the reference backend.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 import triton
+
+from .launch import capability
 
 MIN_TRITON = (3, 6)  # Gluon's API as this kernel uses it (warp_specialize, device-side descriptors): 3.6 to 3.9 tested
 
@@ -176,17 +177,12 @@ else:
     KERNEL = None
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device):
-    return torch.cuda.get_device_capability(device)
-
-
 def supports(c: torch.Tensor, has_bias: bool, accumulate: bool, grouped: bool) -> bool:
     """Whether a GEMM that the TMA kernel takes (int8_gemm._tma_eligible) can run here instead, into c: Gluon
     present, a Hopper GPU (wgmma: sm_90 only), no bias, not accumulating, not grouped, a 16-bit c of fewer than
     2**31 elements."""
     return (KERNEL is not None and not (has_bias or accumulate or grouped) and c.element_size() == 2
-            and c.numel() < 2**31 and _capability(c.device)[0] == 9)
+            and c.numel() < 2**31 and capability(c.device)[0] == 9)
 
 
 def launch_options(scale_mode: int) -> dict:

@@ -62,6 +62,12 @@ def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device: torch.device) -> tuple:
+    """(major, minor) compute capability of a CUDA device: which GEMM kernels may run there."""
+    return torch.cuda.get_device_capability(device)
+
+
 def device_index(device: torch.device) -> int:
     """The index of a CUDA torch.device (the current device's for a bare "cuda")."""
     return device.index if device.index is not None else torch.cuda.current_device()

@@ -123,7 +123,7 @@ def test_variant_routes_gemms_to_the_gluon_kernel(monkeypatch, variant, K, out_d
     if G._GEMM_WS is None:
         pytest.skip(G.int8_gemm_ws.unavailable_reason())
     monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", variant)
-    monkeypatch.setattr(G.int8_gemm_ws, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(G.int8_gemm_ws, "capability", lambda device: (9, 0))
     monkeypatch.setattr(G, "num_sms", lambda device: 132)
     M, N = 1000, 4096
     a, b = torch.zeros(M, K, dtype=torch.int8), torch.zeros(N, K, dtype=torch.int8)
@@ -145,7 +145,7 @@ def test_gluon_kernel_is_for_hopper_only(monkeypatch, capability, fits):
     the Gluon kernel for sm_90a only)."""
     if G._GEMM_WS is None:
         pytest.skip(G.int8_gemm_ws.unavailable_reason())
-    monkeypatch.setattr(G.int8_gemm_ws, "_capability", lambda device: capability)
+    monkeypatch.setattr(G.int8_gemm_ws, "capability", lambda device: capability)
     c = torch.empty(64, 64, dtype=torch.bfloat16)
     assert G.int8_gemm_ws.supports(c, has_bias=False, accumulate=False, grouped=False) is fits
 
