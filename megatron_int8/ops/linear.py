@@ -33,6 +33,8 @@ from .weight_cache import invalidate_weight_caches, quantized_weight
 
 __all__ = ["TPOptions", "int8_linear", "invalidate_weight_caches"]
 
+_NO_TP = TPOptions()  # frozen: one instance serves every call without tensor parallelism
+
 
 def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: bool, columnwise: bool) -> dict:
     """backend.quantize's keywords that hand over maxima the producer of the operand computed (e.g.
@@ -268,7 +270,7 @@ def int8_linear(
     ops.health.LinearProbe; when armed, this call (if it records autograd) measures its quantization health.
     """
     recipe = recipe or DEFAULT_RECIPE
-    tp = tp or TPOptions()
+    tp = tp or _NO_TP
     if weight.dim() != 2:
         raise ValueError(f"int8_linear: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
