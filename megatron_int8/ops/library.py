@@ -3,8 +3,8 @@
 
 The ops are registered with `torch.library.Library` (define, one CompositeExplicitAutograd implementation,
 register_fake), not with the `@torch.library.custom_op` decorator: the decorator's Python autograd and
-redispatch layers cost about 50 us of host time per call (an H200 host, 78 us per GEMM call against the
-backend's 25 us; a Library-defined op 27 us), and a linear's forward and backward make five calls. None of
+redispatch layers cost 50-120 us of host time per call on an H200 host, the Library op 6-15 us
+(docs/benchmarks.md, "Drop-in op"), and a linear's forward and backward make five calls. None of
 the ops needs an autograd formula: they run inside int8_linear's autograd.Function.
 
 Under Dynamo, `int8_linear` runs with `traced_backend(...)`, a `TracedBackend`: the same contract as
