@@ -10,6 +10,11 @@
 # scale the INT8 gap is judged against. In a RUN_DIR where the BF16 run has finished, `start` runs only the new one,
 # and a later report of the INT8 pair (SECOND=int8) in that RUN_DIR shows the noise floor's gap beside INT8's.
 #
+# On a 2-GPU machine, GPUS_PER_RUN=1 runs each precision on one GPU (BF16 on 0, the other on 1; the same global
+# batch, by gradient accumulation), at about half the speed: 301.5M tokens then take ~29 minutes of steps on an
+# H200. STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with
+# a checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
+#
 # On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
 # status 3600` to follow it (repo root; megatron-core installed, or its wheel in .whl/ as in
 # benchmarks/gpu_*_check.sh). On a machine lent in commands of at most 10 minutes, as this project's GPU
@@ -42,7 +47,8 @@
 #           validation loss, tokens/s, steps left) every 30 s, and copies to $OUT: bf16.jsonl, int8.jsonl,
 #           corpus.json, logs.tar.gz (the runs' and the data build's output, and tokenizer/spm.model), and
 #           the report of scripts/convergence_report.py (convergence.png, convergence.md, health.png) over what
-#           the runs logged so far. It returns early when both runs have finished or one failed (exit 1).
+#           the runs logged so far. It returns early when both runs have finished (or stopped at STOP_AT) or one
+#           failed (exit 1).
 #
 # The corpus statistics (scripts/convergence_report.py corpus -> corpus.json, printed by the data build, by
 # every `status` and in convergence.md): corpus bytes = UTF-8 bytes of the files' text; tokens = the indexed
@@ -65,7 +71,8 @@
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
 # (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
 # GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run on GPUs 2,3; the first `start` keeps it
-# in RUN_DIR/second).
+# in RUN_DIR/second), GPUS_PER_RUN (2; 1 on a 2-GPU machine), STOP_AT (TRAIN_ITERS: the iteration where both runs
+# stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
@@ -80,11 +87,19 @@ DATA="${PREFIX}_text_document"
 SECOND=${SECOND:-$(cat "$RUN_DIR/second" 2>/dev/null || echo int8)}
 [[ $SECOND == int8 || $SECOND == bf16_init2 ]] || { echo "error: SECOND is int8 or bf16_init2, got '$SECOND'" >&2; exit 2; }
 RUNS=(bf16 "$SECOND")
-declare -A GPUS=([bf16]=0,1 [$SECOND]=2,3) PORT=([bf16]=29511 [$SECOND]=29512)
+# GPUs per run (kept in RUN_DIR/gpus_per_run by the first `start`): 2 on a 4-GPU machine, 1 on a 2-GPU one
+GPUS_PER_RUN=${GPUS_PER_RUN:-$(cat "$RUN_DIR/gpus_per_run" 2>/dev/null || echo 2)}
+[[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || { echo "error: GPUS_PER_RUN is a positive number, got '$GPUS_PER_RUN'" >&2; exit 2; }
+gpu_list() { seq -s, "$1" $(($1 + GPUS_PER_RUN - 1)); }  # gpu_list FIRST: FIRST,...,FIRST+GPUS_PER_RUN-1
+declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list "$GPUS_PER_RUN")) PORT=([bf16]=29511 [$SECOND]=29512)
 declare -A LABEL=([bf16]=BF16 [int8]=INT8 [bf16_init2]="BF16, init seed 2")
 SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
 SEED=${SEED:-1234}
 TRAIN_ITERS=${TRAIN_ITERS:-$(cat "$RUN_DIR/train_iters" 2>/dev/null || awk '/^train_iters:/ {print $2}' "$CONFIG")}
+# where both runs stop (a checkpoint; `STOP_AT=<later> ... start` continues them) on the schedule of TRAIN_ITERS
+STOP_AT=${STOP_AT:-$(cat "$RUN_DIR/stop_at" 2>/dev/null || echo "$TRAIN_ITERS")}
+[[ $STOP_AT =~ ^[1-9][0-9]*$ && $STOP_AT -le $TRAIN_ITERS ]] ||
+    { echo "error: STOP_AT is an iteration in 1..$TRAIN_ITERS (TRAIN_ITERS), got '$STOP_AT'" >&2; exit 2; }
 REPORT=(scripts/convergence_report.py)
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 # NVLink multicast stays off on the lent machines (NCCL, PyTorch symmetric memory, NVSHMEM)
@@ -92,7 +107,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 die() { echo "error: $*" >&2; exit 1; }
 alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-finished() { [[ "$(cat "$RUN_DIR/$1/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null)" == "$TRAIN_ITERS" ]]; }
+checkpointed() { cat "$RUN_DIR/$1/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0; }
+finished() { [[ "$(checkpointed "$1")" -ge $TRAIN_ITERS ]]; }
+stopped() { [[ "$(checkpointed "$1")" -ge $STOP_AT ]]; }  # reached STOP_AT (before TRAIN_ITERS) and saved
 
 python_path() {  # megatron-core from the carried wheels where the machine's Python lacks it (/tmp/site stays)
     if [[ -d /tmp/site/megatron ]]; then export PYTHONPATH=/tmp/site:$PWD; return; fi
@@ -129,7 +146,7 @@ corpus_statistics() {  # after the launch: the runs need not wait for it
         --output "$RUN_DIR/corpus.json"
 }
 
-launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAME.pid, NAME.rc, NAME.log
+launch() {  # launch NAME: one precision on its GPUs, detached (setsid); NAME.pid, NAME.rc, NAME.log
     local name=$1 flags=()
     read -r -a flags <<< "${EXTRA_FLAGS:-}"
     if [[ $name == int8 ]]; then
@@ -140,12 +157,13 @@ launch() {  # launch NAME: one precision on its two GPUs, detached (setsid); NAM
         flags+=(--seed $((SEED + 1)) --data-seed "$SEED")
     fi
     [[ -n "${SAVE_INTERVAL:-}" ]] && flags+=(--save-interval "$SAVE_INTERVAL")
+    [[ $STOP_AT -lt $TRAIN_ITERS ]] && flags+=(--exit-interval "$STOP_AT")  # saves a checkpoint there and exits
     flags+=(--cuda-graph-impl "${GRAPHS:-local}")
     mkdir -p "$RUN_DIR/$name/ckpt"
     rm -f "$RUN_DIR/$name.rc"
     echo "== launching $name on GPUs ${GPUS[$name]}: ${flags[*]}"
     setsid bash -c 'echo $$ > "$1"; rc=$2; shift 2; "$@"; echo $? > "$rc"' _ "$RUN_DIR/$name.pid" "$RUN_DIR/$name.rc" \
-        env CUDA_VISIBLE_DEVICES="${GPUS[$name]}" "$PYTHON" -m torch.distributed.run --nproc-per-node 2 \
+        env CUDA_VISIBLE_DEVICES="${GPUS[$name]}" "$PYTHON" -m torch.distributed.run --nproc-per-node "$GPUS_PER_RUN" \
         --master-port "${PORT[$name]}" -m megatron_int8.pretrain --config "$CONFIG" --train-iters "$TRAIN_ITERS" \
         --data-path "$DATA" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --data-cache-path "$RUN_DIR/data/cache_$name" \
         --save "$RUN_DIR/$name/ckpt" --load "$RUN_DIR/$name/ckpt" --most-recent-k 1 --exit-signal-handler \
@@ -158,6 +176,7 @@ pipeline() {  # the data, both runs, the corpus statistics (what `start` leaves 
     if [[ $status -eq 0 ]]; then
         for name in "${RUNS[@]}"; do
             if finished "$name"; then echo "== $name: finished ($TRAIN_ITERS iterations)"
+            elif stopped "$name"; then echo "== $name: stopped at iteration $(checkpointed "$name") (STOP_AT $STOP_AT)"
             elif alive "$RUN_DIR/$name.pid"; then echo "== $name: running"
             else launch "$name"; fi
         done
@@ -171,9 +190,13 @@ start() {
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-    [[ $gpus -ge ${MIN_GPUS:-4} ]] || die "this needs 4 GPUs (BF16 on 0,1, $SECOND on 2,3); torch sees $gpus"
+    [[ $gpus -ge ${MIN_GPUS:-$((2 * GPUS_PER_RUN))} ]] ||
+        die "this needs $((2 * GPUS_PER_RUN)) GPUs (BF16 on ${GPUS[bf16]}, $SECOND on ${GPUS[$SECOND]}); torch sees $gpus" \
+            "(GPUS_PER_RUN=1 runs each precision on one GPU of a 2-GPU machine)"
     if alive "$RUN_DIR/pipeline.pid"; then echo "the data build is running: see $RUN_DIR/pipeline.log"; return; fi
     echo "$TRAIN_ITERS" > "$RUN_DIR/train_iters"  # what every later call compares the runs with
+    echo "$STOP_AT" > "$RUN_DIR/stop_at"
+    echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
     for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
@@ -183,9 +206,10 @@ start() {
     echo "started in the background (log: $RUN_DIR/pipeline.log); follow with: bash scripts/convergence_4gpu.sh status 540"
 }
 
-state_of() {  # state_of NAME: finished / running / failed (exit N) / not started
+state_of() {  # state_of NAME: finished / stopped at N / running / failed (exit N) / not started
     local name=$1
     if finished "$name"; then echo finished
+    elif stopped "$name"; then echo "stopped at $(checkpointed "$name")"
     elif alive "$RUN_DIR/$name.pid"; then echo running
     elif [[ -f "$RUN_DIR/$name.rc" ]]; then echo "failed (exit $(cat "$RUN_DIR/$name.rc"))"
     else echo "not started"; fi
@@ -200,7 +224,7 @@ show_progress() {
     fi
     for name in "${RUNS[@]}"; do
         echo "$name [$(state_of "$name")]: $("$PYTHON" "${REPORT[@]}" progress --log "$RUN_DIR/$name.jsonl" \
-            --config "$CONFIG" --train-iters "$TRAIN_ITERS")"
+            --config "$CONFIG" --train-iters "$TRAIN_ITERS" --stop-at "$STOP_AT")"
     done
     if command -v nvidia-smi > /dev/null; then
         echo "GPUs (index, utilization, memory used): $(nvidia-smi --query-gpu=index,utilization.gpu,memory.used \
@@ -255,7 +279,7 @@ status() {
         collect
         local done=0 failed=0 name
         for name in "${RUNS[@]}"; do
-            case "$(state_of "$name")" in finished) done=$((done + 1)) ;; failed*) failed=1 ;; esac
+            case "$(state_of "$name")" in finished | stopped*) done=$((done + 1)) ;; failed*) failed=1 ;; esac
         done
         if ! alive "$RUN_DIR/pipeline.pid" && [[ "$(cat "$RUN_DIR/pipeline.rc" 2>/dev/null)" != 0 ]]; then failed=1; fi
         [[ $done -eq ${#RUNS[@]} || $failed -eq 1 || $SECONDS -ge $deadline ]] && break
@@ -268,7 +292,12 @@ status() {
     collect
     grep -h "^corpus: .* epochs" "$RUN_DIR/pipeline.log" | tail -n 1 || true
     [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
-    [[ $done -eq ${#RUNS[@]} ]] && echo "both runs finished: the report (convergence.md, its PNGs) is in \$OUT"
+    if [[ $done -eq ${#RUNS[@]} && $STOP_AT -lt $TRAIN_ITERS ]]; then
+        echo "both runs stopped at iteration $STOP_AT of $TRAIN_ITERS: the report so far is in \$OUT;" \
+            "'STOP_AT=$TRAIN_ITERS bash scripts/convergence_4gpu.sh start' continues them"
+    elif [[ $done -eq ${#RUNS[@]} ]]; then
+        echo "both runs finished: the report (convergence.md, its PNGs) is in \$OUT"
+    fi
     return 0
 }
 

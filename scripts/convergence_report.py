@@ -393,11 +393,13 @@ def progress(opts) -> int:
     last = max(train)
     recent = sorted(train)[-20:]
     speeds, steps = [speed[it] for it in recent if it in speed], [step[it] for it in recent if it in step]
+    stop_at = min(opts.stop_at or train_iters, train_iters)
     line = (f"iteration {last}/{train_iters} ({last * tokens_per_iteration / 1e6:.1f}M tokens), loss {train[last]:.4f}"
             + (f", validation {valid[max(valid)]:.4f} at {max(valid)}" if valid else ""))
     if speeds and steps:
-        left = (train_iters - last) * sum(steps) / len(steps)
-        line += f", {sum(speeds) / len(speeds):.0f} tokens/s (last 20 steps), steps left {left / 60:.1f} min"
+        left = max(0, stop_at - last) * sum(steps) / len(steps)
+        line += (f", {sum(speeds) / len(speeds):.0f} tokens/s (last 20 steps), steps left"
+                 + (f" to the stop at {stop_at}" if stop_at < train_iters else "") + f" {left / 60:.1f} min")
     print(line)
     return 0
 
@@ -510,6 +512,7 @@ def main(argv=None) -> int:
     pro.add_argument("--log", required=True)
     pro.add_argument("--config", required=True)
     pro.add_argument("--train-iters", type=int, default=None)
+    pro.add_argument("--stop-at", type=int, default=None, help="the iteration where the run stops (STOP_AT)")
     opts = parser.parse_args(argv)
     if opts.command == "progress":
         return progress(opts)

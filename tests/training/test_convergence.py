@@ -301,6 +301,51 @@ def test_start_and_status_of_a_noise_floor_pair_on_cpu(tmp_path):
     assert json.loads((again / "corpus.json").read_text())["tokens_sha256"] == stats["tokens_sha256"], pipeline
 
 
+@pytest.mark.slow
+def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
+    """GPUS_PER_RUN=1 (a 2-GPU machine: BF16 on GPU 0, INT8 on GPU 1, one process each) with STOP_AT=2 of 4: both
+    runs stop at iteration 2 with a checkpoint, on the 4-iteration schedule, and `status` says how to continue; a
+    later `start` with STOP_AT=4 resumes both from there to the end without repeating a step."""
+    run_dir, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
+               CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
+               WORKERS="2", TRAIN_ITERS="4", GPUS_PER_RUN="1", STOP_AT="2",
+               EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 3 "
+               "--split 90,10,0")
+
+    def follow(what):
+        started = subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=60)
+        assert started.returncode == 0, started.stdout + started.stderr
+        result = subprocess.run(["bash", SCRIPT, "status", "400"], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=450)
+        assert result.returncode == 0, result.stdout + result.stderr + (run_dir / "pipeline.log").read_text()
+        assert what in result.stdout, result.stdout
+        return result.stdout
+
+    stdout = follow("both runs stopped at iteration 2 of 4")
+    assert "bf16 [stopped at 2]: iteration 2/4" in stdout and "int8 [stopped at 2]" in stdout
+    assert "STOP_AT=4 bash scripts/convergence_4gpu.sh start" in stdout
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert "== launching bf16 on GPUs 0: " in pipeline and "== launching int8 on GPUs 1: " in pipeline
+    assert pipeline.count("--exit-interval 2") == 2
+    for name in ("bf16", "int8"):
+        assert (run_dir / name / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        assert "DP 1" in (run_dir / f"{name}.log").read_text()
+    lr_at_2 = {r["iteration"]: r["lr"] for r in records(run_dir / "bf16.jsonl", "lr")}[2]
+
+    env["STOP_AT"] = "4"  # kept in RUN_DIR otherwise: a bare `start` would leave the stopped runs alone
+    follow("both runs finished")
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert pipeline.count("--exit-interval") == 2  # only the first launches stop early
+    for name in ("bf16", "int8"):
+        steps = [r["iteration"] for r in records(run_dir / f"{name}.jsonl", "lm_loss")]
+        assert steps == [1, 2, 3, 4], steps
+    lrs = {r["iteration"]: r["lr"] for r in records(run_dir / "bf16.jsonl", "lr")}
+    assert lrs[2] == lr_at_2 and lrs[4] < lrs[3] < lrs[2]  # one cosine schedule over the 4 iterations
+
+
 def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     """`corpus` on a small indexed dataset: every document's tokens are its SentencePiece ids plus one EOD, the
     training split is megatron's first 90% of the documents, epochs = tokens trained / training-split tokens."""
