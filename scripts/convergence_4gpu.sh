@@ -11,8 +11,8 @@
 # and a later report of the INT8 pair (SECOND=int8) in that RUN_DIR shows the noise floor's gap beside INT8's.
 #
 # On a 2-GPU machine, GPUS_PER_RUN=1 runs each precision on one GPU (BF16 on 0, the other on 1; the same global
-# batch, by gradient accumulation), at about half the speed: 301.5M tokens then take ~29 minutes of steps on an
-# H200. STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with
+# batch, by gradient accumulation), at about half the speed: on two H200s (2026-11-28, c1db005) BF16 ran 181k and
+# INT8 209k tokens/s, so 301.5M tokens take 28 and 24 minutes of steps, more than one 30-minute machine loan. STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with
 # a checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
 # On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
@@ -256,6 +256,7 @@ report() {
     "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
         --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
+        --gpus-per-run "$GPUS_PER_RUN" \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
     grep -E "^- (BF16|INT8)|^Check|^Noise floor|^At the end|^The runs have not|spikes without|^[^|]* / BF16: |fallback|move\(s\)" \
         "$RUN_DIR/report/convergence.md" || true

@@ -361,7 +361,8 @@ def report(opts) -> int:
         lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other_mean, 3)} | "
                      f"{_fmt(other_mean / mean if other_mean is not None else None, 3)} |")
 
-    lines += ["", "## Throughput (two data-parallel GPUs per run)", "",
+    lines += ["", f"## Throughput ({opts.gpus_per_run} GPU{'s' if opts.gpus_per_run > 1 else ''} per run, data parallel)",
+              "",
               "| run | tokens/s (median step after the first 10) | training time (sum of step times) |",
               "|---|---|---|"]
     speeds = {}
@@ -487,6 +488,7 @@ def main(argv=None) -> int:
                           "machine's token stream) and one from another initialization on its batches (--seed "
                           "changed, --data-seed kept): their gap, beside the other run's")
     rep.add_argument("--corpus-stats", default=None, help="the JSON of the `corpus` command, quoted in the summary")
+    rep.add_argument("--gpus-per-run", type=int, default=2, help="GPUs each run trained on, for the throughput table")
     rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
     rep.add_argument("--settle", type=float, default=0.1,
                      help="fraction of the run before the gap is judged (default: %(default)s)")

@@ -327,6 +327,7 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
     stdout = follow("both runs stopped at iteration 2 of 4")
     assert "bf16 [stopped at 2]: iteration 2/4" in stdout and "int8 [stopped at 2]" in stdout
     assert "STOP_AT=4 bash scripts/convergence_4gpu.sh start" in stdout
+    assert "## Throughput (1 GPU per run, data parallel)" in (out / "convergence.md").read_text()
     pipeline = (run_dir / "pipeline.log").read_text()
     assert "== launching bf16 on GPUs 0: " in pipeline and "== launching int8 on GPUs 1: " in pipeline
     assert pipeline.count("--exit-interval 2") == 2
