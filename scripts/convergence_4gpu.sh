@@ -12,8 +12,9 @@
 #
 # On a 2-GPU machine, GPUS_PER_RUN=1 runs each precision on one GPU (BF16 on 0, the other on 1; the same global
 # batch, by gradient accumulation), at about half the speed: on two H200s (2026-11-28, c1db005) BF16 ran 181k and
-# INT8 209k tokens/s, so 301.5M tokens take 28 and 24 minutes of steps, more than one 30-minute machine loan. STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with
-# a checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
+# INT8 209k tokens/s, so 301.5M tokens take 28 and 24 minutes of steps, more than one 30-minute machine loan.
+# STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
+# checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
 # On a machine of your own: `bash scripts/convergence_4gpu.sh start`, then `bash scripts/convergence_4gpu.sh
 # status 3600` to follow it (repo root; megatron-core installed, or its wheel in .whl/ as in
@@ -69,8 +70,9 @@
 # SentencePiece's own line sampler drew another sample in every process, and three runs of 2026-11-27/28 got
 # 97.90M-97.95M tokens from the same text),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
-# (4; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml GRAPHS=none),
-# GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run on GPUs 2,3; the first `start` keeps it
+# (2 x GPUS_PER_RUN; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml
+# GRAPHS=none),
+# GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run beside BF16; the first `start` keeps it
 # in RUN_DIR/second), GPUS_PER_RUN (2; 1 on a 2-GPU machine), STOP_AT (TRAIN_ITERS: the iteration where both runs
 # stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls).
 set -euo pipefail
@@ -87,7 +89,7 @@ DATA="${PREFIX}_text_document"
 SECOND=${SECOND:-$(cat "$RUN_DIR/second" 2>/dev/null || echo int8)}
 [[ $SECOND == int8 || $SECOND == bf16_init2 ]] || { echo "error: SECOND is int8 or bf16_init2, got '$SECOND'" >&2; exit 2; }
 RUNS=(bf16 "$SECOND")
-# GPUs per run (kept in RUN_DIR/gpus_per_run by the first `start`): 2 on a 4-GPU machine, 1 on a 2-GPU one
+# GPUs per run (kept in RUN_DIR/gpus_per_run by `start`): 2 on a 4-GPU machine, 1 on a 2-GPU one
 GPUS_PER_RUN=${GPUS_PER_RUN:-$(cat "$RUN_DIR/gpus_per_run" 2>/dev/null || echo 2)}
 [[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || { echo "error: GPUS_PER_RUN is a positive number, got '$GPUS_PER_RUN'" >&2; exit 2; }
 gpu_list() { seq -s, "$1" $(($1 + GPUS_PER_RUN - 1)); }  # gpu_list FIRST: FIRST,...,FIRST+GPUS_PER_RUN-1
