@@ -20,8 +20,8 @@ setup(
         "psutil",  # megatron-core's dist_checkpointing writer hangs without it
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "triton>=3.0", "matplotlib", "transformers", "safetensors",
-                 "protobuf"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "triton>=3.0", "matplotlib", "transformers",
+                 "safetensors", "protobuf"],
         "hf": ["transformers", "safetensors", "protobuf"],  # scripts/export_hf.py (protobuf: SentencePiece -> tokenizer.json)
         "triton": ["triton>=3.0"],
         "plot": ["matplotlib"],

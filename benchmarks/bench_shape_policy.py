@@ -42,8 +42,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench_shape_policy.py needs a CUDA GPU")
     auto = Int8Recipe(shape_policy="auto")
-    lines = ["| model | linear | tokens, in -> out | timed INT8 ms | timed BF16 ms | auto runs | auto / BF16 | BF16 A/A |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | linear | tokens, in -> out | timed INT8 ms | timed BF16 ms | auto runs | auto / BF16 "
+             "| BF16 A/A |", "|---|---|---|---|---|---|---|---|"]
     rows = []
     for model, name, fin, fout, tok in LINEARS + SMALL:
         x = torch.randn(tok, fin, device="cuda", dtype=torch.bfloat16, requires_grad=True)
