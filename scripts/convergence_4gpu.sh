@@ -260,7 +260,8 @@ report() {
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
         --gpus-per-run "$GPUS_PER_RUN" \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
-    grep -E "^- (BF16|INT8)|^Check|^Noise floor|^At the end|^The runs have not|spikes without|^[^|]* / BF16: |fallback|move\(s\)" \
+    grep -E -e "^- (BF16|INT8)|^Check|^Noise floor|a lead: |^At the end|^The runs have not|spikes without" \
+        -e "^[^|]* / BF16: |fallback|move\(s\)" \
         "$RUN_DIR/report/convergence.md" || true
     if [[ -n "${OUT:-}" ]]; then
         cp "$RUN_DIR"/report/convergence.{png,md} "$OUT/"

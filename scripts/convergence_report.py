@@ -68,6 +68,18 @@ def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
     return (None if not judged else not failing), failing
 
 
+def lead_summary(gaps, train_iters, limit_percent, settle, other, ref):
+    """A line naming the judged evaluations where `other` is more than the limit *below* `ref`: the check judges
+    only how far it trails, and such a lead says the two runs drifted apart as much as a trailing gap would."""
+    leads = [(it, g) for it, _, _, g in gaps if it > settle * train_iters and g < -limit_percent]
+    if not leads:
+        return []
+    widest = min(leads, key=lambda row: row[1])
+    return [f"{other} is more than {limit_percent:g}% below {ref} (a lead: the check judges only a trailing gap) at "
+            f"{len(leads)} evaluation(s): " + ", ".join(f"{it} ({g:+.2f}%)" for it, g in leads)
+            + f"; the widest {widest[1]:+.2f}% at iteration {widest[0]}."]
+
+
 def noise_summary(gaps, noise_at, train_iters, settle):
     """Lines comparing the gap with the noise floor's at the judged evaluations (none without a noise floor)."""
     judged = [(it, g) for it, _, _, g in gaps if it > settle * train_iters and it in noise_at]
@@ -334,6 +346,7 @@ def report(opts) -> int:
     else:
         lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
                                                                         for it, _, _, g in failing) + "."]
+    lines += lead_summary(gaps, train_iters, opts.gap_limit, opts.settle, other, ref)
     lines += noise_summary(gaps, noise_at, train_iters, opts.settle)
     if gaps and gaps[-1][0] >= train_iters:
         lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")

@@ -124,6 +124,14 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert "- INT8 spikes with no BF16 spike within 5 iterations: 1: 30" in summary
     gap = 100 * (int8_valid[20] * 1.02 / bf16_valid[20] - 1)
     assert f"**not met** at iteration 20 ({gap:+.2f}%)." in summary
+    assert "below BF16 (a lead" not in summary
+    # INT8 2% below BF16 at 30: the check is met (it judges a trailing gap), and the report names the lead
+    ahead = edited(logs / "int8.jsonl", tmp_path / "ahead.jsonl", 30, "valid_lm_loss", 0.98)
+    summary = report(logs, tmp_path / "l", None, ahead)
+    lead = 100 * (int8_valid[30] * 0.98 / bf16_valid[30] - 1)
+    assert "**met** (largest" in summary
+    assert (f"INT8 is more than 1% below BF16 (a lead: the check judges only a trailing gap) at 1 evaluation(s): "
+            f"30 ({lead:+.2f}%); the widest {lead:+.2f}% at iteration 30.") in summary
     # a gradient-norm spike (x5 at iteration 35) that BF16 does not have, listed apart from the loss spikes
     kicked = edited(logs / "int8.jsonl", tmp_path / "kicked.jsonl", 35, "grad_norm", 5.0)
     summary = report(logs, tmp_path / "k", None, kicked, "--spike-window", "10")
