@@ -21,7 +21,8 @@ the runs have not reached yet says so instead of passing.
 
 Definitions (the summary repeats them):
 - gap = INT8 / BF16 - 1 of the validation loss at the same iteration (same data seed, so the same batches);
-- the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run;
+- the parity check: gap <= --gap-limit (1%) at every evaluation after the first --settle (10%) of the run; it
+  judges INT8 trailing, and the summary lists apart the evaluations where INT8 leads by more than the limit;
 - a loss spike: a step whose training loss exceeds the mean of the --spike-window steps before it by more than
   --spike-threshold (10%); a spike the other run does not have: none of the other's within --spike-match iterations;
 - a gradient-norm spike: a step whose gradient norm exceeds --grad-spike-factor (3) times the median of the
