@@ -62,23 +62,22 @@ def validation_gaps(bf16_valid, int8_valid):
 
 
 def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
-    """(verdict, failing rows): verdict is True when every evaluation after settle x train_iters has
-    gap <= limit, False when one does not, None when no such evaluation exists yet."""
+    """(judged, failing, leading) rows of `gaps`: the evaluations after settle x train_iters, those whose gap
+    exceeds the limit (the check fails), and those more than the limit below zero (a lead, which the check does
+    not fail but which says the runs drifted apart as far)."""
     judged = [row for row in gaps if row[0] > settle * train_iters]
-    failing = [row for row in judged if row[3] > limit_percent]
-    return (None if not judged else not failing), failing
+    return (judged, [row for row in judged if row[3] > limit_percent],
+            [row for row in judged if row[3] < -limit_percent])
 
 
-def lead_summary(gaps, train_iters, limit_percent, settle, other, ref):
-    """A line naming the judged evaluations where `other` is more than the limit *below* `ref`: the check judges
-    only how far it trails, and such a lead says the two runs drifted apart as much as a trailing gap would."""
-    leads = [(it, g) for it, _, _, g in gaps if it > settle * train_iters and g < -limit_percent]
-    if not leads:
+def lead_summary(leading, limit_percent, other, ref):
+    """A line naming the evaluations where `other` leads `ref` by more than the limit (none without such a lead)."""
+    if not leading:
         return []
-    widest = min(leads, key=lambda row: row[1])
+    widest = min(leading, key=lambda row: row[3])
     return [f"{other} is more than {limit_percent:g}% below {ref} (a lead: the check judges only a trailing gap) at "
-            f"{len(leads)} evaluation(s): " + ", ".join(f"{it} ({g:+.2f}%)" for it, g in leads)
-            + f"; the widest {widest[1]:+.2f}% at iteration {widest[0]}."]
+            f"{len(leading)} evaluation(s): " + ", ".join(f"{it} ({g:+.2f}%)" for it, _, _, g in leading)
+            + f"; the widest {widest[3]:+.2f}% at iteration {widest[0]}."]
 
 
 def noise_summary(gaps, noise_at, train_iters, settle):
@@ -293,7 +292,7 @@ def report(opts) -> int:
         runs.append((label, data))
     (_, bf16), (_, int8) = runs
     gaps = validation_gaps(bf16["valid"], int8["valid"])
-    verdict, failing = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
+    judged, failing, leading = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
     noise_gaps = []
     if opts.noise_floor:
         noise_ref, noise_other = (read_series(path, "valid_lm_loss")[0] for path in opts.noise_floor)
@@ -338,16 +337,16 @@ def report(opts) -> int:
         noise = (f" {noise_at[it]:+.2f}% |" if it in noise_at else " n/a |") if noise_gaps else ""
         lines.append(f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |" + noise)
     rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
-    if verdict is None:
+    if not judged:
         lines += ["", f"Check ({rule}): **not judged yet**, no common evaluation after iteration "
                       f"{opts.settle * train_iters:.0f}."]
-    elif verdict:
-        worst = max((g for g in gaps if g[0] > opts.settle * train_iters), key=lambda g: g[3])
+    elif not failing:
+        worst = max(judged, key=lambda g: g[3])
         lines += ["", f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."]
     else:
         lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
                                                                         for it, _, _, g in failing) + "."]
-    lines += lead_summary(gaps, train_iters, opts.gap_limit, opts.settle, other, ref)
+    lines += lead_summary(leading, opts.gap_limit, other, ref)
     lines += noise_summary(gaps, noise_at, train_iters, opts.settle)
     if gaps and gaps[-1][0] >= train_iters:
         lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
@@ -375,8 +374,8 @@ def report(opts) -> int:
         lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other_mean, 3)} | "
                      f"{_fmt(other_mean / mean if other_mean is not None else None, 3)} |")
 
-    lines += ["", f"## Throughput ({opts.gpus_per_run} GPU{'s' if opts.gpus_per_run > 1 else ''} per run, data parallel)",
-              "",
+    gpus = f"{opts.gpus_per_run} GPU{'s' if opts.gpus_per_run > 1 else ''}"
+    lines += ["", f"## Throughput ({gpus} per run, data parallel)", "",
               "| run | tokens/s (median step after the first 10) | training time (sum of step times) |",
               "|---|---|---|"]
     speeds = {}
