@@ -115,15 +115,27 @@ def grad_norm_spikes(norms, factor=3.0, window=50):
     return trailing_spikes(norms, window, statistics.median, factor)
 
 
+def ratio_at(series, iteration, window, level):
+    """series[iteration] over `level` (a mean or a median) of the `window` logged steps before it; None where the step
+    is not logged or fewer than `window` are before it."""
+    before = sorted(it for it in series if it < iteration)[-window:]
+    if iteration not in series or len(before) < window:
+        return None
+    trailing = level([series[it] for it in before])
+    return series[iteration] / trailing if trailing > 0 else None
+
+
 def unmatched_spikes(spikes, reference, tolerance):
     """The spikes of `spikes` with no spike of `reference` within `tolerance` iterations."""
     seen = [it for it, _, _ in reference]
     return [s for s in spikes if not any(abs(s[0] - it) <= tolerance for it in seen)]
 
 
-def spike_lines(spikes, labels, tolerance, digits, listed=10):
+def spike_lines(spikes, labels, tolerance, digits, ratio, listed=10):
     """Markdown lines: each run's spikes (iteration, value vs its trailing level), then, each way, the spikes of
-    one run with none of the other's within `tolerance` iterations."""
+    one run with none of the other's within `tolerance` iterations, each with both runs' value over their trailing
+    level at that step (`ratio(label, iteration)`): a step where the other run rose almost as far is a threshold
+    apart, not a spike of one run alone."""
     lines = []
     for label in labels:
         shown = ", ".join(f"{it} ({value:.{digits}f} vs {level:.{digits}f})"
@@ -132,9 +144,15 @@ def spike_lines(spikes, labels, tolerance, digits, listed=10):
                      + (" ..." if len(spikes[label]) > listed else ""))
     for label, reference in (labels[::-1], labels):
         alone = unmatched_spikes(spikes[label], spikes[reference], tolerance)
+        shown = ", ".join(f"{it} ({ratio_text(ratio(label, it))}; {reference} {ratio_text(ratio(reference, it))})"
+                          for it, _, _ in alone[:20])
         lines.append(f"- {label} spikes with no {reference} spike within {tolerance} iterations: {len(alone)}"
-                     + (": " + ", ".join(str(it) for it, _, _ in alone[:20]) if alone else ""))
+                     + (f" (value over its trailing level): {shown}" if alone else ""))
     return lines
+
+
+def ratio_text(value):
+    return "not logged" if value is None else f"{value:.3f}x"
 
 
 def window_means(series, train_iters, windows):
@@ -358,13 +376,15 @@ def report(opts) -> int:
     lines += ["", "## Loss spikes", "",
               f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "
               f"{opts.spike_window} steps before it.", ""]
-    lines += spike_lines(loss, opts.labels, opts.spike_match, digits=3)
+    lines += spike_lines(loss, opts.labels, opts.spike_match, digits=3, ratio=lambda label, it: ratio_at(
+        upto[label]["train"], it, opts.spike_window, statistics.fmean))
     norms = {label: grad_norm_spikes(upto[label]["grad_norm"], opts.grad_spike_factor, opts.spike_window)
              for label in opts.labels}
     lines += ["", "## Gradient-norm spikes", "",
               f"A step whose gradient norm exceeds {opts.grad_spike_factor:g}x the median of the {opts.spike_window} "
               "steps before it (clipping bounds its size, not its direction).", ""]
-    lines += spike_lines(norms, opts.labels, opts.spike_match, digits=2)
+    lines += spike_lines(norms, opts.labels, opts.spike_match, digits=2, ratio=lambda label, it: ratio_at(
+        upto[label]["grad_norm"], it, opts.spike_window, statistics.median))
 
     lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]

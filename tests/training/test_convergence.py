@@ -121,7 +121,12 @@ def test_report_of_two_real_logs(logs, tmp_path):
     worse = edited(spiked, tmp_path / "worse.jsonl", 20, "valid_lm_loss", 1.02)
     summary = report(logs, tmp_path / "b", None, worse, "--spike-window", "10")
     assert "- INT8: 1 spike(s): 30 (" in summary and "- BF16: 0 spike(s)" in summary
-    assert "- INT8 spikes with no BF16 spike within 5 iterations: 1: 30" in summary
+    int8_train = {r["iteration"]: r["lm_loss"] for r in records(logs / "int8.jsonl", "lm_loss")}
+    bf16_train = {r["iteration"]: r["lm_loss"] for r in records(logs / "bf16.jsonl", "lm_loss")}
+    int8_ratio = 1.5 * int8_train[30] / statistics.fmean(int8_train[it] for it in range(20, 30))
+    bf16_ratio = bf16_train[30] / statistics.fmean(bf16_train[it] for it in range(20, 30))
+    assert ("- INT8 spikes with no BF16 spike within 5 iterations: 1 (value over its trailing level): "
+            f"30 ({int8_ratio:.3f}x; BF16 {bf16_ratio:.3f}x)") in summary
     gap = 100 * (int8_valid[20] * 1.02 / bf16_valid[20] - 1)
     assert f"**not met** at iteration 20 ({gap:+.2f}%)." in summary
     assert "below BF16 (a lead" not in summary
@@ -138,7 +143,10 @@ def test_report_of_two_real_logs(logs, tmp_path):
     int8_norms = {r["iteration"]: r["grad_norm"] for r in records(logs / "int8.jsonl", "grad_norm")}
     median = statistics.median(int8_norms[it] for it in range(25, 35))
     assert f"- INT8: 1 spike(s): 35 ({5 * int8_norms[35]:.2f} vs {median:.2f})" in summary
-    assert "- INT8 spikes with no BF16 spike within 5 iterations: 1: 35" in summary
+    bf16_norms = {r["iteration"]: r["grad_norm"] for r in records(logs / "bf16.jsonl", "grad_norm")}
+    bf16_ratio = bf16_norms[35] / statistics.median(bf16_norms[it] for it in range(25, 35))
+    assert ("- INT8 spikes with no BF16 spike within 5 iterations: 1 (value over its trailing level): "
+            f"35 ({5 * int8_norms[35] / median:.3f}x; BF16 {bf16_ratio:.3f}x)") in summary
     assert "- BF16 spikes with no INT8 spike within 5 iterations: 0" in summary
     # the same spike in both runs is not INT8's
     both = edited(logs / "bf16.jsonl", tmp_path / "both.jsonl", 30, "lm_loss", 1.5)
@@ -154,7 +162,6 @@ def test_report_of_two_real_logs(logs, tmp_path):
         out.writelines(line for line in f if json.loads(line).get("iteration", 0) <= 25)
     summary = report(logs, tmp_path / "f", None, str(tmp_path / "behind.jsonl"), "--train-iters", "200")
     assert "Both runs up to iteration 25, the last one both reached" in summary
-    bf16_train = {r["iteration"]: r["lm_loss"] for r in records(logs / "bf16.jsonl", "lm_loss")}
     assert f"| BF16 | 25 | {sum(bf16_train[i] for i in range(1, 26)) / 25:.4f} | +0.00% |" in summary
     assert "| INT8 | 25 | " in summary and "iteration 40 of 200" in summary
     # ... of 400, none (the first 10% is 40 iterations)
@@ -201,6 +208,10 @@ def test_loss_spikes_follow_their_definition():
     assert [(it, round(mean, 3)) for it, _, mean in spikes] == [(12, 2.038)]  # 2.3 / 2.038 = 1.129; 16: 1.087
     assert convergence_report.unmatched_spikes(spikes, [(14, 2.5, 2.0)], tolerance=2) == []
     assert convergence_report.unmatched_spikes(spikes, [(15, 2.5, 2.0)], tolerance=2) == spikes
+    # a step's value over its trailing mean, as the unmatched spikes are shown: at 16, 2.24 / mean(2.3, 2, 2, 2, 2)
+    assert convergence_report.ratio_at(losses, 16, 5, statistics.fmean) == pytest.approx(2.24 / 2.06, rel=1e-12)
+    assert convergence_report.ratio_at(losses, 5, 5, statistics.fmean) is None  # fewer than 5 steps before it
+    assert convergence_report.ratio_at(losses, 21, 5, statistics.fmean) is None  # not logged
 
 
 def test_grad_norm_spikes_follow_their_definition():
