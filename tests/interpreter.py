@@ -3,9 +3,7 @@
 Triton decides at import time (and at each @triton.jit) whether it interprets, so TRITON_INTERPRET must be
 set before triton is first imported, which another test file of the run may already have done. A file
 with kernel tests therefore has one driver test in the parent pytest process that reruns the file in a fresh
-interpreter with the variable set (`run_file_interpreted`), and marks its kernel tests to run only there. A file
-whose interpreted tests take minutes splits them into shards, one driver test each, so that pytest-xdist's workers
-share them (tests/conftest.py keeps a shard's tests).
+interpreter with the variable set (`run_file_interpreted`), and marks its kernel tests to run only there.
 """
 import os
 import subprocess
@@ -14,17 +12,12 @@ import sys
 import pytest
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-SHARD_VARIABLE = "MEGATRON_INT8_TEST_SHARD"  # "i/n": keep the collected tests whose index is i modulo n
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
-def run_file_interpreted(path: str, timeout: int, shard: tuple[int, int] | None = None) -> None:
-    """pytest `path` in a subprocess with TRITON_INTERPRET=1 (only shard (i, n) of its tests, where given); assert
-    that it passed and ran tests."""
+def run_file_interpreted(path: str, timeout: int) -> None:
+    """pytest `path` in a subprocess with TRITON_INTERPRET=1; assert that it passed and ran tests."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(SHARD_VARIABLE, None)
-    if shard is not None:
-        env[SHARD_VARIABLE] = f"{shard[0]}/{shard[1]}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(path)],

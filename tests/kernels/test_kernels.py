@@ -21,11 +21,9 @@ if importlib.util.find_spec("triton") is None:
 
 if not INTERPRETING:
 
-    @pytest.mark.parametrize("shard", range(4))
-    def test_kernels_under_triton_interpreter(shard):
-        """Run a quarter of this file's tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads
-        (in four shards: all of them take ~8 minutes of one CPU core)."""
-        run_file_interpreted(__file__, timeout=900, shard=(shard, 4))
+    def test_kernels_under_triton_interpreter():
+        """Run this file's tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads."""
+        run_file_interpreted(__file__, timeout=900)
 
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
 from megatron_int8.reference import ReferenceBackend  # noqa: E402
