@@ -92,37 +92,31 @@ def noise_summary(gaps, noise_at, train_iters, settle):
             "evaluations" + (": " + ", ".join(map(str, beyond)) if beyond else "") + "."]
 
 
-def trailing_spikes(series, window, level, factor):
-    """[(iteration, value, trailing level)]: steps whose value exceeds `factor` times `level` (a mean or a median)
-    of the `window` logged steps before them; the first `window` steps are not judged."""
+def trailing_levels(series, window, level):
+    """{iteration: `level` (a mean or a median) of the `window` logged steps before it}; the first `window` steps
+    have none."""
     steps = sorted(series)
-    spikes = []
-    for k in range(window, len(steps)):
-        trailing = level([series[it] for it in steps[k - window:k]])
-        if series[steps[k]] > factor * trailing:
-            spikes.append((steps[k], series[steps[k]], trailing))
-    return spikes
+    return {steps[k]: level([series[it] for it in steps[k - window:k]]) for k in range(window, len(steps))}
+
+
+def trailing_spikes(series, levels, factor):
+    """[(iteration, value, trailing level)]: steps whose value exceeds `factor` times their trailing level."""
+    return [(it, series[it], trailing) for it, trailing in levels.items() if series[it] > factor * trailing]
 
 
 def loss_spikes(train, threshold=0.10, window=50):
-    """Steps whose loss exceeds the mean of the `window` steps before them by more than `threshold` (a fraction)."""
-    return trailing_spikes(train, window, statistics.fmean, 1.0 + threshold)
+    """(spikes, trailing levels): steps whose loss exceeds the mean of the `window` steps before them by more than
+    `threshold` (a fraction), and that mean at every step."""
+    levels = trailing_levels(train, window, statistics.fmean)
+    return trailing_spikes(train, levels, 1.0 + threshold), levels
 
 
 def grad_norm_spikes(norms, factor=3.0, window=50):
-    """Steps whose gradient norm exceeds `factor` times the median of the `window` steps before them: a median, so
-    that one large norm (28.9 against 0.6 in the 344M run) does not lift the level and hide the burst after it."""
-    return trailing_spikes(norms, window, statistics.median, factor)
-
-
-def ratio_at(series, iteration, window, level):
-    """series[iteration] over `level` (a mean or a median) of the `window` logged steps before it; None where the step
-    is not logged or fewer than `window` are before it."""
-    before = sorted(it for it in series if it < iteration)[-window:]
-    if iteration not in series or len(before) < window:
-        return None
-    trailing = level([series[it] for it in before])
-    return series[iteration] / trailing if trailing > 0 else None
+    """(spikes, trailing levels): steps whose gradient norm exceeds `factor` times the median of the `window` steps
+    before them, and that median at every step: a median, so that one large norm (28.9 against 0.6 in the 344M run)
+    does not lift the level and hide the burst after it."""
+    levels = trailing_levels(norms, window, statistics.median)
+    return trailing_spikes(norms, levels, factor), levels
 
 
 def unmatched_spikes(spikes, reference, tolerance):
@@ -131,11 +125,17 @@ def unmatched_spikes(spikes, reference, tolerance):
     return [s for s in spikes if not any(abs(s[0] - it) <= tolerance for it in seen)]
 
 
-def spike_lines(spikes, labels, tolerance, digits, ratio, listed=10):
+def spike_lines(found, series, labels, tolerance, digits, listed=10):
     """Markdown lines: each run's spikes (iteration, value vs its trailing level), then, each way, the spikes of
     one run with none of the other's within `tolerance` iterations, each with both runs' value over their trailing
-    level at that step (`ratio(label, iteration)`): a step where the other run rose almost as far is a threshold
-    apart, not a spike of one run alone."""
+    level at that step: a step where the other run rose almost as far is a threshold apart, not a spike of one run
+    alone. `found`: {label: (spikes, trailing levels)} of `series`: {label: {iteration: value}}."""
+    spikes = {label: found[label][0] for label in labels}
+
+    def ratio(label, it):
+        trailing = found[label][1].get(it)
+        return f"{series[label][it] / trailing:.3f}x" if trailing else "not judged"
+
     lines = []
     for label in labels:
         shown = ", ".join(f"{it} ({value:.{digits}f} vs {level:.{digits}f})"
@@ -144,15 +144,10 @@ def spike_lines(spikes, labels, tolerance, digits, ratio, listed=10):
                      + (" ..." if len(spikes[label]) > listed else ""))
     for label, reference in (labels[::-1], labels):
         alone = unmatched_spikes(spikes[label], spikes[reference], tolerance)
-        shown = ", ".join(f"{it} ({ratio_text(ratio(label, it))}; {reference} {ratio_text(ratio(reference, it))})"
-                          for it, _, _ in alone[:20])
+        shown = ", ".join(f"{it} ({ratio(label, it)}; {reference} {ratio(reference, it)})" for it, _, _ in alone[:20])
         lines.append(f"- {label} spikes with no {reference} spike within {tolerance} iterations: {len(alone)}"
                      + (f" (value over its trailing level): {shown}" if alone else ""))
     return lines
-
-
-def ratio_text(value):
-    return "not logged" if value is None else f"{value:.3f}x"
 
 
 def window_means(series, train_iters, windows):
@@ -376,15 +371,15 @@ def report(opts) -> int:
     lines += ["", "## Loss spikes", "",
               f"A spike: a step's training loss more than {opts.spike_threshold:.0%} above the mean of the "
               f"{opts.spike_window} steps before it.", ""]
-    lines += spike_lines(loss, opts.labels, opts.spike_match, digits=3, ratio=lambda label, it: ratio_at(
-        upto[label]["train"], it, opts.spike_window, statistics.fmean))
+    lines += spike_lines(loss, {label: upto[label]["train"] for label in opts.labels}, opts.labels, opts.spike_match,
+                         digits=3)
     norms = {label: grad_norm_spikes(upto[label]["grad_norm"], opts.grad_spike_factor, opts.spike_window)
              for label in opts.labels}
     lines += ["", "## Gradient-norm spikes", "",
               f"A step whose gradient norm exceeds {opts.grad_spike_factor:g}x the median of the {opts.spike_window} "
               "steps before it (clipping bounds its size, not its direction).", ""]
-    lines += spike_lines(norms, opts.labels, opts.spike_match, digits=2, ratio=lambda label, it: ratio_at(
-        upto[label]["grad_norm"], it, opts.spike_window, statistics.median))
+    lines += spike_lines(norms, {label: upto[label]["grad_norm"] for label in opts.labels}, opts.labels,
+                         opts.spike_match, digits=2)
 
     lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]

@@ -204,14 +204,15 @@ def test_loss_spikes_follow_their_definition():
     raises the mean that the next steps are judged against."""
     losses = {it: 2.0 for it in range(1, 21)}
     losses.update({3: 5.0, 8: 2.19, 12: 2.3, 16: 2.24})  # 8: 2.19 / mean(5, 2, 2, 2, 2) = 0.84
-    spikes = convergence_report.loss_spikes(losses, threshold=0.10, window=5)
+    spikes, means = convergence_report.loss_spikes(losses, threshold=0.10, window=5)
     assert [(it, round(mean, 3)) for it, _, mean in spikes] == [(12, 2.038)]  # 2.3 / 2.038 = 1.129; 16: 1.087
     assert convergence_report.unmatched_spikes(spikes, [(14, 2.5, 2.0)], tolerance=2) == []
     assert convergence_report.unmatched_spikes(spikes, [(15, 2.5, 2.0)], tolerance=2) == spikes
-    # a step's value over its trailing mean, as the unmatched spikes are shown: at 16, 2.24 / mean(2.3, 2, 2, 2, 2)
-    assert convergence_report.ratio_at(losses, 16, 5, statistics.fmean) == pytest.approx(2.24 / 2.06, rel=1e-12)
-    assert convergence_report.ratio_at(losses, 5, 5, statistics.fmean) is None  # fewer than 5 steps before it
-    assert convergence_report.ratio_at(losses, 21, 5, statistics.fmean) is None  # not logged
+    # the trailing mean at every step, as the unmatched spikes are shown: at 16, 2.24 / mean(2.3, 2, 2, 2, 2)
+    assert losses[16] / means[16] == pytest.approx(2.24 / 2.06, rel=1e-12)
+    assert 5 not in means  # fewer than 5 steps before it
+    assert 21 not in means  # not logged
+    assert sorted(means) == list(range(6, 21))
 
 
 def test_grad_norm_spikes_follow_their_definition():
@@ -219,7 +220,7 @@ def test_grad_norm_spikes_follow_their_definition():
     mean, barely moves for one large norm in its window (step 2's 9.0, step 9's 1.25)."""
     norms = {it: 0.4 + 0.01 * (it % 3) for it in range(1, 21)}  # 0.41, 0.42, 0.40, ...
     norms.update({2: 9.0, 9: 1.25, 10: 1.3, 14: 1.2})
-    spikes = convergence_report.grad_norm_spikes(norms, factor=3.0, window=5)
+    spikes, _ = convergence_report.grad_norm_spikes(norms, factor=3.0, window=5)
     # 9: 1.25 / 0.41 = 3.05; 10: 1.3 / 0.42 = 3.10; 14: 1.2 / 0.42 = 2.86 is not one
     assert [(it, round(median, 2)) for it, _, median in spikes] == [(9, 0.41), (10, 0.42)]
     assert convergence_report.unmatched_spikes(spikes, [(12, 2.0, 0.4)], tolerance=2) == [spikes[0]]
