@@ -15,16 +15,20 @@ from typing import Optional, Sequence
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # Before anything imports megatron: on a CPU-only machine megatron's optimizer modules are loaded
     # with their CUDA device literals rewritten (no effect with CUDA).
+    from megatron_int8.training.known_warnings import filter_known_warnings
+
+    filter_known_warnings()
     from megatron_int8.training.cpu import install_cpu_optimizer_support
 
     install_cpu_optimizer_support()
     from megatron_int8.training.args import ArgumentError, parse_args
+    from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.loop import Interrupted, pretrain
     from megatron_int8.training.safe_load import UnsafeCheckpointError
 
     try:
         pretrain(parse_args(argv))
-    except (ArgumentError, UnsafeCheckpointError) as err:
+    except (ArgumentError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt as err:  # one line, not the traceback of wherever Ctrl-C landed

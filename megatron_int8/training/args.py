@@ -33,22 +33,25 @@ class ArgumentError(ValueError):
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-layers", type=int, default=None, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=None, help="Width of the residual stream.")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="Default: 4*hidden, or Megatron's 2/3 rule rounded to 64 with --swiglu.")
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--num-attention-heads", type=int, default=None, help="Query heads per layer.")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Grouped-query attention: --num-query-groups key/value heads.")
+    g.add_argument("--num-query-groups", type=int, default=1, help="Key/value heads with --group-query-attention.")
     g.add_argument("--kv-channels", type=int, default=None, help="Head dim; default hidden/heads.")
-    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None, help="Tokens per training sample.")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
+                   choices=["learned_absolute", "rope", "none"], help="Positions: learned table, rotary, or none.")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base frequency (theta).")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="Fraction of each head's dimensions that RoPE rotates.")
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1 RoPE scaling.")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="With --use-rope-scaling: the Llama-3.1 scaling factor.")
     g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false",
                    help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
                         "(megatron_int8.ops.rope, or Transformer Engine's when installed).")
@@ -58,38 +61,47 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                                       "and --bf16, else off.")
     g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_false",
                    help="megatron's unfused cross entropy (about ten fp32 passes over the logits).")
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="The layers' norm.")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLPs (gated SiLU) instead of GELU.")
     g.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="Dense SwiGLU MLPs: megatron's own SwiGLU (torch.compile'd on CUDA) instead of "
                         "megatron_int8.ops.swiglu (one Triton kernel each way, handing its outputs' maxima to the "
                         "INT8 linears so that they skip an amax pass); grouped MoE experts: megatron's "
                         "weighted SwiGLU instead of megatron_int8.ops.swiglu.weighted_swiglu.")
-    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--qk-layernorm", action="store_true")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="No biases in the linear layers.")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="A separate output layer instead of the input embedding's transpose.")
+    g.add_argument("--qk-layernorm", action="store_true", help="Normalize queries and keys per head (Qwen3).")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on the attention probabilities.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on the residual branches.")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="Standard deviation of the weights' normal initialization.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this (x TP size).")
     g = parser.add_argument_group("mixture of experts")
-    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="Mixture of experts: experts per MoE layer (default: dense MLPs).")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Default: --ffn-hidden-size.")
-    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
-    g.add_argument("--moe-grouped-gemm", action="store_true")
-    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+                   choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"], help="The router's load-balancing loss.")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Weight of the load-balancing loss.")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="Run each rank's experts as grouped GEMMs.")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
+                   help="How tokens reach their experts' ranks.")
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="GPUs each layer's tensors are split over.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Pipeline stages the layers are split into.")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="Ranks the experts are spread over.")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Split the norms' and dropouts' activations over the tensor-parallel ranks.")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="Pipeline the sequence-parallel all-gathers and reduce-scatters with the linears' GEMMs "
                         "(INT8 and BF16 linears alike; needs --sequence-parallel).")
@@ -97,20 +109,24 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                    help="With --tp-comm-overlap: leave the all-gathers unpipelined.")
     g.add_argument("--disable-tp-comm-overlap-rs", action="store_false", dest="tp_comm_overlap_rs",
                    help="With --tp-comm-overlap: leave the output reduce-scatters unpipelined.")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Shard the optimizer state over the data-parallel ranks (ZeRO-1).")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Overlap the data-parallel gradient reduction with the backward.")
     g.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
                    help="Turn off an overlap_grad_reduce set in the YAML.")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="Default: nccl with CUDA, gloo without.")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Timeout of the collectives.")
 
 
-def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_training_arguments(parser: argparse.ArgumentParser, common) -> None:
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None, help="Default: micro x data-parallel.")
-    g.add_argument("--train-iters", type=int, default=None)
+    common.add_argument("--micro-batch-size", type=int, default=None,
+                        help="Samples per forward/backward pass on each rank.")
+    common.add_argument("--global-batch-size", type=int, default=None, help="Default: micro x data-parallel.")
+    common.add_argument("--train-iters", type=int, default=None,
+                   help="Optimizer steps to train for (on resume: the total, counting those done).")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="Save a checkpoint and exit after an iteration divisible by this.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -119,16 +135,19 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-train", action="store_true",
                    help="No training: load --load's checkpoint (weights only), evaluate --eval-iters batches of the "
                         "validation and test splits, print their loss and perplexity, and exit.")
-    g.add_argument("--bf16", action="store_true")
+    common.add_argument("--bf16", action="store_true", help="BF16 parameters and activations (fp32 master weights).")
     g.add_argument("--seed", type=int, default=1234,
                    help="Seeds the initialization and, unless --data-seed is given, the data order.")
     g.add_argument("--data-seed", type=int, default=None,
                    help="Seeds the data order alone (megatron's sample shuffle). Two runs with the same --data-seed "
                         "and different --seed see the same batches from different initializations: the run-to-run "
                         "noise of a loss comparison (default: --seed).")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="Activation recomputation: whole layers (full) or the attention core (selective).")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="With --recompute-granularity full: which layers.")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="With --recompute-method: layers per recomputed block (uniform) or recomputed (block).")
     g.add_argument("--cuda-graph-impl", default="none", choices=["none", "local"],
                    help="local: after --cuda-graph-warmup-steps eager steps, capture a training step's forward and "
                         "backward over all its micro-batches, with their TP/PP/DP communication, as one CUDA graph "
@@ -144,25 +163,28 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                    help="Without APEX's fused_weight_gradient_mlp_cuda it is disabled automatically.")
     g = parser.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="The optimizer (adam is AdamW: decoupled weight decay).")
+    common.add_argument("--lr", type=float, default=None, help="Peak learning rate, reached after the warm-up.")
+    g.add_argument("--min-lr", type=float, default=0.0, help="The learning rate the decay ends at.")
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES,
+                   help="Decay after the warm-up, over --lr-decay-iters.")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="Iterations of linear warm-up from --lr-warmup-init to --lr.")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="The learning rate the warm-up starts at.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Decoupled weight decay.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Clip the global gradient norm to this (0: off).")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon.")
     g.add_argument("--fused-adam", dest="fused_adam", action="store_true", default=None,
                    help="Where megatron falls back to torch's Adam/AdamW (no Transformer Engine or APEX), run "
                         "torch's fused implementation (one kernel per parameter group) instead of foreach. "
                         "Default: on with CUDA and --optimizer adam, else off.")
     g.add_argument("--no-fused-adam", dest="fused_adam", action="store_false",
                    help="torch's foreach Adam/AdamW (megatron's fallback as it stands).")
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="With --optimizer sgd: momentum.")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="Megatron-LM's flag, without Transformer Engine: this package's AdamW (one fused kernel "
                         "per parameter) with the state precisions below; docs/training.md, 'Optimizer states'.")
@@ -180,19 +202,22 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         "and --bf16.")
 
 
-def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_data_arguments(parser: argparse.ArgumentParser, common) -> None:
     g = parser.add_argument_group("data and tokenizer")
-    g.add_argument("--data-path", nargs="*", default=None,
+    common.add_argument("--data-path", nargs="*", default=None,
                    help="Prefix of a .bin/.idx pair, or 'W1 PREFIX1 W2 PREFIX2 ...' for a blend.")
     g.add_argument("--split", default="969, 30, 1", help="Train, validation, test proportions.")
-    g.add_argument("--mock-data", action="store_true", help="Random tokens (needs --vocab-size).")
+    common.add_argument("--mock-data", action="store_true", help="Random tokens (needs --vocab-size).")
     g.add_argument("--data-cache-path", default=None, help="Where GPTDataset writes its index cache.")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes.")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None,
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="Restart the position ids after each end-of-document token.")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="Mask attention across documents within a sample.")
+    g.add_argument("--eod-mask-loss", action="store_true", help="No loss on the end-of-document tokens.")
+    common.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="The tokenizer family of --tokenizer-model.")
+    common.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model, or a tokenizer.json (or its directory) for HuggingFaceTokenizer.")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="NullTokenizer size; with a real tokenizer, a check that it has this many tokens.")
@@ -201,20 +226,22 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: tokenizer_config.json's eos_token).")
 
 
-def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser, common) -> None:
     g = parser.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-interval", type=int, default=100, help="Iterations between log lines.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Iterations between validation evaluations.")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="Validation batches per evaluation (the same batches each time).")
+    g.add_argument("--tensorboard-dir", default=None, help="Write TensorBoard scalars here.")
     g.add_argument("--log-jsonl", default=None,
                    help="JSON-lines log of every iteration (default: SAVE/train_log.jsonl when --save is set).")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler over iterations --profile-step-start .. --profile-step-end - 1 on "
                         "--profile-ranks: a chrome trace, a summary, and the GPU busy share in the log.")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-step-start", type=int, default=10, help="With --profile: first profiled iteration.")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="With --profile: the iteration after the last profiled one.")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="With --profile: the ranks that profile.")
     g.add_argument("--profile-dir", default="profile", help="Where --profile writes (default: ./profile).")
     g.add_argument("--manual-gc", action="store_true",
                    help="Turn Python's automatic garbage collection off during training (as Megatron-LM's flag "
@@ -225,17 +252,25 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="With --manual-gc: a full collection every N iterations (0: none until training ends).")
     g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    common.add_argument("--save", default=None,
+                   help="Directory for checkpoints (created; one subfolder per saved iteration).")
+    common.add_argument("--load", default=None,
+                   help="Resume from the latest checkpoint in this --save directory. --load equal to --save on a "
+                        "run's first start begins at iteration 0; anywhere else a folder without a checkpoint is an "
+                        "error.")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="Iterations between checkpoints (the last iteration and exits always save).")
     g.add_argument("--save-retain-interval", type=int, default=None,
                    help="Keep the checkpoints of iterations divisible by this, and the latest; delete the others "
                         "after each save (a multiple of --save-interval).")
     g.add_argument("--most-recent-k", type=int, default=-1,
                    help="Keep the K latest checkpoints, deleting older ones after each save (-1: keep all). With "
                         "--save-retain-interval, a checkpoint either keeps stays.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Load the checkpoint of this iteration from --load instead of the latest (e.g. the one "
+                        "before a damaged checkpoint); resuming into the same --save replaces the later ones.")
     g.add_argument("--no-load-optim", action="store_true", help="Load only the model weights.")
-    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states from the checkpoint.")
 
 
 def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,25 +311,47 @@ def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
                         "expert linears stay eager).")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is argparse.SUPPRESS or not action.option_strings or "default" in text.lower():
+            return text
+        return f"{text} (default: {action.default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megatron-int8-pretrain",
-        description="Pretrain a GPT model with megatron-core and INT8 linears. Flags follow Megatron-LM.",
+        prog="megatron-int8-pretrain", usage="%(prog)s [--config FILE.yaml] [flags]", formatter_class=_HelpFormatter,
+        description="Pretrain a GPT model with megatron-core and INT8 linears. Flags follow Megatron-LM's; the "
+                    "common ones come first, the rest by topic, and the --no-X forms that undo a switch last.",
         allow_abbrev=False,
     )
-    parser.add_argument("--config", default=None,
+    common = parser.add_argument_group("common flags")
+    common.add_argument("--config", default=None,
                         help="YAML file whose keys are these flags' names (dashes or underscores); "
                              "command-line flags override it.")
     _add_model_arguments(parser)
     _add_parallel_arguments(parser)
-    _add_training_arguments(parser)
-    _add_data_arguments(parser)
-    _add_logging_checkpoint_arguments(parser)
+    _add_training_arguments(parser, common)
+    _add_data_arguments(parser, common)
+    _add_logging_checkpoint_arguments(parser, common)
     add_int8_arguments(parser)
+    _move_to_group(parser, "--int8-linear", common)
     _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)
     _add_negations(parser)
     return parser
+
+
+def _move_to_group(parser: argparse.ArgumentParser, option: str, group) -> None:
+    """List a flag defined elsewhere (megatron.cli's --int8-linear) under `group` in --help."""
+    action = next(a for a in parser._actions if option in a.option_strings)
+    for other in parser._action_groups:
+        if action in other._group_actions:
+            other._group_actions.remove(action)
+    group._group_actions.append(action)
 
 
 def _negation(option: str) -> str:
@@ -308,6 +365,7 @@ def _negation(option: str) -> str:
 def _add_negations(parser: argparse.ArgumentParser) -> None:
     """Every on/off flag gets its opposite (restoring the built-in default), unless it has one already, so
     that a switch a YAML file turns on (or off) can be set back from the command line."""
+    group = parser.add_argument_group("undo a switch (e.g. one set in --config): the built-in default again")
     taken = {option for action in parser._actions for option in action.option_strings}
     covered = {}  # dest -> whether a flag of each value exists
     for action in parser._actions:
@@ -323,8 +381,8 @@ def _add_negations(parser: argparse.ArgumentParser) -> None:
         opposite = _negation(option)
         if opposite in taken:
             continue
-        parser.add_argument(opposite, dest=action.dest, action="store_const", const=not action.const,
-                            default=action.default, help=f"Undo {option} (e.g. set in --config).")
+        group.add_argument(opposite, dest=action.dest, action="store_const", const=not action.const,
+                           default=action.default, help=f"Undo {option}.")
         taken.add(opposite)
 
 
@@ -405,9 +463,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
-    if known.config:
-        parser.set_defaults(**load_yaml_defaults(known.config, parser))
-    return parser.parse_args(argv)
+    from_yaml = load_yaml_defaults(known.config, parser) if known.config else {}
+    parser.set_defaults(**from_yaml)
+    args = parser.parse_args(argv)
+    # which values the YAML set (not the command line), so that an error about one can say where it came from
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    on_command_line = {action.dest for action in parser._actions if given & set(action.option_strings)}
+    args.from_config = {dest: known.config for dest in from_yaml if dest not in on_command_line}
+    return args
+
+
+def origin(args, dest: str) -> str:
+    """' (from --config FILE)' where the YAML set this value, else ''."""
+    path = getattr(args, "from_config", {}).get(dest)
+    return f" (from --config {path})" if path else ""
 
 
 # ------------------------------------------------------------------------------------ validation
@@ -470,6 +539,31 @@ def _warn_silent_choices(args: argparse.Namespace) -> None:
         print("warning: --int8-granularity tensor with --int8-grad-rounding nearest: one scale per gradient "
               "tensor rounds most of its entries to zero, and training diverged from BF16 in docs/convergence.md; "
               "use --int8-grad-rounding stochastic, or row granularity (the default)", flush=True)
+
+
+def _validate_schedule(args: argparse.Namespace, decay_given: bool) -> None:
+    """The optimizer's and the LR schedule's numbers, each error naming where a value came from."""
+    for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
+        if getattr(args, name) < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be in "
+                                "[0, 1)")
+    if args.adam_eps <= 0:
+        raise ArgumentError(f"--adam-eps {args.adam_eps}{origin(args, 'adam_eps')}: must be positive")
+    if args.lr_decay_iters <= 0:
+        raise ArgumentError(f"--lr-decay-iters {args.lr_decay_iters}{origin(args, 'lr_decay_iters')}: must be "
+                            "positive")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        decay = (f"--lr-decay-iters {args.lr_decay_iters}{origin(args, 'lr_decay_iters')}" if decay_given else
+                 f"--train-iters {args.train_iters}{origin(args, 'train_iters')} (the default --lr-decay-iters)")
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} must be "
+                            f"below {decay}: give --lr-warmup-iters below {args.lr_decay_iters}, or a longer "
+                            "schedule")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr}{origin(args, 'min_lr')} is above --lr {args.lr}"
+                            f"{origin(args, 'lr')}: give --min-lr <= --lr")
 
 
 def _validate_int8_health(args: argparse.Namespace) -> None:
@@ -637,13 +731,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.num_micro_batches = args.global_batch_size // per_step
 
     # Schedule (none to check with --skip-train: no optimizer step).
-    if args.lr_decay_iters is None:
+    decay_given = args.lr_decay_iters is not None
+    if not decay_given:
         args.lr_decay_iters = args.train_iters
-    if not args.skip_train and args.lr_warmup_iters >= max(args.lr_decay_iters, 1):
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters "
-                            f"{args.lr_decay_iters}")
-    if not args.skip_train and args.min_lr > args.lr:
-        raise ArgumentError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if not args.skip_train:
+        _validate_schedule(args, decay_given)
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method is not None and args.recompute_granularity != "full":
@@ -686,9 +778,28 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     elif not os.path.exists(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    _validate_paths(args)
     if args.save is not None and args.log_jsonl is None:
         args.log_jsonl = os.path.join(args.save, "train_log.jsonl")
     return args
+
+
+def _validate_paths(args: argparse.Namespace) -> None:
+    """Output paths of the right kind, before anything is built."""
+    for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
+        path = getattr(args, name)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)} is a file; it takes a "
+                                "directory")
+    if args.log_jsonl is not None:
+        if os.path.isdir(args.log_jsonl):
+            raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')} is a directory; it takes a "
+                                f"file name, e.g. --log-jsonl {os.path.join(args.log_jsonl, 'train_log.jsonl')}")
+        parent = os.path.dirname(os.path.abspath(args.log_jsonl))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"--log-jsonl {args.log_jsonl}: {parent} is a file, not a directory")
 
 
 def pad_vocab_size(vocab_size: int, args) -> int:
@@ -743,6 +854,10 @@ def transformer_config_from_args(args, **overrides):
         # a host sync that a captured step (--cuda-graph-impl local) cannot contain
         batch_p2p_sync=args.cuda_graph_impl == "none",
     )
+    if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
+        # megatron's per-layer graphs are not used (--cuda-graph-impl local is this trainer's); its default "full"
+        # scope only prints a deprecation warning at every start
+        kwargs.update(cuda_graph_scope=[])
     if args.position_embedding_type == "rope" and args.apply_rope_fusion:
         from ..ops.rope import install as install_fused_rope
 

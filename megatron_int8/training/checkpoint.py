@@ -89,26 +89,90 @@ def read_tracker(root: str) -> Optional[int]:
         raise RuntimeError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
-def latest_checkpoint_dir(root: str) -> str:
-    """The directory of the checkpoint the tracker under `root` names; raises if there is none."""
-    iteration = read_tracker(root)
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read (missing, or a file cut short); the message names the file and a way out.
+    The entry points print it in one line."""
+
+
+def no_checkpoint_message(root: str) -> str:
+    """Why `root` is no --load directory, and what to give instead."""
+    name = os.path.basename(os.path.normpath(root))
+    if re.fullmatch(r"iter_\d{7}", name):
+        return (f"--load {root} is one checkpoint's folder; --load takes the --save directory above it: "
+                f"--load {os.path.dirname(os.path.normpath(root))} (--ckpt-step {int(name[5:])} for this iteration)")
+    found = saved_iterations(root)
+    if found:
+        return (f"--load {root}: {TRACKER_FILE} is missing (checkpoints of iteration(s) "
+                f"{', '.join(map(str, found))} are there): name one with --ckpt-step {found[-1]}")
+    return f"--load {root}: no checkpoint there ({TRACKER_FILE} missing): give the --save directory of a run"
+
+
+def latest_checkpoint_dir(root: str, step: Optional[int] = None) -> str:
+    """The directory of the checkpoint of iteration `step` under `root` (default: the one its tracker names)."""
+    iteration = read_tracker(root) if step is None else step
     if iteration is None:
-        raise FileNotFoundError(f"no checkpoint in {root} ({TRACKER_FILE} missing)")
+        raise CheckpointError(no_checkpoint_message(root))
     directory = checkpoint_dir(root, iteration)
     if not os.path.isdir(directory) and os.path.isdir(directory + ".replaced"):
         directory += ".replaced"  # a re-save of this iteration was interrupted mid-rename
     if not os.path.isdir(directory):
-        raise RuntimeError(f"{root}/{TRACKER_FILE} names iteration {iteration} but {directory} is missing")
+        have = ", ".join(map(str, saved_iterations(root))) or "none"
+        source = f"--ckpt-step {step}" if step is not None else f"{root}/{TRACKER_FILE}"
+        raise CheckpointError(f"{source} names iteration {iteration} but {directory} is missing (saved iterations: "
+                              f"{have})")
     return directory
 
 
-def read_saved_arguments(root: str) -> argparse.Namespace:
-    """The arguments of the run that wrote the latest checkpoint under `root` (weights_only load)."""
+def _previous_hint(directory: str) -> str:
+    """The way out of a damaged checkpoint: the iteration saved before it, by --ckpt-step."""
+    root = os.path.dirname(os.path.normpath(directory))
+    match = re.fullmatch(r"iter_(\d{7})(\.replaced)?", os.path.basename(os.path.normpath(directory)))
+    earlier = [i for i in saved_iterations(root) if match is None or i < int(match.group(1))]
+    if earlier:
+        return f"load the previous checkpoint with --ckpt-step {earlier[-1]} (same --load)"
+    return "no earlier checkpoint is saved there: train again, or restore the file from a copy"
+
+
+def check_checkpoint_files(directory: str) -> None:
+    """Every tensor file the checkpoint's index lists is there and long enough: a file cut short (a full disk, a
+    copy interrupted) fails here by name, instead of as a bare EOFError deep inside torch's reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception as error:  # a missing or cut .metadata: torch raises whatever its unpickling hits
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')} cannot be read ({type(error).__name__}): the "
+                              f"checkpoint is damaged; {_previous_hint(directory)}") from None
+    needed = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        if size is None or size < length:
+            what = "is missing" if size is None else f"is truncated ({size} bytes; its index needs {length})"
+            raise CheckpointError(f"{path} {what}: the checkpoint is damaged; {_previous_hint(directory)}")
+
+
+def _load_common(directory: str) -> dict:
+    """The checkpoint's common.pt (weights_only), or a CheckpointError naming it."""
     from megatron.core import dist_checkpointing
 
-    directory = latest_checkpoint_dir(root)
     with weights_only_loading(directory):
-        saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+        try:
+            return dist_checkpointing.load_common_state_dict(directory)
+        except (EOFError, RuntimeError, OSError) as error:
+            if not isinstance(error, (EOFError, OSError)) and "PytorchStreamReader" not in str(error):
+                raise
+            raise CheckpointError(f"{os.path.join(directory, 'common.pt')} cannot be read ({error}): the checkpoint "
+                                  f"is damaged; {_previous_hint(directory)}") from None
+
+
+def read_saved_arguments(root: str, step: Optional[int] = None) -> argparse.Namespace:
+    """The arguments of the run that wrote the checkpoint of iteration `step` (default: the latest) under `root`
+    (weights_only load)."""
+    directory = latest_checkpoint_dir(root, step)
+    saved = _load_common(directory).get("args")
     if not isinstance(saved, argparse.Namespace):
         raise RuntimeError(f"{directory} records only the model shape, not the run's arguments (it was written "
                            "before they were saved): resume it once with this version (--load, --save, one more "
@@ -446,16 +510,28 @@ def check_save_target(args) -> None:
     Raises ArgumentError naming the way out: --load that directory, or another --save."""
     from .args import ArgumentError
 
-    if args.load and not os.path.isdir(args.load) and os.path.realpath(args.load) != os.path.realpath(args.save or ""):
-        raise ArgumentError(f"--load {args.load}: no such directory")
+    first_start = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
+    if args.load and not first_start:
+        if not os.path.isdir(args.load):
+            raise ArgumentError(f"--load {args.load}: no such directory")
+        if read_tracker(args.load) is None and getattr(args, "ckpt_step", None) is None:
+            raise ArgumentError(no_checkpoint_message(args.load))
+    if first_start and read_tracker(args.load) is None and saved_iterations(args.load):
+        raise ArgumentError(no_checkpoint_message(args.load))  # checkpoints without their tracker: not a first start
+    if args.load and getattr(args, "ckpt_step", None) is not None:
+        try:
+            latest_checkpoint_dir(args.load, args.ckpt_step)
+        except CheckpointError as error:
+            raise ArgumentError(str(error)) from None
     if not args.save:
         return
     saved = read_tracker(args.save)
     if saved is None:
         return
-    start = read_tracker(args.load) if args.load else None
-    if start is not None and start >= saved:
-        return
+    start = (args.ckpt_step if getattr(args, "ckpt_step", None) is not None else read_tracker(args.load)
+             ) if args.load else None
+    if start is not None and (start >= saved or first_start):
+        return  # a resume; from an earlier --ckpt-step into its own --save, the later checkpoints get replaced
     source = (f"--load {args.load} holds iteration {start}" if start is not None else
               f"--load {args.load} holds no checkpoint" if args.load else "no --load")
     raise ArgumentError(
@@ -474,6 +550,32 @@ def _check_architecture(saved, args) -> None:
         raise ArgumentError("checkpoint does not match the model arguments: " + "; ".join(diffs))
 
 
+# The LR/WD schedule's flags: a resume follows the values given now (Megatron-LM's --override-opt_param-scheduler)
+SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_init",
+                 "weight_decay", "train_iters")
+
+
+def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, args, log) -> None:
+    """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
+
+    megatron's OptimizerParamScheduler.load_state_dict keeps the checkpoint's max/min LR, warm-up, decay length
+    and style, and the loaded param groups keep the checkpoint's max_lr/min_lr: a run resumed with a longer
+    --train-iters (or a new --lr) would silently follow the old schedule. Only the position is taken."""
+    for group in optimizer.param_groups:  # what the loaded groups carry overrides the scheduler's values
+        if "max_lr" in group:
+            group["max_lr"] = args.lr
+        if "min_lr" in group:
+            group["min_lr"] = args.min_lr
+    scheduler.num_steps = 0
+    scheduler.step(increment=saved_state["num_steps"])
+    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
+    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in SCHEDULE_ARGS
+               if name in saved and saved[name] != getattr(args, name)]
+    if changed:
+        log(f"LR schedule: this run's flags, not the checkpoint's ({'; '.join(changed)}); learning rate now "
+            f"{optimizer.param_groups[0]['lr']:.4E}")
+
+
 def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None) -> Tuple[int, int]:
     """Resume from --load; returns (iteration, consumed_samples), (0, 0) when there is no checkpoint.
     `fallback` (a training.health.AutoFallback) gets the checkpoint's fallback state."""
@@ -484,14 +586,16 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     from ..ops.linear import invalidate_weight_caches
     from .model import unwrap
 
-    iteration = read_tracker(args.load)
-    if iteration is None:
-        log(f"no checkpoint in {args.load} ({TRACKER_FILE} missing): starting from scratch")
+    step = getattr(args, "ckpt_step", None)
+    if step is None and read_tracker(args.load) is None:
+        # check_save_target let it through: --load is --save, on the first start of a run
+        log(f"no checkpoint in {args.load} yet (it is also --save): starting from iteration 0")
         return 0, 0
-    directory = latest_checkpoint_dir(args.load)
-    with weights_only_loading(directory):
-        common = dist_checkpointing.load_common_state_dict(directory)
+    directory = latest_checkpoint_dir(args.load, step)
+    common = _load_common(directory)
+    iteration = int(common["iteration"])
     _check_architecture(common.get("args", {}), args)
+    check_checkpoint_files(directory)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
     with_optimizer = not args.no_load_optim
@@ -523,7 +627,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
             with _steps_set_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            follow_schedule_flags(scheduler, optimizer, loaded["opt_param_scheduler"], common.get("args"), args, log)
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones
     rng_file = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
     if not args.no_load_rng:

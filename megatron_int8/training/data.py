@@ -23,21 +23,53 @@ INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's .idx: header, version <Q, d
 INDEX_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron's DType codes -> bytes per token
 
 
-def check_tokenizer_file(kind: str, path: str) -> None:
-    """A tokenizer file of the other family fails here, naming the --tokenizer-type that reads it."""
-    json_file = path if os.path.isfile(path) else os.path.join(path, "tokenizer.json")
-    is_hf = os.path.isdir(path) or path.endswith(".json")
-    if not is_hf and os.path.isfile(path):
-        with open(path, "rb") as f:
-            is_hf = f.read(1) == b"{"  # a JSON object, whatever the name
-    if kind in SENTENCEPIECE_TYPES and is_hf:
-        raise ArgumentError(f"--tokenizer-model {path} is a Hugging Face tokenizer (tokenizer.json), not a "
-                            f"SentencePiece model: pass --tokenizer-type HuggingFaceTokenizer")
-    if kind == "HuggingFaceTokenizer" and not is_hf:
+def _tokenizer_kind(path: str) -> Tuple[str, str]:
+    """What a --tokenizer-model path holds: ("hf", tokenizer.json path), ("spm", .model path),
+    ("jsonl", path) for a JSON-lines file (a corpus, not a tokenizer), or ("unknown", why)."""
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return "hf", os.path.join(path, "tokenizer.json")
+        models = sorted(name for name in os.listdir(path) if name.endswith(".model"))
+        if models:
+            return "spm", os.path.join(path, models[0])
+        return "unknown", "a directory with neither a tokenizer.json nor a SentencePiece .model"
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    if not head.lstrip().startswith(b"{"):
+        return "spm", path  # SentencePiece models are binary protobufs: the SentencePiece loader judges them
+    if path.endswith(".jsonl") or b"}\n{" in head.replace(b"\r", b""):
+        return "jsonl", path
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        return "unknown", f"a file starting with '{{' that is not valid JSON ({err})"
+    if isinstance(content, dict) and "model" in content:
+        return "hf", path
+    return "unknown", "a JSON file without the \"model\" of a Hugging Face tokenizer.json"
+
+
+def check_tokenizer_file(kind: str, path: str) -> str:
+    """The file a --tokenizer-type reads from `path` (a directory gives its tokenizer file); a path of the other
+    family, a directory or a corpus fails here, naming the flags that would read it."""
+    found, where = _tokenizer_kind(path)
+    if found == "jsonl":
+        raise ArgumentError(f"--tokenizer-model {path} is a JSON-lines file (a corpus?), not a tokenizer: give the "
+                            "SentencePiece .model (or tokenizer.json) that scripts/preprocess_data.py used or made")
+    if found == "unknown":
+        raise ArgumentError(f"--tokenizer-model {path}: {where}; give a SentencePiece .model, or a Hugging Face "
+                            "tokenizer.json or its directory")
+    if kind in SENTENCEPIECE_TYPES and found == "hf":
+        raise ArgumentError(f"--tokenizer-model {path} is a Hugging Face tokenizer ({where}), not a SentencePiece "
+                            "model: pass --tokenizer-type HuggingFaceTokenizer")
+    if kind in SENTENCEPIECE_TYPES and where != path:
+        raise ArgumentError(f"--tokenizer-model {path} is a directory; give the SentencePiece model in it: "
+                            f"--tokenizer-model {where}")
+    if kind == "HuggingFaceTokenizer" and found == "spm":
         raise ArgumentError(f"--tokenizer-model {path} is not a Hugging Face tokenizer.json (or a directory holding "
-                            "one); for a SentencePiece .model pass --tokenizer-type SentencePieceTokenizer")
-    if kind == "HuggingFaceTokenizer" and not os.path.isfile(json_file):
-        raise ArgumentError(f"--tokenizer-model {path}: no tokenizer.json in this directory")
+                            f"one); for the SentencePiece model {where} pass --tokenizer-type SentencePieceTokenizer "
+                            f"--tokenizer-model {where}")
+    return where
 
 
 def hf_eod_token(directory: str, eod_token: Optional[str]) -> Optional[str]:

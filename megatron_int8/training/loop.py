@@ -15,7 +15,7 @@ from ..megatron.precision_table import print_precision_table
 from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
-from .checkpoint import check_save_target, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, check_save_target, load_checkpoint, read_saved_arguments, save_checkpoint
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .health import RunHealth
@@ -115,6 +115,12 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
     return loss, grad_norm, not update_successful
 
 
+def validation_batches(dataset, args):
+    """The first --eval-iters global batches of `dataset`, afresh at every evaluation: each one scores the same
+    tokens, so a checkpoint's loss in training's log equals what --skip-train reports for it."""
+    return build_data_iterator(dataset, 0, args) if _needs_data() else None
+
+
 def evaluate(forward_backward, data_iterator, model, args) -> float:
     for chunk in model:
         chunk.eval()
@@ -181,12 +187,33 @@ def evaluate_splits(forward_backward, datasets: dict, model, args, iteration: in
         if dataset is None:
             _log(f" {name} split: none (--split {args.split!r} gives it no share, or it has no documents)")
             continue
-        iterator = build_data_iterator(dataset, 0, args) if _needs_data() else None
-        loss = evaluate(forward_backward, iterator, model, args)
+        loss = evaluate(forward_backward, validation_batches(dataset, args), model, args)
         results[name] = loss
         _log(f" {name} loss at iteration {iteration} ({args.eval_iters} batches of {args.global_batch_size}) | "
              f"lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")
     return results
+
+
+def check_evaluation_data(args) -> None:
+    """--skip-train scores the documents the checkpoint's run held out only with the split it trained with: with
+    another --split the validation and test splits would cover documents it trained on."""
+    try:
+        saved = read_saved_arguments(args.load, getattr(args, "ckpt_step", None))
+    except CheckpointError as error:
+        raise ArgumentError(str(error)) from None
+    then = getattr(saved, "split", None)
+    if then is not None and not args.mock_data and _shares(args.split) != _shares(then):
+        raise ArgumentError(f"--split {args.split!r} is not the {then!r} the checkpoint trained with: its validation "
+                            f"and test splits would hold documents it trained on; evaluate with --split {then!r} "
+                            "(for a test split, train with one from the start)")
+
+
+def _shares(split: str) -> list:
+    """'98,2,0' and '98, 2' and '49,1,0' alike: the normalized train/validation/test proportions."""
+    values = [float(v) for v in split.replace("/", ",").split(",") if v.strip()]
+    values += [0.0] * (3 - len(values))
+    total = sum(values) or 1.0
+    return [round(v / total, 9) for v in values]
 
 
 def _wire_megatron_config(config, model, optimizer, args) -> None:
@@ -218,6 +245,8 @@ def pretrain(args) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     check_save_target(args)
+    if args.skip_train:
+        check_evaluation_data(args)
     if args.exit_signal_handler and not args.save:
         raise ArgumentError("--exit-signal-handler saves a checkpoint before it exits: give --save DIR")
     tokenizer = build_tokenizer(args)
@@ -266,8 +295,6 @@ def pretrain(args) -> dict:
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     needs_data = _needs_data()
     train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None
-    consumed_valid = (iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    valid_iterator = build_data_iterator(valid_ds, consumed_valid, args) if needs_data else None
 
     logger = TrainingLogger(args, args.padded_vocab_size, iteration, torch.distributed.get_rank() == 0, _log)
     forward_backward = get_forward_backward_func()
@@ -292,9 +319,9 @@ def pretrain(args) -> dict:
     exit_signals = ExitSignals(save_first=args.exit_signal_handler)
     try:
         with exit_signals:
-            loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_iterator, valid_ds,
-                                                 model, optimizer, scheduler, logger, profiler, progress, exit_signals,
-                                                 consumed_samples, health)
+            loss, valid_loss, iteration = _train(args, forward_backward, train_iterator, valid_ds, model, optimizer,
+                                                 scheduler, logger, profiler, progress, exit_signals, consumed_samples,
+                                                 health)
     except KeyboardInterrupt:
         saved, root = progress["saved"] or (None, None)
         last = (f"the last checkpoint is iteration {saved} in {root}; resume with --load {root}" if saved
@@ -313,8 +340,8 @@ def pretrain(args) -> dict:
     return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
 
 
-def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, model, optimizer, scheduler, logger,
-           profiler, progress, exit_signals, consumed_samples, health: RunHealth):
+def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, scheduler, logger, profiler, progress,
+           exit_signals, consumed_samples, health: RunHealth):
     """The iterations; returns (last loss, last validation loss, iteration). `progress` follows the iteration
     and the last save, for the message of an interrupt."""
     loss = valid_loss = None
@@ -352,7 +379,7 @@ def _train(args, forward_backward, train_iterator, valid_iterator, valid_ds, mod
             profiler.after_iteration(iteration)
         if valid_ds is not None and args.eval_iters > 0 and (
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            valid_loss = evaluate(forward_backward, valid_iterator, model, args)
+            valid_loss = evaluate(forward_backward, validation_batches(valid_ds, args), model, args)
             logger.validation(iteration, valid_loss)
         signal_name = exit_signals.check()
         exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
