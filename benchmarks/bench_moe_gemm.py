@@ -13,8 +13,8 @@ fixed-seed multinomial). One row per GEMM (fprop, dgrad, wgrad of fc1 and fc2; -
 - INT8 grouped: triton_grouped_gemm, one launch for all experts on the 128-row aligned layout (fprop,
   dgrad; on Hopper the CUDA kernel's grouped mode); wgrad: triton_gemm(autotune=False) per expert on the
   aligned column slices of the segmented Q(x^T) (quantize.segment_operand);
-- INT8 grouped Triton (fprop, dgrad): the same launch kept on Triton's kernel (MEGATRON_INT8_GEMM_KERNEL=tma,
-  the kernel the grouped GEMMs ran before the CUDA grouped mode).
+- INT8 grouped Triton (fprop, dgrad): the same launch kept on Triton's TMA kernel (the Hopper route with the CUDA
+  kernel made unavailable: what a Hopper without nvcc runs, and what the grouped GEMMs ran before the CUDA mode).
 The BF16 wgrads write bf16; the INT8 wgrads accumulate into fp32 main_grad buffers (Megatron's
 gradient-accumulation fusion; row "wgrad, INT8 into main_grad") or write bf16 (row "wgrad, INT8 bf16
 out"). Then one row per quantized tensor (--quick: fc1's input): the per-expert loop of row-wise
@@ -37,7 +37,8 @@ import triton.testing
 import common  # noqa: E402  (puts the repository on sys.path)
 
 from megatron_int8.kernels import triton_gemm, triton_grouped_gemm, triton_quantize  # noqa: E402
-from megatron_int8.kernels.int8_gemm import ENV_KERNEL  # noqa: E402
+from megatron_int8.dispatch import ENV_GEMM_KERNEL  # noqa: E402
+from megatron_int8.kernels import sm90_gemm  # noqa: E402
 
 qref = importlib.import_module("megatron_int8.reference")
 QKW = dict(granularity="row", block_size=128, check_finite="off")
@@ -86,17 +87,19 @@ def bench(fn) -> float:
 
 
 def on_triton(fn):
-    """fn run with the grouped GEMM kept on Triton's persistent TMA kernel."""
+    """fn run with the grouped GEMM kept on Triton's persistent TMA kernel: the Hopper route without the CUDA
+    kernel (triton_grouped_gemm plans nothing, so it reads both at every call)."""
     def run():
-        old = os.environ.get(ENV_KERNEL)
-        os.environ[ENV_KERNEL] = "tma"
+        old, available = os.environ.get(ENV_GEMM_KERNEL), sm90_gemm.available
+        os.environ[ENV_GEMM_KERNEL], sm90_gemm.available = "hopper", lambda: False
         try:
             return fn()
         finally:
+            sm90_gemm.available = available
             if old is None:
-                del os.environ[ENV_KERNEL]
+                del os.environ[ENV_GEMM_KERNEL]
             else:
-                os.environ[ENV_KERNEL] = old
+                os.environ[ENV_GEMM_KERNEL] = old
     return run
 
 

@@ -21,16 +21,19 @@ starting at a multiple of SEGMENT_ALIGN, and b the experts' stacked operands; ea
 SEGMENT_ALIGN) reads its expert from a per-strip table and offsets b's rows and scales by expert * N. One
 launch for all experts, a fixed tile (token counts change with every routing, so nothing is tuned).
 
-On Hopper, Triton's TMA kernel shares the 16-bit-output GEMMs with K > 4096 with a warp-specialized Gluon
-kernel (kernels/int8_gemm_ws.py; TMA_VARIANTS "auto"), and a hand-written CUDA kernel (kernels/sm90_gemm.py)
-takes the tensor- and row-scale GEMMs without bias first: `_gemm_plan` keeps it, or with autotuning the faster
-of it and the Triton choice below. Its grouped mode takes the grouped GEMMs with a bf16 output.
+Routes (MEGATRON_INT8_GEMM_KERNEL, dispatch.py): one per architecture. Hopper: a hand-written CUDA kernel
+(kernels/sm90_gemm.py) takes the tensor- and row-scale GEMMs without bias where nvcc builds it; else Triton's
+persistent TMA kernel in one fixed configuration (TMA_TILE), sharing the 16-bit-output GEMMs with K > 4096 with
+a warp-specialized Gluon kernel (kernels/int8_gemm_ws.py). Every other GPU, and what no Hopper kernel takes
+(block scales, K > MAX_EXACT_K): the portable pointer kernel. With "auto" (the default) and autotuning,
+`_gemm_plan` times the CUDA kernel against the Triton choice below and keeps the faster; the CUDA kernel's
+grouped mode takes the grouped GEMMs with a bf16 output.
 
 Triton dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
-device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes and, with
-MEGATRON_INT8_GEMM_KERNEL=auto, times the plain and the TMA kernel; the chosen kernel and config are then
-cached in `_fast`, and later calls launch that kernel and config (grid from their own M) instead of going
-through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the variant selection.
+device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes the plain kernel and, with
+MEGATRON_INT8_GEMM_KERNEL=auto, times it against the TMA kernel (TMA_TILE, not tuned); the chosen kernel and
+config are then cached in `_fast`, and later calls launch that kernel and config (grid from their own M) instead
+of going through `triton.autotune`'s per-call dispatch (key building, pruning, hooks) and the kernel selection.
 On top of that, each exact call signature (shapes, strides, dtypes, alignments, options) gets a plan
 (`_PLANS`): its checks, arguments and launch are worked out once, and later calls only allocate the output
 and call the compiled kernel (`launch.BoundLaunch`, past `JITFunction.run`). Small linears are
@@ -51,7 +54,7 @@ import triton.language as tl
 import triton.testing
 
 from .. import reference as ref
-from ..dispatch import CHOICES, ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, ENV_GEMM_TMA_VARIANT, env_choice, env_flag
+from ..dispatch import ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, env_choice, env_flag
 from . import int8_gemm_ws, sm90_gemm
 from .launch import ARG, LaunchCache, PlanCache, capability, cdiv, next_pow2, num_sms
 from ._tl import SEGMENT_ALIGN
@@ -277,29 +280,6 @@ def epi_split(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
     return 2 if block_m * block_n * out_dtype.itemsize > _EPI_TILE_BYTES else 1
 
 
-def _tma_configs(out_dtype: torch.dtype):
-    """128 x 256 and 256 x 128 tiles take 3 stages: a 4th (48 KB) beside the 64 KB epilogue staging needs
-    ~262 KB of shared memory, over Hopper's 227 KB, so such configs never compile."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "FLATTEN": fl,
-                           "EPI_SPLIT": epi_split(bm, bn, out_dtype)}, num_warps=8, num_stages=st)
-            for bm, bn, stages in ((128, 256, (3,)), (256, 128, (3,)), (128, 128, (3, 4)))
-            for st in stages for fl in (True, False)]
-
-
-def _tma_tuner(out_dtype: torch.dtype):
-    # no restore_value: accumulating calls are tuned on a scratch copy of their buffer (triton_gemm), so
-    # the timed trials do not include a save and restore of the whole fp32 output
-    return triton.autotune(
-        configs=_tma_configs(out_dtype),
-        key=["M", "N", "K", "SCALE_MODE", "HAS_BIAS", "ACCUMULATE", "C_TMA"],
-        do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles),
-    )(_int8_gemm_tma_kernel)
-
-
-# the tile lists differ only in the epilogue split, which depends on the output's element size
-_int8_gemm_tma_tuned = {2: _tma_tuner(torch.bfloat16), 4: _tma_tuner(torch.float32)}
-
-
 def _scratch_alloc(size, alignment, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
@@ -329,7 +309,7 @@ def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
 
 
 class TmaVariant(NamedTuple):
-    """A fixed configuration of the persistent TMA kernel. `epi_split` None: by the output's size (epi_split());
+    """The persistent TMA kernel's fixed configuration. `epi_split` None: by the output's size (epi_split());
     `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
     registers together). `gluon_min_k` not None: GEMMs with K above it go to the warp-specialized Gluon kernel
     (kernels/int8_gemm_ws.py) where it applies (int8_gemm_ws.supports); the rest run this configuration."""
@@ -351,54 +331,20 @@ class TmaVariant(NamedTuple):
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# MEGATRON_INT8_GEMM_TMA_VARIANT: "base" keeps the autotuned config list (tuned calls) and its 128 x 256 tile
-# (untuned calls); any other name is one fixed configuration wherever the TMA kernel runs (untuned calls,
-# MEGATRON_INT8_GEMM_KERNEL=tma, and the TMA candidate that "auto" times against the plain kernel; the CUDA
-# kernel is unaffected). All of them give the same results.
+# The TMA kernel's one configuration, wherever it runs (untuned calls, the Hopper route, and the TMA candidate
+# that "auto" times against the plain kernel; the CUDA kernel is unaffected).
 # Triton 3.6 issues an int8 wgmma synchronously (its pipeliner makes a dot asynchronous only with an fp32
-# accumulator, WGMMAPipeline.cpp "Rule 2.1"; every k-block ends in `warp_group_dot_wait 0`), and its Hopper warp
-# specialization leaves this kernel unchanged at 8 warps. The variants hide that wait in other ways; shared memory
-# per program (sm_90a, triton 3.6, bf16 / fp32 into main_grad) in brackets, checked by
-# tests/kernels/test_compile_targets.py:
-# - base: the tile the package has used: 128 x 256 x 128, 8 warps, 3 stages, one epilogue store (208 / 208 KB).
-#   Untuned launches (MoE experts, whose shapes change with every routing) take it where the operands allow
-#   TMA: the plain kernel's heuristic tile ran Mixtral's expert GEMMs at ~780 TOP/s, BF16's speed.
-# - flat: base with the tile loop flattened into the k loop, so the next tile's loads start during the epilogue.
-# - s4: flat with the epilogue in 4 column sub-tiles, which frees shared memory for a 4th stage (208 / 224 KB).
-# - w16: 256 x 128 tiles on 16 warps (4 warpgroups of 64 x 128, each waiting only for its own wgmmas), 4 stages,
-#   4 epilogue sub-tiles (208 / 224 KB).
-# - duo: 128 x 128 tiles on 4 warps, 3 stages, 2 programs per SM (104 / 112 KB each), so that one
-#   program's waits and epilogue overlap the other's mainloop. On an H100 (d197f8a, bench_triton_gemm.py) it ran
-#   the 42 GEMMs at a median 0.887x the CUDA kernel (base 0.807x, base's tuned list 0.823x) and the wgrads into
-#   main_grad at 0.93x; it trails base only on dgrads with K >= 19456 (0.68-0.73x against 0.83x).
-# - duo8: duo on 8 warps (2 warpgroups of 64 x 128 per program, 4 per SM): ptxas gives the 16-bit-output build
-#   128 registers per thread, exactly what two programs of 256 threads may hold.
-# - auto (the default): duo, but GEMMs with K > int8_gemm_ws.MIN_K and a 16-bit output go to the warp-specialized
-#   Gluon kernel, which issues its wgmmas asynchronously; it is the faster of the two exactly there (its epilogue
-#   is not overlapped, so short k loops lose). On an H100 (72c340d, bench_triton_gemm.py) auto ran the 42 GEMMs at
-#   a median 0.915x the CUDA kernel, duo 0.884x, the Gluon kernel alone 0.858x.
-# - ws: the Gluon kernel wherever it applies (the rest as duo).
-_DUO = TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
-TMA_VARIANTS = {
-    "auto": _DUO._replace(gluon_min_k=int8_gemm_ws.MIN_K),
-    "ws": _DUO._replace(gluon_min_k=0),
-    "duo": _DUO,
-    "base": TmaVariant(128, 256, 128, 8, 3, False, None),
-    "flat": TmaVariant(128, 256, 128, 8, 3, True, None),
-    "s4": TmaVariant(128, 256, 128, 8, 4, True, 4),
-    "w16": TmaVariant(256, 128, 128, 16, 4, True, 4),
-    "duo8": TmaVariant(128, 128, 128, 8, 3, True, 4, programs_per_sm=2),
-}
-assert tuple(TMA_VARIANTS) == CHOICES[ENV_GEMM_TMA_VARIANT], "dispatch.CHOICES lists the variants"
-
-
-def tma_variant(grouped: bool = False) -> TmaVariant:
-    """The TMA kernel's fixed configuration (MEGATRON_INT8_GEMM_TMA_VARIANT). A grouped GEMM's tile must not span
-    two experts' row segments: a variant with taller tiles than SEGMENT_ALIGN runs grouped GEMMs on base's."""
-    variant = TMA_VARIANTS[env_choice(ENV_GEMM_TMA_VARIANT)]
-    if grouped and ref.SEGMENT_ALIGN % variant.block_m:
-        return TMA_VARIANTS["base"]
-    return variant
+# accumulator, WGMMAPipeline.cpp "Rule 2.1"; every k-block ends in `warp_group_dot_wait 0`). Two ways hide that
+# wait: 128 x 128 x 128 tiles on 4 warps, 3 stages, the tile loop flattened into the k loop, the epilogue in 4
+# column sub-tiles, 2 programs per SM (104 / 112 KB of shared memory each, bf16 / fp32 into main_grad; checked by
+# tests/kernels/test_compile_targets.py), so that one program's waits and epilogue overlap the other's mainloop;
+# and GEMMs with K > int8_gemm_ws.MIN_K and a 16-bit output go to the warp-specialized Gluon kernel, which issues
+# its wgmmas asynchronously and is the faster of the two exactly there (its epilogue is not overlapped, so short
+# k loops lose). On an H100 (72c340d, that commit's benchmarks/bench_triton_gemm.py) this pair ran the 42 GEMMs at
+# a median 0.915x the CUDA kernel; the other configurations measured then are in docs/history.md.
+TMA_TILE = TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K)
+# a grouped GEMM's tile must not span two experts' row segments
+assert ref.SEGMENT_ALIGN % TMA_TILE.block_m == 0, "TMA_TILE's rows must divide SEGMENT_ALIGN"
 
 
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
@@ -462,7 +408,7 @@ def triton_gemm(
 
     autotune=False (or MEGATRON_INT8_GEMM_AUTOTUNE=0): no tuning or timing; the CUDA sm_90a kernel where it
     applies (kernels/sm90_gemm.py), else one fixed tile of the persistent TMA kernel where the operands allow it
-    (MEGATRON_INT8_GEMM_KERNEL=plain: the plain kernel), else of the plain kernel.
+    (MEGATRON_INT8_GEMM_KERNEL=portable: the plain kernel), else of the plain kernel.
     Host cost: checks, kernel choice and launch arguments are worked out once per plan key (every tensor's
     shape, strides, dtype and 16-byte alignment, the options); later calls with that key allocate the
     output and call the bound launch (launch.BoundLaunch)."""
@@ -475,7 +421,7 @@ def triton_gemm(
            None if accumulate_into is None else (accumulate_into.shape, accumulate_into.stride(),
                                                  accumulate_into.dtype, accumulate_into.data_ptr() % 16),
            None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() % 16),
-           tuned, env_choice(ENV_GEMM_KERNEL), env_choice(ENV_GEMM_TMA_VARIANT), ref.MAX_EXACT_K)
+           tuned, env_choice(ENV_GEMM_KERNEL), ref.MAX_EXACT_K)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -494,7 +440,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
         return lambda a, b, bias, acc, out: ref.gemm(a, b, out_dtype=out_dtype, bias=bias, accumulate_into=acc,
                                                      out=out)
     which = env_choice(ENV_GEMM_KERNEL)
-    cuda_ok = _use_cuda(which, lambda: sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out), "operands")
+    cuda_ok = _use_cuda(which, lambda: sm90_gemm.supports(a, b, bias, out_dtype, accumulate_into, out))
     CHOSEN[(M, N, K)] = "triton"
     if not cuda_ok:
         return _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -504,7 +450,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     def cuda_run(a, b, bias, accumulate_into, out):
         return cuda_launch(a, b, accumulate_into, out)
 
-    if which == "cuda" or not tuned:
+    if which == "hopper" or not tuned:
         run = cuda_run
     else:
         triton_run = _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out)
@@ -514,14 +460,18 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     return run
 
 
-def _use_cuda(which: str, supported: Callable[[], bool], what: str) -> bool:
-    """Whether a GEMM goes to the CUDA kernel: MEGATRON_INT8_GEMM_KERNEL `which` is "auto" or "cuda" and the
-    kernel takes the operands (`supported()`) and is available; "cuda" raises where it cannot."""
-    ok = which in ("auto", "cuda") and not _INTERPRET and supported() and sm90_gemm.available()
-    if which == "cuda" and not ok:
-        raise ValueError(f"{ENV_GEMM_KERNEL}=cuda: the CUDA kernel does not take these {what} or is unavailable "
-                         f"({sm90_gemm.unavailable_reason() or 'outside its contract: see sm90_gemm'})")
-    return ok
+def _use_cuda(which: str, supported: Callable[[], bool]) -> bool:
+    """Whether a GEMM goes to the CUDA kernel: MEGATRON_INT8_GEMM_KERNEL `which` is "auto" or "hopper" and the
+    kernel takes the operands (`supported()`) and is available (else the Hopper route is Triton's TMA pair)."""
+    return which in ("auto", "hopper") and not _INTERPRET and supported() and sm90_gemm.available()
+
+
+def _no_hopper_kernel(tma_ok: bool) -> None:
+    """MEGATRON_INT8_GEMM_KERNEL=hopper asks for the Hopper kernels only: raise where none takes the GEMM."""
+    if not tma_ok:
+        raise ValueError(f"{ENV_GEMM_KERNEL}=hopper: no Hopper kernel takes this GEMM (they need an sm_90 GPU, "
+                         "tensor or row scales, K <= MAX_EXACT_K and 16-byte-aligned operands); unset it (auto) "
+                         "to run the portable kernel here")
 
 
 def _fastest(candidates: dict, optional=()):
@@ -532,7 +482,7 @@ def _fastest(candidates: dict, optional=()):
         try:
             fn()
             times[name] = triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
-        except Exception:  # noqa: BLE001  (e.g. a Triton variant that fails to compile is simply not chosen)
+        except Exception:  # noqa: BLE001  (e.g. a Triton kernel that fails to compile is simply not chosen)
             if name not in optional:
                 raise
     return min(times, key=times.get)
@@ -634,18 +584,18 @@ def _tma_args(args, nb: int) -> tuple:
 
 
 def _untuned_launch(args, meta, tma_ok: bool, nb: int):
-    """(cache, grid, arguments, keywords) of one fixed tile, no tuning (one compile per variant): the
-    persistent TMA kernel where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=plain: never), else the
+    """(cache, grid, arguments, keywords) of one fixed tile, no tuning (one compile per kernel): the
+    persistent TMA kernel where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=portable: never), else the
     plain kernel; 16 x 16 tiles in the interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
     M, N = args[6], args[7]
     if _INTERPRET:
         return _GEMM_PLAIN, (cdiv(M, 16) * cdiv(N, 16),), args, dict(meta, BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
     which = env_choice(ENV_GEMM_KERNEL)
-    if which == "tma" and not tma_ok:
-        raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+    if which == "hopper":
+        _no_hopper_kernel(tma_ok)
     c_dtype = args[2].dtype
-    if tma_ok and which != "plain":
-        return _variant_launch(args, meta, nb)
+    if tma_ok and which != "portable":
+        return _tma_tile_launch(args, meta, nb)
     # fp32 outputs leave the plain kernel through registers: beside a 128 x 256 accumulator, the loaded
     # fp32 tile of `accumulate_into` doubles the registers per thread (Mixtral fc1 wgrad: 198 TOP/s);
     # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
@@ -655,19 +605,18 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
                                                                   num_warps=8, num_stages=3)
 
 
-def _variant_launch(args, meta, nb: int):
-    """(cache, grid, arguments, keywords) of the persistent TMA kernel in the selected fixed configuration, or
+def _tma_tile_launch(args, meta, nb: int):
+    """(cache, grid, arguments, keywords) of the persistent TMA kernel in its fixed configuration (TMA_TILE), or
     of the Gluon kernel where the configuration hands it this GEMM (TmaVariant.gluon_min_k)."""
     _ensure_allocator()
     grouped = meta.get("GROUPED", False)
-    variant = tma_variant(grouped)
     M, N, K, c = args[6], args[7], args[8], args[2]
-    if (variant.gluon_min_k is not None and K > variant.gluon_min_k
+    if (TMA_TILE.gluon_min_k is not None and K > TMA_TILE.gluon_min_k
             and int8_gemm_ws.supports(c, meta["HAS_BIAS"], meta["ACCUMULATE"], grouped)):
         opts = int8_gemm_ws.launch_options(meta["SCALE_MODE"])
         tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
         return _GEMM_WS, (min(num_sms(args[0].device), tiles),), _tma_args(args, nb), opts
-    opts = variant.launch_options(c.dtype, num_sms(args[0].device))
+    opts = TMA_TILE.launch_options(c.dtype, num_sms(args[0].device))
     tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
     return _GEMM_TMA, (min(opts["NUM_SMS"], tiles),), _tma_args(args, nb), dict(
         opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
@@ -676,59 +625,46 @@ def _variant_launch(args, meta, nb: int):
 
 def _tuned_launch(args, meta, M, N, K, c, tma_ok):
     """(cache, grid, arguments, keywords) of the kernel and config selected for this dispatch key: the
-    first call per key autotunes (on a scratch copy of c) and, with MEGATRON_INT8_GEMM_KERNEL=auto, times
-    the plain and the TMA kernel."""
+    first call per key autotunes the plain kernel (on a scratch copy of c) and, with
+    MEGATRON_INT8_GEMM_KERNEL=auto, times it against the TMA kernel."""
     which = env_choice(ENV_GEMM_KERNEL)
     # operand strides are kernel arguments (the JIT specializes them itself): not part of the key
-    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, env_choice(ENV_GEMM_TMA_VARIANT),
-                *meta.values())
+    fast_key = (*dispatch_buckets(M, N, K), c.dtype, args[0].device, tma_ok, which, *meta.values())
     selected = _fast.get(fast_key)
     if selected is None:
         launch_plain, launch_tma = _launchers(args, meta, M, N, tma_ok)
-        if which == "tma" and launch_tma is None:
-            raise ValueError("MEGATRON_INT8_GEMM_KERNEL=tma: operands not eligible for the TMA kernel")
+        if which == "hopper":
+            _no_hopper_kernel(launch_tma is not None)
         # autotuning runs every trial on a scratch copy (accumulate_into must be added into exactly once)
         if which == "auto" and launch_tma is not None:
             which = _pick(launch_plain, launch_tma, c)
         else:
-            which = "tma" if which == "tma" else "plain"
+            which = "tma" if which == "hopper" else "plain"
             (launch_tma if which == "tma" else launch_plain)(c.clone() if meta["ACCUMULATE"] else torch.empty_like(c))
-        selected = _fast[fast_key] = _selected_config(which == "tma", meta, N, args[0].device, c.dtype)
+        selected = _fast[fast_key] = _selected_config(which == "tma", meta, N)
     return selected(args)
 
 
-def _selected_config(tma: bool, meta, N, device, c_dtype):
-    """select(args) -> (cache, grid, arguments, keywords) of the config the autotuner just used for this
-    key (its `best_config`), for calls that may differ in M within the bucket (args[6] sets the grid).
+def _selected_config(tma: bool, meta, N):
+    """select(args) -> (cache, grid, arguments, keywords) of the kernel chosen for this key: the TMA kernel's
+    fixed configuration, or the config the autotuner just used for the plain kernel (its `best_config`), for
+    calls that may differ in M within the bucket (args[6] sets the grid).
     Its `kernel` attribute names the kernel ("plain" or "tma"), for benchmarks to report."""
-    variant = env_choice(ENV_GEMM_TMA_VARIANT)
-    if tma and variant != "base":  # a fixed configuration
+    if tma:
 
-        def select_variant(args):
-            return _variant_launch(args, meta, N)
+        def select_tma(args):
+            return _tma_tile_launch(args, meta, N)
 
-        select_variant.kernel = f"tma {variant}"
-        return select_variant
-    tuner = _int8_gemm_tma_tuned[c_dtype.itemsize] if tma else _int8_gemm_tuned
-    kw = dict(tuner.best_config.all_kwargs())
+        select_tma.kernel = "tma"
+        return select_tma
+    kw = dict(_int8_gemm_tuned.best_config.all_kwargs())
     BM, n_tiles = kw["BLOCK_M"], cdiv(N, kw["BLOCK_N"])
-    if not tma:
-        kw.update(meta)
-
-        def select(args):
-            return _GEMM_PLAIN, (cdiv(args[6], BM) * n_tiles,), args, kw
-
-        select.kernel = "plain"
-        return select
-    n_sms = num_sms(device)
-    kw.update(SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
-              C_TMA=True, NUM_SMS=n_sms)
+    kw.update(meta)
 
     def select(args):
-        _ensure_allocator()
-        return _GEMM_TMA, (min(n_sms, cdiv(args[6], BM) * n_tiles),), _tma_args(args, N), kw
+        return _GEMM_PLAIN, (cdiv(args[6], BM) * n_tiles,), args, kw
 
-    select.kernel = "tma"
+    select.kernel = "plain"
     return select
 
 
@@ -740,7 +676,7 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     BLOCK_M-row tile (BLOCK_M divides SEGMENT_ALIGN) looks up its expert in Segments.strip_experts and
     uses that expert's N rows of b and of its scales; rows of empty segments do not exist. On Hopper the
     CUDA kernel's grouped mode takes bf16 outputs (sm90_gemm.sm90_grouped_gemm; MEGATRON_INT8_GEMM_KERNEL
-    "plain" or "tma" keeps Triton). Triton: a fixed tile, no autotuning (the token counts change with every
+    "portable" keeps Triton). Triton: a fixed tile, no autotuning (the token counts change with every
     routing), the persistent TMA kernel where the operands allow it, else the plain kernel. K > MAX_EXACT_K:
     the plain kernel's exact split contraction (int32 chunks summed in fp32), as triton_gemm."""
     ref.check_grouped_operands(a, b, segments)
@@ -748,8 +684,7 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     E, N, _ = b.data.shape
     if R == 0 or N == 0 or K == 0:
         return ref.grouped_gemm(a, b, segments, out_dtype=out_dtype)
-    if _use_cuda(env_choice(ENV_GEMM_KERNEL), lambda: sm90_gemm.supports_grouped(a, b, out_dtype),
-                 "grouped operands"):
+    if _use_cuda(env_choice(ENV_GEMM_KERNEL), lambda: sm90_gemm.supports_grouped(a, b, out_dtype)):
         return sm90_gemm.sm90_grouped_gemm(a, b, segments, out_dtype=out_dtype)
     c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
     ad, bd, sb = a.data, b.data.reshape(E * N, K), b.scale.reshape(E * N)
@@ -765,21 +700,21 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     return c
 
 
-def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, block_m: int, block_n: int,
-                    accumulate: bool, c_tma: bool = True) -> None:
-    """One launch of the persistent TMA kernel at a given tile (tensor or row scales, no bias), writing or
-    adding (`accumulate`) into c: for the benchmark and tests that compare tiles and epilogues; the
-    package's own launches pick their tile themselves."""
+def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, accumulate: bool,
+                    c_tma: bool = True) -> None:
+    """One launch of the persistent TMA kernel in its configuration (TMA_TILE; tensor or row scales, no bias),
+    writing or adding (`accumulate`) into c. c_tma False: the pointer epilogue, which the GPU tests compare the
+    TMA store and reduce-add with; the package's own launches always take C_TMA."""
     M, K = a.data.shape
     N = b.data.shape[0]
-    n_sms = num_sms(c.device)
+    opts = TMA_TILE.launch_options(c.dtype, num_sms(c.device))
+    if not c_tma:
+        opts["EPI_SPLIT"] = 1
     _ensure_allocator()
-    _int8_gemm_tma_kernel[(min(n_sms, cdiv(M, block_m) * cdiv(N, block_n)),)](
+    _int8_gemm_tma_kernel[(min(opts["NUM_SMS"], cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])),)](
         a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,
         SCALE_MODE=_SCALE_TENSOR if a.granularity == "tensor" else _SCALE_ROW, HAS_BIAS=False,
-        ACCUMULATE=accumulate, C_TMA=c_tma, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8,
-        NUM_SMS=n_sms, FLATTEN=False, EPI_SPLIT=epi_split(block_m, block_n, c.dtype) if c_tma else 1,
-        num_warps=8, num_stages=3)
+        ACCUMULATE=accumulate, C_TMA=c_tma, **opts)
 
 
 def _launchers(args, meta, M, N, tma_ok):
@@ -789,26 +724,18 @@ def _launchers(args, meta, M, N, tma_ok):
 
     if not tma_ok:
         return plain, None
-    n_sms = num_sms(args[0].device)
-    variant = env_choice(ENV_GEMM_TMA_VARIANT)
 
-    def tma(out):
+    def tma(out):  # the fixed configuration: launched, not tuned
         _ensure_allocator()
-        if variant != "base":  # a fixed configuration: launched, not tuned
-            cache, grid, launch_args, kw = _variant_launch(args[:2] + (out,) + args[3:], meta, N)
-            cache.launch(grid, *launch_args, **kw)
-            return
-        grid = lambda m: (min(n_sms, cdiv(M, m["BLOCK_M"]) * cdiv(N, m["BLOCK_N"])),)  # noqa: E731
-        _int8_gemm_tma_tuned[out.element_size()][grid](
-            *_tma_args(args[:2] + (out,) + args[3:], N), SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"],
-            ACCUMULATE=meta["ACCUMULATE"], C_TMA=True, NUM_SMS=n_sms)
+        cache, grid, launch_args, kw = _tma_tile_launch(args[:2] + (out,) + args[3:], meta, N)
+        cache.launch(grid, *launch_args, **kw)
 
     return plain, tma
 
 
 def _pick(launch_plain, launch_tma, c) -> str:
-    """Autotune and time both kernels once per shape on a scratch copy of the output; keep the faster (a
-    TMA variant that fails to compile is not chosen)."""
+    """Autotune the plain kernel and time both once per shape on a scratch copy of the output; keep the faster
+    (a TMA kernel that fails to compile is not chosen)."""
     scratch = _scratch_like(c)
     return _fastest({"plain": functools.partial(launch_plain, scratch), "tma": functools.partial(launch_tma, scratch)},
                     optional=("tma",))

@@ -10,7 +10,7 @@ next ones issue. Gluon states the schedule explicitly:
   previous k-block's slot back through `empty`; so one wgmma group runs while the next is issued;
 - the tile loop is persistent (one program per SM, group-M order, as the TMA kernel's).
 Its epilogue is not overlapped with the next tile's wgmmas: it pays off where the k loop is long
-(`MIN_K`), and the dispatch (int8_gemm.TMA_VARIANTS["auto"]) keeps the Triton `duo` tile below that.
+(`MIN_K`), and the dispatch (int8_gemm.TMA_TILE) keeps the Triton TMA kernel below that.
 
 Contract (`supports`): sm_90 (wgmma), tensor or row scales, no bias, no grouped GEMM, a bf16 or fp16
 output (an fp32 tile beside the accumulator spills registers: wgrads into main_grad stay on the TMA kernel's

@@ -61,9 +61,10 @@ def test_a_repeated_header_cell_keeps_both_values():
 def test_the_command_names_the_settings_that_change_what_runs(monkeypatch):
     for name in [k for k in os.environ if k.startswith("MEGATRON_INT8_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "plain")
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "portable")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("HOME", "/elsewhere")  # not recorded
     command = common.provenance()["command"]
-    assert command.startswith("MEGATRON_INT8_GEMM_KERNEL=plain PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 ")
+    assert command.startswith("MEGATRON_INT8_GEMM_KERNEL=portable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                              "python3 ")
     assert "HOME" not in command

@@ -16,8 +16,8 @@ Where the kernels fall back on Ampere:
 - Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
 - The Gluon GEMM (int8_gemm_ws.py) is Hopper's alone (its wgmmas are written out): compiled for sm_90a only, and
   launched only on capability 9.
-On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; each `TMA_VARIANTS` entry is
-compiled for it too, and its shared memory must fit one program (or `programs_per_sm` of them) per SM.
+On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; its configuration (`TMA_TILE`) is
+compiled for it too, and its shared memory must fit `programs_per_sm` programs per SM.
 
 The compiles take a few seconds each: 25-30 s of CPU for the file (triton 3.6 and 3.9), 80-100 s of wall time on
 a shared 2-core machine, hence `slow`. Triton's cache makes a second run quick.
@@ -135,18 +135,17 @@ TMA_OUTPUTS = [("bf16", False, 0), ("fp32", True, 1)]
 def test_tma_gemm_compiles_for_ampere_without_hopper_instructions(out, accumulate, scale_mode):
     """The dispatch never launches the TMA kernel below capability 9, but it compiles there: its descriptors
     become pointer accesses."""
-    constexprs, warps, stages = _tma_constexprs(G.TMA_VARIANTS["base"], out, accumulate, scale_mode)
+    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, out, accumulate, scale_mode)
     ptx = assert_code_for(compile_for(AMPERE, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps,
                                       stages), AMPERE)
     assert "mma.sync.aligned" in ptx
 
 
-@pytest.mark.parametrize("name", list(G.TMA_VARIANTS))
 @pytest.mark.parametrize("out,accumulate,scale_mode", TMA_OUTPUTS)
-def test_tma_variants_compile_for_hopper_and_fit(name, out, accumulate, scale_mode):
-    """Each MEGATRON_INT8_GEMM_TMA_VARIANT: bulk-tensor loads, wgmma, a TMA store (or reduce-add into
-    main_grad), and shared memory for one program, or for `programs_per_sm` of them on one SM."""
-    variant = G.TMA_VARIANTS[name]
+def test_tma_tile_compiles_for_hopper_and_fits(out, accumulate, scale_mode):
+    """The TMA kernel's configuration (TMA_TILE): bulk-tensor loads, wgmma, a TMA store (or reduce-add into
+    main_grad), and shared memory for `programs_per_sm` programs on one SM."""
+    variant = G.TMA_TILE
     constexprs, warps, stages = _tma_constexprs(variant, out, accumulate, scale_mode)
     compiled = compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps, stages)
     ptx = assert_code_for(compiled, HOPPER)
@@ -154,12 +153,12 @@ def test_tma_variants_compile_for_hopper_and_fit(name, out, accumulate, scale_mo
     assert "cp.async.bulk.tensor" in ptx
     assert ("cp.reduce.async.bulk.tensor" in ptx) == accumulate
     shared = compiled.metadata.shared
-    assert shared <= HOPPER_MAX_SHARED_PER_BLOCK, f"{name}: {shared} bytes of shared memory"
-    assert variant.programs_per_sm * (shared + RESERVED_PER_BLOCK) <= HOPPER_SHARED_PER_SM, (name, shared)
+    assert shared <= HOPPER_MAX_SHARED_PER_BLOCK, f"{shared} bytes of shared memory"
+    assert variant.programs_per_sm * (shared + RESERVED_PER_BLOCK) <= HOPPER_SHARED_PER_SM, shared
 
 
 def test_grouped_tma_gemm_compiles_for_hopper():
-    constexprs, warps, stages = _tma_constexprs(G.TMA_VARIANTS["base"], "bf16", False, 1, grouped=True)
+    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, "bf16", False, 1, grouped=True)
     assert_code_for(compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers("bf16"), constexprs, warps, stages),
                     HOPPER)
 

@@ -4,8 +4,9 @@ Its epilogue does the reference's fp32 operations in its order ((acc * sa) * sb,
 accumulation, so every bf16/fp16 output must equal the reference backend's bit for bit, as the CUDA kernel's does.
 Operands are quantized from fresh heavy-tailed data with outliers; ragged M, N and K exercise the TMA boxes'
 zero fill and the masked stores, a tiny GEMM a box larger than the tensor, a long K many passes over the ring,
-and a column slice a strided operand (an MoE expert's wgrad operand). The dispatch checks: `auto` sends exactly
-the GEMMs with K > MIN_K and a 16-bit output without bias to the Gluon kernel, and keeps the others on `duo`.
+and a column slice a strided operand (an MoE expert's wgrad operand); `gluon_everywhere` hands it every GEMM it
+can take (a test-only TMA_TILE), short K included. The dispatch check: TMA_TILE sends exactly the GEMMs with
+K > MIN_K and a 16-bit output without bias to the Gluon kernel, and keeps the others on the Triton TMA kernel.
 
     python3 -m pytest -q tests/kernels/test_int8_gemm_ws_gpu.py
 """
@@ -13,7 +14,7 @@ import importlib
 
 import pytest
 import torch
-from test_kernels_gpu import _kw, outliers
+from test_kernels_gpu import _kw, outliers, use_gemm_route
 
 pytestmark = pytest.mark.gpu
 
@@ -31,17 +32,23 @@ def launches(monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs compute capability 9.0 (wgmma)")
     assert WS.KERNEL is not None, WS.unavailable_reason()
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "tma")
+    use_gemm_route(monkeypatch, "triton-hopper")
     kinds = []
-    launch = G._variant_launch
+    launch = G._tma_tile_launch
 
     def recording(args, meta, nb):
         cache, grid, launch_args, kw = launch(args, meta, nb)
         kinds.append("ws" if cache is G._GEMM_WS else "tma")
         return cache, grid, launch_args, kw
 
-    monkeypatch.setattr(G, "_variant_launch", recording)
+    monkeypatch.setattr(G, "_tma_tile_launch", recording)
     return kinds
+
+
+@pytest.fixture
+def gluon_everywhere(monkeypatch):
+    """TMA_TILE handing the Gluon kernel every GEMM it takes, whatever K (the package's hands it K > MIN_K)."""
+    monkeypatch.setattr(G, "TMA_TILE", G.TMA_TILE._replace(gluon_min_k=0))
 
 
 def _operands(M, N, K, granularity):
@@ -54,8 +61,8 @@ def _operands(M, N, K, granularity):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("autotune", [False, True])
-def test_gluon_gemm_is_bit_identical_to_reference(launches, monkeypatch, granularity, out_dtype, M, N, K, autotune):
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "ws")
+def test_gluon_gemm_is_bit_identical_to_reference(launches, gluon_everywhere, granularity, out_dtype, M, N, K,
+                                                  autotune):
     qa, qb = _operands(M, N, K, granularity)
     got = G.triton_gemm(qa, qb, out_dtype=out_dtype, autotune=autotune)
     want = REF.gemm(qa, qb, out_dtype=out_dtype)
@@ -63,9 +70,8 @@ def test_gluon_gemm_is_bit_identical_to_reference(launches, monkeypatch, granula
     assert torch.equal(got, want), f"{(got.float() - want.float()).abs().max().item()} off"
 
 
-def test_gluon_gemm_takes_strided_operands_and_out(launches, monkeypatch):
+def test_gluon_gemm_takes_strided_operands_and_out(launches, gluon_everywhere):
     """A column slice of a wider int8 matrix (16-byte aligned row stride), written into rows of a larger output."""
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "ws")
     M, N, K = 512, 768, 4224
     wide_a, wide_b = _operands(M, N, K + 256, "row")
     # a contraction slice of quantized operands: the scales stay those of the whole rows, as any scales would do
@@ -79,9 +85,8 @@ def test_gluon_gemm_takes_strided_operands_and_out(launches, monkeypatch):
     assert set(launches) == {"ws"}, launches
 
 
-def test_auto_sends_long_k_16_bit_gemms_to_gluon(launches, monkeypatch):
-    """`auto`, the default: the Gluon kernel for K > MIN_K with a 16-bit output and no bias; duo otherwise."""
-    monkeypatch.delenv("MEGATRON_INT8_GEMM_TMA_VARIANT", raising=False)
+def test_tma_tile_sends_long_k_16_bit_gemms_to_gluon(launches):
+    """TMA_TILE: the Gluon kernel for K > MIN_K with a 16-bit output and no bias; the Triton TMA kernel otherwise."""
     long_k, short_k = _operands(256, 512, WS.MIN_K + 16, "row"), _operands(256, 512, WS.MIN_K, "row")
     cases = [(long_k, dict(out_dtype=torch.bfloat16), "ws"), (short_k, dict(out_dtype=torch.bfloat16), "tma"),
              (long_k, dict(out_dtype=torch.float32), "tma"),

@@ -64,6 +64,20 @@ def ref_gemm(REF, qa, qb, **kw):
     return REF.gemm(_to(qa, "cpu"), _to(qb, "cpu"), **kw).cuda()
 
 
+def use_gemm_route(monkeypatch, route: str) -> None:
+    """MEGATRON_INT8_GEMM_KERNEL=`route`; "triton-hopper": the Hopper route with the CUDA kernel made unavailable,
+    i.e. Triton's TMA and Gluon kernels as a Hopper without nvcc runs them, with fresh plan and dispatch caches
+    (their keys hold the variable, not the CUDA kernel's availability)."""
+    from megatron_int8.kernels import int8_gemm as G
+    from megatron_int8.kernels.launch import PlanCache
+
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "hopper" if route == "triton-hopper" else route)
+    if route == "triton-hopper":
+        monkeypatch.setattr(G.sm90_gemm, "available", lambda: False)
+        monkeypatch.setattr(G, "_PLANS", PlanCache(64))
+        monkeypatch.setattr(G, "_fast", {})
+
+
 def _kw(g, weight, block_size=128, **kw):
     return dict(granularity=g, block_size=block_size, weight=weight, **kw)
 
@@ -255,7 +269,7 @@ def test_gemm_autotuned_path(K, REF, granularity, M, N, Kd, monkeypatch):
     assert_gemm_close(buf, want, _mag(qa, qb, REF) + main.abs(), f"autotuned {granularity} accumulate", nkb + 1)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "plain"])
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("M,N,Kd", [(1037, 14336, 4096), (4096, 1536, 1040), (3, 4096, 1040)])
 def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monkeypatch):
@@ -264,7 +278,7 @@ def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monke
     main_grad), and an expert with 3 tokens."""
     from megatron_int8.kernels import int8_gemm as G
 
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    use_gemm_route(monkeypatch, kernel)
     qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
     mag = _mag(qa, qb, REF)
@@ -284,13 +298,13 @@ def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monke
     assert len(G._fast) == n, "an untuned call must not autotune or cache a tuned launcher"
 
 
-@pytest.mark.parametrize("kernel", ["auto", "plain", "tma"])
+@pytest.mark.parametrize("kernel", ["auto", "portable", "triton-hopper"])
 def test_gemm_cached_dispatch(K, REF, kernel, monkeypatch):
     """Calls after the first (autotuned) one launch the cached kernel/config directly: same results."""
     from megatron_int8.kernels import int8_gemm as G
 
     monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    use_gemm_route(monkeypatch, kernel)
     M, N, Kd = 2048, 1536, 1024
     qa, _ = REF.quantize(outliers(M, Kd), **_kw("tensor", False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw("tensor", True, rowwise=True, columnwise=False))
@@ -315,7 +329,7 @@ def test_gemm_cached_dispatch(K, REF, kernel, monkeypatch):
 @pytest.mark.parametrize("M,N,Kd", [(8192, 4096, 4096), (1000, 1544, 784), (4100, 264, 4224)])
 def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
     monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "tma")
+    use_gemm_route(monkeypatch, "triton-hopper")
     qa, _ = REF.quantize(outliers(M, Kd), **_kw(granularity, False, rowwise=True, columnwise=False))
     qb, _ = REF.quantize(outliers(N, Kd), **_kw(granularity, True, rowwise=True, columnwise=False))
     mag = _mag(qa, qb, REF)
@@ -333,12 +347,11 @@ def test_gemm_tma_persistent_forced(K, REF, granularity, M, N, Kd, monkeypatch):
     assert_gemm_close(buf, want, mag + main.abs(), f"tma {granularity} accumulate_into", 2)
 
 
-@pytest.mark.parametrize("BM,BN", [(128, 128), (128, 256), (256, 128)])
 @pytest.mark.parametrize("M,N,Kd", [(4096, 4096, 8192), (1000, 1544, 784)])
-def test_tma_reduce_add_epilogue(K, REF, BM, BN, M, N, Kd):
-    """The wgrad's TMA reduce-add into main_grad at the real tiles (fp32 128 x 256 and 256 x 128 tiles leave
-    in two column halves): within fp32 rounding of the reference and of the pointer epilogue (which may
-    contract the last multiply-add), bit-identical when repeated, and twice the product when run twice."""
+def test_tma_reduce_add_epilogue(K, REF, M, N, Kd):
+    """The wgrad's TMA reduce-add into main_grad in TMA_TILE's configuration (4 column sub-tiles, 2 programs per
+    SM): within fp32 rounding of the reference and of the pointer epilogue (which may contract the last
+    multiply-add), bit-identical when repeated, and twice the product when run twice."""
     from megatron_int8.kernels import int8_gemm as G
 
     qa, _ = REF.quantize(outliers(M, Kd), **_kw("row", False, rowwise=True, columnwise=False))
@@ -347,17 +360,17 @@ def test_tma_reduce_add_epilogue(K, REF, BM, BN, M, N, Kd):
     main = torch.randn(M, N, device="cuda") * mag.mean()
 
     def launch(buf, c_tma):
-        G.launch_tma_tile(qa, qb, buf, block_m=BM, block_n=BN, accumulate=True, c_tma=c_tma)
+        G.launch_tma_tile(qa, qb, buf, accumulate=True, c_tma=c_tma)
         return buf
 
     want = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
     got = launch(main.clone(), True)
-    assert_gemm_close(got, want, mag + main.abs(), f"reduce-add {BM}x{BN}", 2)
-    assert_gemm_close(got, launch(main.clone(), False), mag + main.abs(), f"reduce-add vs pointer {BM}x{BN}", 2)
+    assert_gemm_close(got, want, mag + main.abs(), "reduce-add", 2)
+    assert_gemm_close(got, launch(main.clone(), False), mag + main.abs(), "reduce-add vs pointer", 2)
     assert torch.equal(got, launch(main.clone(), True)), "the reduce-add must be deterministic"
     twice = launch(launch(main.clone(), True), True)
     want2 = ref_gemm(REF, qa, qb, out_dtype=torch.float32, accumulate_into=want.clone())
-    assert_gemm_close(twice, want2, 2 * mag + main.abs(), f"reduce-add twice {BM}x{BN}", 4)
+    assert_gemm_close(twice, want2, 2 * mag + main.abs(), "reduce-add twice", 4)
 
 
 def test_tma_kernel_on_autograd_thread(K, monkeypatch):
@@ -365,7 +378,7 @@ def test_tma_kernel_on_autograd_thread(K, monkeypatch):
     from megatron_int8 import Int8Recipe, int8_linear
 
     monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "tma")
+    use_gemm_route(monkeypatch, "triton-hopper")
 
     x = outliers(4096, 1024).requires_grad_(True)
     w = (outliers(2048, 1024) * 0.02).requires_grad_(True)
@@ -578,14 +591,14 @@ def check_grouped_gemm(K, REF, qa, qb, seg, what):
     assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 4 * EPS * mag).all(), what
 
 
-@pytest.mark.parametrize("kernel", ["auto", "plain"])
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
 @pytest.mark.parametrize("N,Kd", [(28672, 4096), (4096, 14336), (14336, 4096), (4096, 28672)])
 def test_grouped_gemm_mixtral_shapes(K, REF, kernel, N, Kd, monkeypatch):
     """Mixtral's expert GEMMs (fc1/fc2 fprop and dgrad, 8 experts, 8192 skewed routed tokens) in one launch:
     the persistent TMA kernel ("auto": the operands are eligible) and the plain kernel."""
     from megatron_int8.kernels import int8_gemm as G
 
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    use_gemm_route(monkeypatch, kernel)
     x, seg = moe_input(mixtral_counts(), Kd)
     qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
     del x
@@ -622,7 +635,7 @@ def test_wgrad_on_column_slices(K, REF, autotune, monkeypatch):
     from megatron_int8.kernels import int8_gemm as G
 
     monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "auto" if not autotune else "tma")
+    use_gemm_route(monkeypatch, "auto" if not autotune else "triton-hopper")
     counts = mixtral_counts() if not autotune else [700, 0, 1300]
     n_out, n_in = (4096, 14336) if not autotune else (1536, 1024)
     dy, seg = moe_input(counts, n_out)

@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from test_kernels_gpu import RAGGED_COUNTS, _kw, mixtral_counts, moe_input, outliers, stacked_weights
+from test_kernels_gpu import RAGGED_COUNTS, _kw, mixtral_counts, moe_input, outliers, stacked_weights, use_gemm_route
 
 pytestmark = pytest.mark.gpu
 
@@ -100,8 +100,9 @@ def test_contract_checks(S, REF):
 
 
 def test_dispatch(S, REF, monkeypatch):
-    """triton_gemm takes the CUDA kernel where it applies ('cuda' forces it and refuses what it cannot
-    take); 'auto' keeps the faster of it and Triton; both are bit-identical to the reference."""
+    """triton_gemm takes the CUDA kernel where it applies ('hopper' without timing, and Triton's TMA kernel for
+    what it cannot take; nothing where no Hopper kernel applies); 'auto' keeps the faster of it and Triton; both
+    are bit-identical to the reference."""
     from megatron_int8.kernels import triton_gemm
 
     calls = []
@@ -109,12 +110,12 @@ def test_dispatch(S, REF, monkeypatch):
     monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
     qa, qb = operands(REF, "row", 2048, 1536, 1024)
     want = REF.gemm(qa, qb, out_dtype=torch.bfloat16)
-    for kernel in ("cuda", "auto"):
-        monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", kernel)
+    for kernel in ("hopper", "auto"):
+        use_gemm_route(monkeypatch, kernel)
         calls.clear()
         assert torch.equal(triton_gemm(qa, qb, out_dtype=torch.bfloat16), want), kernel
-        if kernel == "cuda":
-            assert calls, "the forced CUDA kernel did not run"
+        if kernel == "hopper":
+            assert calls, "the Hopper route did not run the CUDA kernel"
     # auto times both kernels on scratch copies: the real main_grad is added into once, and a strided one
     # (a column slice of a wider buffer) keeps its neighbours
     wide = torch.randn(2048, 2 * 1536, device="cuda")
@@ -123,9 +124,15 @@ def test_dispatch(S, REF, monkeypatch):
     before = wide[:, 1536:].clone()
     triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main)
     assert torch.equal(main, want) and torch.equal(wide[:, 1536:], before)
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
-    with pytest.raises(ValueError, match="CUDA kernel"):
-        triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=torch.zeros(1536, device="cuda"))
+    use_gemm_route(monkeypatch, "hopper")
+    calls.clear()
+    bias = torch.randn(1536, device="cuda").bfloat16()  # no bias in the CUDA kernel: Triton's TMA kernel
+    got = triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    want = REF.gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    assert not calls and ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-3).all()
+    qa, qb = operands(REF, "block", 256, 512, 1024)  # block scales: no Hopper kernel
+    with pytest.raises(ValueError, match="no Hopper kernel"):
+        triton_gemm(qa, qb, out_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("counts,N,Kd", [(RAGGED_COUNTS, 1000, 784), (RAGGED_COUNTS, 264, 4096),
@@ -148,7 +155,7 @@ def test_grouped_bit_identical_to_reference(S, REF, counts, N, Kd, monkeypatch):
     monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
     assert torch.equal(triton_grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16), want)  # the dispatch's choice
     assert calls == [1]
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "plain")  # Triton, within bf16 rounding of the reference
+    use_gemm_route(monkeypatch, "portable")  # Triton, within bf16 rounding of the reference
     got = triton_grouped_gemm(qa, qb, seg, out_dtype=torch.bfloat16)
     assert calls == [1] and ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs()).all()
 
@@ -167,9 +174,13 @@ def test_grouped_contract_checks(S, REF, monkeypatch):
         S.sm90_grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="segment"):
         S.sm90_grouped_gemm(qa, qref.QTensor(qb.data[:2], qb.scale[:2], "row"), seg)
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
-    with pytest.raises(ValueError, match="grouped"):
-        triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
+    use_gemm_route(monkeypatch, "hopper")  # an fp32 output: Triton's TMA kernel, not the CUDA kernel
+    calls = []
+    real = S.launch
+    monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))
+    got = triton_grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
+    want = REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32)
+    assert not calls and ((got - want).abs() <= 1e-5 * (want.abs() + want.abs().max())).all()
 
 
 def test_cuda_graph_replay(S, REF):
@@ -198,7 +209,7 @@ def test_int8_linear_on_the_cuda_kernel(S, granularity, monkeypatch):
     reference backend: outputs and gradients within bf16 output rounding."""
     from megatron_int8 import Int8Recipe, TPOptions, int8_linear
 
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "cuda")
+    use_gemm_route(monkeypatch, "hopper")
     calls = []
     real = S.launch
     monkeypatch.setattr(S, "launch", lambda *a: calls.append(1) or real(*a))

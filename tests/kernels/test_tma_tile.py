@@ -1,12 +1,11 @@
-"""The persistent TMA GEMM's fixed configurations (int8_gemm.TMA_VARIANTS, MEGATRON_INT8_GEMM_TMA_VARIANT).
+"""The persistent TMA GEMM's one configuration (int8_gemm.TMA_TILE) and its route to the Gluon kernel.
 
-Under TRITON_INTERPRET=1 (a subprocess, see tests/interpreter.py) each variant's code path runs at a scaled-down
-tile: its tile shape scaled down, its epilogue sub-tiles (1, 2 or 4 column pieces), its flattened or nested
-tile loop, and its programs per SM, on ragged shapes where each program walks several tiles. Results are
-compared with the reference backend: fp32 bit for bit (the same fp32 operations in the same order), bf16 within
-one ulp (the interpreter's rounding of the cast). The variable's
-validation and the grouped GEMM's fallback run in this process. The variants' sm_90a builds (shared memory,
-wgmma, bulk copies) are checked by test_compile_targets.py; their speed by benchmarks/bench_triton_gemm.py.
+Under TRITON_INTERPRET=1 (a subprocess, see tests/interpreter.py) the configuration's code path runs at a
+scaled-down tile: its epilogue in 4 column sub-tiles, its flattened tile loop and its 2 programs per SM, on ragged
+shapes where each program walks several tiles. Results are compared with the reference backend: fp32 bit for bit
+(the same fp32 operations in the same order), bf16 within one ulp (the interpreter's rounding of the cast). The
+route checks run in this process. Its sm_90a build (shared memory, wgmma, bulk copies) is checked by
+test_compile_targets.py; its results at full size by test_kernels_gpu.py and test_int8_gemm_ws_gpu.py.
 """
 import importlib
 
@@ -19,12 +18,12 @@ pytest.importorskip("triton")
 
 if not INTERPRETING:
 
-    def test_variants_under_triton_interpreter():
+    def test_tma_tile_under_triton_interpreter():
         run_file_interpreted(__file__, timeout=900)
 
 G = importlib.import_module("megatron_int8.kernels.int8_gemm")
 REF = importlib.import_module("megatron_int8.reference").ReferenceBackend()
-# interpreter tiles: the variant's rows / 8, columns / 4 (a TMA box row needs >= 16 bytes: 4 bf16 sub-tiles of 32)
+# interpreter tiles: the configuration's rows / 8, columns / 4 (a TMA box row needs >= 16 bytes: 4 bf16 sub-tiles of 32)
 SCALE_M, SCALE_N = 8, 4
 
 
@@ -38,7 +37,7 @@ def _operands(M, N, K, granularity, seed):
 
 
 def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
-    """One launch of the TMA kernel with the variant's structure on a scaled-down tile."""
+    """One launch of the TMA kernel with the configuration's structure on a scaled-down tile."""
     opts = variant.launch_options(c.dtype, n_sms=programs)
     opts.update(BLOCK_M=variant.block_m // SCALE_M, BLOCK_N=variant.block_n // SCALE_N, BLOCK_K=32, GROUP_M=2)
     opts.pop("num_warps"), opts.pop("num_stages")
@@ -50,79 +49,48 @@ def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
         **opts)
 
 
-# the Triton configurations (auto and ws run duo's where the Gluon kernel does not apply: see below)
-TRITON_VARIANTS = [name for name, variant in G.TMA_VARIANTS.items() if variant.gluon_min_k is None]
-
-
 @needs_interpreter
-@pytest.mark.parametrize("name", TRITON_VARIANTS)
 @pytest.mark.parametrize("granularity,out_dtype,accumulate", [("tensor", torch.bfloat16, False),
                                                                ("row", torch.float32, False),
                                                                ("row", torch.float32, True)])
-def test_variant_matches_reference(name, granularity, out_dtype, accumulate):
-    variant = G.TMA_VARIANTS[name]
+def test_tma_tile_matches_reference(granularity, out_dtype, accumulate):
+    variant = G.TMA_TILE
     # ragged: partial edge tiles (N keeps the output rows 16-byte aligned, as TMA needs)
     M, N, K = 3 * variant.block_m // SCALE_M + 5, 2 * variant.block_n // SCALE_N + 8, 96
-    qa, qb = _operands(M, N, K, granularity, seed=len(name))
+    qa, qb = _operands(M, N, K, granularity, seed=3)
     main = torch.randn(M, N, generator=torch.Generator().manual_seed(1))
     c = main.clone() if accumulate else torch.full((M, N), float("nan"), dtype=out_dtype)
     _launch_scaled(variant, qa, qb, c, accumulate)
     want = REF.gemm(qa, qb, out_dtype=out_dtype, accumulate_into=main.clone() if accumulate else None)
     if out_dtype == torch.float32:
-        assert torch.equal(c, want), f"{name}: max error {(c - want).abs().max().item()}"
+        assert torch.equal(c, want), f"max error {(c - want).abs().max().item()}"
     else:  # the interpreter's cast to bf16 may round the exact fp32 value the other way: one bf16 ulp at most
         ulp = torch.finfo(out_dtype).eps * want.float().abs()
-        assert ((c.float() - want.float()).abs() <= ulp).all(), name
+        assert ((c.float() - want.float()).abs() <= ulp).all()
 
 
-def test_variant_names_are_validated(monkeypatch):
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "fastest")
-    with pytest.raises(ValueError, match="MEGATRON_INT8_GEMM_TMA_VARIANT"):
-        G.tma_variant()
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", "duo")
-    assert G.tma_variant() is G.TMA_VARIANTS["duo"]
+def test_tma_tile_is_the_measured_pair():
+    """128 x 128 x 128 tiles on 4 warps, 3 stages, 4 epilogue sub-tiles, two programs per SM, and the Gluon kernel
+    for K > MIN_K (kernels/int8_gemm.py says why); its rows divide SEGMENT_ALIGN, so a grouped tile reads one
+    expert's rows."""
+    assert G.TMA_TILE == G.TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2,
+                                      gluon_min_k=G.int8_gemm_ws.MIN_K)
+    assert G.TMA_TILE.launch_options(torch.float32, 132)["NUM_SMS"] == 264
+    assert importlib.import_module("megatron_int8.reference").SEGMENT_ALIGN % G.TMA_TILE.block_m == 0
 
 
-def test_grouped_gemm_keeps_tiles_within_an_expert(monkeypatch):
-    """A grouped tile reads one expert's rows: variants taller than SEGMENT_ALIGN run grouped GEMMs on base's tile."""
-    align = importlib.import_module("megatron_int8.reference").SEGMENT_ALIGN
-    for name, variant in G.TMA_VARIANTS.items():
-        monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", name)
-        grouped = G.tma_variant(grouped=True)
-        assert align % grouped.block_m == 0
-        assert grouped is (variant if align % variant.block_m == 0 else G.TMA_VARIANTS["base"])
-
-
-def test_base_is_the_tile_the_package_used_and_auto_the_default():
-    """base keeps the tile of the path before the variants: 128 x 256 x 128 tiles on 8 warps, 3 stages, one
-    epilogue store for 16-bit outputs and two column halves for fp32. The default is auto: duo (128 x 128 tiles,
-    4 warps, two programs per SM), and the Gluon kernel for K > MIN_K; ws is duo with the Gluon kernel for any K."""
-    base = G.TMA_VARIANTS["base"]
-    assert base == G.TmaVariant(128, 256, 128, 8, 3, False, None)
-    assert base.launch_options(torch.bfloat16, 132)["EPI_SPLIT"] == 1
-    assert base.launch_options(torch.float32, 132)["EPI_SPLIT"] == 2
-    assert G.CHOICES[G.ENV_GEMM_TMA_VARIANT][0] == "auto"
-    duo = G.TMA_VARIANTS["duo"]
-    assert duo == G.TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2)
-    assert G.TMA_VARIANTS["auto"] == duo._replace(gluon_min_k=G.int8_gemm_ws.MIN_K)
-    assert G.TMA_VARIANTS["ws"] == duo._replace(gluon_min_k=0)
-
-
-@pytest.mark.parametrize("variant,K,out_dtype,bias,accumulate,want", [
-    ("auto", 4096 + 16, torch.bfloat16, False, False, "ws"),
-    ("auto", 4096 + 16, torch.float16, False, False, "ws"),
-    ("auto", 4096, torch.bfloat16, False, False, "tma"),  # a short k loop: the epilogue would not be hidden
-    ("auto", 4096 + 16, torch.float32, False, False, "tma"),  # an fp32 tile beside the accumulator spills
-    ("auto", 4096 + 16, torch.float32, False, True, "tma"),  # main_grad: the TMA kernel's reduce-add
-    ("auto", 4096 + 16, torch.bfloat16, True, False, "tma"),  # no bias in the Gluon kernel
-    ("ws", 64, torch.bfloat16, False, False, "ws"),
-    ("duo", 8192, torch.bfloat16, False, False, "tma"),
+@pytest.mark.parametrize("K,out_dtype,bias,accumulate,want", [
+    (4096 + 16, torch.bfloat16, False, False, "ws"),
+    (4096 + 16, torch.float16, False, False, "ws"),
+    (4096, torch.bfloat16, False, False, "tma"),  # a short k loop: the epilogue would not be hidden
+    (4096 + 16, torch.float32, False, False, "tma"),  # an fp32 tile beside the accumulator spills
+    (4096 + 16, torch.float32, False, True, "tma"),  # main_grad: the TMA kernel's reduce-add
+    (4096 + 16, torch.bfloat16, True, False, "tma"),  # no bias in the Gluon kernel
 ])
-def test_variant_routes_gemms_to_the_gluon_kernel(monkeypatch, variant, K, out_dtype, bias, accumulate, want):
-    """_variant_launch on a Hopper (faked here): which kernel a fixed configuration launches, and with what."""
+def test_tma_tile_routes_gemms_to_the_gluon_kernel(monkeypatch, K, out_dtype, bias, accumulate, want):
+    """_tma_tile_launch on a Hopper (faked here): which kernel the fixed configuration launches, and with what."""
     if G._GEMM_WS is None:
         pytest.skip(G.int8_gemm_ws.unavailable_reason())
-    monkeypatch.setenv("MEGATRON_INT8_GEMM_TMA_VARIANT", variant)
     monkeypatch.setattr(G.int8_gemm_ws, "capability", lambda device: (9, 0))
     monkeypatch.setattr(G, "num_sms", lambda device: 132)
     M, N = 1000, 4096
@@ -130,7 +98,7 @@ def test_variant_routes_gemms_to_the_gluon_kernel(monkeypatch, variant, K, out_d
     c, scales = torch.empty(M, N, dtype=out_dtype), (torch.ones(M), torch.ones(N))
     args = G._plain_args(a, b, c, *scales, c, M, N, K, (1, 0, 1, 0), K, 1, scales[0])
     meta = dict(SCALE_MODE=1, HAS_BIAS=bias, ACCUMULATE=accumulate)
-    cache, grid, launch_args, kw = G._variant_launch(args, meta, N)
+    cache, grid, launch_args, kw = G._tma_tile_launch(args, meta, N)
     assert ("ws" if cache is G._GEMM_WS else "tma") == want
     assert launch_args == G._tma_args(args, N)  # both kernels take the same runtime arguments
     if want == "ws":
