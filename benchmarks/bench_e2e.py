@@ -19,6 +19,8 @@ is printed.
     # several GPUs, full depth, a parallel layout (the scale-out runs):
     python benchmarks/bench_e2e.py --models llama2_13b --nproc 4 --full-depth --iters 50 \
         --layout "--tensor-model-parallel-size 4 --sequence-parallel --use-distributed-optimizer"
+    # an 80 GB card emulated on a larger one (each trainer process capped before it allocates; memory_cap.py)
+    python benchmarks/bench_e2e.py --models qwen3_4b --full-depth --memory-cap-gib 79
 """
 from __future__ import annotations
 
@@ -66,6 +68,10 @@ def parse_args(argv=None):
                         "(a model's runs stay on one GPU, one after another; models start in --models order)")
     p.add_argument("--fp8-peer", nargs="?", const="tensorwise", default=None, choices=("tensorwise", "rowwise"),
                    help="also run every model with --fp8-peer RECIPE (default recipe: tensorwise)")
+    p.add_argument("--memory-cap-gib", type=float, default=None, metavar="GIB",
+                   help="cap every trainer process's CUDA memory at GIB GiB before it allocates "
+                        "(torch.cuda.set_per_process_memory_fraction; 79 emulates an 80 GB card); rows go to "
+                        "results/e2e_capped.csv")
     p.add_argument("--fp8-compile", action="store_true",
                    help="FP8 runs with --fp8-peer-compile (torch.compile'd casts + GEMMs)")
     add_data_arguments(p)
@@ -156,7 +162,7 @@ def main(argv=None):
             return
         with publishing:
             rows[model] = row
-            common.append_results("e2e_fp8" if opts.fp8_peer else "e2e", [csv_row(row, opts)])
+            common.append_results(results_name(opts), [csv_row(row, opts)])
             if out:
                 done = [rows[m] for m in opts.models if m in rows]
                 with open(out, "w", encoding="utf-8") as f:
@@ -186,12 +192,19 @@ def main(argv=None):
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
+def results_name(opts) -> str:
+    """The results CSV (benchmarks/results/NAME.csv): memory-capped runs keep a file of their own, with the cap."""
+    return ("e2e_fp8" if opts.fp8_peer else "e2e") + ("_capped" if opts.memory_cap_gib else "")
+
+
 def csv_row(row: dict, opts) -> dict:
     """A model's figures as one flat CSV row, with the run's settings."""
     settings = dict(seq=opts.seq_length, micro_batch=opts.micro_batch_size, global_batch=global_batch(opts),
                     nproc=opts.nproc, layout=opts.layout or "", data=describe_data(opts), iters=opts.iters,
                     extra=" ".join(opts.extra), int8_extra=opts.int8_extra,
                     bf16_extra=opts.bf16_extra)
+    if opts.memory_cap_gib:
+        settings["memory_cap_gib"] = opts.memory_cap_gib
     columns = ["model", "measured", "full", "projected"] + [f"{p}_{figure}" for p in precisions(opts)
                                                             for figure in ("tok_s", "full_tok_s", "peak_gb",
                                                                            "resident_gb", "loss")]
@@ -209,6 +222,8 @@ def format_table(rows, opts) -> str:
     gpus = f"{opts.nproc} GPU{'s' if opts.nproc > 1 else ''}" + (f" ({opts.layout})" if opts.layout else "")
     if getattr(opts, "gpus", None):
         gpus += f" per run, models run concurrently on GPUs {' '.join(map(str, opts.gpus))}"
+    if getattr(opts, "memory_cap_gib", None):
+        gpus += f", each process capped at {opts.memory_cap_gib:g} GiB"
     lines = [f"seq {opts.seq_length}, micro-batch {opts.micro_batch_size}, global batch {global_batch(opts)}, {gpus}, "
              f"{describe_data(opts)}, {opts.iters} iterations "
              f"({opts.warmup} warm-up); tok/s at the deeper measured depth; full depth is *projected* from the two "

@@ -202,7 +202,9 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                     str(opts.nproc)] if opts.nproc > 1 else [sys.executable]
         layout = opts.layout.split() if opts.layout is not None else PARALLEL_OVERRIDES
-        cmd = [*launcher, "-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
+        cap = getattr(opts, "memory_cap_gib", None)  # an 80 GB card emulated on a larger one (memory_cap.py)
+        entry = [os.path.join(ROOT, "benchmarks", "memory_cap.py"), str(cap)] if cap else ["-m"]
+        cmd = [*launcher, *entry, "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", f"{model}.yaml"),
                *data_flags(opts), "--num-layers", str(layers), "--train-iters", str(opts.iters),
                "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
                "--global-batch-size", str(global_batch(opts)), "--log-interval", "1",

@@ -29,3 +29,62 @@ def test_a_missing_config_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--models", "llama_nope"])
     assert "no configs/llama_nope.yaml" in capsys.readouterr().err
+
+
+def test_the_memory_cap_wraps_every_trainer_run(monkeypatch, tmp_path):
+    """--memory-cap-gib: each trainer process starts under benchmarks/memory_cap.py with the cap, before the
+    trainer's module; the rows go to their own CSV with the cap among the settings."""
+    import json
+    import subprocess
+
+    import common
+
+    commands = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        commands.append(cmd)
+        with open(cmd[cmd.index("--log-jsonl") + 1], "w", encoding="utf-8") as log:
+            for step in range(6):
+                log.write(json.dumps({"lm_loss": 5.0 - step * 0.1, "step_time_s": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(common.subprocess, "run", fake_subprocess_run)
+    opts = bench_e2e.parse_args(["--models", "qwen3_4b", "--full-depth", "--iters", "6", "--warmup", "2",
+                                 "--memory-cap-gib", "79"])
+    row = bench_e2e.measure_model("qwen3_4b", opts)
+    assert len(commands) == 2 and row["int8_tok_s"] == row["bf16_tok_s"]
+    for cmd in commands:
+        at = cmd.index("megatron_int8.pretrain")
+        assert cmd[at - 2].endswith("benchmarks/memory_cap.py") and cmd[at - 1] == "79.0" and "-m" not in cmd[:at]
+    assert bench_e2e.results_name(opts) == "e2e_capped" and bench_e2e.csv_row(row, opts)["memory_cap_gib"] == 79.0
+    assert "capped at 79 GiB" in bench_e2e.format_table([row], opts)
+    commands.clear()
+    uncapped = bench_e2e.parse_args(["--models", "qwen3_4b", "--full-depth", "--iters", "6", "--warmup", "2"])
+    bench_e2e.measure_model("qwen3_4b", uncapped)
+    assert all(cmd[cmd.index("megatron_int8.pretrain") - 1] == "-m" for cmd in commands)
+    assert bench_e2e.results_name(uncapped) == "e2e" and "memory_cap_gib" not in bench_e2e.csv_row(row, uncapped)
+
+
+def test_memory_cap_sets_the_fraction_before_the_module_runs(monkeypatch):
+    import memory_cap
+    import torch
+
+    events = []
+    total = 141 * memory_cap.GIB  # an H200's memory as torch reports it, in round GiB here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: events.append(("cap", fraction, device)))
+    monkeypatch.setattr(memory_cap.runpy, "run_module", lambda name, run_name, alter_sys: events.append(
+        ("run", name, run_name, list(memory_cap.sys.argv))))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(memory_cap.sys, "argv", ["memory_cap.py"])
+    memory_cap.main(["79", "megatron_int8.pretrain", "--config", "c.yaml"])
+    assert events == [("cap", 79 / 141, 3), ("run", "megatron_int8.pretrain", "__main__",
+                                             ["megatron_int8.pretrain", "--config", "c.yaml"])]
+    with pytest.raises(ValueError, match="does not fit"):
+        memory_cap.cap_fraction(150, total)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        memory_cap.apply_cap(79)
