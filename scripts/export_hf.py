@@ -9,6 +9,7 @@ is converted to tokenizer.json: needs `pip install transformers protobuf`). Llam
 megatron_int8/training/export.py.
 """
 import argparse
+import os
 import sys
 
 
@@ -18,16 +19,28 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="directory for the transformers checkpoint")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tokenizer-model", default=None, help="where the checkpoint's tokenizer is, if moved")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to export (default: the latest)")
+    parser.add_argument("--force", action="store_true", help="write into an --output folder that is not empty "
+                                                             "(its files of the same names are replaced)")
     args = parser.parse_args(argv)
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        parser.error(f"--output {args.output} is a file; give a directory")
+    if os.path.isdir(args.output) and os.listdir(args.output) and not args.force:
+        parser.error(f"--output {args.output} is not empty: give a new directory, or --force to write into it")
 
+    from megatron_int8.training.known_warnings import filter_known_warnings
+
+    filter_known_warnings()
     from megatron_int8.training.cpu import install_cpu_optimizer_support
 
     install_cpu_optimizer_support()
+    from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.export import ExportError, export_hf
+    from megatron_int8.training.safe_load import UnsafeCheckpointError
 
     try:
-        export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model)
-    except ExportError as err:
+        export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step)
+    except (ExportError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -2,10 +2,11 @@
 """Sample text from a checkpoint of the trainer (megatron-core's static KV cache, one process, CPU or GPU).
 
     python3 scripts/generate.py --load runs/tiny/checkpoints --prompt "def main(" [--max-new-tokens 64]
-        [--temperature 0.8 --top-p 0.9 --seed 1] [--int8 | --bf16-linears] [--bf16]
+        [--temperature 0.8 --top-p 0.9 --seed 1] [--int8 | --bf16-linears] [--bf16] [--ckpt-step N]
 
 Greedy by default (--temperature 0). The linears run as the checkpoint's run trained them (INT8 with
---int8-linear) unless --int8 / --bf16-linears says otherwise; --bf16 runs the model in BF16.
+--int8-linear) unless --int8 / --bf16-linears says otherwise; --bf16 runs the model in BF16. The prompt and
+the new tokens must fit the model's context (its --max-position-embeddings): a longer request is an error.
 """
 import argparse
 import sys
@@ -14,11 +15,13 @@ import sys
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="the --save directory of a training run")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to load (default: the latest)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="(default: 64, or fewer where the model's context leaves less room after the prompt)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
-                                                                 "whose probabilities reach this")
+                                                                 "whose probabilities reach this (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     linears = parser.add_mutually_exclusive_group()
     linears.add_argument("--int8", dest="int8", action="store_true", default=None, help="INT8 linears")
@@ -26,17 +29,46 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16", action="store_true", default=None, help="run the model in BF16")
     parser.add_argument("--tokenizer-model", default=None, help="where the checkpoint's tokenizer is, if moved")
     args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("--prompt is empty: give the text to continue")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
 
+    from megatron_int8.training.known_warnings import filter_known_warnings
+
+    filter_known_warnings()
     from megatron_int8.training.cpu import install_cpu_optimizer_support
 
     install_cpu_optimizer_support()
-    from megatron_int8.training.inference import generate, load_for_inference
+    from megatron_int8.training.args import ArgumentError
+    from megatron_int8.training.checkpoint import CheckpointError
+    from megatron_int8.training.data import build_tokenizer
+    from megatron_int8.training.inference import generate, inference_arguments, load_for_inference
+    from megatron_int8.training.safe_load import UnsafeCheckpointError
 
-    model, margs, tokenizer = load_for_inference(args.load, int8=args.int8, bf16=args.bf16,
-                                                 tokenizer_model=args.tokenizer_model, log=lambda m: None)
-    prompt = tokenizer.tokenize(args.prompt)
+    overrides = dict(int8=args.int8, bf16=args.bf16, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step)
+    try:
+        recorded = inference_arguments(args.load, **overrides)  # before the model: the checks need no weights
+        prompt = build_tokenizer(recorded).tokenize(args.prompt)
+        context = recorded.max_position_embeddings
+        room = context - len(prompt)
+        if room <= 0:
+            raise ArgumentError(f"--prompt: its {len(prompt)} tokens fill the model's {context}-token context: give "
+                                "a shorter prompt")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = min(64, room)
+        elif args.max_new_tokens > room:
+            raise ArgumentError(f"--max-new-tokens {args.max_new_tokens}: the prompt's {len(prompt)} tokens and the "
+                                f"new ones exceed the model's {context}-token context; give --max-new-tokens {room} "
+                                "or less")
+        model, margs, tokenizer = load_for_inference(args.load, log=lambda m: None, **overrides)
+    except (ArgumentError, CheckpointError, UnsafeCheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, seed=args.seed)
     print(tokenizer.detokenize(prompt + [t for t in new if t != tokenizer.eod]))

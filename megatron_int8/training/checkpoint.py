@@ -518,9 +518,10 @@ def check_save_target(args) -> None:
             raise ArgumentError(no_checkpoint_message(args.load))
     if first_start and read_tracker(args.load) is None and saved_iterations(args.load):
         raise ArgumentError(no_checkpoint_message(args.load))  # checkpoints without their tracker: not a first start
-    if args.load and getattr(args, "ckpt_step", None) is not None:
-        try:
-            latest_checkpoint_dir(args.load, args.ckpt_step)
+    step = getattr(args, "ckpt_step", None)
+    if args.load and (step is not None or read_tracker(args.load) is not None):
+        try:  # the checkpoint to load is whole: a damaged one fails before anything is built
+            check_checkpoint_files(latest_checkpoint_dir(args.load, step))
         except CheckpointError as error:
             raise ArgumentError(str(error)) from None
     if not args.save:

@@ -164,15 +164,18 @@ def _save_tokenizer(args, output: str, log):
     return tokenizer.eos_token_id, tokenizer.bos_token_id
 
 
-def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokenizer_model=None) -> dict:
-    """Write the latest checkpoint under `load` to `output` as a transformers checkpoint; returns its config."""
+def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokenizer_model=None,
+              ckpt_step=None) -> dict:
+    """Write the checkpoint of iteration `ckpt_step` (default: the latest) under `load` to `output` as a
+    transformers checkpoint; returns its config."""
     from safetensors.torch import save_file
 
     from .inference import load_for_inference
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
-    model, args, _ = load_for_inference(load, log=log, int8=False, bf16=False, tokenizer_model=tokenizer_model)
+    model, args, _ = load_for_inference(load, log=log, int8=False, bf16=False, tokenizer_model=tokenizer_model,
+                                        ckpt_step=ckpt_step)
     architecture = hf_architecture(args)
     megatron = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(megatron, args, architecture).items()}

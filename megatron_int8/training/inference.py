@@ -22,12 +22,14 @@ SINGLE_PROCESS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size
 
 
 def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optional[bool] = None,
-                        tokenizer_model: Optional[str] = None) -> argparse.Namespace:
-    """The checkpoint's recorded arguments, set up for one process; int8/bf16 None keep the recorded choice."""
-    from .checkpoint import read_saved_arguments
+                        tokenizer_model: Optional[str] = None, ckpt_step: Optional[int] = None) -> argparse.Namespace:
+    """The checkpoint's recorded arguments (of iteration `ckpt_step`, default the latest), set up for one process;
+    int8/bf16 None keep the recorded choice."""
+    from .checkpoint import CheckpointError, check_checkpoint_files, latest_checkpoint_dir, read_saved_arguments
 
-    args = read_saved_arguments(load)
-    vars(args).update(SINGLE_PROCESS, load=load, save=None)
+    check_checkpoint_files(latest_checkpoint_dir(load, ckpt_step))
+    args = read_saved_arguments(load, ckpt_step)
+    vars(args).update(SINGLE_PROCESS, load=load, save=None, ckpt_step=ckpt_step)
     if int8 is not None:
         args.int8_linear = int8
     if bf16 is not None:
@@ -35,7 +37,7 @@ def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optiona
     if tokenizer_model is not None:
         args.tokenizer_model = tokenizer_model
     if args.tokenizer_type != "NullTokenizer" and not os.path.exists(args.tokenizer_model or ""):
-        raise FileNotFoundError(f"the checkpoint's tokenizer {args.tokenizer_model} is not here: pass "
+        raise CheckpointError(f"the checkpoint's tokenizer {args.tokenizer_model} is not here: pass "
                                 "--tokenizer-model PATH")
     return args
 
