@@ -22,8 +22,15 @@ if importlib.util.find_spec("triton") is None:
 if not INTERPRETING:
 
     def test_kernels_under_triton_interpreter():
-        """Run this file's tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads."""
-        run_file_interpreted(__file__, timeout=900)
+        """Run this file's tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads: one case
+        per code path here (the fast tier), the other dtypes, shapes and options in the slow driver below."""
+        run_file_interpreted(__file__, timeout=900, marks="not slow")
+
+    @pytest.mark.slow
+    def test_kernels_under_triton_interpreter_more_cases():
+        """The interpreted cases marked slow (`SLOW`): further dtypes, shapes and options of paths that the fast
+        cases above already run, each also covered at full size by test_kernels_gpu.py."""
+        run_file_interpreted(__file__, timeout=900, marks="slow")
 
 from megatron_int8 import Int8Recipe, NonFiniteError, int8_linear, raise_if_nonfinite  # noqa: E402
 from megatron_int8.reference import ReferenceBackend  # noqa: E402
@@ -32,6 +39,8 @@ from int8_bounds import assert_rope_close  # noqa: E402
 qref = importlib.import_module("megatron_int8.reference")
 REF = ReferenceBackend()
 VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
+SLOW = pytest.mark.slow  # an interpreted case beyond the first of its path: the slow driver runs it
+WEIGHT_VARIANTS_SLOW = [v if not v[1] else pytest.param(*v, marks=SLOW) for v in VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +77,8 @@ def assert_same_qtensor(got, want, what=""):
 
 # ----------------------------------------------------------------------------------------------- quantize
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=SLOW),
+                                   pytest.param(torch.float16, marks=SLOW)])
 def test_quantize_bit_exact_both_layouts(K, granularity, weight, dtype):
     x = outliers(37, 53, dtype, zero_rows=(5,), zero_cols=(7,))  # ragged in both dims, all-zero groups
     kw = _kw(granularity, weight, rowwise=True, columnwise=True)
@@ -93,7 +103,7 @@ def test_quantize_reduces_many_partials(K, granularity):
     assert_same_qtensor(c1, c0, "columnwise")
 
 
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", WEIGHT_VARIANTS_SLOW)
 @pytest.mark.parametrize("rowwise,columnwise", [(True, False), (False, True)])
 def test_quantize_single_layout(K, granularity, weight, rowwise, columnwise):
     x = outliers(45, 38)
@@ -108,7 +118,7 @@ def test_quantize_single_layout(K, granularity, weight, rowwise, columnwise):
 
 
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("stochastic", [False, pytest.param(True, marks=SLOW)])
 def test_quantize_pads_the_transposed_rows(K, granularity, weight, stochastic):
     """columnwise_pad: Q(x^T) is [C, R'] with R' the next multiple of 16; its first R columns equal the
     unpadded Q(x^T) (same draws when stochastic) and the rest are zero; Q(x) is unaffected."""
@@ -238,7 +248,8 @@ def test_round_half_to_even_and_extremes(K):
 
 
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("bad", [float("inf"), pytest.param(float("-inf"), marks=SLOW),
+                                 pytest.param(float("nan"), marks=SLOW)])
 def test_non_finite(K, granularity, weight, bad):
     x = outliers(37, 53)
     x[11, 17] = bad
@@ -352,7 +363,8 @@ def test_gemm_integer_accumulation_exact(K):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-@pytest.mark.parametrize("M,N,Kd", [(37, 29, 53), (16, 16, 16), (5, 70, 96)])
+@pytest.mark.parametrize("M,N,Kd", [(37, 29, 53), pytest.param(16, 16, 16, marks=SLOW),
+                                    pytest.param(5, 70, 96, marks=SLOW)])
 def test_gemm_fprop_matches_reference(K, granularity, M, N, Kd):
     qa = _q(outliers(M, Kd), granularity, False)
     qb = _q(outliers(N, Kd), granularity, True)
@@ -394,7 +406,7 @@ def test_gemm_writes_rows_of_a_larger_output(K, granularity):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, pytest.param(torch.float16, marks=SLOW)])
 def test_gemm_bias_and_low_precision_output(K, granularity, out_dtype):
     qa = _q(outliers(33, 40), granularity, False)
     qb = _q(outliers(21, 40), granularity, True)
@@ -457,7 +469,8 @@ def test_int8_linear_triton_matches_reference(K, granularity):
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("c_tma,epi_split", [(True, 1), (True, 2), (False, 1)])
+@pytest.mark.parametrize("c_tma,epi_split", [(True, 1), pytest.param(True, 2, marks=SLOW),
+                                             pytest.param(False, 1, marks=SLOW)])
 def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma, epi_split):
     """The persistent TMA-descriptor variant (Hopper's path): ragged M and N, bias, accumulate, through the
     TMA epilogue (a store, or a reduce-add into the fp32 buffer; whole tile or two column halves, as fp32
@@ -490,7 +503,7 @@ def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=T
                                   NUM_SMS=3, FLATTEN=True, GROUPED=strips is not None, EPI_SPLIT=EPI_SPLIT)
 
 
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", WEIGHT_VARIANTS_SLOW)
 def test_plans_are_per_call_signature(K, monkeypatch, granularity, weight):
     """Quantize and GEMM plans (checks, grids and launch arguments worked out once per call signature):
     a second call with new tensors of the same signature reuses the plan with its own data; a misaligned
@@ -596,7 +609,8 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
-@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), pytest.param(True, False, marks=SLOW),
+                                                pytest.param(False, True, marks=SLOW)])
 def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weight, rowwise, columnwise):
     x = outliers(37, 53)
     kw = _kw(granularity, weight, rowwise=rowwise, columnwise=columnwise, check_finite="off")
@@ -959,7 +973,7 @@ def test_grouped_gemm_splits_long_contractions(K, monkeypatch):
                        REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
 
 
-@pytest.mark.parametrize("c_tma", [True, False])
+@pytest.mark.parametrize("c_tma", [True, pytest.param(False, marks=SLOW)])
 def test_grouped_gemm_tma_kernel(K, c_tma):
     """The persistent TMA kernel's grouped mode (Hopper's path): b read as [E * N, K], a tile's box past
     its expert's N = 36 rows reads the next expert's, into columns that are never stored; ragged K (80)."""
