@@ -225,18 +225,17 @@ def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
 
 
 def dataset_sizes(args) -> List[Optional[int]]:
-    """Samples per split, as Megatron-LM requests them; None (build nothing extra) for the test split,
-    which training never uses (--skip-train evaluates it, and builds no train split), and for validation
-    without --eval-iters. megatron-core needs a size for every split of a weighted blend: those unused
-    splits then get one global batch."""
+    """Samples per split; None (build nothing extra) for the test split, which training never uses
+    (--skip-train evaluates it, and builds no train split), and for validation without --eval-iters.
+    Every evaluation scores the same first --eval-iters batches, and the validation split is requested at that
+    size in training and with --skip-train alike: megatron-core's shuffle depends on the size requested (its
+    epoch count), so that the two see the same batches. megatron-core needs a size for every split of a
+    weighted blend: those unused splits then get one global batch."""
+    evaluated = args.eval_iters * args.global_batch_size if args.eval_iters > 0 else None
     if getattr(args, "skip_train", False):
-        sizes = [None] + [args.eval_iters * args.global_batch_size] * 2
+        sizes = [None, evaluated, evaluated]
     else:
-        train = args.train_iters * args.global_batch_size
-        valid = None
-        if args.eval_iters > 0:
-            valid = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
-        sizes = [train, valid, None]
+        sizes = [args.train_iters * args.global_batch_size, evaluated, None]
     if not args.mock_data and data_prefixes(args.data_path)[1] is not None:
         sizes = [args.global_batch_size if size is None else size for size in sizes]
     return sizes

@@ -1,0 +1,209 @@
+"""Issue #66, from the user's command line: a resume follows the schedule flags given now, every bad input fails
+before the model is built in one line naming the value and the fix, evaluation scores the same batches each
+time, and a start prints no warning a user cannot act on. Trainer calls run its `main(argv)` in-process where
+they fail before the model is built, and as subprocesses where they train."""
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from repo_paths import ROOT, SCRIPTS
+from test_training import SMALL_MODEL, data  # noqa: F401  (`data`: fixture)
+
+from megatron_int8.pretrain import main as pretrain_main
+from megatron_int8.training.args import build_parser
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+# a user's environment: Python's default warning filters (no PYTHONWARNINGS=ignore), CPU
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _argv(data, *flags):
+    return ["--config", TINY, "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
+            "--data-cache-path", data["cache"], *SMALL_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--int8-linear", *flags]
+
+
+def _train(data, *flags):
+    result = subprocess.run([sys.executable, "-m", "megatron_int8.pretrain", *_argv(data, *flags)], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    return result
+
+
+def _refused(capsys, argv) -> str:
+    """The one-line error of a trainer run that stops before it builds the model."""
+    assert pretrain_main(argv) == 2
+    captured = capsys.readouterr()
+    assert "model:" not in captured.out, "the model was built before the error"
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+def _log(path, key):
+    with open(path) as f:
+        return {r["iteration"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+def _warnings(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if "Warning" in line]
+
+
+@pytest.fixture(scope="module")
+def interrupted(data, tmp_path_factory):
+    """The docs' interrupt-and-extend workflow: --save and --load the same (new) folder, --train-iters 20 stopped
+    by --exit-interval at 6, then resumed with a longer --train-iters and a new peak and final LR."""
+    save = tmp_path_factory.mktemp("extend") / "ckpt"
+    common = ["--save", str(save), "--load", str(save), "--lr-warmup-iters", "2", "--eval-interval", "3",
+              "--log-interval", "1"]
+    first = _train(data, *common, "--train-iters", "20", "--exit-interval", "6")
+    second = _train(data, *common, "--train-iters", "40", "--lr", "1e-3", "--min-lr", "1e-4", "--exit-interval", "12")
+    return {"save": save, "first": first, "second": second}
+
+
+@pytest.mark.slow
+def test_resume_follows_the_schedule_flags_given_now(interrupted):
+    assert "no checkpoint in" in interrupted["first"].stdout and "starting from iteration 0" in interrupted["first"].stdout
+    out = interrupted["second"].stdout
+    assert "LR schedule: this run's flags, not the checkpoint's (--lr 0.002 -> 0.001; --min-lr 0.0002 -> 0.0001" in out
+    assert "--train-iters 20 -> 40" in out
+    lr = _log(interrupted["save"] / "train_log.jsonl", "lr")
+    for iteration in (7, 12):  # the new cosine: warm-up 2, decay over 40 iterations, 1e-3 -> 1e-4
+        expected = 1e-4 + 0.5 * (1 + math.cos(math.pi * (iteration - 2) / (40 - 2))) * (1e-3 - 1e-4)
+        assert lr[iteration] == pytest.approx(expected, rel=1e-9), iteration
+
+
+@pytest.mark.slow
+def test_validation_loss_in_the_log_equals_skip_train_and_another_split_is_refused(data, interrupted, capsys):
+    """Training evaluated at iterations 3 and 6 (and 9, 12 after the resume): each evaluation scores the same
+    batches, so --skip-train on the checkpoint of iteration 6 (--ckpt-step) and of 12 gives the logged losses."""
+    save = str(interrupted["save"])
+    logged = _log(interrupted["save"] / "train_log.jsonl", "valid_lm_loss")
+    assert sorted(logged) == [3, 6, 9, 12]
+    for step in (["--ckpt-step", "6"], []):
+        out = _train(data, "--skip-train", "--load", save, "--eval-iters", "2", *step).stdout
+        iteration = 6 if step else 12
+        line = next(x for x in out.splitlines() if x.startswith(f" validation loss at iteration {iteration} "))
+        assert f"lm loss: {logged[iteration]:.6E}" in line
+    message = _refused(capsys, _argv(data, "--skip-train", "--load", save, "--split", "90,5,5"))
+    assert "--split '90,5,5' is not the '98,2,0' the checkpoint trained with" in message
+    assert "evaluate with --split '98,2,0'" in message
+
+
+@pytest.mark.slow
+def test_no_warnings_at_start_or_on_load(interrupted):
+    for run in ("first", "second"):
+        assert _warnings(interrupted[run].stderr) == [], interrupted[run].stderr[-3000:]
+
+
+def test_load_of_a_folder_without_a_checkpoint_is_an_error(data, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    message = _refused(capsys, _argv(data, "--train-iters", "4", "--load", str(empty)))
+    assert f"--load {empty}: no checkpoint there" in message
+    one = tmp_path / "runs" / "iter_0000010"
+    one.mkdir(parents=True)
+    message = _refused(capsys, _argv(data, "--train-iters", "4", "--load", str(one), "--save", str(tmp_path / "new")))
+    assert f"--load {one} is one checkpoint's folder" in message and f"--load {tmp_path / 'runs'}" in message
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.slow
+def test_a_truncated_shard_is_named_with_the_previous_iteration(data, interrupted, tmp_path, capsys):
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(interrupted["save"], damaged)
+    shard = damaged / "iter_0000012" / "__0_1.distcp"
+    os.truncate(shard, shard.stat().st_size // 3)
+    expected = f"{shard} is truncated"
+    message = _refused(capsys, _argv(data, "--skip-train", "--load", str(damaged)))
+    assert expected in message and "--ckpt-step 6" in message
+    assert _load_script("generate")(["--load", str(damaged), "--prompt", "def f"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0] and "--ckpt-step 6" in err[0]
+
+
+def test_tokenizer_folder_and_jsonl_are_diagnosed(data, tmp_path, capsys):
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    shutil.copy(data["tokenizer"], folder / "spm.model")
+    message = _refused(capsys, _argv(data, "--train-iters", "4", "--tokenizer-model", str(folder)))
+    assert "is a directory; give the SentencePiece model in it" in message
+    assert f"--tokenizer-model {folder / 'spm.model'}" in message and "Hugging Face" not in message
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "def f(x):\\n    return x\\n"}\n{"text": "class A:\\n    pass\\n"}\n')
+    for kind in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
+        message = _refused(capsys, _argv(data, "--train-iters", "4", "--tokenizer-model", str(corpus),
+                                         "--tokenizer-type", kind))
+        assert "is a JSON-lines file (a corpus?), not a tokenizer" in message
+
+
+def test_bad_values_fail_before_the_model_in_one_line(data, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (["--lr=-1e-3"], "--lr -0.001: must be >= 0"),
+        (["--save", str(a_file)], f"--save {a_file} is a file; it takes a directory"),
+        (["--log-jsonl", str(tmp_path)], f"--log-jsonl {tmp_path} is a directory; it takes a file name"),
+    ]
+    for flags, expected in cases:
+        assert expected in _refused(capsys, _argv(data, "--train-iters", "4", *flags))
+    # the config's warm-up (30) against a short run: the message says where the 30 came from
+    argv = _argv(data, "--train-iters", "20")
+    at = argv.index("--lr-warmup-iters")  # SMALL_MODEL's: without it, the YAML's 30 holds
+    message = _refused(capsys, argv[:at] + argv[at + 2:])
+    assert f"--lr-warmup-iters 30 (from --config {TINY}) must be below --train-iters 20" in message
+    assert "give --lr-warmup-iters below 20" in message
+
+
+def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
+    generate, export = _load_script("generate"), _load_script("export_hf")
+    for argv, expected in ((["--prompt", "x"], "the following arguments are required: --load"),
+                           (["--load", str(tmp_path), "--prompt", ""], "--prompt is empty"),
+                           (["--load", str(tmp_path), "--prompt", "x", "--temperature", "-1"],
+                            "--temperature must be >= 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            generate(argv)
+        assert exit_info.value.code == 2 and expected in capsys.readouterr().err
+    output = tmp_path / "hf"
+    output.mkdir()
+    (output / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        export(["--load", str(tmp_path), "--output", str(output)])
+    assert f"--output {output} is not empty: give a new directory, or --force" in capsys.readouterr().err
+    assert (output / "config.json").read_text() == "{}"
+
+
+@pytest.mark.slow
+def test_generate_refuses_more_new_tokens_than_the_context_leaves(interrupted, capsys):
+    generate = _load_script("generate")
+    assert generate(["--load", str(interrupted["save"]), "--prompt", "def f", "--max-new-tokens", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 200: the prompt's" in err and "64-token context; give --max-new-tokens" in err
+
+
+def test_help_is_grouped_with_common_flags_first_and_every_default_shown(capsys):
+    parser = build_parser()
+    groups = [g for g in parser._action_groups if g._group_actions and g.title not in ("options", "positional arguments")]
+    assert groups[0].title == "common flags" and groups[-1].title.startswith("undo a switch")
+    common = {o for a in groups[0]._group_actions for o in a.option_strings}
+    assert common >= {"--config", "--train-iters", "--lr", "--data-path", "--save", "--load", "--int8-linear"}
+    assert not any(o.startswith("--no-") for o in common)
+    missing = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert missing == [], f"flags without help: {missing}"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert text.index("--train-iters") < text.index("--num-layers") < text.index("--no-swiglu")
+    assert "(default: 1234)" in text and "(default: linear)" in text
+    assert len(text.splitlines()[0]) < 100  # the usage line names the shape, not all the flags
