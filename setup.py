@@ -12,7 +12,7 @@ setup(
     include_package_data=True,
     package_data={"megatron_int8": ["csrc/*.cu"]},  # built with nvcc on first use (kernels/sm90_gemm.py)
     install_requires=[
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.16.1,<0.20",
         "torch>=2.4",
         "numpy",
         "pyyaml",

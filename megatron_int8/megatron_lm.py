@@ -1,8 +1,16 @@
-"""Hooks for an upstream Megatron-LM checkout (tag core_v0.16.1) and its `pretrain_gpt.py`.
+"""Upstream Megatron-LM's `pretrain_gpt.py` with INT8 layers, through upstream's own `--spec` hook: no patch.
 
-`patches/megatron-lm-core_v0.16.1.patch` (docs/megatron-lm.md) makes two edits that call into here:
-  pretrain_gpt.py:   extra_args_provider=add_int8_args(<the provider it had, e.g. ModelOpt's>)
-  gpt_builders.py:   with --int8-linear, transformer_layer_spec = get_gpt_int8_spec_from_args(...)
+    python -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py [Megatron-LM flags] --int8-linear [--int8-*]
+    torchrun --nproc-per-node N -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py ...
+
+`run` takes the `--int8-*` flags off the command line, keeps them for the layers, adds
+`--spec megatron_int8.megatron_lm int8_layer_spec` where `--int8-linear` is given, and runs the script as `__main__`
+(its folder first on sys.path, as `python pretrain_gpt.py` would). `int8_layer_spec` is a layer spec whose layer,
+`Int8TransformerLayer`, picks its own submodules when megatron builds it: dense or MoE, INT8 or BF16, from the
+config, its global layer number and the `--int8-*` policy, so one static spec serves every layer, pipeline stage
+and tag that has `--spec` (core_v0.16.1 through core_v0.19.0 are tested). Given to upstream directly
+(`--spec megatron_int8.megatron_lm int8_layer_spec`), it runs the default recipe and policy. The block's final
+norm is upstream's (`LayerNormImpl`); the embedding, output layer and MTP layers stay BF16.
 
 `python -m megatron_int8.megatron_lm CONFIG.yaml` prints this project's YAML as Megatron-LM flags, one
 per line, plus the flags a machine without Transformer Engine / APEX needs (the launchers use it).
@@ -10,18 +18,30 @@ per line, plus the flags a machine without Transformer Engine / APEX needs (the 
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import sys
 from typing import Callable, List, Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from .megatron.cli import add_int8_arguments, policy_from_args
 
 # Flags of this project's trainer that Megatron-LM's pretrain_gpt.py does not have.
 TRAINER_ONLY_KEYS = frozenset({"log_jsonl"})
-SUPPORTED_MEGATRON_CORE = "0.16"
+SPEC_FLAGS = ["--spec", "megatron_int8.megatron_lm", "int8_layer_spec"]
+# Upstream flags whose layers the INT8 spec does not build (upstream's --spec takes precedence over them).
+UNSUPPORTED_FLAGS = (("--multi-latent-attention", "multi_latent_attention"),
+                     ("--experimental-attention-variant", "experimental_attention_variant"),
+                     ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path"))
+
+_run_args: Optional[argparse.Namespace] = None  # the --int8-* flags that `run` took off the command line
 
 
 def add_int8_args(chained_provider: Optional[Callable] = None) -> Callable:
-    """An `extra_args_provider` that runs `chained_provider` (if any) and then adds the --int8-* flags."""
+    """An `extra_args_provider` that runs `chained_provider` (if any) and then adds the --int8-* flags, for a
+    script that builds its own parser (upstream's pretrain_gpt.py does not need it: use `run`)."""
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if chained_provider is not None:
@@ -31,28 +51,93 @@ def add_int8_args(chained_provider: Optional[Callable] = None) -> Callable:
     return provider
 
 
+def _int8_parser() -> argparse.ArgumentParser:
+    return add_int8_arguments(argparse.ArgumentParser(prog="megatron_int8.megatron_lm run", allow_abbrev=False,
+                                                      add_help=False))
+
+
+def _upstream_args():
+    """Megatron-LM's parsed arguments, or None outside a Megatron-LM run."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _int8_args() -> argparse.Namespace:
+    """The --int8-* flags of this run: `run`'s, else upstream's parsed ones where its parser has them, else the
+    defaults with --int8-linear (the spec was named, so INT8 was asked for)."""
+    if _run_args is not None:
+        return _run_args
+    upstream = _upstream_args()
+    if upstream is not None and hasattr(upstream, "int8_linear"):
+        return upstream
+    return _int8_parser().parse_args(["--int8-linear"])
+
+
+def _check_upstream_flags(args) -> None:
+    if args is None:
+        return
+    given = [flag for flag, name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
+    if given:
+        raise ValueError(f"megatron-int8's layer spec does not build the layers of {', '.join(given)}")
+
+
+class Int8TransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer with the submodules of this package's spec for its global layer number (dense
+    or MoE per `config.moe_layer_freq`, INT8 or BF16 per the policy); `submodules` given by megatron is ignored."""
+
+    def __init__(self, config, submodules=None, layer_number: int = 1, *args, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_pg_rank
+
+        from .megatron.spec import get_gpt_int8_layer_specs
+
+        _check_upstream_flags(_upstream_args())
+        vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
+        pp_rank = (get_pg_rank(pg_collection.pp) if pg_collection is not None
+                   else parallel_state.get_pipeline_model_parallel_rank())
+        index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
+        policy = policy_from_args(_int8_args())
+        spec = get_gpt_int8_layer_specs(config, policy, qk_l2_norm=config.qk_l2_norm)[index]
+        super().__init__(config, spec.submodules, layer_number, *args, **kwargs)
+
+
+int8_layer_spec = ModuleSpec(module=Int8TransformerLayer)
+
+
 def get_gpt_int8_spec_from_args(args, config, vp_stage: Optional[int] = None):
-    """The INT8 decoder block spec of this pipeline (and virtual pipeline) stage, from Megatron-LM args.
-
-    Covers dense and MoE GPT layers; per-layer precision follows the --int8-* policy flags.
-    """
-    import megatron.core
-
+    """The INT8 decoder block spec of this pipeline (and virtual pipeline) stage, from Megatron-LM-style args
+    (for a script that builds GPTModel itself; `run` needs none of this)."""
     from .megatron.spec import get_gpt_int8_block_spec
 
-    if not megatron.core.__version__.startswith(SUPPORTED_MEGATRON_CORE):
-        raise RuntimeError(f"megatron-int8 supports megatron-core {SUPPORTED_MEGATRON_CORE}.x (Megatron-LM "
-                           f"core_v0.16.1), found {megatron.core.__version__}")
-    unsupported = [flag for flag, on in (
-        ("--multi-latent-attention", getattr(args, "multi_latent_attention", False)),
-        ("--experimental-attention-variant", getattr(args, "experimental_attention_variant", None)),
-        ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None)),
-        ("--spec", getattr(args, "spec", None)),
-    ) if on]
-    if unsupported:
-        raise ValueError(f"--int8-linear does not support {', '.join(unsupported)}")
+    _check_upstream_flags(args)
     return get_gpt_int8_block_spec(config, policy_from_args(args), vp_stage=vp_stage,
                                    normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
+
+
+def run(argv: List[str]) -> None:
+    """Run upstream's pretrain_gpt.py (argv[0]) with the rest of argv, the --int8-* flags taken out (see above)."""
+    global _run_args
+    if not argv or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py [flags] "
+                         f"--int8-linear [--int8-* flags]; {argv[0] if argv else 'no script'} is not a file")
+    script = os.path.abspath(argv[0])
+    int8_args, upstream_argv = _int8_parser().parse_known_args(argv[1:])
+    try:
+        policy_from_args(int8_args)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    if int8_args.int8_linear:
+        if "--spec" in upstream_argv:
+            raise SystemExit("error: --int8-linear sets upstream's --spec to megatron-int8's layer spec; "
+                             "drop --spec or --int8-linear")
+        upstream_argv += SPEC_FLAGS
+    _run_args = int8_args
+    sys.argv = [script] + upstream_argv
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
 
 
 def yaml_to_argv(path: str) -> List[str]:
@@ -92,10 +177,16 @@ def environment_argv() -> List[str]:
         argv += ["--transformer-impl", "local", "--no-rope-fusion"]
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
         argv.append("--no-gradient-accumulation-fusion")
+    if importlib.util.find_spec("apex") is None:
+        argv.append("--no-persist-layer-norm")  # upstream's torch final norm refuses it (APEX's kernel)
     return argv
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        run(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(description="Print a megatron-int8 YAML config as Megatron-LM flags.")
     parser.add_argument("config", help="YAML file (configs/*.yaml)")
     parser.add_argument("--no-environment-flags", action="store_true",
@@ -115,4 +206,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # through the importable module, so that upstream's --spec import finds the flags `run` kept there
+    from megatron_int8.megatron_lm import main as importable_main
+
+    sys.exit(importable_main())

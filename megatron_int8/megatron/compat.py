@@ -15,16 +15,94 @@ every MoE router without Transformer Engine (see its docstring); the MoE specs c
 
 `apply_cpu_compat()` is idempotent and does nothing when CUDA is available, so the same code path
 serves CPU tests and GPU runs.
+
+**Versions.** megatron-core 0.16.1 through 0.19.x are supported. Every difference between them that this package
+meets is handled here, each under the version that introduced it (`MCORE_VERSION`, `mcore_at_least`); the layers,
+specs and trainer call these helpers and never test a version themselves.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from ..ops.rms_norm import FusedRMSNorm
 
 _APPLIED_FLAG = "_megatron_int8_cpu_compat"
+
+OLDEST_SUPPORTED = (0, 16, 1)
+FIRST_UNSUPPORTED = (0, 20, 0)
+
+
+def _installed_version() -> tuple:
+    from megatron.core import package_info
+
+    return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
+
+
+MCORE_VERSION = _installed_version()
+
+
+def check_supported(version: tuple = MCORE_VERSION) -> None:
+    """Refuse a megatron-core outside the tested range with one line naming it and the range."""
+    if not OLDEST_SUPPORTED <= tuple(version) < FIRST_UNSUPPORTED:
+        found = ".".join(map(str, version))
+        raise ImportError(f"megatron-int8 supports megatron-core >=0.16.1,<0.20; found {found}: "
+                          f"pip install 'megatron-core>=0.16.1,<0.20'")
+
+
+check_supported()
+
+
+def mcore_at_least(major: int, minor: int, patch: int = 0) -> bool:
+    return MCORE_VERSION >= (major, minor, patch)
+
+
+# Keywords that megatron-core passes to a linear's local GEMM call (`_forward_impl`) beyond those of 0.16, with the
+# value that leaves the feature off and what the feature is.
+LINEAR_GEMM_OPTIONS = {
+    "gtp_remat_size": (1, "0.19: generalized tensor-parallel weight rematerialization (gtp_weight_remat_size)"),
+}
+
+
+def check_linear_gemm_options(layer: str, options: dict) -> None:
+    """An INT8 linear runs a newer keyword's feature only at its "off" value: anything else is refused by name."""
+    for name, value in options.items():
+        if name not in LINEAR_GEMM_OPTIONS:
+            raise TypeError(f"{layer}._forward_impl: unknown keyword {name!r} from megatron-core "
+                            f"{'.'.join(map(str, MCORE_VERSION))}")
+        off, feature = LINEAR_GEMM_OPTIONS[name]
+        if value != off:
+            raise NotImplementedError(f"{layer}: {name}={value!r} is not supported in INT8 ({feature})")
+
+
+def submodules_of(spec):
+    """The submodules of a spec: a ModuleSpec's, or from 0.17 a builder's (`functools.partial(cls, submodules=...)`,
+    which megatron-core uses for MLPs and MoE layers)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def build_spec(spec, *args, **kwargs):
+    """Build a module from a spec: a ModuleSpec or class through megatron's `build_module`, a builder (0.17's
+    `functools.partial` specs of MLPs and MoE layers) by calling it."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    if isinstance(spec, functools.partial):
+        return spec(*args, **kwargs)
+    return build_module(spec, *args, **kwargs)
+
+
+def experts_spec(module: type, submodules):
+    """What `BackendSpecProvider.grouped_mlp_modules` returns: from 0.17 one builder of the experts (a ModuleSpec
+    is callable); 0.16 takes the class and its submodules apart and sets their activation itself."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if mcore_at_least(0, 17):
+        return ModuleSpec(module=module, submodules=submodules)
+    return module, submodules
 
 
 class _NullEvent:

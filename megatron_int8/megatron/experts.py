@@ -31,13 +31,16 @@ from ..reference import Segments, device_tensor
 from ..ops.swiglu import weighted_swiglu
 
 
-class _ExpertLinears:
-    """Stands in for one expert's linear: calls the grouped op over every local expert's weight."""
+class _ExpertLinears(torch.nn.Module):
+    """Stands in for one expert's linear: calls the grouped op over every local expert's weight. A Module because
+    megatron's MLP.forward checks that its linears are (0.17 on); the experts' linears stay unregistered here."""
 
     def __init__(self, linears: List[Int8LinearMixin], segments: Segments):
-        self.linears, self.segments = linears, segments
+        super().__init__()
+        object.__setattr__(self, "linears", linears)
+        self.segments = segments
 
-    def __call__(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor):
         weights = [lin.weight for lin in self.linears]
         first = self.linears[0]
         fuse = bool(first.gradient_accumulation_fusion)
@@ -62,8 +65,9 @@ class Int8GroupedMLP(SequentialMLP):
     """SequentialMLP with its expert linears (INT8, or BF16 for the baseline) run grouped (see the module
     docstring)."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, **newer_options):
+        """`newer_options`: what later megatron-core versions pass SequentialMLP (0.17: `name`), handed on."""
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **newer_options)
         self.grouped_problem = self._grouped_problem()
         if self.grouped_problem is not None:
             warnings.warn(f"megatron-int8: experts run one by one (SequentialMLP): {self.grouped_problem}")

@@ -32,6 +32,7 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 from ..ops.linear import TPOptions, int8_linear
 from ..ops.shape_policy import describe_precision
 from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
+from .compat import check_linear_gemm_options
 
 
 def config_without_apex_check(config):
@@ -101,7 +102,10 @@ class Int8LinearMixin:
         grad_output_buffer: Optional[List[torch.Tensor]] = None,
         wgrad_deferral_limit: Optional[int] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        **newer_options,
     ) -> torch.Tensor:
+        """`newer_options`: keywords that later megatron-core versions pass (compat.LINEAR_GEMM_OPTIONS); the
+        high-precision path hands them on, the INT8 path accepts each only at its "off" value."""
         if grad_output_buffer is not None:
             raise NotImplementedError(f"{type(self).__name__}: grad_output_buffer (deferred wgrad) is not supported")
         fused_accumulation = gradient_accumulation_fusion and weight.requires_grad
@@ -109,7 +113,9 @@ class Int8LinearMixin:
         if not (self.int8 or overlap_ag or (fused_accumulation and not mcore_layers._grad_accum_fusion_available)):
             return super()._forward_impl(
                 input=input, weight=weight, bias=bias, gradient_accumulation_fusion=gradient_accumulation_fusion,
-                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group)
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel, tp_group=tp_group,
+                **newer_options)
+        check_linear_gemm_options(type(self).__name__, newer_options)
         if (sequence_parallel or allreduce_dgrad) and tp_group is None:
             tp_group = get_tensor_model_parallel_group_if_none(None)
         tp = TPOptions(group=tp_group, sequence_parallel=sequence_parallel, allreduce_dgrad=allreduce_dgrad,

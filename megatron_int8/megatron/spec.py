@@ -10,6 +10,7 @@ FP8 peer spec (torchao float8 linears, `peers/fp8.py`), so they differ only in t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Dict, Optional, Tuple
 
@@ -36,7 +37,7 @@ from megatron.core.transformer.transformer_layer import (
 from ..ops.swiglu import SwiGLU
 from ..recipe import DEFAULT_RECIPE, Int8Recipe
 from .attention import QueryNormInPlaceSelfAttention, SDPAttention
-from .compat import SequenceParallelNorm, apply_no_te_compat
+from .compat import SequenceParallelNorm, apply_no_te_compat, experts_spec
 from .experts import Int8GroupedMLP
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
@@ -115,23 +116,24 @@ class Int8SpecProvider(LocalSpecProvider):
         return ModuleSpec(module=SwiGLU, params={"emit_maxima": emit,
                                                  "int8_copy": int8 and self.recipe.int8_swiglu_input})
 
-    def grouped_mlp_modules(
-        self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
-    ) -> Tuple[type, Optional[MLPSubmodules]]:
-        """Experts over this backend's linears (LocalSpecProvider hard-codes BF16 ones).
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        """Experts over this backend's linears (LocalSpecProvider hard-codes BF16 ones), in the form the installed
+        megatron-core asks for (`compat.experts_spec`).
 
         `moe_grouped_gemm` with INT8 or BF16 experts: `Int8GroupedMLP` (SequentialMLP's modules and
         checkpoints; grouped INT8 quantization and GEMMs, or grouped BF16 GEMMs for the baseline).
         Otherwise SequentialMLP, one GEMM per local expert: FP8 experts have no grouped GEMM here, and say so.
         """
-        submodules = MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear())
-        if not (moe_use_grouped_gemm or moe_use_legacy_grouped_gemm):
-            return SequentialMLP, submodules
-        if self.fp8_recipe is None:
-            return Int8GroupedMLP, submodules
-        warnings.warn("megatron-int8: moe_grouped_gemm has no FP8 grouped GEMM here; "
-                      "experts run as SequentialMLP with FP8 linears")
-        return SequentialMLP, submodules
+        submodules = MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear(),
+                                   activation_func=self.activation_func())
+        module = SequentialMLP
+        if moe_use_grouped_gemm or moe_use_legacy_grouped_gemm:
+            if self.fp8_recipe is None:
+                module = Int8GroupedMLP
+            else:
+                warnings.warn("megatron-int8: moe_grouped_gemm has no FP8 grouped GEMM here; "
+                              "experts run as SequentialMLP with FP8 linears")
+        return experts_spec(module, submodules)
 
 
 def get_gpt_int8_layer_spec(
@@ -198,6 +200,9 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
     """Copy of a spec tree where the INT8 linears named in `policy.bf16_modules` get `int8=False`; an MLP
     whose fc1 and fc2 both end up BF16 gets a SwiGLU that writes no maxima (no linear would read them) and
     keeps its input in BF16."""
+    if isinstance(spec, functools.partial) and "submodules" in spec.keywords:  # a builder (megatron-core >= 0.17)
+        submodules = _keep_in_bf16(spec.keywords["submodules"], policy, name, expert_group)
+        return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
     if isinstance(spec, ModuleSpec):
         if spec.module in _INT8_LINEARS and policy.keeps_in_bf16(name, expert_group):
             return dataclasses.replace(spec, params={**spec.params, "int8": False})

@@ -239,13 +239,13 @@ MOE = dict(hidden_size=32, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_
 
 
 def _moe_mlp(grouped: bool, recipe=ROW, **config):
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     cfg = tiny_config(**MOE, moe_grouped_gemm=grouped, **config)
     spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, recipe=recipe)
-    return build_module(spec.submodules.mlp, config=cfg)
+    return build_spec(spec.submodules.mlp, config=cfg)
 
 
 def test_grouped_moe_layer_equals_sequential_experts():
@@ -280,8 +280,7 @@ def test_grouped_moe_falls_back_with_a_reason():
         out, _ = layer(x)  # SequentialMLP's loop
         assert torch.isfinite(out).all()
 
-        from megatron.core.transformer.spec_utils import build_module
-
+        from megatron_int8.megatron.compat import build_spec
         from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
         # experts of both precisions in one layer cannot share one grouped op
@@ -294,7 +293,7 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
     """The BF16 baseline's experts with moe_grouped_gemm run grouped (grouped_hp_linear) with SequentialMLP's
     parameters, and give bit-identical outputs and gradients."""
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.experts import Int8GroupedMLP
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
@@ -306,7 +305,7 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
         layers = []
         for grouped in (False, True):
             spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, int8=False)
-            layers.append(build_module(spec.submodules.mlp, config=tiny_config(**MOE, moe_grouped_gemm=grouped)))
+            layers.append(build_spec(spec.submodules.mlp, config=tiny_config(**MOE, moe_grouped_gemm=grouped)))
         seq, grp = layers
         assert type(seq.experts) is SequentialMLP
         assert isinstance(grp.experts, Int8GroupedMLP) and grp.experts.grouped_problem is None
@@ -321,7 +320,7 @@ def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
     gradient, the router's through the probabilities included, agree in fp32 with SequentialMLP's unfused
     SwiGLU (a few fp32 roundings apart), and --no-fused-swiglu's switch sends it back to megatron's code."""
     import megatron_int8.megatron.experts as experts_mod
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
@@ -336,7 +335,7 @@ def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
         for grouped, fusion in ((False, False), (True, True)):
             spec = get_gpt_int8_layer_spec(num_experts=4, moe_grouped_gemm=grouped, int8=False)
             cfg = tiny_config(**MOE, moe_grouped_gemm=grouped, bias_activation_fusion=fusion)
-            layers.append(build_module(spec.submodules.mlp, config=cfg))
+            layers.append(build_spec(spec.submodules.mlp, config=cfg))
         seq, grp = layers
         assert grp.experts.fused_swiglu and not hasattr(seq.experts, "fused_swiglu")
         grp.load_state_dict(seq.state_dict())

@@ -5,6 +5,7 @@ importable, torchao's emulation (dequantize + fp32 matmul) checks the numerics a
 gradient hand-off to megatron's DDP. The FP8 GEMMs themselves run in tests/test_layers_gpu.py."""
 import csv
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -91,6 +92,10 @@ def _modules(spec, path=""):
         found[path] = (spec.module, dict(spec.params))
         if spec.submodules is not None:
             found.update(_modules(spec.submodules, path))
+    elif isinstance(spec, functools.partial):  # megatron-core >= 0.17 builds MLPs and MoE layers from partials
+        func = getattr(spec.func, "__self__", spec.func)  # MLP.as_mlp_submodule -> MLP
+        found[path] = (func, {k: v for k, v in spec.keywords.items() if k != "submodules"})
+        found.update(_modules(spec.keywords.get("submodules"), path))
     elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         for field in dataclasses.fields(spec):
             found.update(_modules(getattr(spec, field.name), f"{path}.{field.name}"))

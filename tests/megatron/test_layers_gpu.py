@@ -127,13 +127,13 @@ def test_bench_layer_tiny_on_gpu(tmp_path):
 
 
 def _moe_mlp_on_gpu(grouped: bool, config):
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped,
                                    recipe=nearest_recipe(granularity="row"))
-    return build_module(spec.submodules.mlp, config=config).cuda()
+    return build_spec(spec.submodules.mlp, config=config).cuda()
 
 
 def _graph_node_names(t: torch.Tensor) -> set:
@@ -211,7 +211,7 @@ def test_grouped_moe_fused_weighted_swiglu_on_gpu():
     once to bf16, so the activations differ by at most one bf16 step (2^-7 relative) where the two sigmoids
     round differently. Output, input gradient and router gradient (through the probabilities) must agree in
     relative norm within 2^-6; a wrong weighting or probability gradient is off by O(1)."""
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
@@ -221,7 +221,7 @@ def test_grouped_moe_fused_weighted_swiglu_on_gpu():
                          moe_aux_loss_coeff=0.0, params_dtype=torch.bfloat16, bf16=True, moe_grouped_gemm=True,
                          bias_activation_fusion=True)
     spec = get_gpt_int8_layer_spec(num_experts=8, moe_grouped_gemm=True, int8=False)
-    layer = build_module(spec.submodules.mlp, config=config).cuda()
+    layer = build_spec(spec.submodules.mlp, config=config).cuda()
     assert layer.experts.fused_swiglu
     with torch.no_grad():
         for p in layer.parameters():

@@ -1,5 +1,6 @@
-"""megatron_int8.megatron_lm: the extra-args provider chain, the spec hook, YAML -> Megatron-LM flags,
-and (with MEGATRON_LM=/path/to/a core_v0.16.1 checkout) the patch applied and driven end to end."""
+"""megatron_int8.megatron_lm: the extra-args provider chain, the layer spec that upstream's --spec names, the `run`
+launcher, YAML -> Megatron-LM flags, and (with MEGATRON_LM_GIT=/path/to/a Megatron-LM clone) upstream's own argument
+parser and gpt_builder at the tag that matches the installed megatron-core, building an INT8 model with no patch."""
 import argparse
 import glob
 import os
@@ -15,7 +16,6 @@ from megatron_int8 import megatron_lm
 from megatron_int8.training.args import ArgumentError, parse_args
 from repo_paths import ROOT
 
-PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
 MODEL_YAMLS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
 
 
@@ -65,7 +65,7 @@ def test_spec_hook_builds_the_policy_per_layer(megatron_world):
     qkv = [layer.submodules.self_attention.submodules.linear_qkv for layer in spec.layer_specs]
     assert all(q.module is Int8ColumnParallelLinear for q in qkv)
     assert [q.params["int8"] for q in qkv] == [False, True, True]  # first layer BF16 per the flags
-    with pytest.raises(ValueError, match="--int8-linear does not support --multi-latent-attention"):
+    with pytest.raises(ValueError, match="does not build the layers of --multi-latent-attention"):
         megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(multi_latent_attention=True), config)
 
 
@@ -96,26 +96,75 @@ def test_cli_prints_flags_with_environment_flags(capsys):
         assert "--no-gradient-accumulation-fusion" in lines
 
 
-def test_patch_calls_only_existing_hooks():
-    with open(PATCH) as f:
-        text = f.read()
-    assert set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M)) == {"pretrain_gpt.py", "gpt_builders.py"}
-    for name in re.findall(r"from megatron_int8\.megatron_lm import (\w+)", text):
-        assert callable(getattr(megatron_lm, name))
+def _layer_precisions(model):
+    """Per transformer layer: (qkv INT8?, MLP kind) in build order."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    return [(layer.self_attention.linear_qkv.int8, type(layer.mlp).__name__) for layer in layers]
 
 
-UPSTREAM_BUILD = r'''
+def test_int8_layer_spec_picks_each_layers_submodules(megatron_world, monkeypatch):
+    """One static spec (what upstream's --spec imports) gives each layer of a GPTModel its own precision and MLP
+    kind: layer 1 BF16 by flag, layers 2-3 INT8; MoE where moe_layer_freq says so; the state dict is the BF16
+    spec's."""
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_helpers import tiny_config
+    from megatron_int8.megatron.policy import Int8Policy
+    from megatron_int8.megatron.spec import get_gpt_int8_block_spec
+
+    flags = ["--int8-linear", "--int8-first-last-layers-bf16", "--int8-num-layers-at-end-in-bf16", "0"]
+    monkeypatch.setattr(megatron_lm, "_run_args", megatron_lm._int8_parser().parse_args(flags))
+    config = tiny_config(num_layers=3, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                         moe_layer_freq=[0, 1, 1])
+    model = GPTModel(config=config, transformer_layer_spec=megatron_lm.int8_layer_spec, vocab_size=64,
+                     max_sequence_length=32)
+    assert _layer_precisions(model) == [(False, "MLP"), (True, "MoELayer"), (True, "MoELayer")]
+    stock = GPTModel(config=config, transformer_layer_spec=get_gpt_int8_block_spec(config, Int8Policy(enabled=False)),
+                     vocab_size=64, max_sequence_length=32)
+    assert {k: v.shape for k, v in model.state_dict().items() if "_extra_state" not in k} == \
+        {k: v.shape for k, v in stock.state_dict().items() if "_extra_state" not in k}
+
+
+def test_run_takes_the_int8_flags_and_names_the_spec(tmp_path, monkeypatch):
+    """`run` hands upstream's script its own flags plus --spec, keeps the --int8-* ones, and puts the script's
+    folder first on sys.path; bad --int8-* values and a user's own --spec are refused before the script runs."""
+    script = tmp_path / "pretrain_gpt.py"
+    (tmp_path / "helper_module.py").write_text("VALUE = 7\n")
+    script.write_text("import sys, helper_module\nSEEN = (list(sys.argv), helper_module.VALUE)\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(megatron_lm, "_run_args", None)
+    seen = {}
+    real_run_path = megatron_lm.runpy.run_path
+    monkeypatch.setattr(megatron_lm.runpy, "run_path",
+                        lambda path, run_name: seen.update(real_run_path(path, run_name=run_name)))
+    megatron_lm.run([str(script), "--num-layers", "2", "--int8-linear", "--int8-bf16-modules", "linear_proj",
+                     "--lr", "1e-4"])
+    assert seen["SEEN"] == ([str(script), "--num-layers", "2", "--lr", "1e-4"] + megatron_lm.SPEC_FLAGS, 7)
+    assert megatron_lm._run_args.int8_bf16_modules == ["linear_proj"]
+    megatron_lm.run([str(script), "--num-layers", "2"])  # no --int8-linear: upstream's own spec
+    assert seen["SEEN"][0] == [str(script), "--num-layers", "2"]
+    with pytest.raises(SystemExit, match="drop --spec"):
+        megatron_lm.run([str(script), "--int8-linear", "--spec", "local"])
+    with pytest.raises(SystemExit, match="int8-bf16-gemms"):
+        megatron_lm.run([str(script), "--int8-linear", "--int8-bf16-gemms", "fprop,bogus"])
+    with pytest.raises(SystemExit, match="not a file"):
+        megatron_lm.run([str(tmp_path / "missing.py")])
+
+
+# Drives upstream's pretrain_gpt.py path up to the model: `run` starts this probe in place of pretrain_gpt.py, so
+# the flags go through run's split, upstream's parse_args/validate_args (which know --spec) and gpt_builder.
+UPSTREAM_PROBE = r'''
 import os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
 from megatron_int8.megatron.compat import apply_cpu_compat, model_parallel_seed
 apply_cpu_compat()
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-from megatron_int8.megatron_lm import add_int8_args, environment_argv, yaml_to_argv
-sys.argv = ["pretrain_gpt.py"] + yaml_to_argv(sys.argv[2]) + environment_argv() + sys.argv[3:]
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args, validate_args
-args = parse_args(extra_args_provider=add_int8_args(None))
+args = parse_args()
 validate_args(args, {})
 args.padded_vocab_size = 256
 global_vars._GLOBAL_ARGS = args
@@ -129,30 +178,23 @@ model = gpt_builders.gpt_builder(args, True, True)
 int8 = sum(isinstance(m, Int8LinearMixin) and m.int8 for m in model.modules())
 tokens = torch.randint(0, 200, (1, 32))
 loss = model(tokens, torch.arange(32)[None], None, labels=tokens)
-print("RESULT", int8, bool(torch.isfinite(loss.float()).all()))
+print("RESULT", args.spec, int8, bool(torch.isfinite(loss.float()).all()))
 '''
 
-
-# MEGATRON_LM: a core_v0.16.1 checkout; unset, the copy that scripts/fetch_megatron_lm.sh made (patched)
-THIRD_PARTY_MEGATRON_LM = os.path.join(ROOT, "third_party", "megatron-lm")
-MEGATRON_LM = os.environ.get("MEGATRON_LM") or (
-    THIRD_PARTY_MEGATRON_LM if os.path.isfile(os.path.join(THIRD_PARTY_MEGATRON_LM, "pretrain_gpt.py")) else None)
+# MEGATRON_LM_GIT: a Megatron-LM clone or bare repository with the core_v0.* tags
+MEGATRON_LM_GIT = os.environ.get("MEGATRON_LM_GIT")
 
 
-@pytest.mark.skipif(not MEGATRON_LM, reason="set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout, or run "
-                    "scripts/fetch_megatron_lm.sh")
-def test_patched_megatron_lm_builds_int8_model(tmp_path):
-    """Copy the checkout, apply the patch, and let upstream's own argument parser and gpt_builder build
-    a Qwen3-style model with INT8 linears (layer 1 kept BF16 by flag). A copy that is already patched
-    (third_party/megatron-lm) must be patched with exactly this patch: it is reverted, then re-applied."""
-    work = tmp_path / "mlm"
-    shutil.copytree(MEGATRON_LM, work, ignore=shutil.ignore_patterns(".git", "__pycache__"))
-    already = subprocess.run(["git", "apply", "--reverse", "--check", PATCH], cwd=work, capture_output=True)
-    if already.returncode == 0:
-        subprocess.run(["git", "apply", "--reverse", PATCH], cwd=work, check=True)
-        assert "megatron_int8" not in (work / "pretrain_gpt.py").read_text()
-    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
-    (tmp_path / "build.py").write_text(UPSTREAM_BUILD)
+@pytest.mark.skipif(not MEGATRON_LM_GIT, reason="set MEGATRON_LM_GIT to a Megatron-LM clone with its core_v0.* tags")
+def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path):
+    """scripts/fetch_megatron_lm.sh takes the tag that matches the installed megatron-core (core_v0.16.1 with
+    0.16, core_v0.19.0 with 0.19); upstream's own parser, validation and gpt_builder then build a Qwen3-style
+    model whose layers 2 of 2 run INT8 (layer 1 BF16 by flag): 4 INT8 linears, a finite loss."""
+    dest = tmp_path / "mlm"
+    fetched = subprocess.run(["bash", os.path.join(ROOT, "scripts", "fetch_megatron_lm.sh"), MEGATRON_LM_GIT,
+                              str(dest)], capture_output=True, text=True, timeout=300)
+    assert fetched.returncode == 0, fetched.stderr
+    (dest / "probe.py").write_text(UPSTREAM_PROBE)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -161,8 +203,10 @@ def test_patched_megatron_lm_builds_int8_model(tmp_path):
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--global-batch-size", "1",
              "--micro-batch-size", "1", "--int8-linear", "--int8-first-last-layers-bf16",
              "--int8-num-layers-at-end-in-bf16", "0"]
-    result = subprocess.run([sys.executable, str(tmp_path / "build.py"), port,
-                             os.path.join(ROOT, "configs", "qwen3_4b.yaml")] + flags,
-                            cwd=work, env=dict(os.environ, PYTHONPATH=f"{work}{os.pathsep}{ROOT}"),
-                            capture_output=True, text=True, timeout=300)
-    assert "RESULT 4 True" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    argv = megatron_lm.yaml_to_argv(os.path.join(ROOT, "configs", "qwen3_4b.yaml")) + megatron_lm.environment_argv()
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=port)
+    result = subprocess.run([sys.executable, "-m", "megatron_int8.megatron_lm", "run", str(dest / "probe.py")]
+                            + argv + flags, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "RESULT ['megatron_int8.megatron_lm', 'int8_layer_spec'] 4 True" in result.stdout, \
+        fetched.stdout + result.stdout[-3000:] + result.stderr[-3000:]

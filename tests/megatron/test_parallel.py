@@ -194,13 +194,13 @@ def test_tensor_and_sequence_parallel_match_tp1_and_fp64():
 
 def _moe_layer(config, grouped=False):
     """Tensorwise per-expert INT8 experts, or (grouped) row-wise ones run by Int8GroupedMLP."""
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     recipe = nearest_recipe(granularity="row") if grouped else nearest_recipe()
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, recipe=recipe, moe_grouped_gemm=grouped)
-    layer = build_module(spec.submodules.mlp, config=config)
+    layer = build_spec(spec.submodules.mlp, config=config)
     assert (getattr(layer.experts, "grouped_problem", "absent") is None) == grouped
     return layer
 

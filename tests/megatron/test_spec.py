@@ -5,6 +5,7 @@ import torch
 from mcore_helpers import assert_layers_bit_identical, outlier_tensor, query_norm_layer_pair, single_process_megatron, \
     tiny_config
 
+from megatron_int8.megatron.compat import submodules_of
 from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.recipe import Int8Recipe
 from repo_paths import BENCHMARKS, ROOT
@@ -109,10 +110,11 @@ def test_bf16_modules_and_first_last_policy_in_spec():
     attn = [s.submodules.self_attention.submodules for s in specs]
     assert [a.linear_qkv.params["int8"] for a in attn] == [False, True, True, True]
     assert not any(a.linear_proj.params["int8"] for a in attn)
-    experts = specs[1].submodules.mlp.submodules.experts.submodules
+    moe = submodules_of(specs[1].submodules.mlp)
+    experts = submodules_of(moe.experts)
     assert experts.linear_fc1.params["int8"] and not experts.linear_fc2.params["int8"]
-    assert not specs[1].submodules.mlp.submodules.shared_experts.submodules.linear_fc1.params["int8"]
-    assert specs[3].submodules.mlp.submodules.linear_fc1.params["int8"]
+    assert not submodules_of(moe.shared_experts).linear_fc1.params["int8"]
+    assert submodules_of(specs[3].submodules.mlp).linear_fc1.params["int8"]
 
 
 def test_swiglu_writes_maxima_only_for_an_int8_linear():
@@ -123,7 +125,7 @@ def test_swiglu_writes_maxima_only_for_an_int8_linear():
     config = tiny_config(num_layers=3)
 
     def emits(policy):
-        return [s.submodules.mlp.submodules.activation_func.params["emit_maxima"]
+        return [submodules_of(s.submodules.mlp).activation_func.params["emit_maxima"]
                 for s in get_gpt_int8_layer_specs(config, policy)]
 
     assert emits(Int8Policy()) == [True, True, True]

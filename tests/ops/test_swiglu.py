@@ -128,7 +128,7 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
     """With config.use_te_activation_func (as the trainer sets it for dense SwiGLU models), megatron's MLP from
     the INT8 spec runs megatron_int8's SwiGLU (emit_maxima for INT8 row-wise linears, not for BF16); its
     outputs and gradients equal those of megatron's own SwiGLU path up to bf16 rounding of the activation."""
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
@@ -139,9 +139,9 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
         for int8, emit in ((True, True), (False, False)):
             spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference"), int8=int8).submodules.mlp
             torch.manual_seed(0)
-            mlp = build_module(spec, config=ours)
+            mlp = build_spec(spec, config=ours)
             torch.manual_seed(0)
-            stock = build_module(spec, config=theirs)
+            stock = build_spec(spec, config=theirs)
             assert isinstance(mlp.activation_func, SwiGLU) and mlp.activation_func.emit_maxima == emit
             assert not isinstance(stock.activation_func, SwiGLU)
             x = heavy_tailed(8, 2, ours.hidden_size)
@@ -179,7 +179,7 @@ def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
 def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
     """The module has no state: the MLP's (sharded) state dict keys are those of megatron's own SwiGLU path,
     so checkpoints interchange."""
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron_int8.megatron.compat import build_spec
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
@@ -189,7 +189,7 @@ def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
         ours = tiny_config(use_te_activation_func=True, bias_activation_fusion=False)
         theirs = dataclasses.replace(ours, use_te_activation_func=False)
         spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference")).submodules.mlp
-        mlps = [build_module(spec, config=c) for c in (ours, theirs)]
+        mlps = [build_spec(spec, config=c) for c in (ours, theirs)]
         assert list(mlps[0].state_dict()) == list(mlps[1].state_dict())
         keys = [sorted(m.sharded_state_dict(prefix="mlp.", metadata=metadata)) for m in mlps]
         assert keys[0] == keys[1] and "mlp.linear_fc1.weight" in keys[0]
@@ -227,11 +227,12 @@ def test_int8_copy_follows_the_recipe_into_int8_layers_only():
     import argparse
 
     from megatron_int8.megatron.cli import add_int8_arguments, policy_from_args
+    from megatron_int8.megatron.compat import submodules_of
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     on = Int8Recipe(backend="reference", int8_swiglu_input=True)
     for recipe, int8, want in ((on, True, True), (on, False, False), (Int8Recipe(), True, False)):
-        spec = get_gpt_int8_layer_spec(recipe=recipe, int8=int8).submodules.mlp.submodules.activation_func
+        spec = submodules_of(get_gpt_int8_layer_spec(recipe=recipe, int8=int8).submodules.mlp).activation_func
         assert spec.params["int8_copy"] is want
     assert SwiGLU(int8_copy=True).int8_copy and on.describe() == "int8[row,fprop/dgrad/wgrad,swiglu-in:int8]"
     parser = add_int8_arguments(argparse.ArgumentParser())
