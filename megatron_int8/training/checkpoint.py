@@ -505,40 +505,34 @@ def apply_retention(root: str, latest: int, retain_interval: Optional[int], most
 
 
 def check_save_target(args) -> None:
-    """Refuse a run that would write over a --save holding checkpoints from an iteration it does not resume.
+    """Refuse a run that would write over a --save holding checkpoints from an iteration it does not resume, a
+    --load without a checkpoint (but for a first start, --load = --save), and a damaged checkpoint to load.
 
-    Raises ArgumentError naming the way out: --load that directory, or another --save."""
+    Raises ArgumentError naming the way out: --load that directory, another --save, or --ckpt-step."""
     from .args import ArgumentError
 
     first_start = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
-    if args.load and not first_start:
-        if not os.path.isdir(args.load):
-            raise ArgumentError(f"--load {args.load}: no such directory")
-        if read_tracker(args.load) is None and getattr(args, "ckpt_step", None) is None:
-            raise ArgumentError(no_checkpoint_message(args.load))
-    if first_start and read_tracker(args.load) is None and saved_iterations(args.load):
-        raise ArgumentError(no_checkpoint_message(args.load))  # checkpoints without their tracker: not a first start
+    if args.load and not first_start and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load}: no such directory")
     step = getattr(args, "ckpt_step", None)
-    if args.load and (step is not None or read_tracker(args.load) is not None):
+    start = (step if step is not None else read_tracker(args.load)) if args.load else None
+    saved = read_tracker(args.save) if args.save else None
+    rewinds = first_start and step is not None  # its own --save from an earlier --ckpt-step: later ones replaced
+    if saved is not None and not rewinds and (start is None or start < saved):
+        source = (f"--load {args.load} holds iteration {start}" if start is not None else
+                  f"--load {args.load} holds no checkpoint" if args.load else "no --load")
+        raise ArgumentError(
+            f"--save {args.save} already holds checkpoints (latest: iteration {saved}) and this run would start "
+            f"{'from scratch' if start is None else f'at iteration {start}'} ({source}), writing over them and "
+            f"their log. To continue that run: --load {args.save}. To start another run: a new --save directory.")
+    if args.load and start is None and (not first_start or saved_iterations(args.load)):
+        # a first start (--load is --save, still empty) begins at 0; anywhere else no checkpoint is an error
+        raise ArgumentError(no_checkpoint_message(args.load))
+    if args.load and start is not None:
         try:  # the checkpoint to load is whole: a damaged one fails before anything is built
             check_checkpoint_files(latest_checkpoint_dir(args.load, step))
         except CheckpointError as error:
             raise ArgumentError(str(error)) from None
-    if not args.save:
-        return
-    saved = read_tracker(args.save)
-    if saved is None:
-        return
-    start = (args.ckpt_step if getattr(args, "ckpt_step", None) is not None else read_tracker(args.load)
-             ) if args.load else None
-    if start is not None and (start >= saved or first_start):
-        return  # a resume; from an earlier --ckpt-step into its own --save, the later checkpoints get replaced
-    source = (f"--load {args.load} holds iteration {start}" if start is not None else
-              f"--load {args.load} holds no checkpoint" if args.load else "no --load")
-    raise ArgumentError(
-        f"--save {args.save} already holds checkpoints (latest: iteration {saved}) and this run would start "
-        f"{'from scratch' if start is None else f'at iteration {start}'} ({source}), writing over them and their "
-        f"log. To continue that run: --load {args.save}. To start another run: a new --save directory.")
 
 
 def _check_architecture(saved, args) -> None:

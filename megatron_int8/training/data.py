@@ -60,8 +60,9 @@ def check_tokenizer_file(kind: str, path: str) -> str:
         raise ArgumentError(f"--tokenizer-model {path}: {where}; give a SentencePiece .model, or a Hugging Face "
                             "tokenizer.json or its directory")
     if kind in SENTENCEPIECE_TYPES and found == "hf":
-        raise ArgumentError(f"--tokenizer-model {path} is a Hugging Face tokenizer ({where}), not a SentencePiece "
-                            "model: pass --tokenizer-type HuggingFaceTokenizer")
+        held = "" if where == path else f", holding {where}"
+        raise ArgumentError(f"--tokenizer-model {path} is a Hugging Face tokenizer (tokenizer.json{held}), not a "
+                            "SentencePiece model: pass --tokenizer-type HuggingFaceTokenizer")
     if kind in SENTENCEPIECE_TYPES and where != path:
         raise ArgumentError(f"--tokenizer-model {path} is a directory; give the SentencePiece model in it: "
                             f"--tokenizer-model {where}")

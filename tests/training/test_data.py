@@ -163,7 +163,7 @@ def test_empty_validation_split_is_fine_without_evaluation(dataset):
     (["--global-batch-size", "12"], 1, "--global-batch-size 12 is not divisible by --micro-batch-size 8"),
     (["--hidden-size", "250"], 1, "set --kv-channels"),
     (["--num-experts", "4", "--expert-model-parallel-size", "3"], 3, "--expert-model-parallel-size 3 must divide"),
-    (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be below --lr-decay-iters 4"),
+    (["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be below --train-iters 4 (the default --lr-decay-iters)"),
     (["--profile", "--profile-step-start", "3", "--profile-step-end", "7"], 1, "need 1 <= start < end <= --train-iters + 1 (5)"),
     (["--profile", "--profile-step-start", "2", "--profile-step-end", "2"], 1, "need 1 <= start < end"),
     (["--profile", "--profile-step-start", "1", "--profile-step-end", "3", "--profile-ranks", "0", "2"], 2,
