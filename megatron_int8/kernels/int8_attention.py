@@ -1,0 +1,341 @@
+"""Triton INT8 attention (causal or not, GQA), forward and backward; the contract is ops/int8_attention.py's.
+
+Products and scales (the module docstring of ops/int8_attention.py says why):
+    forward   S = Q K^T   INT8, Q and smoothed K per token     O = P V     INT8, P per (query, key tile), V per
+                                                                           (head, block, channel)
+    backward  S = Q K^T   INT8 as forward, dP = dO V^T BF16,   dV = P^T dO INT8, P^T per (key, query tile),
+              dS = P (dP - delta)                                          dO per (head, block, channel)
+              dK = dS^T Q INT8, dS^T per (key, query tile), Q per (head, block, channel)
+              dQ = dS K   INT8, dS per (query, key tile), K per (head, block, channel)
+An INT8 operand on the contraction side of a product is stored transposed, [D, S] with S contiguous: Hopper's
+INT8 tensor-core instruction (wgmma) takes both operands K-major only. So the quantize pass writes Q and K twice
+(per token [S, D] for the scores, per block and channel [D, S] for dQ and dK) and V, dO once ([D, S], per block
+and channel).
+Each INT8 product accumulates in int32 over one tile and is dequantized once per tile into an fp32 accumulator:
+the tiles divide the scale block, so an operand's scale is constant along the tile's contraction axis.
+Softmax in base 2 (scores times log2(e)), online over key tiles in fp32; lse is kept in base 2 for backward.
+
+Programs: `_quantize_kernel` (one per head and block of tokens), `_attn_fwd_kernel` (one per head and query tile),
+`_attn_bwd_dkdv_kernel` (one per key/value head and key tile: it walks the query tiles of every query head of
+its group, so GQA needs no atomics), `_attn_bwd_dq_kernel` (one per query head and query tile).
+Numerics match the PyTorch path of ops/int8_attention.py up to fp32 rounding (exp2 against exp, the order of
+the scale products), which can move a quantized P or dS by one step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import LaunchCache, cdiv
+from .quantize import _round_clamp, _scale_from_amax
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROW_AMAX_FLOOR = 2.0 ** -100  # as ops/int8_attention.ROW_AMAX_FLOOR: rows of P or dS below it quantize to zeros
+
+
+@triton.jit
+def _row_scales(x):
+    """Per-row scales of a tile: max(amax over the row, ROW_AMAX_FLOOR) / 127 (IEEE division)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2^-100
+    return tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+
+
+@triton.jit
+def _quantize_rows(x):
+    """(int8 tile, fp32 row scales) of a tile quantized per row."""
+    s = _row_scales(x)
+    return _round_clamp(x, s[:, None], 0, False), s
+
+
+@triton.jit
+def _dot_16bit(a, b, UPCAST: tl.constexpr):
+    """a @ b of 16-bit tiles with fp32 accumulation (dP = dO V^T). UPCAST: in fp32, exactly the same products,
+    for the interpreter, whose BF16 tl.dot returns garbage (triton 3.9, TRITON_INTERPRET=1)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, sx_b, sx_h, sx_s,  # input [B, H, S, D], last stride 1
+    mean_ptr,  # [B * H, D] fp32, subtracted when MEAN
+    rows_ptr, rows_scale_ptr,  # [B * H, S, D] int8 and [B * H, S] fp32 per token, when ROWS
+    t_ptr, t_scale_ptr,  # [B * H, D, SP] int8 (SP = S padded to BLOCK) and [B * H, NB, D] fp32
+    o_ptr, so_b, so_h, so_s, delta_ptr,  # with DELTA: O [B, H, S, D] and rowsum(x * O) [B * H, S] fp32
+    H, S, SP, NB,
+    D: tl.constexpr, BLOCK: tl.constexpr,
+    MEAN: tl.constexpr, ROWS: tl.constexpr, DELTA: tl.constexpr,
+):
+    """Program (block of BLOCK tokens, b * H + h): x - mean quantized per token into [S, D] (ROWS) and per block
+    and channel into the transposed [D, SP] layout; with DELTA also rowsum(x * O)."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_s = blk * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < S
+    x = tl.load(x_ptr + b * sx_b + h * sx_h + offs_s[:, None].to(tl.int64) * sx_s + offs_d[None, :],
+                mask=mask_s[:, None], other=0.0).to(tl.float32)
+    if MEAN:
+        x = x - tl.load(mean_ptr + bh * D + offs_d)[None, :]
+        x = tl.where(mask_s[:, None], x, 0.0)
+    if DELTA:
+        o = tl.load(o_ptr + b * so_b + h * so_h + offs_s[:, None].to(tl.int64) * so_s + offs_d[None, :],
+                    mask=mask_s[:, None], other=0.0).to(tl.float32)
+        tl.store(delta_ptr + bh * S + offs_s, tl.sum(x * o, axis=1), mask=mask_s)
+    if ROWS:
+        q, s = _quantize_rows(x)
+        tl.store(rows_ptr + (bh * S + offs_s[:, None]) * D + offs_d[None, :], q, mask=mask_s[:, None])
+        tl.store(rows_scale_ptr + bh * S + offs_s, s, mask=mask_s)
+    st = _scale_from_amax(tl.max(tl.abs(x), axis=0))  # [D]
+    tl.store(t_scale_ptr + (bh * NB + blk) * D + offs_d, st)
+    qt = _round_clamp(x, st[None, :], 0, False)
+    tl.store(t_ptr + (bh * D + offs_d[None, :]) * SP + offs_s[:, None], qt)  # padding tokens hold zeros
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per-token INT8 [BH, Sq, D], [BHk, Sk, D] and their scales [BH, Sq], [BHk, Sk]
+    vt_ptr, vs_ptr,  # V^T INT8 [BHk, D, SkP], scales [BHk, NBk, D]
+    o_ptr, lse_ptr,  # O [B, H, Sq, D] contiguous (output dtype), lse2 [BH, Sq] fp32
+    H, GROUP, Sq, Sk, SkP, NBk, qk_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Program (query tile, b * H + h): online softmax over the key tiles, S and P V in INT8."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    bhk = bh // H * (H // GROUP) + bh % H // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
+    q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0) * qk_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(Sk, m0 + BLOCK_M) if CAUSAL else Sk
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Sk
+        k = tl.load(k_ptr + (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :], mask=mask_n[:, None], other=0)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p8, p_scale = _quantize_rows(p)
+        vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
+        v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+        pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
+        acc = acc * alpha[:, None] + pv * p_scale[:, None] * v_scale[None, :]
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(o_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=mask_m[:, None])
+    tl.store(lse_ptr + bh * Sq + offs_m, m_i + tl.log2(l_i), mask=mask_m)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per-token INT8 Q, K and scales (as the forward)
+    qt_ptr, qts_ptr,  # per-block Q^T INT8 [BH, D, SqP], scales [BH, NBq, D]
+    v_ptr, sv_b, sv_h, sv_s,  # V [B, Hk, Sk, D] (16-bit, last stride 1)
+    do_ptr, sdo_b, sdo_h, sdo_s,  # dO [B, H, Sq, D] (16-bit, last stride 1)
+    dot_ptr, dots_ptr,  # dO^T INT8 [BH, D, SqP], scales [BH, NBq, D]
+    lse_ptr, delta_ptr,  # [BH, Sq] fp32
+    dk_ptr, dv_ptr,  # [B, Hk, Sk, D] contiguous, in K's and V's dtypes
+    HK, GROUP, Sq, Sk, SqP, NBq, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (key tile, b * Hk + hk): dK and dV of its keys, over the query tiles of the group's query heads."""
+    n0 = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // HK
+    hk = bhk % HK
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    mask_n = offs_n < Sk
+    k = tl.load(k_ptr + (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :], mask=mask_n[:, None], other=0)
+    k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0) * qk_scale
+    v = tl.load(v_ptr + b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :],
+                mask=mask_n[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    lo = n0 // BLOCK_M * BLOCK_M if CAUSAL else 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * HK * GROUP + h
+        for m0 in range(lo, Sq, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < Sq
+            q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
+            q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+            lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+            st = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32) * (k_scale[:, None] * q_scale[None, :])
+            valid = mask_n[:, None] & mask_m[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :])
+            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
+            do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
+                         mask=mask_m[:, None], other=0.0)
+            delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+            dpt = _dot_16bit(v, tl.trans(do), UPCAST)
+            dst = pt * (dpt - delta[None, :])
+
+            blk = m0 // QBLOCK
+            pt8, pt_scale = _quantize_rows(pt)
+            dot = tl.load(dot_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])  # zeros past Sq
+            do_scale = tl.load(dots_ptr + (bh * NBq + blk) * D + offs_d)
+            dv += tl.dot(pt8, tl.trans(dot), out_dtype=tl.int32).to(tl.float32) * pt_scale[:, None] * do_scale[None, :]
+            dst8, dst_scale = _quantize_rows(dst)
+            qt = tl.load(qt_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])
+            qt_scale = tl.load(qts_ptr + (bh * NBq + blk) * D + offs_d)
+            dk += tl.dot(dst8, tl.trans(qt), out_dtype=tl.int32).to(tl.float32) * dst_scale[:, None] * qt_scale[None, :]
+    out = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_n[:, None])
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask_n[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per-token INT8 Q, K and scales (as the forward)
+    kt_ptr, kts_ptr,  # per-block K^T INT8 [BHk, D, SkP], scales [BHk, NBk, D]
+    v_ptr, sv_b, sv_h, sv_s,  # V [B, Hk, Sk, D] (16-bit, last stride 1)
+    do_ptr, sdo_b, sdo_h, sdo_s,  # dO [B, H, Sq, D] (16-bit, last stride 1)
+    lse_ptr, delta_ptr,  # [BH, Sq] fp32
+    dq_ptr,  # [B, H, Sq, D] contiguous, in Q's dtype
+    H, GROUP, Sq, Sk, SkP, NBk, qk_scale, sm_scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Program (query tile, b * H + h): dQ of its queries, over the key tiles."""
+    m0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    bhk = b * (H // GROUP) + hk
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
+    q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0) * qk_scale
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
+                 mask=mask_m[:, None], other=0.0)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    hi = tl.minimum(Sk, m0 + BLOCK_M) if CAUSAL else Sk
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Sk
+        k = tl.load(k_ptr + (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :], mask=mask_n[:, None], other=0)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+        valid = mask_m[:, None] & mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
+        v = tl.load(v_ptr + b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0)
+        dp = _dot_16bit(do, tl.trans(v), UPCAST)
+        ds8, ds_scale = _quantize_rows(p * (dp - delta[:, None]))
+        kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
+        kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+        dq += tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None] * kt_scale[None, :]
+    tl.store(dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+_QUANTIZE = LaunchCache(_quantize_kernel)
+_FWD = LaunchCache(_attn_fwd_kernel)
+_BWD_DKDV = LaunchCache(_attn_bwd_dkdv_kernel)
+_BWD_DQ = LaunchCache(_attn_bwd_dq_kernel)
+
+
+def _last_stride_one(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _quantize(x, block, *, mean=None, rows=False, o=None):
+    """The quantize pass over x [B, H, S, D]: (rows int8, rows scales, transposed int8, its scales, delta);
+    entries a mode does not write are None."""
+    B, H, S, D = x.shape
+    nb = cdiv(S, block)
+    dev = x.device
+    rows_q = torch.empty((B * H, S, D), dtype=torch.int8, device=dev) if rows else None
+    rows_s = torch.empty((B * H, S), dtype=torch.float32, device=dev) if rows else None
+    t_q = torch.empty((B * H, D, nb * block), dtype=torch.int8, device=dev)
+    t_s = torch.empty((B * H, nb, D), dtype=torch.float32, device=dev)
+    delta = torch.empty((B * H, S), dtype=torch.float32, device=dev) if o is not None else None
+    dummy = t_s
+    _QUANTIZE.launch((nb, B * H),
+                     x, x.stride(0), x.stride(1), x.stride(2),
+                     mean if mean is not None else dummy,
+                     rows_q if rows else t_q, rows_s if rows else dummy,
+                     t_q, t_s,
+                     o if o is not None else x, *(o.stride()[:3] if o is not None else (0, 0, 0)),
+                     delta if o is not None else dummy,
+                     H, S, nb * block, nb,
+                     D=D, BLOCK=block, MEAN=mean is not None, ROWS=rows, DELTA=o is not None,
+                     num_warps=8)
+    return rows_q, rows_s, t_q, t_s, delta
+
+
+def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
+    """(O [B, H, Sq, D] in q's dtype, the tensors backward needs). Shapes are checked by ops/int8_attention."""
+    q, k, v = _last_stride_one(q), _last_stride_one(k), _last_stride_one(v)
+    B, H, Sq, D = q.shape
+    Hk, Sk = k.shape[1], k.shape[2]
+    mean = k.mean(dim=2, dtype=torch.float32).reshape(B * Hk, D)
+    q8, q_s, qt8, qt_s, _ = _quantize(q, cfg.block, rows=True)
+    k8, k_s, kt8, kt_s, _ = _quantize(k, cfg.block, mean=mean, rows=True)
+    _, _, vt8, vt_s, _ = _quantize(v, cfg.block)
+    o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
+    _FWD.launch((cdiv(Sq, cfg.fwd_block_m), B * H),
+                q8, q_s, k8, k_s, vt8, vt_s, o, lse,
+                H, H // Hk, Sq, Sk, vt8.shape[2], vt_s.shape[1], sm_scale * LOG2E,
+                D=D, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
+                num_warps=8 if cfg.fwd_block_m >= 128 else 4)
+    return o, (q8, q_s, k8, k_s, qt8, qt_s, kt8, kt_s, lse)
+
+
+def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cfg, q_shape, q_dtype, k_shape,
+                              k_dtype):
+    """(dQ, dK, dV) in the inputs' dtypes, from dO and what triton_attention_forward saved."""
+    q8, q_s, k8, k_s, qt8, qt_s, kt8, kt_s, lse = saved
+    do, v = _last_stride_one(do), _last_stride_one(v)
+    B, H, Sq, D = q_shape
+    Hk, Sk = k_shape[1], k_shape[2]
+    _, _, dot8, dot_s, delta = _quantize(do, cfg.block, o=o)
+    dq = torch.empty(q_shape, dtype=q_dtype, device=do.device)
+    dk = torch.empty(k_shape, dtype=k_dtype, device=do.device)
+    dv = torch.empty(k_shape, dtype=v.dtype, device=do.device)
+    qk_scale = sm_scale * LOG2E
+    _BWD_DKDV.launch((cdiv(Sk, cfg.bwd_block_n), B * Hk),
+                     q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse, delta,
+                     dk, dv, Hk, H // Hk, Sq, Sk, qt8.shape[2], qt_s.shape[1], qk_scale, sm_scale,
+                     D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
+                     UPCAST=_INTERPRET,
+                     num_warps=8 if cfg.bwd_block_n >= 128 else 4)
+    _BWD_DQ.launch((cdiv(Sq, cfg.dq_block_m), B * H),
+                   q8, q_s, k8, k_s, kt8, kt_s, v, *v.stride()[:3], do, *do.stride()[:3], lse, delta, dq,
+                   H, H // Hk, Sq, Sk, kt8.shape[2], kt_s.shape[1], qk_scale, sm_scale,
+                   D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
+                   UPCAST=_INTERPRET,
+                   num_warps=8 if cfg.dq_block_m >= 128 else 4)
+    return dq, dk, dv

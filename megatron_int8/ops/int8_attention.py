@@ -1,0 +1,286 @@
+"""INT8 causal attention with GQA, forward and backward: `int8_attention(q, k, v)`.
+
+Layout as `F.scaled_dot_product_attention`: q [b, h, s, d], k and v [b, h_kv, s_kv, d] with h % h_kv == 0
+(query head i reads key/value head i // (h / h_kv)); the output has q's shape and dtype, the gradients their
+inputs' dtypes. `causal` masks key j > query i (top-left, as SDPA's is_causal).
+
+Which products are INT8 (SageBwd's split: six of the seven, dP = dO V^T kept 16-bit):
+    forward   S = Q K^T             INT8 x INT8 -> INT32, Q and K per token (row scales of both operands)
+              O = P V               INT8, P per (query, tile of `fwd_block_n` keys), V per (head, block, channel)
+    backward  S = Q K^T             recomputed from the saved per-token INT8 Q and K
+              dP = dO V^T           BF16 inputs, fp32 accumulation
+              dV = P^T dO           INT8, P^T per (key, tile of `bwd_block_m` queries), dO per (head, block, channel)
+              dK = dS^T Q           INT8, dS^T per (key, tile of `bwd_block_m` queries), Q per (head, block, channel)
+              dQ = dS K             INT8, dS per (query, tile of `dq_block_n` keys), K per (head, block, channel)
+Q and K are thus saved twice in INT8 (together the bytes of one BF16 copy): per token for the scores, whose
+error dominates, and per block and channel for dK and dQ, which contract over tokens (an operand's scales must
+be constant along the contraction axis of a tile). Measured on the PyTorch path against fp64 (CPU, 8 query and
+2 key/value heads, seq 512, d 128, activation-like data with 0.2% outliers of 8x, tests/kernels/
+test_int8_attention.py): per-token instead of per-block scales for the scores took the SNR of O from ~21 to
+30 dB; per-channel instead of per-block Q^T, K^T took dK from 24.2 to 27.3 dB and dQ from 24.3 to 25.3 dB;
+leaving Q and K unquantized in the scores alone would gain 8-9 dB on every tensor, while leaving any one of
+P, P^T, dS^T, dS unquantized gains at most 0.3 dB. So PV and all three gradient products run in INT8.
+K is smoothed first: K - mean_s(K) per head. Softmax is invariant to it (it adds q . mean to every score of a
+row, also under the causal mask), and so is the gradient: the rows of dS sum to zero, so the gradient through
+the mean vanishes and dK is dS^T Q as without smoothing. It takes K's shared bias out of the INT8 range.
+Every scale is amax / 127 of its group (1 for an all-zero group), rounding half to even, as reference.quantize.
+The scales of an operand are constant along each tile of its contraction axis, so each INT8 product
+dequantizes once per tile: (int32 tile) * row scale * column scale, summed in fp32. Softmax, exp and the
+accumulators are fp32.
+
+`attention_reference` computes that quantization with PyTorch ops (any device: the CPU path, and the
+kernels' test oracle), tile by tile where the scales depend on the tiles; kernels/int8_attention.py does it
+in Triton on CUDA (or on CPU under TRITON_INTERPRET=1). The two agree up to fp32 rounding, which can move a
+quantized value by one step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ..reference import scale_from_amax
+from .backend import triton_available, triton_runs_on
+
+__all__ = ["Int8AttentionConfig", "attention_reference", "int8_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8AttentionConfig:
+    """Scale granularity and the kernels' tiles (which set the P and dS scale groups, so the reference takes them).
+
+    block: tokens per scale of Q, K (their copies for dK, dQ), V and dO, each per head, block and channel;
+    every token tile below divides it, so an operand's scale is constant along a tile of its contraction axis.
+    """
+    block: int = 128
+    fwd_block_m: int = 128  # queries per forward program
+    fwd_block_n: int = 64  # keys per forward step: P's scales are per query and such a tile
+    bwd_block_m: int = 64  # queries per step of the dK/dV program: P^T's and dS^T's scales per key and tile
+    bwd_block_n: int = 128  # keys per dK/dV program
+    dq_block_m: int = 128  # queries per dQ program
+    dq_block_n: int = 64  # keys per step of the dQ program: dS's scales per query and such a tile
+
+    def __post_init__(self):
+        for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
+            tile = getattr(self, name)
+            if tile < 16 or tile & (tile - 1) or self.block % tile:
+                raise ValueError(f"Int8AttentionConfig.{name}={tile}: a power of two >= 16 dividing block={self.block}")
+
+
+DEFAULT_CONFIG = Int8AttentionConfig()
+ROW_AMAX_FLOOR = 2.0 ** -100  # the least amax of a row of P or dS: a row below it quantizes to zeros
+
+
+# ------------------------------------------------------------------------------------------ quantization
+def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """clamp(round_half_even(x * (1 / scale)), -127, 127) as float values (exact small integers)."""
+    return torch.round(x * (1.0 / scale)).clamp_(-127, 127)
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] (fp32) quantized per (head, `block` tokens, channel).
+    Returns (integer values as fp32 [B, H, S, D], scales [B, H, ceil(S / block), D])."""
+    B, H, S, D = x.shape
+    nb = -(-S // block)
+    blocks = torch.nn.functional.pad(x, (0, 0, 0, nb * block - S)).view(B, H, nb, block, D)
+    scale = scale_from_amax(blocks.abs().amax(dim=3))
+    return _round_int8(x, _per_token(scale, block, S)), scale
+
+
+def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] (Q or K per token, a tile of P or dS) quantized per row: scale = max(amax, ROW_AMAX_FLOOR) / 127,
+    so that 1 / scale stays finite for a row of P whose values underflow toward 0 (exp of scores far below the
+    running max). Returns (values as fp32, scales [..., 1])."""
+    scale = scale_from_amax(x.abs().amax(dim=-1, keepdim=True).clamp_min(ROW_AMAX_FLOOR))
+    return _round_int8(x, scale), scale
+
+
+def _per_token(scale: torch.Tensor, block: int, S: int) -> torch.Tensor:
+    return scale.repeat_interleave(block, dim=2)[:, :, :S]
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _sum_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    B, H = x.shape[:2]
+    return x.view(B, H // group, group, *x.shape[2:]).sum(dim=2) if group > 1 else x
+
+
+def _causal_mask(Sq: int, Sk: int, device) -> torch.Tensor:
+    return torch.arange(Sk, device=device)[None, :] > torch.arange(Sq, device=device)[:, None]
+
+
+# ------------------------------------------------------------------------------------------ reference path
+@dataclasses.dataclass
+class _Saved:
+    """What backward needs: Q and smoothed K in INT8, per token and per block, with their scales."""
+    q_int: torch.Tensor  # [B, H, Sq, D] integer values (fp32), per token
+    q_scale: torch.Tensor  # [B, H, Sq]
+    k_int: torch.Tensor  # [B, Hk, Sk, D]
+    k_scale: torch.Tensor  # [B, Hk, Sk]
+    qb_int: torch.Tensor  # [B, H, Sq, D] per block and channel
+    qb_scale: torch.Tensor  # [B, H, nbq, D]
+    kb_int: torch.Tensor  # [B, Hk, Sk, D]
+    kb_scale: torch.Tensor  # [B, Hk, nbk, D]
+    lse: Optional[torch.Tensor] = None  # [B, H, Sq] natural log-sum-exp of the scaled scores
+
+
+def _scores(saved: _Saved, group: int, sm_scale: float, causal: bool) -> torch.Tensor:
+    """sm_scale * dequant(Q_int K_int^T) [B, H, Sq, Sk] in fp32, -inf where masked."""
+    Sq, Sk = saved.q_int.shape[2], saved.k_int.shape[2]
+    acc = saved.q_int @ _expand_heads(saved.k_int, group).transpose(-1, -2)  # exact: |sum| <= 127^2 d < 2^24
+    s = acc * (saved.q_scale[..., :, None] * _expand_heads(saved.k_scale, group)[..., None, :] * sm_scale)
+    if causal:
+        s = s.masked_fill(_causal_mask(Sq, Sk, s.device), float("-inf"))
+    return s
+
+
+def reference_forward(q, k, v, causal: bool, sm_scale: float, cfg: Int8AttentionConfig):
+    """(O in q's dtype, _Saved) of the INT8 attention, with PyTorch ops."""
+    group = q.shape[1] // k.shape[1]
+    qf = q.float()
+    kf = k.float() - k.mean(dim=2, keepdim=True, dtype=torch.float32)  # the kernels' mean, bit for bit
+    (q_int, q_scale), (k_int, k_scale) = quantize_rows(qf), quantize_rows(kf)
+    saved = _Saved(q_int, q_scale.squeeze(-1), k_int, k_scale.squeeze(-1), *quantize_blocks(qf, cfg.block),
+                   *quantize_blocks(kf, cfg.block))
+    v_int, v_scale = quantize_blocks(v.float(), cfg.block)
+    s = _scores(saved, group, sm_scale, causal)
+    v_int = _expand_heads(v_int, group)
+    v_tok = _per_token(_expand_heads(v_scale, group), cfg.block, k.shape[2])
+
+    # online softmax over key tiles, as the kernel: P's scale groups are (query, tile) of exp(s - running max)
+    B, H, Sq, D = q.shape
+    m = torch.full((B, H, Sq, 1), float("-inf"), device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(B, H, Sq, D, device=q.device)
+    for n0 in range(0, k.shape[2], cfg.fwd_block_n):
+        tile = slice(n0, n0 + cfg.fwd_block_n)
+        st = s[..., tile]
+        m_new = torch.maximum(m, st.amax(dim=-1, keepdim=True))
+        p = torch.exp(st - m_new)
+        alpha = torch.exp(m - m_new)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        p_int, p_scale = quantize_rows(p)
+        # V's scales are constant along the tile (cfg.block % fwd_block_n == 0): one per channel
+        acc = acc * alpha + (p_int @ v_int[..., tile, :]) * p_scale * v_tok[..., n0:n0 + 1, :]
+        m = m_new
+    saved.lse = (m + torch.log(l)).squeeze(-1)
+    return (acc / l).to(q.dtype), saved
+
+
+def reference_backward(do, o, v, saved: _Saved, causal: bool, sm_scale: float, cfg: Int8AttentionConfig):
+    """(dQ, dK, dV) in fp32 of the INT8 attention, with PyTorch ops."""
+    group = o.shape[1] // v.shape[1]
+    B, H, Sq, D = o.shape
+    Sk = v.shape[2]
+    s = _scores(saved, group, sm_scale, causal)
+    p = torch.exp(s - saved.lse[..., None])
+    dof = do.float()
+    delta = (dof * o.float()).sum(dim=-1, keepdim=True)
+    dp = dof @ _expand_heads(v.float(), group).transpose(-1, -2)  # BF16 product: bf16 inputs, fp32 sums
+    ds = p * (dp - delta)
+    do_int, do_scale = quantize_blocks(dof, cfg.block)
+    do_tok = _per_token(do_scale, cfg.block, Sq)
+    q_tok = _per_token(saved.qb_scale, cfg.block, Sq)
+
+    dv = torch.zeros(B, H, Sk, D, device=o.device)
+    dk = torch.zeros_like(dv)
+    for m0 in range(0, Sq, cfg.bwd_block_m):  # contraction over query tiles: scales per (key, tile)
+        tile = slice(m0, m0 + cfg.bwd_block_m)
+        pt_int, pt_scale = quantize_rows(p[..., tile, :].transpose(-1, -2))
+        dv += (pt_int @ do_int[..., tile, :]) * pt_scale * do_tok[..., m0:m0 + 1, :]
+        dst_int, dst_scale = quantize_rows(ds[..., tile, :].transpose(-1, -2))
+        dk += (dst_int @ saved.qb_int[..., tile, :]) * dst_scale * q_tok[..., m0:m0 + 1, :]
+
+    dq = torch.zeros(B, H, Sq, D, device=o.device)
+    k_int = _expand_heads(saved.kb_int, group)
+    k_tok = _per_token(_expand_heads(saved.kb_scale, group), cfg.block, Sk)
+    for n0 in range(0, Sk, cfg.dq_block_n):  # contraction over key tiles: scales per (query, tile)
+        tile = slice(n0, n0 + cfg.dq_block_n)
+        ds_int, ds_scale = quantize_rows(ds[..., tile])
+        dq += (ds_int @ k_int[..., tile, :]) * ds_scale * k_tok[..., n0:n0 + 1, :]
+    return dq * sm_scale, _sum_heads(dk, group) * sm_scale, _sum_heads(dv, group)
+
+
+def attention_reference(q, k, v, causal: bool = True, scale: Optional[float] = None,
+                        config: Optional[Int8AttentionConfig] = None) -> torch.Tensor:
+    """`int8_attention` computed with PyTorch ops on any device (differentiable)."""
+    _check(q, k, v)
+    cfg = config or DEFAULT_CONFIG
+    return _ReferenceAttention.apply(q, k, v, causal, _sm_scale(q, scale), cfg)
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, cfg):
+        o, saved = reference_forward(q, k, v, causal, sm_scale, cfg)
+        ctx.saved = saved
+        ctx.save_for_backward(v, o)
+        ctx.args = (causal, sm_scale, cfg, q.dtype, k.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        v, o = ctx.saved_tensors
+        causal, sm_scale, cfg, q_dtype, k_dtype = ctx.args
+        dq, dk, dv = reference_backward(do, o, v, ctx.saved, causal, sm_scale, cfg)
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v.dtype), None, None, None
+
+
+# ------------------------------------------------------------------------------------------ Triton path
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, cfg):
+        from ..kernels.int8_attention import triton_attention_forward
+
+        o, saved = triton_attention_forward(q, k, v, causal, sm_scale, cfg)
+        ctx.save_for_backward(v, o, *saved)
+        ctx.args = (causal, sm_scale, cfg, q.shape, q.dtype, k.shape, k.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from ..kernels.int8_attention import triton_attention_backward
+
+        v, o, *saved = ctx.saved_tensors
+        causal, sm_scale, cfg, q_shape, q_dtype, k_shape, k_dtype = ctx.args
+        dq, dk, dv = triton_attention_backward(do, o, v, saved, causal, sm_scale, cfg, q_shape, q_dtype, k_shape,
+                                               k_dtype)
+        return dq, dk, dv, None, None, None
+
+
+def _sm_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def _check(q, k, v) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"int8_attention: q [b, h, s, d] and k, v [b, h_kv, s_kv, d] expected, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"int8_attention: batch and head dim must match and h % h_kv == 0, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+
+
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                   scale: Optional[float] = None, config: Optional[Int8AttentionConfig] = None,
+                   backend: str = "auto") -> torch.Tensor:
+    """Attention softmax(scale * q k^T) v with INT8 products (see the module docstring), differentiable.
+
+    q [b, h, s, d], k and v [b, h_kv, s_kv, d] (GQA: h % h_kv == 0); scale defaults to 1/sqrt(d).
+    backend: "auto" (Triton kernels where they run and import, else the PyTorch path), "triton" or "reference".
+    The Triton kernels take head dims 16..256 that are powers of two.
+    """
+    _check(q, k, v)
+    cfg = config or DEFAULT_CONFIG
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"int8_attention: backend {backend!r}: expected auto, triton or reference")
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
+    if use_triton and not (triton_runs_on(q.device) and triton_available()):
+        raise RuntimeError("int8_attention: the Triton kernels need CUDA (or TRITON_INTERPRET=1) and triton")
+    fn = _TritonAttention if use_triton else _ReferenceAttention
+    return fn.apply(q, k, v, causal, _sm_scale(q, scale), cfg)
