@@ -1,37 +1,26 @@
 #!/usr/bin/env bash
-# Upstream Megatron-LM's own pretrain_gpt.py (core_v0.16.1 + patches/megatron-lm-core_v0.16.1.patch) on
-# ONE GPU: a 4-layer Llama-style model on mock data, first with --int8-linear, then the same run in BF16
-# with the INT8 spec's attention and norms (bf16_spec: --int8-linear with every linear in
-# --int8-bf16-modules), then in BF16 with upstream's local spec (whose attention is unfused). One call on the
-# GPU machine, from the repository root:
+# Upstream Megatron-LM's own pretrain_gpt.py (any tag core_v0.16.1 ... core_v0.19.0, unpatched, through
+# `python -m megatron_int8.megatron_lm run`) on ONE GPU: a 4-layer model of Llama2-7B's width (hidden 4096, 32 heads,
+# FFN 11008, seq 4096) on mock data, first with --int8-linear, then the same run in BF16 with the INT8 spec's
+# attention and norms (bf16_spec: --int8-linear with every linear in --int8-bf16-modules), then (PRECISIONS with
+# bf16) in BF16 with upstream's local spec (whose attention is unfused). One call on the GPU machine, from the
+# repository root:
 #
-#   bash benchmarks/gpu_megatron_lm_check.sh
+#   MLM=third_party/megatron-lm bash benchmarks/gpu_megatron_lm_check.sh
 #
-# Needs third_party/megatron-lm (bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM) and, where
-# megatron-core is not installed, its wheel in .whl/ (installed into /tmp/site). Offline machines without
-# pydantic (upstream's megatron/rl imports it) take wheels from third_party/wheels/, made with
-#   python3 -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d third_party/wheels pydantic==2.12.5
-# Logs go to $OUT (default /tmp/out): megatron_lm_{int8,bf16_spec,bf16}.log and the iteration lines.
-# Environment: ITERS [30], RUN_TIMEOUT [240 s per run], PRECISIONS ["int8 bf16_spec bf16"], EXTRA_ARGS (appended
-# to both runs), PRINT_ARGS=1 (print the pretrain_gpt.py flags and exit; needs no GPU).
+# Needs MLM (bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM DIR) and, where megatron-core is not installed,
+# PYTHONPATH naming one (benchmarks/gpu_versions_check.sh sets it up from .whl). Logs go to $OUT (default /tmp/out):
+# megatron_lm_{int8,bf16_spec,bf16}.log and the iteration lines.
+# Environment: ITERS [20], RUN_TIMEOUT [240 s per run], PRECISIONS ["int8 bf16_spec"], EXTRA_ARGS (appended to every
+# run), WIDTH [llama2_7b, or small: hidden 1024], PRINT_ARGS=1 (print the pretrain_gpt.py flags and exit; no GPU).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 ROOT=$PWD
-MLM=$ROOT/third_party/megatron-lm
-ITERS=${ITERS:-30}
+MLM=$(cd "${MLM:-$ROOT/third_party/megatron-lm}" 2>/dev/null && pwd) || { echo "no MLM folder: bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM DIR" >&2; exit 2; }
+ITERS=${ITERS:-20}
 mkdir -p "$OUT"
-[ -f "$MLM/pretrain_gpt.py" ] || { echo "no $MLM/pretrain_gpt.py: bash scripts/fetch_megatron_lm.sh /path/to/Megatron-LM" >&2; exit 2; }
-grep -q megatron_int8 "$MLM/pretrain_gpt.py" || { echo "$MLM is not patched" >&2; exit 2; }
-
-# 1. megatron-core (and torchao) from the carried wheels; megatron.training etc. from third_party (it has
-#    no megatron/core, so `megatron`, a namespace package, takes megatron.core from /tmp/site).
-if [ -z "$PRINT_ARGS" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$ROOT
-else
-  export PYTHONPATH=$ROOT
-fi
+[ -f "$MLM/pretrain_gpt.py" ] || { echo "no $MLM/pretrain_gpt.py" >&2; exit 2; }
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
 # 2. Flags. environment_argv(): --transformer-impl local --no-rope-fusion without Transformer Engine,
@@ -40,16 +29,20 @@ export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH
 #    and --no-persist-layer-norm (else its torch RMSNorm refuses to build).
 mapfile -t ENV_ARGS < <(python3 -c "from megatron_int8.megatron_lm import environment_argv; print(*environment_argv(), sep='\n')") || exit 1
 python3 -c "import scaled_masked_softmax_cuda" 2>/dev/null || ENV_ARGS+=(--no-masked-softmax-fusion)
-python3 -c "import apex" 2>/dev/null || ENV_ARGS+=(--no-persist-layer-norm)
-MODEL_ARGS=(
-  --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
-  --group-query-attention --num-query-groups 4 --kv-channels 64
-  --seq-length 1024 --max-position-embeddings 1024 --position-embedding-type rope --rotary-base 10000
+if [ "${WIDTH:-llama2_7b}" = small ]; then
+  MODEL_ARGS=(--num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
+              --group-query-attention --num-query-groups 4 --kv-channels 64 --seq-length 1024 --max-position-embeddings 1024)
+else
+  MODEL_ARGS=(--num-layers 4 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 --kv-channels 128
+              --seq-length 4096 --max-position-embeddings 4096)
+fi
+MODEL_ARGS+=(
+  --position-embedding-type rope --rotary-base 10000
   --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
   --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02
 )
 TRAIN_ARGS=(
-  --micro-batch-size 4 --global-batch-size 32 --train-iters "$ITERS"
+  --micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS"
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
   --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --seed 1234
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
@@ -59,16 +52,6 @@ TRAIN_ARGS=(
 )
 ARGS=("${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${ENV_ARGS[@]}")
 if [ -n "$PRINT_ARGS" ]; then printf '%s\n' "${ARGS[@]}" --int8-linear $EXTRA_ARGS; exit 0; fi
-
-# 3. pydantic: upstream's megatron/rl (imported by megatron/training/training.py) needs it.
-if ! python3 -c "import pydantic" 2>/dev/null; then
-  wheels=$(ls "$ROOT"/third_party/wheels/*.whl 2>/dev/null | grep -v typing_extensions)
-  [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels
-  if ! python3 -c "import pydantic" 2>/dev/null; then  # an older typing_extensions than pydantic wants?
-    ls "$ROOT"/third_party/wheels/typing_extensions-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index \
-      --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT"/third_party/wheels/typing_extensions-*.whl
-  fi
-fi
 
 # 4. Megatron-LM's initialize runs `make -C <megatron.core>/datasets` on rank 0 (exit 1 if make fails).
 #    The wheel has the compiled helpers_cpp but not upstream's Makefile: give it one whose target is that
@@ -97,16 +80,16 @@ if ! python3 -c "import os, sys; from torch.utils.cpp_extension import CUDA_HOME
   chmod +x /tmp/mlm-cuda/bin/nvcc && export CUDA_HOME=/tmp/mlm-cuda
 fi
 
-# 6. Upstream's pretrain_gpt.py runs unchanged through runpy; the launcher only wraps
+# 6. The launcher runs `megatron_lm.run` (upstream's script, unchanged, as __main__) and only wraps
 #    megatron.training.training.get_model to print the per-linear precision table of the built model.
 mkdir -p /tmp/mlm-launch
 cat > /tmp/mlm-launch/pretrain_gpt_with_table.py <<'EOF'
-import runpy, sys
+import sys
 mlm = sys.argv.pop(1)
-sys.path[0] = mlm                       # as `python3 $mlm/pretrain_gpt.py`: the checkout is sys.path[0]
+sys.path.insert(0, mlm)
 import megatron.core, megatron.training.training as training
 from megatron.core.utils import unwrap_model
-from megatron.training import get_args
+from megatron_int8 import megatron_lm
 from megatron_int8.megatron.cli import policy_from_args
 from megatron_int8.megatron.precision_table import print_precision_table
 print(f"megatron.core {megatron.core.__version__} from {megatron.core.__path__[0]}; megatron.training from "
@@ -114,25 +97,18 @@ print(f"megatron.core {megatron.core.__version__} from {megatron.core.__path__[0
 get_model = training.get_model
 def get_model_and_print_table(*args, **kwargs):
     model = get_model(*args, **kwargs)
-    run_args = get_args()
-    print_precision_table(unwrap_model(model), policy_from_args(run_args) if run_args.int8_linear else None,
+    flags = megatron_lm.int8_args()
+    print_precision_table(unwrap_model(model), policy_from_args(flags) if flags.int8_linear else None,
                           print_fn=lambda table: print(table, flush=True))
     return model
 training.get_model = get_model_and_print_table
-sys.argv[0] = f"{mlm}/pretrain_gpt.py"
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:  # with MEGATRON_INT8_SHAPE_POLICY=auto: what each shape measured and ran
-    from megatron_int8.ops.shape_policy import format_decisions
-    decisions = format_decisions()
-    if decisions:
-        print("shape policy decisions:\n" + decisions, flush=True)
+megatron_lm.run([f"{mlm}/pretrain_gpt.py"] + sys.argv[1:])
 EOF
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
-for precision in ${PRECISIONS:-int8 bf16_spec bf16}; do
+for precision in ${PRECISIONS:-int8 bf16_spec}; do
   case $precision in
     int8) flags=(--int8-linear) ;;
     bf16_spec) flags=(--int8-linear --int8-bf16-modules linear_qkv linear_proj linear_fc1 linear_fc2) ;;

@@ -65,7 +65,7 @@ def _upstream_args():
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 
-def _int8_args() -> argparse.Namespace:
+def int8_args() -> argparse.Namespace:
     """The --int8-* flags of this run: `run`'s, else upstream's parsed ones where its parser has them, else the
     defaults with --int8-linear (the spec was named, so INT8 was asked for)."""
     if _run_args is not None:
@@ -99,7 +99,7 @@ class Int8TransformerLayer(TransformerLayer):
         pp_rank = (get_pg_rank(pg_collection.pp) if pg_collection is not None
                    else parallel_state.get_pipeline_model_parallel_rank())
         index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
-        policy = policy_from_args(_int8_args())
+        policy = policy_from_args(int8_args())
         spec = get_gpt_int8_layer_specs(config, policy, qk_l2_norm=config.qk_l2_norm)[index]
         super().__init__(config, spec.submodules, layer_number, *args, **kwargs)
 
@@ -124,17 +124,17 @@ def run(argv: List[str]) -> None:
         raise SystemExit("usage: python -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py [flags] "
                          f"--int8-linear [--int8-* flags]; {argv[0] if argv else 'no script'} is not a file")
     script = os.path.abspath(argv[0])
-    int8_args, upstream_argv = _int8_parser().parse_known_args(argv[1:])
+    flags, upstream_argv = _int8_parser().parse_known_args(argv[1:])
     try:
-        policy_from_args(int8_args)
+        policy_from_args(flags)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    if int8_args.int8_linear:
+    if flags.int8_linear:
         if "--spec" in upstream_argv:
             raise SystemExit("error: --int8-linear sets upstream's --spec to megatron-int8's layer spec; "
                              "drop --spec or --int8-linear")
         upstream_argv += SPEC_FLAGS
-    _run_args = int8_args
+    _run_args = flags
     sys.argv = [script] + upstream_argv
     sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")

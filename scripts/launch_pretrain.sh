@@ -9,7 +9,8 @@
 #   TOKENIZER_MODEL  SentencePiece .model or HF tokenizer.json directory    [needed with DATA_PATH]
 #   RUN_DIR          checkpoints, logs, TensorBoard                         [./runs/<config name>]
 #   PRECISION        int8 (adds --int8-linear) or bf16 (the baseline)        [int8]
-#   MEGATRON_LM      path to a patched Megatron-LM core_v0.16.1 checkout: run its pretrain_gpt.py
+#   MEGATRON_LM      a Megatron-LM checkout (core_v0.16.1 ... core_v0.19.0, unpatched): run its pretrain_gpt.py
+#                    through `python -m megatron_int8.megatron_lm run` (docs/megatron-lm.md)
 #                    with the same YAML as flags (docs/megatron-lm.md)       [unset: this trainer]
 # Extra arguments are passed to the trainer last, so they override the YAML.
 set -euo pipefail
@@ -46,12 +47,9 @@ LAUNCH=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$
 
 if [[ -n "${MEGATRON_LM:-}" ]]; then
     [[ -f "$MEGATRON_LM/pretrain_gpt.py" ]] || { echo "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py" >&2; exit 2; }
-    grep -q megatron_int8 "$MEGATRON_LM/pretrain_gpt.py" || {
-        echo "$MEGATRON_LM is not patched: git -C $MEGATRON_LM apply $(cd "$(dirname "$0")/.." && pwd)/patches/megatron-lm-core_v0.16.1.patch" >&2
-        exit 2; }
     mapfile -t YAML_ARGS < <("$PYTHON" -m megatron_int8.megatron_lm "$CONFIG")
     set -x
-    exec "${LAUNCH[@]}" "$MEGATRON_LM/pretrain_gpt.py" "${YAML_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
+    exec "${LAUNCH[@]}" -m megatron_int8.megatron_lm run "$MEGATRON_LM/pretrain_gpt.py" "${YAML_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
         "${PRECISION_ARGS[@]}" "$@"
 fi
 set -x
