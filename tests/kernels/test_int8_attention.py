@@ -31,7 +31,7 @@ if not INTERPRETING and HAS_TRITON:
         run_file_interpreted(__file__, timeout=600)
 
 
-def attention_inputs(B, H, Hk, S, D, seed, dtype=torch.bfloat16):
+def attention_inputs(B, H, Hk, S, D, seed, dtype=torch.bfloat16, device="cpu"):
     """Fresh q, k, v, dO as activations look: a few channels of q and k 3x larger, k with a shared bias (what
     the smoothing removes), and 0.2% outliers of 8x in q, k, v."""
     g = torch.Generator().manual_seed(seed)
@@ -49,11 +49,11 @@ def attention_inputs(B, H, Hk, S, D, seed, dtype=torch.bfloat16):
     k = act(B, Hk, S, D, channels=True, bias=2 * torch.randn(1, Hk, 1, D, generator=g, dtype=torch.float64))
     v = act(B, Hk, S, D)
     do = torch.randn(B, H, S, D, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, do
+    return [t.to(device) for t in (q, k, v, do)]
 
 
-def _causal(Sq, Sk):
-    return torch.ones(Sq, Sk, dtype=torch.bool).triu(1)
+def _causal(Sq, Sk, device="cpu"):
+    return torch.ones(Sq, Sk, dtype=torch.bool, device=device).triu(1)
 
 
 def attention64(q, k, v, causal, scale):
@@ -62,7 +62,7 @@ def attention64(q, k, v, causal, scale):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = scale * q @ k.transpose(-1, -2)
     if causal:
-        s = s.masked_fill(_causal(q.shape[2], k.shape[2]), float("-inf"))
+        s = s.masked_fill(_causal(q.shape[2], k.shape[2], q.device), float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 
 
@@ -110,7 +110,7 @@ def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
     q64, v64, do64 = q.double(), v.double(), do.double()
     k_s = k.float() - k.mean(dim=2, keepdim=True, dtype=torch.float32)
     ks64 = k_s.double()
-    mask = ~_causal(Sq, Sk) if causal else torch.ones(Sq, Sk, dtype=torch.bool)
+    mask = ~_causal(Sq, Sk, q.device) if causal else torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
     fp32 = 2.0 ** -22
     out16 = 2.0 ** -8 if o_int8.dtype != torch.float32 else fp32
 
@@ -260,7 +260,7 @@ def flip_units(q, k, v, do, causal, scale):
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     s = scale * leaves[0] @ leaves[1].repeat_interleave(group, 1).transpose(-1, -2)
     if causal:
-        s = s.masked_fill(_causal(q.shape[2], k.shape[2]), float("-inf"))
+        s = s.masked_fill(_causal(q.shape[2], k.shape[2], q.device), float("-inf"))
     p = torch.softmax(s, dim=-1)
     dp = do.double() @ v.double().repeat_interleave(group, 1).transpose(-1, -2)
     ds_max = (p * (dp - (dp * p).sum(-1, keepdim=True))).abs().max().item() * 1.05

@@ -1,0 +1,159 @@
+"""INT8 attention (megatron_int8.ops.int8_attention) against BF16 `F.scaled_dot_product_attention` (flash and
+cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of O, dQ, dK, dV against float64.
+
+    python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
+    python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
+
+TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
+(five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
+one retained forward graph. "vs BF16" divides the faster BF16 backend's fwd+bwd time by INT8's. The SNR columns
+are measured on batch element 0 and the first 4 query heads (their kv heads): float64 needs S^2 memory per head.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from common import provenance, time_ms
+
+from megatron_int8.ops.int8_attention import int8_attention
+
+SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def make_inputs(batch, heads, kv_heads, seq, dim, seed=0):
+    """Activation-like bf16 q, k, v, dO: unit normal, k with a shared per-channel bias (what K smoothing removes)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, device="cuda", generator=g)
+    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", generator=g)
+    k = k + torch.randn(1, kv_heads, 1, dim, device="cuda", generator=g)
+    v = torch.randn(batch, kv_heads, seq, dim, device="cuda", generator=g)
+    do = torch.randn(batch, heads, seq, dim, device="cuda", generator=g)
+    return [t.bfloat16() for t in (q, k, v, do)]
+
+
+def attention_fn(name):
+    """(q, k, v) -> O of an implementation: "int8", or an SDPA backend, "+repeat" where it takes GQA through k and v
+    repeated to every query head (inside the timed call, as a layer without native GQA pays it)."""
+    if name == "int8":
+        return lambda q, k, v: int8_attention(q, k, v, causal=True)
+    backend = SDPA_BACKENDS[name.removesuffix("+repeat")]
+
+    def sdpa(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        if name.endswith("+repeat"):
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return sdpa
+
+
+def time_impl(fn, q, k, v, do, iters):
+    """(fwd ms, bwd ms, fwd+bwd ms)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    fwd = time_ms(lambda: fn(*leaves), 3, iters)
+    o = fn(*leaves)
+    bwd = time_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True), 3, iters)
+    both = time_ms(lambda: torch.autograd.grad(fn(*leaves), leaves, do), 3, iters)
+    return fwd, bwd, both
+
+
+def attention64(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def outputs(fn, q, k, v, do, dtype=None):
+    leaves = [(t.to(dtype) if dtype else t).detach().requires_grad_(True) for t in (q, k, v)]
+    o = fn(*leaves)
+    o.backward(do.to(o.dtype))
+    return [o.detach()] + [t.grad for t in leaves]
+
+
+def snr_db(x, ref):
+    err = (x.double() - ref).pow(2).sum().item()
+    return 10 * math.log10(ref.pow(2).sum().item() / err) if err > 0 else float("inf")
+
+
+def snr_columns(names, q, k, v, do):
+    """{impl: [SNR of O, dQ, dK, dV]} on a slice small enough for float64 (4 query heads, their kv heads)."""
+    group = q.shape[1] // k.shape[1]
+    hq = min(4, q.shape[1])
+    hk = max(1, hq // group)
+    q, k, v, do = q[:1, :hq], k[:1, :hk], v[:1, :hk], do[:1, :hq]
+    exact = outputs(attention64, q, k, v, do, torch.float64)
+    result = {}
+    for name in names:
+        got = outputs(attention_fn(name), q, k, v, do)
+        result[name] = [snr_db(a, r) for a, r in zip(got, exact)]
+        del got
+    del exact
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
+    p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
+    opts = p.parse_args(argv)
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, causal, batch {opts.batch}, "
+          f"{opts.heads} heads, d {opts.dim}, bf16 in/out")
+    header = ["seq", "kv heads", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+              "fwd+bwd TFLOP/s", "vs BF16", "SNR O", "SNR dQ", "SNR dK", "SNR dV"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
+    rows = []
+    for seq in opts.seqs:
+        for kv_heads in opts.kv_heads:
+            q, k, v, do = make_inputs(opts.batch, opts.heads, kv_heads, seq, opts.dim)
+            fwd_flops = 4 * opts.batch * opts.heads * seq * seq * opts.dim / 2
+            times = {}
+            for name in ("sdpa-flash", "sdpa-cudnn", "int8"):
+                for variant in (name, name + "+repeat") if name != "int8" and kv_heads != opts.heads else (name,):
+                    try:
+                        times[variant] = time_impl(attention_fn(variant), q, k, v, do, opts.iters)
+                        break
+                    except RuntimeError as e:  # a backend this torch/GPU does not run for these inputs
+                        print(f"<!-- {variant} at seq {seq}, {kv_heads} kv heads: {str(e).splitlines()[0][:150]} -->")
+                    finally:
+                        torch.cuda.empty_cache()
+            snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do)
+            bf16_best = min((t[2] for n, t in times.items() if n != "int8"), default=float("nan"))
+            for name, (fwd, bwd, both) in times.items():
+                cells = snr.get(name, [float("nan")] * 4)
+                row = {"seq": seq, "kv heads": kv_heads, "impl": name, "fwd ms": f"{fwd:.3f}", "bwd ms": f"{bwd:.3f}",
+                       "fwd+bwd ms": f"{both:.3f}", "fwd TFLOP/s": f"{fwd_flops / fwd / 1e9:.0f}",
+                       "bwd TFLOP/s": f"{2.5 * fwd_flops / bwd / 1e9:.0f}",
+                       "fwd+bwd TFLOP/s": f"{3.5 * fwd_flops / both / 1e9:.0f}",
+                       "vs BF16": f"{bf16_best / both:.2f}x",
+                       **{f"SNR {t}": f"{c:.1f}" for t, c in zip(("O", "dQ", "dK", "dV"), cells)}}
+                rows.append(row)
+                print("| " + " | ".join(str(row[h]) for h in header) + " |", flush=True)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    if opts.csv:
+        origin = provenance()
+        with open(opts.csv, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(origin) + header)
+            writer.writeheader()
+            writer.writerows({**origin, **row} for row in rows)
+        print(f"wrote {opts.csv}")
+
+
+if __name__ == "__main__":
+    main()
