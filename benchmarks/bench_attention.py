@@ -3,6 +3,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
 
     python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
+    python3 benchmarks/bench_attention.py --tiles 128 128 64 64 128 128 64 --no-snr   # a tile sweep point
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -21,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import provenance, time_ms
 
-from megatron_int8.ops.int8_attention import int8_attention
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
 
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -37,11 +38,11 @@ def make_inputs(batch, heads, kv_heads, seq, dim, seed=0):
     return [t.bfloat16() for t in (q, k, v, do)]
 
 
-def attention_fn(name):
+def attention_fn(name, config=None):
     """(q, k, v) -> O of an implementation: "int8", or an SDPA backend, "+repeat" where it takes GQA through k and v
     repeated to every query head (inside the timed call, as a layer without native GQA pays it)."""
     if name == "int8":
-        return lambda q, k, v: int8_attention(q, k, v, causal=True)
+        return lambda q, k, v: int8_attention(q, k, v, causal=True, config=config)
     backend = SDPA_BACKENDS[name.removesuffix("+repeat")]
 
     def sdpa(q, k, v):
@@ -83,7 +84,7 @@ def snr_db(x, ref):
     return 10 * math.log10(ref.pow(2).sum().item() / err) if err > 0 else float("inf")
 
 
-def snr_columns(names, q, k, v, do):
+def snr_columns(names, q, k, v, do, config):
     """{impl: [SNR of O, dQ, dK, dV]} on a slice small enough for float64 (4 query heads, their kv heads)."""
     group = q.shape[1] // k.shape[1]
     hq = min(4, q.shape[1])
@@ -92,7 +93,7 @@ def snr_columns(names, q, k, v, do):
     exact = outputs(attention64, q, k, v, do, torch.float64)
     result = {}
     for name in names:
-        got = outputs(attention_fn(name), q, k, v, do)
+        got = outputs(attention_fn(name, config), q, k, v, do)
         result[name] = [snr_db(a, r) for a, r in zip(got, exact)]
         del got
     del exact
@@ -109,11 +110,14 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
+    p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
+                   help="Int8AttentionConfig fields in order (default: the config's defaults)")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     opts = p.parse_args(argv)
+    config = Int8AttentionConfig(*opts.tiles) if opts.tiles else DEFAULT_CONFIG
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, causal, batch {opts.batch}, "
-          f"{opts.heads} heads, d {opts.dim}, bf16 in/out")
+          f"{opts.heads} heads, d {opts.dim}, bf16 in/out; INT8 tiles {config}")
     header = ["seq", "kv heads", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
               "fwd+bwd TFLOP/s", "vs BF16", "SNR O", "SNR dQ", "SNR dK", "SNR dV"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -126,13 +130,13 @@ def main(argv=None) -> None:
             for name in ("sdpa-flash", "sdpa-cudnn", "int8"):
                 for variant in (name, name + "+repeat") if name != "int8" and kv_heads != opts.heads else (name,):
                     try:
-                        times[variant] = time_impl(attention_fn(variant), q, k, v, do, opts.iters)
+                        times[variant] = time_impl(attention_fn(variant, config), q, k, v, do, opts.iters)
                         break
                     except RuntimeError as e:  # a backend this torch/GPU does not run for these inputs
                         print(f"<!-- {variant} at seq {seq}, {kv_heads} kv heads: {str(e).splitlines()[0][:150]} -->")
                     finally:
                         torch.cuda.empty_cache()
-            snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do)
+            snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do, config)
             bf16_best = min((t[2] for n, t in times.items() if n != "int8"), default=float("nan"))
             for name, (fwd, bwd, both) in times.items():
                 cells = snr.get(name, [float("nan")] * 4)

@@ -34,13 +34,13 @@ from .quantize import _round_clamp, _scale_from_amax
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-ROW_AMAX_FLOOR = 2.0 ** -100  # as ops/int8_attention.ROW_AMAX_FLOOR: rows of P or dS below it quantize to zeros
+ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
 
 
 @triton.jit
 def _row_scales(x):
     """Per-row scales of a tile: max(amax over the row, ROW_AMAX_FLOOR) / 127 (IEEE division)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2^-100
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), ROW_AMAX_FLOOR)
     return tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
 
 
@@ -96,7 +96,39 @@ def _quantize_kernel(
     st = _scale_from_amax(tl.max(tl.abs(x), axis=0))  # [D]
     tl.store(t_scale_ptr + (bh * NB + blk) * D + offs_d, st)
     qt = _round_clamp(x, st[None, :], 0, False)
-    tl.store(t_ptr + (bh * D + offs_d[None, :]) * SP + offs_s[:, None], qt)  # padding tokens hold zeros
+    tl.store(t_ptr + (bh * D + offs_d[:, None]) * SP + offs_s[None, :], tl.trans(qt))  # padding tokens hold zeros
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP, NBk,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key tile of the forward's online softmax. MASK: the tile crosses the diagonal or the last key."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    k_rows = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    if MASK:
+        mask_n = offs_n < Sk
+        k = tl.load(k_ptr + k_rows, mask=mask_n[:, None], other=0)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
+    else:
+        k = tl.load(k_ptr + k_rows)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+    if MASK:
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p8, p_scale = _quantize_rows(p)
+    vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
+    v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+    pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
+    acc = acc * alpha[:, None] + pv * p_scale[:, None] * v_scale[None, :]
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -107,8 +139,11 @@ def _attn_fwd_kernel(
     H, GROUP, Sq, Sk, SkP, NBk, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Program (query tile, b * H + h): online softmax over the key tiles, S and P V in INT8."""
-    m0 = tl.program_id(0) * BLOCK_M
+    """Program (query tile, b * H + h): online softmax over the key tiles, S and P V in INT8. Causal programs
+    start with the last query tiles (the longest rows), and only tiles that cross the diagonal or the last key
+    are masked."""
+    pid = tl.program_id(0)
+    m0 = (tl.num_programs(0) - 1 - pid if CAUSAL else pid) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     bhk = bh // H * (H // GROUP) + bh % H // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -120,31 +155,60 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    hi = tl.minimum(Sk, m0 + BLOCK_M) if CAUSAL else Sk
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Sk
-        k = tl.load(k_ptr + (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :], mask=mask_n[:, None], other=0)
-        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
-        valid = mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p8, p_scale = _quantize_rows(p)
-        vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
-        v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
-        pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
-        acc = acc * alpha[:, None] + pv * p_scale[:, None] * v_scale[None, :]
-        m_i = m_new
+    full = Sk // BLOCK_N * BLOCK_N  # the key tiles that hold no key past Sk
+    if CAUSAL:
+        mid = tl.minimum(m0 // BLOCK_N * BLOCK_N, full)  # the tiles below every query of this tile
+        hi = tl.minimum(Sk, m0 + BLOCK_M)
+    else:
+        mid = full
+        hi = Sk
+    for n0 in range(0, mid, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP,
+                                  NBk, D, BLOCK_N, QBLOCK, False, CAUSAL)
+    for n0 in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP,
+                                  NBk, D, BLOCK_N, QBLOCK, True, CAUSAL)
     o = acc / l_i[:, None]
     tl.store(o_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=mask_m[:, None])
     tl.store(lse_ptr + bh * Sq + offs_m, m_i + tl.log2(l_i), mask=mask_m)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr, sdo_b, sdo_h,
+               sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """One query tile of a dK/dV program. MASK: the tile crosses the diagonal or the last query. (Keys past Sk
+    need no mask: their rows are quantized on their own and never stored.)"""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
+    q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
+                 mask=mask_m[:, None], other=0.0)
+    st = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32) * (k_scale[:, None] * q_scale[None, :])
+    pt = tl.exp2(st - lse[None, :])
+    if MASK:
+        valid = mask_m[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :])
+        pt = tl.where(valid, pt, 0.0)
+    dst = pt * (_dot_16bit(v, tl.trans(do), UPCAST) - delta[None, :])
+
+    blk = m0 // QBLOCK
+    pt8, pt_scale = _quantize_rows(pt)
+    dot = tl.load(dot_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])  # zeros past Sq
+    do_scale = tl.load(dots_ptr + (bh * NBq + blk) * D + offs_d)
+    dv += tl.dot(pt8, tl.trans(dot), out_dtype=tl.int32).to(tl.float32) * pt_scale[:, None] * do_scale[None, :]
+    dst8, dst_scale = _quantize_rows(dst)
+    qt = tl.load(qt_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])
+    qt_scale = tl.load(qts_ptr + (bh * NBq + blk) * D + offs_d)
+    dk += tl.dot(dst8, tl.trans(qt), out_dtype=tl.int32).to(tl.float32) * dst_scale[:, None] * qt_scale[None, :]
+    return dk, dv
 
 
 @triton.jit
@@ -160,7 +224,8 @@ def _attn_bwd_dkdv_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Program (key tile, b * Hk + hk): dK and dV of its keys, over the query tiles of the group's query heads."""
+    """Program (key tile, b * Hk + hk): dK and dV of its keys, over the query tiles of the group's query heads:
+    the tiles that cross the diagonal (causal), then the ones below it unmasked, then the last partial one."""
     n0 = tl.program_id(0) * BLOCK_N
     bhk = tl.program_id(1).to(tl.int64)
     b = bhk // HK
@@ -174,39 +239,65 @@ def _attn_bwd_dkdv_kernel(
                 mask=mask_n[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    lo = n0 // BLOCK_M * BLOCK_M if CAUSAL else 0
+    full = Sq // BLOCK_M * BLOCK_M  # the query tiles that hold no query past Sq
+    if CAUSAL:
+        lo = n0 // BLOCK_M * BLOCK_M
+        diag = tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, Sq)  # query tiles from here see every key here
+        mid = tl.maximum(diag, full)
+    else:
+        lo = 0
+        diag = 0
+        mid = full
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * HK * GROUP + h
-        for m0 in range(lo, Sq, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < Sq
-            q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
-            q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
-            lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
-            st = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32) * (k_scale[:, None] * q_scale[None, :])
-            valid = mask_n[:, None] & mask_m[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :])
-            pt = tl.where(valid, tl.exp2(st - lse[None, :]), 0.0)
-            do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
-                         mask=mask_m[:, None], other=0.0)
-            delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
-            dpt = _dot_16bit(v, tl.trans(do), UPCAST)
-            dst = pt * (dpt - delta[None, :])
-
-            blk = m0 // QBLOCK
-            pt8, pt_scale = _quantize_rows(pt)
-            dot = tl.load(dot_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])  # zeros past Sq
-            do_scale = tl.load(dots_ptr + (bh * NBq + blk) * D + offs_d)
-            dv += tl.dot(pt8, tl.trans(dot), out_dtype=tl.int32).to(tl.float32) * pt_scale[:, None] * do_scale[None, :]
-            dst8, dst_scale = _quantize_rows(dst)
-            qt = tl.load(qt_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])
-            qt_scale = tl.load(qts_ptr + (bh * NBq + blk) * D + offs_d)
-            dk += tl.dot(dst8, tl.trans(qt), out_dtype=tl.int32).to(tl.float32) * dst_scale[:, None] * qt_scale[None, :]
+        for m0 in range(lo, diag, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, True, CAUSAL, UPCAST)
+        for m0 in range(diag, full, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, False, CAUSAL, UPCAST)
+        for m0 in range(mid, Sq, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, True, CAUSAL, UPCAST)
     out = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_n[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask_n[:, None])
+
+
+@triton.jit
+def _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h, sv_s,
+             b, hk, bhk, Sk, SkP, NBk, D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of a dQ program. MASK: the tile crosses the diagonal or the last key. (Queries past Sq need no
+    mask: their dO and delta are zero, so is their dS, and they are never stored.)"""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    k_rows = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    v_rows = b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :]
+    if MASK:
+        mask_n = offs_n < Sk
+        k = tl.load(k_ptr + k_rows, mask=mask_n[:, None], other=0)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
+        v = tl.load(v_ptr + v_rows, mask=mask_n[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_rows)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n)
+        v = tl.load(v_ptr + v_rows)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+    p = tl.exp2(s - lse[:, None])
+    if MASK:
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+    ds8, ds_scale = _quantize_rows(p * (_dot_16bit(do, tl.trans(v), UPCAST) - delta[:, None]))
+    kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
+    kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+    return dq + tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None] * kt_scale[None, :]
 
 
 @triton.jit
@@ -221,41 +312,36 @@ def _attn_bwd_dq_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Program (query tile, b * H + h): dQ of its queries, over the key tiles."""
-    m0 = tl.program_id(0) * BLOCK_M
+    """Program (query tile, b * H + h): dQ of its queries, over the key tiles (masked as the forward's)."""
+    pid = tl.program_id(0)
+    m0 = (tl.num_programs(0) - 1 - pid if CAUSAL else pid) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
-    h = bh % H
-    hk = h // GROUP
+    hk = bh % H // GROUP
     bhk = b * (H // GROUP) + hk
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < Sq
     q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
     q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0) * qk_scale
-    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
+    do = tl.load(do_ptr + b * sdo_b + bh % H * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
                  mask=mask_m[:, None], other=0.0)
     lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
     delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    hi = tl.minimum(Sk, m0 + BLOCK_M) if CAUSAL else Sk
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Sk
-        k = tl.load(k_ptr + (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :], mask=mask_n[:, None], other=0)
-        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
-        valid = mask_m[:, None] & mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-        v = tl.load(v_ptr + b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)
-        dp = _dot_16bit(do, tl.trans(v), UPCAST)
-        ds8, ds_scale = _quantize_rows(p * (dp - delta[:, None]))
-        kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
-        kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
-        dq += tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None] * kt_scale[None, :]
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        mid = tl.minimum(m0 // BLOCK_N * BLOCK_N, full)
+        hi = tl.minimum(Sk, m0 + BLOCK_M)
+    else:
+        mid = full
+        hi = Sk
+    for n0 in range(0, mid, BLOCK_N):
+        dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, False, CAUSAL, UPCAST)
+    for n0 in range(mid, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, True, CAUSAL, UPCAST)
     tl.store(dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
              mask=mask_m[:, None])
 
