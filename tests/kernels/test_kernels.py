@@ -40,6 +40,9 @@ qref = importlib.import_module("megatron_int8.reference")
 REF = ReferenceBackend()
 VARIANTS = [("tensor", False), ("tensor", True), ("row", False), ("row", True), ("block", False), ("block", True)]
 SLOW = pytest.mark.slow  # an interpreted case beyond the first of its path: the slow driver runs it
+# the fast tier's quantize variants: each scale layout once, weights' BxB tiles and activations' 1xB blocks both
+FAST_VARIANTS = [v if v in {("tensor", False), ("row", True), ("block", False), ("block", True)}
+                 else pytest.param(*v, marks=SLOW) for v in VARIANTS]
 WEIGHT_VARIANTS_SLOW = [v if not v[1] else pytest.param(*v, marks=SLOW) for v in VARIANTS]
 
 
@@ -76,7 +79,7 @@ def assert_same_qtensor(got, want, what=""):
 
 
 # ----------------------------------------------------------------------------------------------- quantize
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", FAST_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=SLOW),
                                    pytest.param(torch.float16, marks=SLOW)])
 def test_quantize_bit_exact_both_layouts(K, granularity, weight, dtype):
@@ -117,7 +120,7 @@ def test_quantize_single_layout(K, granularity, weight, rowwise, columnwise):
         assert_same_qtensor(c1, c0, "columnwise")
 
 
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", FAST_VARIANTS)
 @pytest.mark.parametrize("stochastic", [False, pytest.param(True, marks=SLOW)])
 def test_quantize_pads_the_transposed_rows(K, granularity, weight, stochastic):
     """columnwise_pad: Q(x^T) is [C, R'] with R' the next multiple of 16; its first R columns equal the
@@ -247,7 +250,7 @@ def test_round_half_to_even_and_extremes(K):
                                 REF.quantize(y, **_kw(g, w, rowwise=True, columnwise=False))[0], f"{g} x{scale}")
 
 
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", FAST_VARIANTS)
 @pytest.mark.parametrize("bad", [float("inf"), pytest.param(float("-inf"), marks=SLOW),
                                  pytest.param(float("nan"), marks=SLOW)])
 def test_non_finite(K, granularity, weight, bad):
@@ -608,7 +611,7 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("granularity,weight", FAST_VARIANTS)
 @pytest.mark.parametrize("rowwise,columnwise", [(True, True), pytest.param(True, False, marks=SLOW),
                                                 pytest.param(False, True, marks=SLOW)])
 def test_quantize_launch_count_and_no_extra_ops(K, launch_log, granularity, weight, rowwise, columnwise):
