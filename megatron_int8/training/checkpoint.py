@@ -53,6 +53,7 @@ import torch
 
 from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
 from ..megatron.optimizer import precision_aware_optimizers
+from .errors import ArgumentError
 from .model import adam_step, inner_optimizers
 from .safe_load import load_tensors_file, weights_only_loading
 
@@ -509,8 +510,6 @@ def check_save_target(args) -> None:
     --load without a checkpoint (but for a first start, --load = --save), and a damaged checkpoint to load.
 
     Raises ArgumentError naming the way out: --load that directory, another --save, or --ckpt-step."""
-    from .args import ArgumentError
-
     first_start = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
     if args.load and not first_start and not os.path.isdir(args.load):
         raise ArgumentError(f"--load {args.load}: no such directory")
@@ -536,8 +535,6 @@ def check_save_target(args) -> None:
 
 
 def _check_architecture(saved, args) -> None:
-    from .args import ArgumentError
-
     saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
     diffs = [f"{name}: checkpoint {saved[name]!r}, now {getattr(args, name, None)!r}"
              for name in ARCHITECTURE_ARGS if name in saved and saved[name] != getattr(args, name, None)]

@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .args import ArgumentError
+from .errors import ArgumentError
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 SPLIT_NAMES = ("train", "validation", "test")

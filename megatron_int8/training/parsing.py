@@ -1,0 +1,108 @@
+"""From argv to arguments: `--config FILE.yaml` sets the parser's defaults, flags given on the command line
+override them, and the result records which values the YAML set, so that an error about one names the file.
+
+YAML keys are the flags' names (dashes or underscores); unknown keys fail with the closest names, and values
+are converted and checked as argparse would the flag's.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import Dict, Optional, Sequence
+
+import yaml
+
+from .errors import ArgumentError
+from .flags import build_parser
+
+
+def _option_actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
+    """Every long option name without its dashes, underscored ('num_layers'), mapped to its action."""
+    actions = {}
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                actions[option[2:].replace("-", "_")] = action
+    return actions
+
+
+def _yaml_value(key: str, value, action: argparse.Action):
+    """A YAML value converted to what argparse would have stored for the equivalent flag."""
+    if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):  # on/off flags
+        if not isinstance(value, bool):
+            raise ArgumentError(f"config key '{key}': expected true or false, got {value!r}")
+        # `disable_bias_linear: true` means the flag is given, which stores its `const`.
+        return action.const if value else action.default
+    if value is None:
+        return None
+    if action.nargs in ("*", "+"):
+        values = value if isinstance(value, list) else str(value).split()
+        return [_convert(key, v, action) for v in values]
+    if isinstance(value, (list, dict)):
+        raise ArgumentError(f"config key '{key}': expected a single value, got {value!r}")
+    return _convert(key, value, action)
+
+
+def _convert(key: str, value, action: argparse.Action):
+    if action.type is not None:
+        try:
+            value = action.type(value)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"config key '{key}': cannot convert {value!r} with {action.type.__name__}") from None
+    elif not isinstance(value, str):
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ArgumentError(f"config key '{key}': {value!r} is not one of {list(action.choices)}")
+    return value
+
+
+def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, object]:
+    """Parser defaults (dest -> value) from a YAML file; unknown keys fail with the closest names."""
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            content = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            raise ArgumentError(f"--config {path}: not valid YAML: {err}") from None
+    if not isinstance(content, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    actions = _option_actions(parser)
+    defaults, errors = {}, []
+    for raw_key, value in content.items():
+        key = str(raw_key).lstrip("-").replace("-", "_")
+        action = actions.get(key)
+        if action is None or key == "config":
+            close = difflib.get_close_matches(key, list(actions), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            errors.append(f"unknown key '{raw_key}'{hint}")
+            continue
+        defaults[action.dest] = _yaml_value(str(raw_key), value, action)
+    if errors:
+        raise ArgumentError(f"--config {path}: " + "; ".join(errors))
+    return defaults
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse YAML (--config) then the command line over it; does not validate (see validate_args)."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    from_yaml = load_yaml_defaults(known.config, parser) if known.config else {}
+    parser.set_defaults(**from_yaml)
+    args = parser.parse_args(argv)
+    # which values the YAML set (not the command line), so that an error about one can say where it came from
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    on_command_line = {action.dest for action in parser._actions if given & set(action.option_strings)}
+    args.from_config = {dest: known.config for dest in from_yaml if dest not in on_command_line}
+    return args
+
+
+def origin(args, dest: str) -> str:
+    """' (from --config FILE)' where the YAML set this value, else ''."""
+    path = getattr(args, "from_config", {}).get(dest)
+    return f" (from --config {path})" if path else ""

@@ -1,0 +1,339 @@
+"""validate_args: derived defaults filled as Megatron-LM fills them, and inconsistent settings rejected.
+
+It runs before anything expensive, so that a bad layout or a missing file fails in the first second with a
+message that names the fix; a value the YAML set is named with its file (parsing.origin). The data files'
+contents and the vocabulary are checked once the tokenizer is built (data.py).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import List
+
+from .errors import ArgumentError
+from .flags import TOKENIZER_TYPES, build_parser
+from .health import per_gemm_limits
+from .parsing import origin
+
+OPTIMIZER_STATE_DTYPES = ("fp32", "bf16", "int8")  # what the precision-aware optimizer stores
+
+
+def _require(args, names: List[str]) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        raise ArgumentError(f"missing required argument(s): {', '.join(missing)}")
+
+
+def _validate_cuda_graph(args: argparse.Namespace) -> None:
+    """--cuda-graph-impl local replays one captured step: nothing in it may depend on the host at run time."""
+    if args.cuda_graph_impl == "none":
+        return
+    import torch
+
+    if args.cuda_graph_warmup_steps < 1:
+        raise ArgumentError(f"--cuda-graph-warmup-steps must be >= 1 (autotuning and compilation run eagerly), "
+                            f"got {args.cuda_graph_warmup_steps}")
+    reasons = {
+        "MoE layers (--num-experts) route a different number of tokens to each expert every step":
+            args.num_experts is not None,
+        "--int8-grad-rounding stochastic draws its seeds on the host at every call":
+            getattr(args, "int8_grad_rounding", "nearest") == "stochastic",
+        "--int8-check-finite immediate synchronizes with the host inside the step":
+            getattr(args, "int8_check_finite", "deferred") == "immediate",
+        "--fp8-peer is not supported": getattr(args, "fp8_peer", None) is not None,
+        "it needs a CUDA GPU": not torch.cuda.is_available(),
+    }
+    for reason, applies in reasons.items():
+        if applies:
+            raise ArgumentError(f"--cuda-graph-impl local: {reason}")
+
+
+def _settle_skip_train(args: argparse.Namespace) -> None:
+    """--skip-train evaluates a checkpoint: it needs --load and evaluation batches, loads no optimizer state,
+    and no schedule; Megatron-LM's rules."""
+    if not args.load:
+        raise ArgumentError("--skip-train evaluates a checkpoint: give --load DIR")
+    if args.eval_iters <= 0:
+        raise ArgumentError("--skip-train evaluates --eval-iters batches per split: give --eval-iters > 0")
+    args.no_load_optim = True
+    args.save = None  # nothing is trained, so nothing is saved
+    args.train_iters = args.train_iters if args.train_iters is not None else 0
+    args.lr = args.lr if args.lr is not None else 0.0
+
+
+def _warn_silent_choices(args: argparse.Namespace) -> None:
+    """A note for settings that are valid but probably not what was meant."""
+    if not args.int8_linear:
+        defaults = build_parser()
+        changed = [f"--{name.replace('_', '-')}" for name in sorted(vars(args))
+                   if name.startswith("int8_") and name not in ("int8_linear", "int8_precision_table")
+                   and getattr(args, name) != defaults.get_default(name)]
+        if changed:
+            print(f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without "
+                  "--int8-linear (the linears run in BF16)", flush=True)
+    elif args.int8_granularity == "tensor" and args.int8_grad_rounding == "nearest":
+        print("warning: --int8-granularity tensor with --int8-grad-rounding nearest: one scale per gradient "
+              "tensor rounds most of its entries to zero, and training diverged from BF16 in docs/convergence.md; "
+              "use --int8-grad-rounding stochastic, or row granularity (the default)", flush=True)
+
+
+def _validate_schedule(args: argparse.Namespace, decay_given: bool) -> None:
+    """The optimizer's and the LR schedule's numbers, each error naming where a value came from."""
+    for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
+        if getattr(args, name) < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be in "
+                                "[0, 1)")
+    if args.adam_eps <= 0:
+        raise ArgumentError(f"--adam-eps {args.adam_eps}{origin(args, 'adam_eps')}: must be positive")
+    if args.lr_decay_iters <= 0:
+        raise ArgumentError(f"--lr-decay-iters {args.lr_decay_iters}{origin(args, 'lr_decay_iters')}: must be "
+                            "positive")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        decay = (f"--lr-decay-iters {args.lr_decay_iters}{origin(args, 'lr_decay_iters')}" if decay_given else
+                 f"--train-iters {args.train_iters}{origin(args, 'train_iters')} (the default --lr-decay-iters)")
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters}{origin(args, 'lr_warmup_iters')} must be "
+                            f"below {decay}: give --lr-warmup-iters below {args.lr_decay_iters}, or a longer "
+                            "schedule")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr}{origin(args, 'min_lr')} is above --lr {args.lr}"
+                            f"{origin(args, 'lr')}: give --min-lr <= --lr")
+
+
+def _validate_int8_health(args: argparse.Namespace) -> None:
+    if args.int8_stats_interval < 0:
+        raise ArgumentError(f"--int8-stats-interval must be >= 0, got {args.int8_stats_interval}")
+    if args.int8_stats_interval and not args.int8_linear:
+        raise ArgumentError("--int8-stats-interval measures INT8 linears: it needs --int8-linear")
+    if args.int8_auto_fallback and not args.int8_stats_interval:
+        raise ArgumentError("--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N")
+    try:  # the thresholds' own rule
+        per_gemm_limits("--int8-fallback-max-rel-err", args.int8_fallback_max_rel_err, math.inf)
+        per_gemm_limits("--int8-fallback-max-underflow", args.int8_fallback_max_underflow, 1.0)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    if args.int8_fallback_patience < 1:
+        raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
+
+
+def _validate_optimizer_precision(args: argparse.Namespace) -> None:
+    """The precision-aware optimizer's flags, as Megatron-LM checks them, and what this one does not do."""
+    given = {name: getattr(args, name) for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")
+               if getattr(args, name) != "fp32"}
+    if args.store_param_remainders:
+        given["store_param_remainders"] = True
+    if not args.use_precision_aware_optimizer:
+        if given:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+            raise ArgumentError(f"{flags} needs --use-precision-aware-optimizer")
+        return
+    if args.optimizer != "adam":
+        raise ArgumentError(f"--use-precision-aware-optimizer (its fp32/bf16/int8 moments and remainders) is an "
+                            f"AdamW; --optimizer {args.optimizer} is not supported with it")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name) not in OPTIMIZER_STATE_DTYPES:
+            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}: this trainer's precision-aware "
+                                f"optimizer stores {', '.join(OPTIMIZER_STATE_DTYPES)} (Megatron-LM's fp16 and fp8 "
+                                "need Transformer Engine)")
+    if args.main_params_dtype != "fp32":
+        raise ArgumentError(f"--main-params-dtype {args.main_params_dtype} is not supported: the master weights "
+                            "are fp32, or exact in 2 bytes with --store-param-remainders")
+    if args.store_param_remainders and not args.bf16:
+        raise ArgumentError("--store-param-remainders needs --bf16: the remainder is the 16 bits an fp32 master "
+                            "weight has beyond its bf16 parameter")
+    if args.store_param_remainders and not args.use_distributed_optimizer:
+        raise ArgumentError("--store-param-remainders needs --use-distributed-optimizer: without it megatron keeps "
+                            "its own fp32 main params as the master weights")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
+
+    Checks that need no files or tokenizer: data files and vocab are checked in `data.py`.
+    """
+    if args.skip_train:
+        _settle_skip_train(args)
+    _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                    "micro_batch_size", "train_iters", "lr"])
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size"):
+        if getattr(args, name) <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ArgumentError("--manual-gc-interval needs --manual-gc")
+    _validate_cuda_graph(args)
+    if args.data_seed is None:
+        args.data_seed = args.seed
+
+    # Model shape.
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                            f"{args.max_position_embeddings}")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            raise ArgumentError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                                f"{args.num_attention_heads}; set --kv-channels (the head dim) explicitly")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--num-query-groups {args.num_query_groups}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+    if args.num_experts is not None:
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts "
+                                f"{args.num_experts}]")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        raise ArgumentError("--use-rope-scaling needs --position-embedding-type rope")
+
+    # Parallel layout.
+    tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.expert_model_parallel_size)
+    if world_size % (tp * pp):
+        raise ArgumentError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) "
+                            "parallel size")
+    args.data_parallel_size = world_size // (tp * pp)
+    if args.num_attention_heads % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.num_query_groups % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide the {args.num_query_groups} "
+                            "query groups (--num-query-groups)")
+    if args.ffn_hidden_size % tp:
+        raise ArgumentError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size "
+                            f"{args.ffn_hidden_size}")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--pipeline-model-parallel-size {pp} does not divide --num-layers {args.num_layers}")
+    if ep > 1:
+        if args.num_experts is None or args.num_experts % ep:
+            raise ArgumentError(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}")
+        if args.data_parallel_size % ep:
+            raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+                                f"{args.data_parallel_size} (world {world_size} / TP {tp} / PP {pp})")
+    if args.sequence_parallel and tp == 1:
+        print("note: --sequence-parallel needs tensor parallelism; disabled at TP=1", flush=True)
+        args.sequence_parallel = False
+    if args.cross_entropy_loss_fusion and not args.bf16:
+        raise ArgumentError("--cross-entropy-loss-fusion needs --bf16: megatron's fused cross entropy returns "
+                            "bf16 logit gradients whatever the logits' dtype")
+    if args.fused_adam and args.optimizer != "adam":
+        raise ArgumentError("--fused-adam needs --optimizer adam")
+    _validate_optimizer_precision(args)
+    if args.cross_entropy_loss_fusion is None or args.fused_adam is None:
+        # fused kernels pay off on the GPU; on the CPU (tests) compiling the cross entropy costs more than it saves
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+        if args.cross_entropy_loss_fusion is None:
+            args.cross_entropy_loss_fusion = on_gpu and args.bf16  # its logit gradients are always bf16
+        if args.fused_adam is None:  # 36 ms (5-6%) off a graphed Llama2-7B 8-layer step on an H100
+            args.fused_adam = on_gpu and args.optimizer == "adam"
+    if args.tp_comm_overlap and not args.sequence_parallel:
+        raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and tensor parallelism)")
+    if args.tp_comm_overlap and args.fp8_peer is not None:
+        raise ArgumentError("--tp-comm-overlap is implemented by the INT8/BF16 linears, not by the FP8 peer's")
+    if args.num_experts is not None and ep > 1 and tp > 1 and not args.sequence_parallel:
+        raise ArgumentError("MoE with expert and tensor parallelism needs --sequence-parallel")
+    if args.fp8_peer is not None:
+        if args.int8_linear:
+            raise ArgumentError("--int8-linear and --fp8-peer are mutually exclusive: the FP8 peer replaces "
+                                "the INT8 linears; give one of them")
+        if tp > 1:
+            raise ArgumentError(f"--fp8-peer supports --tensor-model-parallel-size 1 only (a one-GPU benchmark "
+                                f"peer), got {tp}")
+    elif args.fp8_peer_compile:
+        raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
+    _validate_int8_health(args)
+
+    # Batch.
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_micro_batches = args.global_batch_size // per_step
+
+    # Schedule (none to check with --skip-train: no optimizer step).
+    decay_given = args.lr_decay_iters is not None
+    if not decay_given:
+        args.lr_decay_iters = args.train_iters
+    if not args.skip_train:
+        _validate_schedule(args, decay_given)
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-method only applies with --recompute-granularity full")
+    if args.recompute_method is not None and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.eval_iters < 0:
+        raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.save_retain_interval is not None and args.save_interval and args.save_retain_interval % args.save_interval:
+        raise ArgumentError(f"--save-retain-interval {args.save_retain_interval} must be a multiple of "
+                            f"--save-interval {args.save_interval} (only saved iterations can be retained)")
+    if args.most_recent_k == 0 or args.most_recent_k < -1:
+        raise ArgumentError(f"--most-recent-k must be >= 1, or -1 to keep every checkpoint; got {args.most_recent_k}")
+    _warn_silent_choices(args)
+    if args.profile:
+        if not 1 <= args.profile_step_start < args.profile_step_end <= args.train_iters + 1:
+            raise ArgumentError(f"--profile-step-start {args.profile_step_start} / --profile-step-end "
+                                f"{args.profile_step_end}: need 1 <= start < end <= --train-iters + 1 "
+                                f"({args.train_iters + 1}); iterations start .. end - 1 are profiled")
+        bad = [r for r in args.profile_ranks if not 0 <= r < world_size]
+        if bad:
+            raise ArgumentError(f"--profile-ranks {bad}: not ranks of this {world_size}-process run")
+
+    # Data and tokenizer presence (contents are checked once the tokenizer is built).
+    if args.mock_data:
+        if args.tokenizer_type is None:
+            args.tokenizer_type = "NullTokenizer"
+    elif not args.data_path:
+        raise ArgumentError("no training data: give --data-path PREFIX (of PREFIX.bin/.idx) or --mock-data")
+    if args.tokenizer_type is None:
+        raise ArgumentError(f"--tokenizer-type is required (one of {', '.join(TOKENIZER_TYPES)})")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif args.tokenizer_model is None:
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif not os.path.exists(args.tokenizer_model):
+        raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    _validate_paths(args)
+    if args.save is not None and args.log_jsonl is None:
+        args.log_jsonl = os.path.join(args.save, "train_log.jsonl")
+    return args
+
+
+def _validate_paths(args: argparse.Namespace) -> None:
+    """Output paths of the right kind, before anything is built."""
+    for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
+        path = getattr(args, name)
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)} is a file; it takes a "
+                                "directory")
+    if args.log_jsonl is not None:
+        if os.path.isdir(args.log_jsonl):
+            raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')} is a directory; it takes a "
+                                f"file name, e.g. --log-jsonl {os.path.join(args.log_jsonl, 'train_log.jsonl')}")
+        parent = os.path.dirname(os.path.abspath(args.log_jsonl))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"--log-jsonl {args.log_jsonl}: {parent} is a file, not a directory")
