@@ -272,10 +272,11 @@ def flip_units(q, k, v, do, causal, scale):
 def assert_kernels_match(q, k, v, do, causal, cfg, what):
     """Kernels against the PyTorch path. They quantize the same values with the same scales, but fp32 rounding
     (exp2 against exp, the order of sums and scale products) can flip the rounding of a quantized P or dS by one
-    step. So: every element within fp32 rounding (1e-5 of the largest value; one unit in the last place for
-    16-bit outputs) plus two flips, and at most 2% of the elements beyond fp32 rounding."""
+    step, more often the longer the rows. So: every element within fp32 rounding (1e-5 of the largest value; one
+    unit in the last place for 16-bit outputs) plus two flips, and the difference as a whole at most a fifth of
+    the path's own quantization error against float64 (a wrong scale or tile would be as large as that error)."""
     want = run_path(q, k, v, do, causal, cfg, "reference")
-    if q.dtype == torch.float32:  # through the autograd Function
+    if q.dtype == torch.float32 or q.is_cuda:  # through the autograd Function
         got = run_path(q, k, v, do, causal, cfg, "triton")
     else:  # the interpreter rounds fp32 to bf16 toward zero (CUDA to nearest): backward gets the path's O
         from megatron_int8.kernels.int8_attention import triton_attention_backward, triton_attention_forward
@@ -284,14 +285,16 @@ def assert_kernels_match(q, k, v, do, causal, cfg, what):
         o, saved = triton_attention_forward(q, k, v, causal, scale, cfg)
         got = [o, *triton_attention_backward(do, want[0], v, saved, causal, scale, cfg, q.shape, q.dtype, k.shape,
                                              k.dtype)]
+    exact = grads64(q, k, v, do, causal, 1 / math.sqrt(q.shape[-1]))
     units = flip_units(q, k, v, do, causal, 1 / math.sqrt(q.shape[-1]))
-    for name, a, b, unit in zip(("O", "dQ", "dK", "dV"), got, want, units):
+    for name, a, b, ref, unit in zip(("O", "dQ", "dK", "dV"), got, want, exact, units):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {name}"
         ulp = b.float().abs() * (2.0 ** -7 if b.dtype != torch.float32 else 0.0)
         beyond = (a.float() - b.float()).abs() - (1e-5 * b.float().abs().max() + ulp)
         assert beyond.max().item() <= 2 * unit, f"{what}: {name} differs by {beyond.max().item():.3g} > 2 flips"
-        flipped = (beyond > 0).float().mean().item()
-        assert flipped <= 0.02, f"{what}: {name} differs beyond fp32 rounding in {flipped:.1%} of its elements"
+        if a.dtype == torch.float32 or a.is_cuda:  # (the interpreter's truncation to bf16 is biased)
+            ratio = (a.double() - b.double()).norm().item() / (b.double() - ref).norm().item()
+            assert ratio <= 0.2, f"{what}: {name} differs from the path by {ratio:.2f}x the path's own error"
 
 
 @needs_interpreter
