@@ -277,7 +277,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
     q [b, h, s, d], k and v [b, h_kv, s_kv, d] (GQA: h % h_kv == 0); scale defaults to 1/sqrt(d).
     backend: "auto" (Triton kernels where they run and import, else the PyTorch path), "triton" or "reference".
-    The Triton kernels take head dims 16..256 that are powers of two.
+    The Triton kernels take head dims 32..256 that are powers of two (64 and 128 are tested on the GPU).
     """
     _check(q, k, v)
     cfg = config or DEFAULT_CONFIG
@@ -286,5 +286,8 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
     if use_triton and not (triton_runs_on(q.device) and triton_available()):
         raise RuntimeError("int8_attention: the Triton kernels need CUDA (or TRITON_INTERPRET=1) and triton")
+    d = q.shape[-1]
+    if use_triton and (d & (d - 1) or not 32 <= d <= 256):
+        raise ValueError(f"int8_attention: the Triton kernels take head dims 32..256 that are powers of two, got {d}")
     fn = _TritonAttention if use_triton else _ReferenceAttention
     return fn.apply(q, k, v, causal, _sm_scale(q, scale), cfg)
