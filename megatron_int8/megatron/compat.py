@@ -95,6 +95,12 @@ def build_spec(spec, *args, **kwargs):
     return build_module(spec, *args, **kwargs)
 
 
+def null_tokenizer_metadata() -> dict:
+    """`MegatronTokenizer.from_pretrained` metadata of the NullTokenizer (mock data): its library is "null-text"
+    from 0.17 (0.16: "null"; 0.17 asks for a tokenizer path for any other name)."""
+    return {"library": "null-text" if mcore_at_least(0, 17) else "null", "model_type": "gpt"}
+
+
 def experts_spec(module: type, submodules):
     """What `BackendSpecProvider.grouped_mlp_modules` returns: from 0.17 one builder of the experts (a ModuleSpec
     is callable); 0.16 takes the class and its submodules apart and sets their activation itself."""

@@ -90,9 +90,11 @@ def build_tokenizer(args):
     """A MegatronTokenizer for --tokenizer-type; checks --vocab-size against it when both are given."""
     from megatron.core.tokenizers import MegatronTokenizer
 
+    from ..megatron.compat import null_tokenizer_metadata
+
     kind = args.tokenizer_type
     if kind == "NullTokenizer":
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null", "model_type": "gpt"},
+        return MegatronTokenizer.from_pretrained(metadata_path=null_tokenizer_metadata(),
                                                  vocab_size=args.vocab_size)
     check_tokenizer_file(kind, args.tokenizer_model)
     if kind in SENTENCEPIECE_TYPES:
