@@ -38,17 +38,18 @@ ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLO
 
 
 @triton.jit
-def _row_scales(x):
-    """Per-row scales of a tile: max(amax over the row, ROW_AMAX_FLOOR) / 127 (IEEE division)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), ROW_AMAX_FLOOR)
-    return tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+def _quantize_rows_by(x, amax):
+    """(int8 tile, fp32 row scales) of a tile quantized per row, given its rows' amax: scale = max(amax,
+    ROW_AMAX_FLOOR) / 127 (IEEE division)."""
+    amax = tl.maximum(amax, ROW_AMAX_FLOOR)
+    s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    return _round_clamp(x, s[:, None], 0, False), s
 
 
 @triton.jit
 def _quantize_rows(x):
     """(int8 tile, fp32 row scales) of a tile quantized per row."""
-    s = _row_scales(x)
-    return _round_clamp(x, s[:, None], 0, False), s
+    return _quantize_rows_by(x, tl.max(tl.abs(x), axis=1))
 
 
 @triton.jit
@@ -119,11 +120,12 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    s_max = tl.max(s, axis=1)
+    m_new = tl.maximum(m_i, s_max)
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p8, p_scale = _quantize_rows(p)
+    p8, p_scale = _quantize_rows_by(p, tl.exp2(s_max - m_new))  # the rows' max of p, without a second reduction
     vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
     v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
     pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
