@@ -43,6 +43,8 @@ SLOW = pytest.mark.slow  # an interpreted case beyond the first of its path: the
 # the fast tier's quantize variants: each scale layout once, weights' BxB tiles and activations' 1xB blocks both
 FAST_VARIANTS = [v if v in {("tensor", False), ("row", True), ("block", False), ("block", True)}
                  else pytest.param(*v, marks=SLOW) for v in VARIANTS]
+# block scales' non-finite checks take over a minute interpreted: the slow driver, and test_kernels_gpu.py's
+NON_FINITE_FAST = [v if v in {("tensor", False), ("row", True)} else pytest.param(*v, marks=SLOW) for v in VARIANTS]
 WEIGHT_VARIANTS_SLOW = [v if not v[1] else pytest.param(*v, marks=SLOW) for v in VARIANTS]
 
 
@@ -250,7 +252,7 @@ def test_round_half_to_even_and_extremes(K):
                                 REF.quantize(y, **_kw(g, w, rowwise=True, columnwise=False))[0], f"{g} x{scale}")
 
 
-@pytest.mark.parametrize("granularity,weight", FAST_VARIANTS)
+@pytest.mark.parametrize("granularity,weight", NON_FINITE_FAST)
 @pytest.mark.parametrize("bad", [float("inf"), pytest.param(float("-inf"), marks=SLOW),
                                  pytest.param(float("nan"), marks=SLOW)])
 def test_non_finite(K, granularity, weight, bad):
@@ -297,6 +299,7 @@ def test_non_finite(K, granularity, weight, bad):
         assert_close_fp32(out[ok], want[ok], "finite part")
 
 
+@SLOW  # ~50 s interpreted; test_kernels_gpu.py's test_stochastic_rounding checks the same on the GPU
 def test_stochastic_rounding_is_unbiased_and_in_range(K):
     v = 0.3
     x = torch.full((64, 96), v)
