@@ -40,12 +40,14 @@ def _stopped_at(src, dst, iteration):
 
 def _adam_state(root, iteration):
     """exp_avg and exp_avg_sq of every parameter, at its global shape (the fully_reshardable layout)."""
+    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     directory = checkpoint_dir(str(root), iteration)
     dcp_to_torch_save(directory, str(root / f"state_{iteration}.pt"))  # one process, no process group
     state = torch.load(root / f"state_{iteration}.pt")
-    common = torch.load(os.path.join(directory, "common.pt"), weights_only=False)
+    # megatron-core 0.16 writes the common state to common.pt, 0.19 into the shards: its reader takes both
+    common = dist_checkpointing.load_common_state_dict(directory)
     assert common["distopt_sharding_type"] == "fully_reshardable", common.keys()
     adam = {k: v for k, v in state.items() if k.startswith(("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq."))}
     return adam, common["adam_steps"]

@@ -321,13 +321,18 @@ class _Planted:
 
 
 def test_checkpoint_files_load_weights_only_and_planted_objects_are_refused(trained, tmp_path):
+    from megatron.core import dist_checkpointing
+
     from megatron_int8.training.checkpoint import latest_checkpoint_dir
-    from megatron_int8.training.safe_load import UnsafeCheckpointError, check_dcp_metadata, load_tensors_file
+    from megatron_int8.training.safe_load import (UnsafeCheckpointError, check_dcp_metadata, load_tensors_file,
+                                                  weights_only_loading)
 
     directory = latest_checkpoint_dir(str(trained["save"]))
     state = load_tensors_file(os.path.join(directory, "rng", "rank_00000.pt"))  # no numpy arrays needed
     assert state["numpy"]["keys"].dtype == torch.int64 and state["numpy"]["keys"].numel() == 624
-    common = torch.load(os.path.join(directory, "common.pt"), weights_only=True)
+    # the common state (common.pt in megatron-core 0.16, inside the shards in 0.19) loads weights-only
+    with weights_only_loading(directory):
+        common = dist_checkpointing.load_common_state_dict(directory)
     assert type(common["args"]).__name__ == "Namespace" and common["args"].num_layers == 2
     assert common["args"].int8_linear is True and common["checkpoint_version"] == 3.0
     check_dcp_metadata(directory)
