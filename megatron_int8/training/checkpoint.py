@@ -3,7 +3,8 @@
 Layout under --save:
   iter_0000100/                       one complete checkpoint (megatron dist_checkpointing format)
       common.pt                       iteration, data position, and the run's arguments as an
-                                      argparse.Namespace (as upstream Megatron-LM stores them)
+                                      argparse.Namespace (as upstream Megatron-LM stores them); from
+                                      megatron-core 0.19 this common state is an object inside the shards
       rng/rank_00000.pt               per-rank RNG states (python, numpy, torch, CUDA, megatron tracker),
                                       tensors and plain values only
   latest_checkpointed_iteration.txt   the tracker: written last, atomically (os.replace)
@@ -156,7 +157,7 @@ def check_checkpoint_files(directory: str) -> None:
 
 
 def _load_common(directory: str) -> dict:
-    """The checkpoint's common.pt (weights_only), or a CheckpointError naming it."""
+    """The checkpoint's common state (weights_only), or a CheckpointError naming where it is stored."""
     from megatron.core import dist_checkpointing
 
     with weights_only_loading(directory):
@@ -165,8 +166,10 @@ def _load_common(directory: str) -> dict:
         except (EOFError, RuntimeError, OSError) as error:
             if not isinstance(error, (EOFError, OSError)) and "PytorchStreamReader" not in str(error):
                 raise
-            raise CheckpointError(f"{os.path.join(directory, 'common.pt')} cannot be read ({error}): the checkpoint "
-                                  f"is damaged; {_previous_hint(directory)}") from None
+            legacy = os.path.join(directory, "common.pt")  # megatron-core 0.19 keeps it inside the shards instead
+            where = legacy if os.path.isfile(legacy) else f"the common state in {directory}"
+            raise CheckpointError(f"{where} cannot be read ({error}): the checkpoint is damaged; "
+                                  f"{_previous_hint(directory)}") from None
 
 
 def read_saved_arguments(root: str, step: Optional[int] = None) -> argparse.Namespace:
