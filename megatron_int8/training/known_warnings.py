@@ -11,6 +11,12 @@ KNOWN = (
      "accumulation without APEX, and falls back to torch's optimizers by design (docs/training.md)"),
     (UserWarning, "Apex is not installed. Falling back to Torch Norm",
      "megatron-core's layer specs without APEX: torch's norms are the ones this trainer builds on"),
+    (UserWarning, "absl.logging is not installed",
+     "megatron-core 0.19's import-time notice: without absl it logs through Python's logging, which is what this "
+     "trainer prints; absl-py changes nothing in a run"),
+    (UserWarning, "MimoModelConfig is experimental",
+     "megatron-core 0.19 imports its multimodal (MIMO) config with the model code; this trainer builds no MIMO "
+     "model"),
     (FutureWarning, "`load_state_dict` is deprecated",
      "megatron-core's dist_checkpointing calls torch's old loader internally; nothing in a command changes it"),
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
