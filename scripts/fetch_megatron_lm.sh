@@ -9,7 +9,7 @@
 #         git clone https://github.com/NVIDIA/Megatron-LM.git
 # DEST:   default third_party/megatron-lm (git-ignored); it is replaced only if an earlier run of
 #         this script made it.
-# TAG=... picks the tag; default: the one matching the installed megatron-core (0.16 -> core_v0.16.1,
+# TAG=... picks the tag; default: the one matching the megatron-core that ${PYTHON:-python3} has (0.16 -> core_v0.16.1,
 #         0.17 -> core_v0.17.1, 0.18 -> core_v0.18.2, 0.19 -> core_v0.19.0).
 #
 # DEST gets pretrain_gpt.py, gpt_builders.py, model_provider.py, LICENSE and megatron/{training,legacy,
@@ -25,7 +25,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SOURCE=$1
 DEST=${2:-$ROOT/third_party/megatron-lm}
 if [ -z "${TAG:-}" ]; then
-  MINOR=$(python3 -c "import importlib.metadata as m; print(m.version('megatron-core').split('.')[1])") \
+  MINOR=$("${PYTHON:-python3}" -c "import importlib.metadata as m; print(m.version('megatron-core').split('.')[1])") \
     || { echo "error: megatron-core is not installed here: set TAG (core_v0.16.1 ... core_v0.19.0)" >&2; exit 1; }
   case $MINOR in
     16) TAG=core_v0.16.1 ;; 17) TAG=core_v0.17.1 ;; 18) TAG=core_v0.18.2 ;; 19) TAG=core_v0.19.0 ;;

@@ -101,6 +101,21 @@ def null_tokenizer_metadata() -> dict:
     return {"library": "null-text" if mcore_at_least(0, 17) else "null", "model_type": "gpt"}
 
 
+def build_layer_mlp(spec, config):
+    """A layer spec's `mlp` built as TransformerLayer builds it (tests and benchmarks build MLPs alone): 0.19's
+    builders (`MLP.as_mlp_submodule`, MoELayer) take the layer's process groups and MTP flag; a ModuleSpec'd MLP
+    takes the TP group, a MoE layer the process groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.mlp import MLP
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    if isinstance(spec, functools.partial):
+        return spec(config=config, pg_collection=groups, is_mtp_layer=False)
+    if spec.module is MLP:
+        return build_spec(spec, config=config, tp_group=groups.tp)
+    return build_spec(spec, config=config, pg_collection=groups)
+
+
 def experts_spec(module: type, submodules):
     """What `BackendSpecProvider.grouped_mlp_modules` returns: from 0.17 one builder of the experts (a ModuleSpec
     is callable); 0.16 takes the class and its submodules apart and sets their activation itself."""

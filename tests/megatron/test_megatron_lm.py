@@ -195,7 +195,8 @@ def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path):
     model whose layers 2 of 2 run INT8 (layer 1 BF16 by flag): 4 INT8 linears, a finite loss."""
     dest = tmp_path / "mlm"
     fetched = subprocess.run(["bash", os.path.join(ROOT, "scripts", "fetch_megatron_lm.sh"), MEGATRON_LM_GIT,
-                              str(dest)], capture_output=True, text=True, timeout=300)
+                              str(dest)], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHON=sys.executable))
     assert fetched.returncode == 0, fetched.stderr
     (dest / "probe.py").write_text(UPSTREAM_PROBE)
     with socket.socket() as sock:
@@ -207,7 +208,8 @@ def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path):
              "--micro-batch-size", "1", "--int8-linear", "--int8-first-last-layers-bf16",
              "--int8-num-layers-at-end-in-bf16", "0"]
     argv = megatron_lm.yaml_to_argv(os.path.join(ROOT, "configs", "qwen3_4b.yaml")) + megatron_lm.environment_argv()
-    env = dict(os.environ, PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+    pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=port)
     result = subprocess.run([sys.executable, "-m", "megatron_int8.megatron_lm", "run", str(dest / "probe.py")]
                             + argv + flags, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -128,7 +128,7 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
     """With config.use_te_activation_func (as the trainer sets it for dense SwiGLU models), megatron's MLP from
     the INT8 spec runs megatron_int8's SwiGLU (emit_maxima for INT8 row-wise linears, not for BF16); its
     outputs and gradients equal those of megatron's own SwiGLU path up to bf16 rounding of the activation."""
-    from megatron_int8.megatron.compat import build_spec
+    from megatron_int8.megatron.compat import build_layer_mlp
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
@@ -139,9 +139,9 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
         for int8, emit in ((True, True), (False, False)):
             spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference"), int8=int8).submodules.mlp
             torch.manual_seed(0)
-            mlp = build_spec(spec, config=ours)
+            mlp = build_layer_mlp(spec, config=ours)
             torch.manual_seed(0)
-            stock = build_spec(spec, config=theirs)
+            stock = build_layer_mlp(spec, config=theirs)
             assert isinstance(mlp.activation_func, SwiGLU) and mlp.activation_func.emit_maxima == emit
             assert not isinstance(stock.activation_func, SwiGLU)
             x = heavy_tailed(8, 2, ours.hidden_size)
@@ -179,7 +179,7 @@ def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
 def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
     """The module has no state: the MLP's (sharded) state dict keys are those of megatron's own SwiGLU path,
     so checkpoints interchange."""
-    from megatron_int8.megatron.compat import build_spec
+    from megatron_int8.megatron.compat import build_layer_mlp
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
@@ -189,7 +189,7 @@ def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
         ours = tiny_config(use_te_activation_func=True, bias_activation_fusion=False)
         theirs = dataclasses.replace(ours, use_te_activation_func=False)
         spec = get_gpt_int8_layer_spec(recipe=Int8Recipe(backend="reference")).submodules.mlp
-        mlps = [build_spec(spec, config=c) for c in (ours, theirs)]
+        mlps = [build_layer_mlp(spec, config=c) for c in (ours, theirs)]
         assert list(mlps[0].state_dict()) == list(mlps[1].state_dict())
         keys = [sorted(m.sharded_state_dict(prefix="mlp.", metadata=metadata)) for m in mlps]
         assert keys[0] == keys[1] and "mlp.linear_fc1.weight" in keys[0]
