@@ -550,17 +550,30 @@ SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_
                  "weight_decay", "train_iters")
 
 
+def _take_this_runs_lr_bounds(optimizer_state, args) -> None:
+    """The saved param groups' max_lr/min_lr set to this run's --lr/--min-lr before they are loaded.
+
+    Loaded param groups replace the optimizer's, and what they carry overrides the scheduler's values; megatron-core
+    0.19 also finds each saved group by its (max_lr, min_lr, ...) and refuses a checkpoint where they differ."""
+    if isinstance(optimizer_state, dict):
+        for key, value in optimizer_state.items():
+            if key == "param_groups" and isinstance(value, list):
+                for group in value:
+                    group.update({k: v for k, v in (("max_lr", args.lr), ("min_lr", args.min_lr)) if k in group})
+            else:
+                _take_this_runs_lr_bounds(value, args)
+    elif isinstance(optimizer_state, (list, tuple)):
+        for value in optimizer_state:
+            _take_this_runs_lr_bounds(value, args)
+
+
 def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, args, log) -> None:
     """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
 
     megatron's OptimizerParamScheduler.load_state_dict keeps the checkpoint's max/min LR, warm-up, decay length
-    and style, and the loaded param groups keep the checkpoint's max_lr/min_lr: a run resumed with a longer
-    --train-iters (or a new --lr) would silently follow the old schedule. Only the position is taken."""
-    for group in optimizer.param_groups:  # what the loaded groups carry overrides the scheduler's values
-        if "max_lr" in group:
-            group["max_lr"] = args.lr
-        if "min_lr" in group:
-            group["min_lr"] = args.min_lr
+    and style (and the loaded param groups the checkpoint's max_lr/min_lr, unless _take_this_runs_lr_bounds set
+    them): a run resumed with a longer --train-iters (or a new --lr) would silently follow the old schedule. Only
+    the position is taken."""
     scheduler.num_steps = 0
     scheduler.step(increment=saved_state["num_steps"])
     saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
@@ -619,6 +632,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
             for inner in precision_aware_optimizers(optimizer):
                 inner.reload_masters()
         if with_optimizer:
+            _take_this_runs_lr_bounds(loaded["optimizer"], args)
             with _steps_set_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
