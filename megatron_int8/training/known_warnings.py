@@ -18,6 +18,9 @@ KNOWN = (
     (UserWarning, "MimoModelConfig is experimental",
      "megatron-core 0.19 imports its multimodal (MIMO) config with the model code; this trainer builds no MIMO "
      "model"),
+    (UserWarning, "torch.distributed is disabled, unavailable or uninitialized",
+     "megatron-core 0.19 reads a checkpoint's common state through torch's distributed reader; the trainer reads "
+     "the saved arguments in one process, before torch.distributed starts, on purpose"),
     (FutureWarning, "`load_state_dict` is deprecated",
      "megatron-core's dist_checkpointing calls torch's old loader internally; nothing in a command changes it"),
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
@@ -29,6 +32,12 @@ KNOWN_LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED",
      "megatron-core 0.19 points to HybridModel at every model build; GPTModel is the model this trainer and "
      "upstream's pretrain_gpt.py build in every supported megatron-core"),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found",
+     "torch 2.15 on a machine without CUDA, when megatron-core imports torch's extension builder; this trainer "
+     "builds no C++/CUDA extension"),
+    ("megatron.core.dist_checkpointing.strategies.common", "load_common is deprecated",
+     "megatron-core 0.19 reading the common.pt of a checkpoint that an earlier megatron-core wrote; it loads, and "
+     "the next save stores the common state the new way"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
      "megatron-core 0.19's synchronous save runs through its own deprecated async path and says so; this trainer "
      "saves synchronously and asks for no async strategy"),
