@@ -14,13 +14,17 @@ Where the kernels fall back on Ampere:
   loads and stores (`rewrite_tensor_descriptor_to_pointer` below capability 9), so no bulk-tensor copy and
   no wgmma is left in its PTX. It is checked, not launched, there.
 - Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
+- INT8 attention (its quantize pass, forward, dK/dV and dQ kernels): the products become `mma.sync`.
 - The Gluon GEMM (int8_gemm_ws.py) is Hopper's alone (its wgmmas are written out): compiled for sm_90a only, and
   launched only on capability 9.
 On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; its configuration (`TMA_TILE`) is
-compiled for it too, and its shared memory must fit `programs_per_sm` programs per SM.
+compiled for it too, and its shared memory must fit `programs_per_sm` programs per SM. The attention kernels are
+compiled for sm_90a too (they launch on every CUDA GPU): each of their products, the INT8 ones and dP's BF16 one,
+is a wgmma there, which takes INT8 operands K-major only (hence the kernels' transposed copies).
 
-The compiles take a few seconds each: 25-30 s of CPU for the file (triton 3.6 and 3.9), 80-100 s of wall time on
-a shared 2-core machine, hence `slow`. Triton's cache makes a second run quick.
+The compiles take a few seconds each (10 s for the dK/dV attention kernel at head dim 128): 85-100 s of CPU for
+the file, about half of it the attention kernels (triton 3.9), 90-160 s of wall time on a shared 2-core machine,
+hence `slow`. Triton's cache makes a second run quick.
 """
 import importlib
 import re
@@ -50,6 +54,8 @@ RN = importlib.import_module("megatron_int8.kernels.rms_norm")
 AW = importlib.import_module("megatron_int8.kernels.adamw")
 RP = importlib.import_module("megatron_int8.kernels.rope")
 CE = importlib.import_module("megatron_int8.kernels.cross_entropy")
+AT = importlib.import_module("megatron_int8.kernels.int8_attention")
+ATTENTION_CONFIG = importlib.import_module("megatron_int8.ops.int8_attention").Int8AttentionConfig()
 
 
 def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), source=ASTSource,
@@ -242,10 +248,44 @@ def _other_cases():
     return cases
 
 
-OTHER_CASES = {**_quantize_cases(), **_other_cases()}
+def _attention_warps(tile: int) -> int:
+    """The warps of an attention launch, from its program's tile (as triton_attention_forward / _backward)."""
+    return 8 if tile >= 128 else 4
 
 
-FLOAT_ARGUMENTS = ("eps", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_sqrt_bc2")
+def _attention_cases():
+    """The four attention kernels with Int8AttentionConfig's default tiles, causal, for head dims 128 and 64."""
+    cfg = ATTENTION_CONFIG
+    quantize = dict(x_ptr="bf16", rows_ptr="i8", t_ptr="i8", o_ptr="bf16")  # scales, mean, delta: fp32
+    bwd = dict(q_ptr="i8", k_ptr="i8", v_ptr="bf16", do_ptr="bf16")
+    cases = {
+        "attention quantize K: mean, per token + per block, d128": (
+            AT._quantize_kernel, quantize, dict(D=128, BLOCK=cfg.block, MEAN=True, ROWS=True, DELTA=False), 8),
+        "attention quantize dO: per block + delta, d128": (
+            AT._quantize_kernel, quantize, dict(D=128, BLOCK=cfg.block, MEAN=False, ROWS=False, DELTA=True), 8),
+    }
+    for d in (128, 64):
+        cases[f"attention forward causal d{d}"] = (
+            AT._attn_fwd_kernel, dict(q_ptr="i8", k_ptr="i8", vt_ptr="i8", o_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=True),
+            _attention_warps(cfg.fwd_block_m))
+        cases[f"attention backward dK dV causal d{d}"] = (
+            AT._attn_bwd_dkdv_kernel, dict(bwd, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
+            _attention_warps(cfg.bwd_block_n))
+        cases[f"attention backward dQ causal d{d}"] = (
+            AT._attn_bwd_dq_kernel, dict(bwd, kt_ptr="i8", dq_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
+            _attention_warps(cfg.dq_block_m))
+    return cases
+
+
+ATTENTION_CASES = _attention_cases()
+OTHER_CASES = {**_quantize_cases(), **_other_cases(), **ATTENTION_CASES}
+
+
+FLOAT_ARGUMENTS = ("eps", "decay", "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "inv_sqrt_bc2",
+                   "qk_scale", "sm_scale")
 
 
 @pytest.mark.parametrize("case", list(OTHER_CASES))
@@ -254,6 +294,18 @@ def test_kernel_compiles_for_ampere(case):
     options = dict(enable_fp_fusion=False) if kernel is AW._adamw_kernel else {}  # as its launch
     assert_code_for(compile_for(AMPERE, kernel, pointers, constexprs, warps, floats=FLOAT_ARGUMENTS, **options),
                     AMPERE)
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_kernel_compiles_for_hopper_with_wgmma(case):
+    """On sm_90a every product of the attention kernels is a wgmma (INT8 ones s32.s8.s8, no mma.sync left), and a
+    program's shared memory fits one block."""
+    kernel, pointers, constexprs, warps = ATTENTION_CASES[case]
+    compiled = compile_for(HOPPER, kernel, pointers, constexprs, warps, floats=FLOAT_ARGUMENTS)
+    ptx = assert_code_for(compiled, HOPPER)
+    if kernel is not AT._quantize_kernel:
+        assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx) and "mma.sync" not in ptx
+    assert compiled.metadata.shared <= HOPPER_MAX_SHARED_PER_BLOCK, compiled.metadata.shared
 
 
 def test_every_kernel_is_covered():
@@ -269,4 +321,4 @@ def test_every_kernel_is_covered():
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         launched |= {getattr(module, name) for name in dir(module)
                      if name.endswith("_kernel") and isinstance(getattr(module, name), triton.runtime.JITFunction)}
-    assert len(launched) >= 14 and launched <= covered, sorted(k.__name__ for k in launched - covered)
+    assert len(launched) >= 19 and launched <= covered, sorted(k.__name__ for k in launched - covered)
