@@ -21,6 +21,9 @@ KNOWN = (
     (UserWarning, "torch.distributed is disabled, unavailable or uninitialized",
      "megatron-core 0.19 reads a checkpoint's common state through torch's distributed reader; the trainer reads "
      "the saved arguments in one process, before torch.distributed starts, on purpose"),
+    (UserWarning, "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID",
+     "megatron-core 0.19 asks for the rank while the trainer reads the saved arguments before torch.distributed "
+     "starts; only a single process (torchrun sets RANK) gets here, whose rank 0 is right"),
     (FutureWarning, "`load_state_dict` is deprecated",
      "megatron-core's dist_checkpointing calls torch's old loader internally; nothing in a command changes it"),
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
