@@ -24,13 +24,16 @@ KNOWN = (
     (UserWarning, "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID",
      "megatron-core 0.19 asks for the rank while the trainer reads the saved arguments before torch.distributed "
      "starts; only a single process (torchrun sets RANK) gets here, whose rank 0 is right"),
+    (UserWarning, "The argument order of load has been changed",
+     "torch's notice on how megatron-core 0.19 calls torch.distributed.checkpoint.load for the common state; no "
+     "argument of this trainer is involved"),
     (FutureWarning, "`load_state_dict` is deprecated",
      "megatron-core's dist_checkpointing calls torch's old loader internally; nothing in a command changes it"),
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
      "torch's notice about the ShardedTensor that megatron-core's checkpoint format is built on"),
 )
 
-# (logger, start of the message, why): notices megatron-core logs as warnings rather than warns
+# (logger, start of the message, why): notices that megatron-core or torch log rather than warn
 KNOWN_LOG_RECORDS = (
     ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED",
      "megatron-core 0.19 points to HybridModel at every model build; GPTModel is the model this trainer and "
