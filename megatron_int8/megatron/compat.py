@@ -116,6 +116,24 @@ def build_layer_mlp(spec, config):
     return build_spec(spec, config=config, pg_collection=groups)
 
 
+def read_states_through_optimizer(distributed_optimizer) -> None:
+    """From 0.17, `DistributedOptimizer._get_main_param_and_optimizer_states` skips an optimizer's states that are
+    not tensors, and this package's INT8 moments (`ops.adamw.BlockQuantized`) are not: this optimizer instance
+    reads every state through its inner optimizer's `get_unscaled_state`, as 0.16 does."""
+    if not mcore_at_least(0, 17):
+        return
+
+    def main_param_and_optimizer_states(model_param):
+        group_index, group_order = distributed_optimizer.model_param_group_index_map[model_param]
+        inner = distributed_optimizer.optimizer
+        shard = inner.param_groups[group_index]["params"][group_order]
+        tensors = {key: inner.get_unscaled_state(shard, key) for key in inner.state[shard]}
+        tensors["param"] = tensors.pop("master_param")
+        return tensors
+
+    distributed_optimizer._get_main_param_and_optimizer_states = main_param_and_optimizer_states
+
+
 def experts_spec(module: type, submodules):
     """What `BackendSpecProvider.grouped_mlp_modules` returns: from 0.17 one builder of the experts (a ModuleSpec
     is callable); 0.16 takes the class and its submodules apart and sets their activation itself."""

@@ -28,6 +28,7 @@ import torch
 
 from ..ops.adamw import (STATE_DTYPES, AdamWScalars, BlockQuantized, adamw_step, merge_remainder, moment_nbytes,
                          moment_to_fp32, new_moment, split_remainder, store_moment)
+from .compat import read_states_through_optimizer
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # what megatron's dp_reshardable load hands set_scaled_state beside the states (a bool per bucket entry)
@@ -332,7 +333,11 @@ def build_precision_aware_optimizer(config, model_chunks, *, exp_avg_dtype: str,
     config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
     config.store_param_remainders = store_param_remainders
     with _megatron_builds(factory):
-        return get_megatron_optimizer(config, model_chunks)
+        optimizer = get_megatron_optimizer(config, model_chunks)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(getattr(inner, "optimizer", None), PrecisionAwareAdamW):
+            read_states_through_optimizer(inner)
+    return optimizer
 
 
 def precision_aware_optimizers(optimizer) -> list:
