@@ -36,7 +36,7 @@ def _train(data, *flags):
 
 def _refused(capsys, argv, command=("-m", "megatron_int8.pretrain")) -> str:
     """The one-line error of a run that stops before it builds the model (a fresh process: megatron's CPU support
-    must be installed before megatron is imported, which other tests of this session may have done)."""
+    must be installed before megatron is imported, which other tests in the same pytest process may have done)."""
     result = subprocess.run([sys.executable, *command, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
