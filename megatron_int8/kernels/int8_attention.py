@@ -37,6 +37,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
 
 
+def warps_for(tile: int) -> int:
+    """Warps of a launch whose tile's leading side is `tile` (8 for 128-row tiles, else 4)."""
+    return 8 if tile >= 128 else 4
+
+
 @triton.jit
 def _quantize_rows_by(x, amax):
     """(int8 tile, fp32 row scales) of a tile quantized per row, given its rows' amax: scale = max(amax,
@@ -398,7 +403,7 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
                 q8, q_s, k8, k_s, vt8, vt_s, o, lse,
                 H, H // Hk, Sq, Sk, vt8.shape[2], vt_s.shape[1], sm_scale * LOG2E,
                 D=D, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                num_warps=8 if cfg.fwd_block_m >= 128 else 4)
+                num_warps=warps_for(cfg.fwd_block_m))
     return o, (q8, q_s, k8, k_s, qt8, qt_s, kt8, kt_s, lse)
 
 
@@ -419,11 +424,11 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
                      dk, dv, Hk, H // Hk, Sq, Sk, qt8.shape[2], qt_s.shape[1], qk_scale, sm_scale,
                      D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
                      UPCAST=_INTERPRET,
-                     num_warps=8 if cfg.bwd_block_n >= 128 else 4)
+                     num_warps=warps_for(cfg.bwd_block_n))
     _BWD_DQ.launch((cdiv(Sq, cfg.dq_block_m), B * H),
                    q8, q_s, k8, k_s, kt8, kt_s, v, *v.stride()[:3], do, *do.stride()[:3], lse, delta, dq,
                    H, H // Hk, Sq, Sk, kt8.shape[2], kt_s.shape[1], qk_scale, sm_scale,
                    D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
                    UPCAST=_INTERPRET,
-                   num_warps=8 if cfg.dq_block_m >= 128 else 4)
+                   num_warps=warps_for(cfg.dq_block_m))
     return dq, dk, dv

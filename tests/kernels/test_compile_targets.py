@@ -248,11 +248,6 @@ def _other_cases():
     return cases
 
 
-def _attention_warps(tile: int) -> int:
-    """The warps of an attention launch, from its program's tile (as triton_attention_forward / _backward)."""
-    return 8 if tile >= 128 else 4
-
-
 def _attention_cases():
     """The four attention kernels with Int8AttentionConfig's default tiles, causal, for head dims 128 and 64."""
     cfg = ATTENTION_CONFIG
@@ -268,15 +263,15 @@ def _attention_cases():
         cases[f"attention forward causal d{d}"] = (
             AT._attn_fwd_kernel, dict(q_ptr="i8", k_ptr="i8", vt_ptr="i8", o_ptr="bf16"),
             dict(D=d, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=True),
-            _attention_warps(cfg.fwd_block_m))
+            AT.warps_for(cfg.fwd_block_m))
         cases[f"attention backward dK dV causal d{d}"] = (
             AT._attn_bwd_dkdv_kernel, dict(bwd, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16"),
             dict(D=d, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
-            _attention_warps(cfg.bwd_block_n))
+            AT.warps_for(cfg.bwd_block_n))
         cases[f"attention backward dQ causal d{d}"] = (
             AT._attn_bwd_dq_kernel, dict(bwd, kt_ptr="i8", dq_ptr="bf16"),
             dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
-            _attention_warps(cfg.dq_block_m))
+            AT.warps_for(cfg.dq_block_m))
     return cases
 
 
