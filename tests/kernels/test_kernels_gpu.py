@@ -720,32 +720,6 @@ def test_fused_rms_norm_real_shapes(shape, layout):
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad)
 
 
-def test_split_qkv_normed_real_shape():
-    """attention._SplitQKVNormed at one micro-batch of Qwen3-4B's attention (4096 x 2 tokens, 8 groups of 4
-    query heads, head 128): bit-identical to the split plus separate Triton norms (autograd's cat in the
-    backward), and within the float64 bounds of the norm on the query heads."""
-    from int8_bounds import assert_rms_norm_close
-
-    from mcore_helpers import split_qkv_both_ways
-
-    from megatron_int8.megatron.attention import _qkv_parts
-    from megatron_int8.ops.rms_norm import FusedRMSNorm
-
-    S, B, G, P, D = 4096, 2, 8, 4, 128
-    mixed = outliers(S * B, G * (P + 2) * D).view(S, B, -1)
-    norms = [FusedRMSNorm(D, eps=1e-6, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    with torch.no_grad():
-        for n in norms:
-            n.weight.copy_(1 + torch.randn(D, device="cuda"))
-    grads = [outliers(S * B * n, D).view(S, B, n, D) for n in (G * P, G, G)]
-    results = split_qkv_both_ways(mixed, norms, grads, G, D)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
-    q_in = _qkv_parts(mixed, G, D)[0]
-    assert_rms_norm_close(q_in, norms[0].weight.detach(), 1e-6, grads[0].view(q_in.shape),
-                          results[0][0].view(q_in.shape), _qkv_parts(results[0][3], G, D)[0], results[0][4])
-
-
 @pytest.mark.parametrize("R,F", [(8192, 9728), (4100, 1377)])
 def test_swiglu_real_shapes_and_maxima(R, F):
     """The Triton SwiGLU at one micro-batch of Qwen3-4B's MLP (8192 tokens, F = 9728) and at a ragged size:

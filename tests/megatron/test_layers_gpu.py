@@ -182,6 +182,37 @@ def test_query_norm_in_place_matches_megatron_self_attention_on_gpu(granularity,
         assert torch.equal(amax, grad.float().abs().amax())
 
 
+def test_split_qkv_normed_real_shape_on_gpu():
+    """attention._SplitQKVNormed at one micro-batch of Qwen3-4B's attention (4096 x 2 tokens, 8 groups of 4
+    query heads, head 128): bit-identical to the split plus separate Triton norms (autograd's cat in the
+    backward), and within the float64 bounds of the norm on the query heads."""
+    from int8_bounds import assert_rms_norm_close
+
+    from mcore_helpers import split_qkv_both_ways
+
+    from megatron_int8.megatron.attention import _qkv_parts
+    from megatron_int8.ops.rms_norm import FusedRMSNorm
+
+    S, B, G, P, D = 4096, 2, 8, 4, 128
+    gen = torch.Generator().manual_seed(11)
+
+    def data(rows, cols):
+        return outlier_tensor(rows, cols, generator=gen, outliers=rows // 64).to("cuda", torch.bfloat16)
+
+    mixed = data(S * B, G * (P + 2) * D).view(S, B, -1)
+    norms = [FusedRMSNorm(D, eps=1e-6, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(1 + torch.randn(D, device="cuda"))
+    grads = [data(S * B * n, D).view(S, B, n, D) for n in (G * P, G, G)]
+    results = split_qkv_both_ways(mixed, norms, grads, G, D)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    q_in = _qkv_parts(mixed, G, D)[0]
+    assert_rms_norm_close(q_in, norms[0].weight.detach(), 1e-6, grads[0].view(q_in.shape),
+                          results[0][0].view(q_in.shape), _qkv_parts(results[0][3], G, D)[0], results[0][4])
+
+
 def test_grouped_moe_layer_equals_per_expert_layer_on_gpu():
     """Int8GroupedMLP (Triton grouped GEMM, segmented quantize, strided wgrad operands) against
     SequentialMLP's per-expert INT8 linears (whose bounds against float64 the tests above check): same
