@@ -10,6 +10,11 @@ conversion sees whole tensors. Llama-style models (RoPE, RMSNorm, SwiGLU, no bia
 Tensors are written under the Hub's key names, which every transformers version reads. megatron's fused
 projections split as: linear_qkv rows per query group [its query heads, one key head, one value head];
 linear_fc1 rows [gate; up].
+
+A bfloat16 export rounds every weight to 8 significant bits. For a MoE model that moves the router logits a
+little (up to 1.5e-3 on the tiny test model, whose router logits reach 0.6), so a token whose k-th and (k+1)-th
+router logits are that close (a near tie) can go to other experts than megatron sends it to, and its logits
+differ by more than the rounding alone explains; export float32 where the routing must match token for token.
 """
 from __future__ import annotations
 

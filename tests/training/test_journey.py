@@ -13,12 +13,9 @@ import textwrap
 import time
 
 import pytest
-from importlib.metadata import version as _distribution_version
 import torch
 from repo_paths import ROOT
 from test_training import SMALL_MODEL, _free_port, data, losses, train  # noqa: F401  (`data`: fixture)
-
-MCORE_VERSION = tuple(int(part) for part in _distribution_version("megatron-core").split(".")[:3])
 
 pytestmark = pytest.mark.slow
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
@@ -239,21 +236,65 @@ EXPORT_CHECK = textwrap.dedent('''
     import torch
     from transformers import AutoModelForCausalLM
     from megatron_int8.training.export import export_hf
-    from megatron_int8.training.inference import generate, load_for_inference
+    from megatron_int8.training.inference import load_for_inference
     load, output = sys.argv[1], sys.argv[2]
     results = {}
     model, args, tokenizer = load_for_inference(load, int8=False, bf16=False, log=lambda m: None)
     torch.manual_seed(0)
     ids = torch.randint(0, tokenizer.vocab_size, (2, 40))
-    with torch.no_grad():
-        reference = model(ids, torch.arange(40).expand(2, 40), None, runtime_gather_output=True).double()
+    routers = [layer.mlp.router for layer in model.decoder.layers] if args.num_experts else []
+    routed = []  # each MoE layer's router (input, logits), tokens in transformers' (batch, sequence) order
+
+    def capturing(gating):
+        def wrapped(x):
+            logits = gating(x)
+            routed.append(tuple(t.detach().transpose(0, 1).flatten(0, 1).double() for t in (x, logits)))
+            return logits
+        return wrapped
+
+    for router in routers:
+        router.gating = capturing(router.gating)
+
+    def forward():
+        routed.clear()
+        with torch.no_grad():
+            return model(ids, torch.arange(40).expand(2, 40), None, runtime_gather_output=True).double(), list(routed)
+
+    reference, reference_routing = forward()
+    exact_router_weights = [router.weight.detach().double().clone() for router in routers]
+    with torch.no_grad():  # the weights as the bf16 export stores them; the arithmetic stays fp32
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    rounded, rounded_routing = forward()
+    # Near ties: tokens whose top-k experts the bf16 rounding of the weights can change. A router logit l = W x
+    # moves by at most |W - W_bf| |x| + |W_bf| |x_bf - x| <= 2^-8 |W| |x| + |W_bf| |x_bf - x| (bf16 keeps 8
+    # significant bits; x_bf: the router's input computed with rounded weights), so a chosen expert a and an
+    # unchosen c can swap only where l_a - l_c <= bound_a + bound_c.
+    near_tie = torch.zeros(ids.numel(), dtype=torch.bool)
+    k = args.moe_router_topk
+    for (x, logits), (x_bf, _), router, weight in zip(reference_routing, rounded_routing, routers,
+                                                      exact_router_weights):
+        bound = 2.0 ** -8 * x.abs() @ weight.abs().T + (x_bf - x).abs() @ router.weight.double().abs().T
+        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, logits.topk(k).indices, True)
+        margin = logits.masked_fill(~chosen, float("inf")).amin(1) - logits.masked_fill(chosen, -float("inf")).amax(1)
+        near_tie |= margin <= bound.masked_fill(~chosen, 0).amax(1) + bound.masked_fill(chosen, 0).amax(1)
     for dtype in ("float32", "bfloat16"):
         config = export_hf(load, f"{output}/{dtype}", dtype, log=lambda m: None)
         hf = AutoModelForCausalLM.from_pretrained(f"{output}/{dtype}", dtype=torch.float32).eval()
         with torch.no_grad():
-            logits = hf(ids).logits.double()
+            out = hf(ids, **({"output_router_logits": True} if routers else {}))
+        logits = out.logits.double()
+        rerouted = torch.zeros(ids.numel(), dtype=torch.bool)
+        for (_, expected), got in zip(reference_routing, out.router_logits if routers else ()):
+            rerouted |= (expected.topk(k).indices.sort(1).values != got.topk(k).indices.sort(1).values).any(1)
+        token_error = (logits - reference).abs().amax(-1).flatten()
+        compared = ~near_tie if dtype == "bfloat16" else torch.ones_like(near_tie)
+        same_weights = rounded if dtype == "bfloat16" else reference
         results[dtype] = {"architecture": config["architectures"][0], "class": type(hf).__name__,
-                          "error": (logits - reference).abs().max().item(), "scale": reference.abs().max().item()}
+                          "error": token_error[compared].max().item(), "scale": reference.abs().max().item(),
+                          "same_weights_error": (logits - same_weights).abs().max().item(),
+                          "rerouted": rerouted.nonzero().flatten().tolist(),
+                          "near_ties": near_tie.nonzero().flatten().tolist(), "tokens": ids.numel()}
     prompt = ids[:1, :8]
     with torch.no_grad():
         hf_new = hf.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 8:].tolist()
@@ -268,12 +309,19 @@ def _needs_transformers(tokenizer=False):
 
 
 def _check_export(results, architecture):
-    assert results["float32"]["architecture"] == results["float32"]["class"] == architecture
-    # fp32 weights: the same arithmetic up to summation order
-    assert results["float32"]["error"] <= 1e-4 * results["float32"]["scale"], results
-    # bf16 weights: each weight rounded by 2^-9 relative; logits move by a few such steps
-    assert results["bfloat16"]["error"] <= 0.05 * results["float32"]["scale"], results
-    assert results["bfloat16"]["error"] > results["float32"]["error"]
+    fp32, bf16 = results["float32"], results["bfloat16"]
+    assert fp32["architecture"] == fp32["class"] == architecture
+    # fp32 weights: the same arithmetic up to summation order, on every token
+    assert fp32["error"] <= 1e-4 * fp32["scale"] and not fp32["rerouted"], results
+    # bf16 weights: megatron computing with the same rounded weights gives the same logits, on every token
+    assert bf16["same_weights_error"] <= 1e-4 * fp32["scale"], results
+    # against the exact weights: each weight rounded by up to 2^-8 relative; logits move by a few such steps,
+    # where the routing is the same (a near tie that flips sends a token through other experts)
+    assert bf16["error"] <= 0.05 * fp32["scale"], results
+    assert bf16["error"] > fp32["error"]
+    # only near ties change experts, and they are a minority: the bound is ~0.01 against a median margin ~0.07
+    # between the k-th and (k+1)-th router logit of the tiny MoE, about a tenth of the tokens per MoE layer
+    assert set(bf16["rerouted"]) <= set(bf16["near_ties"]) and len(bf16["near_ties"]) <= bf16["tokens"] // 3, results
     assert len(results["hf_generate"]) == 6
 
 
@@ -298,11 +346,8 @@ def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(d
 
 @pytest.mark.parametrize("architecture, flags, nproc", [
     ("Qwen3ForCausalLM", ["--qk-layernorm", "--use-rope-scaling", "--pipeline-model-parallel-size", "2"], 2),
-    pytest.param("MixtralForCausalLM", ["--num-experts", "4", "--moe-router-topk", "2",
-                                        "--expert-model-parallel-size", "2", "--moe-grouped-gemm"], 2,
-                 marks=pytest.mark.xfail(MCORE_VERSION >= (0, 17, 0), strict=False, reason=(
-                     "open (issue 64): trained on megatron-core 0.19.2, the bf16 export's logits differ by 0.062x "
-                     "their scale (bound 0.05x) while the fp32 export matches to 1.5e-7; not yet explained"))),
+    ("MixtralForCausalLM", ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                            "--moe-grouped-gemm"], 2),
 ])
 def test_export_qwen3_and_mixtral_from_parallel_layouts(data, tmp_path, architecture, flags, nproc):
     _needs_transformers()
