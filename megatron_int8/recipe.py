@@ -29,9 +29,9 @@ def _check_bools(owner, names) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Int8Numerics:
-    """What the INT8 GEMMs compute: the part of a recipe that changes results (Int8Recipe's fields
+    """What the INT8 layers compute: the part of a recipe that changes results (Int8Recipe's fields
     granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input,
-    int8_norm_input). Quantized-weight caches are keyed and recipes described by it alone."""
+    int8_norm_input, int8_attention). Quantized-weight caches are keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -42,13 +42,15 @@ class Int8Numerics:
     smooth_swiglu: bool = False
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
+    int8_attention: bool = False
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input", "int8_norm_input"))
+        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input", "int8_norm_input",
+                            "int8_attention"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
@@ -58,7 +60,8 @@ class Int8Numerics:
         smooth = ",smooth" if self.smooth_swiglu else ""
         swiglu = ",swiglu-in:int8" if self.int8_swiglu_input else ""
         norm = ",norm-in:int8" if self.int8_norm_input else ""
-        return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}]"
+        attention = ",attn:int8" if self.int8_attention else ""
+        return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}{attention}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,16 @@ class Int8Recipe:
         1 x 128 block scales (plus the fp32 1/rms per token) instead of BF16, backward taking the gradient at the
         dequantized values (megatron_int8.ops.rms_norm): H + 4 ceil(H/128) + 4 instead of 2H bytes per token and
         norm. Off by default until loss parity is measured on GPU.
+    int8_attention: the core attention of the INT8 layers of this package's megatron specs runs
+        `ops.int8_attention.int8_attention` (six of its seven products in INT8, all but the backward's dO V^T;
+        per-token and per-block scales, K smoothed) instead of BF16 SDPA or cuDNN (megatron.attention.SDPAttention,
+        also where Transformer Engine is installed). A numerics field: it changes results, which the execution
+        options never do. It serves causal self-attention without a mask tensor, attention dropout or a sliding
+        window, head dims 64 and 128, GQA; the layer refuses anything else when it is built. Layers the policy
+        keeps in BF16 keep BF16 attention. Off by default: its kernels ran at 0.3x the speed of cuDNN's BF16
+        attention on an H200 (2026-12-02, `python3 benchmarks/bench_attention.py`; O at 27.7 dB SNR against
+        float64, seq 4096). Only the megatron specs read it: `convert_to_int8_training` converts linears, and
+        other models call `int8_attention` in their attention themselves.
     shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
         at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
         the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are
@@ -167,6 +180,7 @@ class Int8Recipe:
     smooth_swiglu: bool = False
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
+    int8_attention: bool = False
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

@@ -1,4 +1,5 @@
-"""Which linears of a GPT model run in INT8, with which recipe (flags: cli.py; the table: precision_table.py).
+"""Which linears of a GPT model run in INT8, with which recipe (flags: cli.py; the table: precision_table.py),
+and where the recipe's INT8 attention runs.
 
 Layer indexes are global and 0-based, as in megatron's `is_first_last_bf16_layer`, so a policy means
 the same thing under any pipeline / virtual-pipeline split.
@@ -6,7 +7,7 @@ the same thing under any pipeline / virtual-pipeline split.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ..recipe import Int8Recipe
 
@@ -15,6 +16,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipes of the FP8 pee
 LINEAR_SUBMODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 EXPERT_GROUPS = ("experts", "shared_experts")  # every linear of the routed / shared experts
 BF16_MODULE_NAMES = LINEAR_SUBMODULES + EXPERT_GROUPS
+INT8_ATTENTION_HEAD_DIMS = (64, 128)  # the head dims ops.int8_attention's kernels are tested at on the GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +33,10 @@ class Int8Policy:
         every transformer-layer linear in FP8 (`peers/fp8.py`; needs `enabled=False`; the INT8 recipe
         and layer selection above do not apply to it). Embedding, output layer, router stay BF16.
     fp8_compile: with fp8_peer, torch.compile each dense FP8 linear's casts + GEMM.
+
+    INT8 attention (the recipe's int8_attention) runs in exactly the layers that `layer_in_int8` names: the
+    BF16 baseline and the first / last layers kept in BF16 keep BF16 attention too, so such a layer is BF16
+    throughout. `bf16_modules` names linears and leaves a layer's attention as it is.
     """
 
     enabled: bool = True
@@ -100,6 +106,22 @@ class Int8Policy:
         if self.bf16_modules:
             parts.append("BF16 modules: " + ",".join(self.bf16_modules))
         return "; ".join(parts)
+
+
+def int8_attention_problems(head_dim: int, attention_dropout: float) -> List[Tuple[str, str]]:
+    """What INT8 attention (ops.int8_attention) cannot serve in a layer of this head dim and attention dropout:
+    (the setting, "head_dim" or "attention_dropout"; why, naming its flag), empty when it serves it. The trainer's
+    start-up checks (training/validation.py) and the layer (megatron.attention.SDPAttention) ask it, so both
+    refuse the same settings."""
+    problems = []
+    if head_dim not in INT8_ATTENTION_HEAD_DIMS:
+        served = " or ".join(map(str, INT8_ATTENTION_HEAD_DIMS))
+        problems.append(("head_dim", f"head dim {head_dim} (--kv-channels, or --hidden-size / --num-attention-heads): "
+                                     f"the INT8 attention kernels take {served}"))
+    if attention_dropout:
+        problems.append(("attention_dropout",
+                         f"attention dropout {attention_dropout}: INT8 attention has none; give --attention-dropout 0"))
+    return problems
 
 
 def describe_fp8_recipe(recipe: str) -> str:
