@@ -4,7 +4,8 @@ kernels on GPU) for specs without Transformer Engine.
 megatron-core's own `DotProductAttention` materializes the [b, np, sq, sk] score matrix, which at
 sequence 4096 dominates a layer's time and memory and would blur an INT8-vs-BF16 linear comparison.
 This module is a drop-in for it in layer specs (same constructor, same forward, same `[s, b, h, d]`
-layout and mask convention), used by both the INT8 and the BF16 baseline specs.
+layout and mask convention), used by both the INT8 and the BF16 baseline specs. Given a recipe with
+int8_attention, it runs `ops.int8_attention` instead (the `--int8-attention` route; see `SDPAttention`).
 
 `QueryNormInPlaceSelfAttention` is megatron's `SelfAttention` with a query norm that reads the query heads
 in place instead of after megatron's copy, and, with both q/k norms on the Triton kernels, a backward that
@@ -28,8 +29,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide, is_torch_min_version
 
-from ..reference import attach_amax
+from ..dispatch import resolve_backend_name
+from ..ops.backend import triton_available
+from ..ops.int8_attention import int8_attention
 from ..ops.rms_norm import FusedRMSNorm
+from ..recipe import Int8Recipe
+from ..reference import attach_amax
+from .policy import int8_attention_problems
 
 _SDPA_HAS_GQA = is_torch_min_version("2.5.0a0")  # the enable_gqa keyword
 
@@ -39,7 +45,20 @@ class SDPAttention(MegatronModule):
 
     Masks follow megatron: a bool tensor broadcastable to [b, np, sq, sk], True = masked out; with
     a causal mask type and no mask, the causal mask is implied (as in megatron's softmax).
+
+    `recipe` with int8_attention (`--int8-attention`): `int8_attention` on the same [b, h, s, d] views, on the
+    recipe's backend (MEGATRON_INT8_BACKEND overrides it), for what that op serves: causal self-attention
+    with the causal mask implied (sq == sk, no mask tensor), and a KV-cached decoding step (one query over the
+    cached keys, unmasked). The constructor refuses attention dropout and head dims other than 64 and 128
+    (policy.int8_attention_problems), as it refuses sliding windows and context parallelism; a call with a mask
+    tensor or another shape raises. Nothing falls back to BF16 silently. `int8_attention` is the switch the
+    trainer's auto fallback turns off (training/health.py: the layer then runs BF16 SDPA); `int8_probe` an
+    ops.health.AttentionProbe while the trainer collects statistics. No parameters either way: state dicts
+    are the same.
     """
+
+    int8_probe = None
+    int8_fallback_note: Optional[str] = None  # set by the trainer's auto fallback
 
     def __init__(
         self,
@@ -51,14 +70,18 @@ class SDPAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
+        recipe: Optional[Int8Recipe] = None,
     ):
         super().__init__(config=config)
+        self.int8_recipe = recipe
+        self.int8_attention = self.int8_attention_built = bool(recipe is not None and recipe.int8_attention)
+        owner = "--int8-attention (SDPAttention)" if self.int8_attention else "SDPAttention"
         if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention: context parallelism needs TEDotProductAttention")
+            raise NotImplementedError(f"{owner}: context parallelism needs TEDotProductAttention")
         if config.softmax_type != "vanilla":
-            raise NotImplementedError(f"SDPAttention: softmax_type={config.softmax_type!r} is not supported")
+            raise NotImplementedError(f"{owner}: softmax_type={config.softmax_type!r} is not supported")
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-            raise NotImplementedError("SDPAttention: sliding-window attention is not supported")
+            raise NotImplementedError(f"{owner}: sliding-window attention is not supported")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         self.pg_collection = pg_collection
@@ -78,6 +101,13 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if self.int8_attention:
+            problems = int8_attention_problems(self.hidden_size_per_attention_head, self.dropout_p)
+            if problems:
+                raise ValueError("--int8-attention: " + "; ".join(text for _, text in problems))
+
+    def extra_repr(self) -> str:
+        return f"int8_attention={self.int8_attention}" if self.int8_attention_built else ""
 
     def forward(
         self,
@@ -96,6 +126,8 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention: attention_bias is not supported")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         sq, sk = query.shape[0], key.shape[0]
+        if self.int8_attention:
+            return self._int8_forward(query, key, value, attention_mask, mask_type)
 
         attn_mask, is_causal = None, False
         if attention_mask is not None:
@@ -130,6 +162,27 @@ class SDPAttention(MegatronModule):
         else:
             context = attend()
         # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], self.hidden_size_per_partition)
+
+    def _int8_forward(self, query, key, value, attention_mask, mask_type) -> torch.Tensor:
+        """The INT8 path: causal over sq == sk tokens, or a decoding step (one query, every cached key)."""
+        sq, sk = query.shape[0], key.shape[0]
+        if attention_mask is not None:
+            raise NotImplementedError(
+                "--int8-attention: a mask tensor reached the core attention; INT8 attention takes the causal mask "
+                "from the layer's mask type (document masks, --reset-attention-mask, are not supported; upstream "
+                "Megatron-LM needs --no-create-attention-mask-in-dataloader)")
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.causal_bottom_right) or not (sq == sk or sq == 1):
+            raise NotImplementedError(f"--int8-attention: {mask_type.name} attention of {sq} queries over {sk} keys "
+                                      "is not supported (causal self-attention, or one query over a KV cache)")
+        # [s, b, n, d] -> [b, n, s, d] (views; the op takes strided inputs and GQA as they are)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        causal = sq > 1  # one decoding query sees every cached key
+        backend = resolve_backend_name(q.device, self.int8_recipe, triton_available())
+        context = int8_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=backend)
+        probe = self.int8_probe
+        if probe is not None and probe.armed and torch.is_grad_enabled():
+            probe.observe(q, k, v, context, causal, self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], self.hidden_size_per_partition)
 
 

@@ -5,7 +5,8 @@ inside routed and shared experts) change class; the embedding, the output layer 
 are built by GPTModel / MoELayer outside the spec and stay BF16. Attention (megatron's SelfAttention
 with an in-place query norm, over SDPA, or TE's core attention when Transformer Engine is installed)
 and the norms (SP-capable torch norms, or TENorm) are the same for the INT8, the BF16 baseline and the
-FP8 peer spec (torchao float8 linears, `peers/fp8.py`), so they differ only in the linears.
+FP8 peer spec (torchao float8 linears, `peers/fp8.py`), so they differ only in the linears; unless the
+recipe asks for INT8 attention (int8_attention), which the INT8 layers then run (SDPAttention's INT8 path).
 """
 from __future__ import annotations
 
@@ -104,7 +105,12 @@ class Int8SpecProvider(LocalSpecProvider):
             raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
         return ModuleSpec(module=SequenceParallelNorm, params={"int8_copy": True})
 
-    def core_attention(self) -> type:
+    def core_attention(self):
+        """TEDotProductAttention with Transformer Engine, else SDPAttention; in an INT8 layer whose recipe asks for
+        INT8 attention (int8_attention), SDPAttention running it, Transformer Engine or not (a builder: megatron
+        calls the core attention's class with its own keywords)."""
+        if self.fp8_recipe is None and self.int8 and self.recipe.int8_attention:
+            return functools.partial(SDPAttention, recipe=self.recipe)
         return TEDotProductAttention if HAVE_TE else SDPAttention
 
     def activation_func(self) -> ModuleSpec:
