@@ -30,6 +30,16 @@ Per GEMM (fprop, dgrad, wgrad), in `GEMM_STATS` order:
   underflow   the larger underflow of the GEMM's two operands' samples, each under the scales that GEMM
               uses (dgrad: dY per token, W^T's sampled input channels per input channel; wgrad: dY^T and
               X^T, the sampled tokens of every channel, per channel over all tokens)
+
+INT8 attention (`AttentionProbe`, ops.int8_attention) is measured in its forward, on the first sequence of the
+batch, `SAMPLE_HEADS` query heads spread over the key/value heads and `SAMPLE_ROWS` queries from the middle of
+the sequence, against fp32 attention of the same inputs (`ATTENTION_STATS`):
+  qk/rel_err         ||S~ - S||_F / ||S||_F over the scores the causal mask keeps: S = scale Q (K - mean K)^T, the
+                     scores the op quantizes (K smoothed, softmax does not change), S~ from Q and K quantized per
+                     token as the op quantizes them: the product whose error dominates INT8 attention's
+  attention/rel_err  ||O - O_fp32||_F / ||O_fp32||_F of the op's own output for the sampled queries: everything
+                     the forward quantizes (Q, K, P, V). The backward is not measured.
+Two fp32 products of SAMPLE_HEADS x SAMPLE_ROWS queries by the keys they see, per layer and statistics step.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ import torch
 
 from ..recipe import QMAX, Int8Recipe
 from ..reference import QTensor, dequantize, quantize
+from .int8_attention import quantize_rows
 from .smooth_swiglu import smooth_scales
 
 OPERANDS = ("x", "w", "dy")
@@ -51,6 +62,8 @@ STAT_NAMES: Tuple[str, ...] = tuple(f"{op}/{s}" for op in OPERANDS for s in OPER
     f"{g}/{s}" for g in GEMMS for s in GEMM_STATS)
 SAMPLE_ROWS = 256  # tokens of X and dY that the statistics are estimated on
 SAMPLE_CHANNELS = 1024  # channels of W's output axis (and of its input axis) that the statistics see
+ATTENTION_STATS = ("qk/rel_err", "attention/rel_err")  # an attention probe's values, in this order
+SAMPLE_HEADS = 8  # query heads an attention probe measures
 
 
 def _index(name: str) -> int:
@@ -285,6 +298,53 @@ class LinearProbe:
         x_t_amax = _sample_amax(recipe, x_amax, x_col_amax)
         return ForwardRecord(values, recipe, x.shape[0], x[rows].clone(), x_t_amax, out_channels, w_amax,
                              w_col_amax)
+
+
+def sample_heads(heads: int, device) -> torch.Tensor:
+    """`SAMPLE_HEADS` query heads evenly spaced over `heads` (all of fewer), so that under GQA the sample meets as
+    many key/value heads as it can."""
+    return torch.arange(0, heads, max(1, heads // SAMPLE_HEADS), device=device)[:SAMPLE_HEADS]
+
+
+class AttentionProbe:
+    """One INT8 attention's health probe (megatron.attention.SDPAttention), armed and read as a `LinearProbe`:
+    the next forward that records autograd after `arm()` is measured (`ATTENTION_STATS`, module docstring)."""
+
+    def __init__(self):
+        self.armed = False
+        self._pending: List[torch.Tensor] = []
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def take(self) -> List[torch.Tensor]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
+                scale: float) -> None:
+        """q [b, h, sq, d], k and v [b, h_kv, sk, d] as `int8_attention` took them, `out` what it returned."""
+        self.armed = False
+        heads = sample_heads(q.shape[1], q.device)
+        kv_heads = heads // (q.shape[1] // k.shape[1])
+        rows = sample_rows(q.shape[2], 1)
+        keys = rows.stop if causal else k.shape[2]  # the keys the sampled queries see
+        k_smooth = k[0].detach().float()
+        k_smooth = (k_smooth - k_smooth.mean(dim=1, keepdim=True))[kv_heads, :keys]  # [h, keys, d]
+        q_rows = q[0].detach()[heads, rows].float()  # [h, rows, d]
+        v_rows = v[0].detach()[kv_heads, :keys].float()
+        (q_int, q_scale), (k_int, k_scale) = quantize_rows(q_rows), quantize_rows(k_smooth)
+        with _exact_fp32_matmul():
+            exact = scale * q_rows @ k_smooth.transpose(-1, -2)  # [h, rows, keys]
+            approx = scale * (q_int * q_scale) @ (k_int * k_scale).transpose(-1, -2)
+            masked = torch.zeros(exact.shape[1:], dtype=torch.bool, device=q.device)
+            if causal:
+                masked = torch.arange(keys, device=q.device)[None, :] > torch.arange(rows.start, rows.stop,
+                                                                                      device=q.device)[:, None]
+            o_fp32 = torch.softmax(exact.masked_fill(masked, float("-inf")), dim=-1) @ v_rows
+        values = torch.stack([relative_error(approx.masked_fill(masked, 0.0), exact.masked_fill(masked, 0.0)),
+                              relative_error(out[0].detach()[heads, rows].float(), o_fp32)])
+        self._pending.append(values)
 
 
 def values_by_name(values: torch.Tensor) -> Dict[str, float]:

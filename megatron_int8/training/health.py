@@ -17,6 +17,12 @@ and an outlier weight row (as the aligned SwiGLU rows of the stress test) then s
 rows (benchmarks/stress_outliers.py at tiny size, 2026-11-27: fc1 moved row -> block kept failing). Every move is logged with its reason, shown in the precision table,
 written to checkpoints (`state_dict`) and restored on resume, also when the resumed run has auto fallback
 off; only `--int8-reset-fallback` drops the moves.
+
+INT8 attention (`--int8-attention`) is watched the same way, as one more unit of its layer named
+'layer<n>.self_attention.core_attention' (`int8_attentions`): its probe (ops.health.AttentionProbe) samples the
+output's error against fp32 attention, and an error over `max_attention_rel_err` on `patience` consecutive
+checks moves that layer's attention to BF16 SDPA (its mode: {"int8_attention": False}), logged, checkpointed and
+restored as a linear's moves are.
 """
 from __future__ import annotations
 
@@ -27,14 +33,17 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from ..ops.health import GEMMS, STAT_NAMES, LinearProbe
+from ..ops.health import ATTENTION_STATS, GEMMS, STAT_NAMES, AttentionProbe, LinearProbe
 from ..recipe import Int8Recipe
 
 if TYPE_CHECKING:
+    from ..megatron.attention import SDPAttention
     from ..megatron.layers import Int8LinearMixin
 
 FINER_GRANULARITY = {"tensor": "row"}  # the one step that is finer for every operand (see the docstring)
 MODE_FIELDS = ("granularity",) + GEMMS  # what a fallback changes in a linear's recipe
+ATTENTION = "attention"  # the unit an INT8 attention is watched as (a linear's are its GEMMs)
+ATTENTION_MODE_FIELDS = ("int8_attention",)  # what a fallback changes in an INT8 attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +63,33 @@ class FallbackThresholds:
         7), whose loss ended 0.22% from BF16's; its limit sits above that, and its rel_err limit guards it.
     patience: consecutive statistics checks over a threshold before the move (a single noisy step does
         not move a layer).
+    max_attention_rel_err: the largest sampled relative error of an INT8 attention's output (attention/rel_err)
+        against fp32 attention. INT8 attention's O sits near 27-30 dB SNR against float64 on activation-like
+        data (0.03-0.045 relative; tests/kernels/test_int8_attention.py, and seq 4096 on an H200, 2026-12-02):
+        0.1 (20 dB) is over twice that.
     """
 
     max_rel_err: Tuple[float, float, float] = (0.1, 0.1, 1.0)
     max_underflow: Tuple[float, float, float] = (0.7, 0.7, 0.9)
     patience: int = 3
+    max_attention_rel_err: float = 0.1
 
     def __post_init__(self):
         object.__setattr__(self, "max_rel_err", per_gemm_limits("max_rel_err", self.max_rel_err, math.inf))
         object.__setattr__(self, "max_underflow", per_gemm_limits("max_underflow", self.max_underflow, 1.0))
         if not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience must be a positive int, got {self.patience!r}")
+        if not (isinstance(self.max_attention_rel_err, (int, float)) and self.max_attention_rel_err > 0):
+            raise ValueError(f"max_attention_rel_err must be positive, got {self.max_attention_rel_err!r}")
 
     def crossed(self, gemm: str, values: Dict[str, float]) -> List[str]:
-        """The thresholds `gemm` crosses in one check (`values`: stat name -> value; absent or NaN: not
-        crossed), as reasons for the log."""
+        """The thresholds `gemm` (or ATTENTION) crosses in one check (`values`: stat name -> value; absent or NaN:
+        not crossed), as reasons for the log."""
         err, under = values.get(f"{gemm}/rel_err", math.nan), values.get(f"{gemm}/underflow", math.nan)
-        limit, under_limit = self.max_rel_err[GEMMS.index(gemm)], self.max_underflow[GEMMS.index(gemm)]
+        if gemm == ATTENTION:
+            limit, under_limit = self.max_attention_rel_err, math.inf
+        else:
+            limit, under_limit = self.max_rel_err[GEMMS.index(gemm)], self.max_underflow[GEMMS.index(gemm)]
         reasons = [f"rel_err {err:.3g} > {limit:g}"] if err > limit else []
         if under > under_limit:
             reasons.append(f"underflow {under:.3g} > {under_limit:g}")
@@ -93,10 +112,22 @@ def recipe_mode(recipe: Int8Recipe) -> dict:
     return {name: getattr(recipe, name) for name in MODE_FIELDS}
 
 
+def watched_units(mode: dict) -> Tuple[str, ...]:
+    """What a check of a unit in `mode` looks at: a linear's three GEMMs, or ATTENTION."""
+    return (ATTENTION,) if "int8_attention" in mode else GEMMS
+
+
+def _runs_int8(mode: dict, unit: str) -> bool:
+    return mode["int8_attention" if unit == ATTENTION else unit]
+
+
 def safer_mode(mode: dict, gemm: str) -> Optional[Tuple[dict, str]]:
-    """(the next safer mode for `gemm`, what changed), or None when that GEMM already runs in high precision."""
-    if not mode[gemm]:
+    """(the next safer mode for `gemm` (or ATTENTION), what changed), or None when it already runs in high
+    precision."""
+    if not _runs_int8(mode, gemm):
         return None
+    if gemm == ATTENTION:
+        return {**mode, "int8_attention": False}, "INT8 -> BF16 attention"
     finer = FINER_GRANULARITY.get(mode["granularity"])
     if finer is not None:
         return {**mode, "granularity": finer}, f"scales {mode['granularity']} -> {finer}"
@@ -119,15 +150,15 @@ class AutoFallback:
         return dict(self.moved[name]["mode"]) if name in self.moved else dict(built)
 
     def check(self, iteration: int, name: str, built: dict, values: Dict[str, float]) -> List[dict]:
-        """One statistics check of one linear (`values`: stat name -> value, NaN or absent: not measured);
-        returns the fallback events it causes (empty when auto fallback is off)."""
+        """One statistics check of one linear or INT8 attention (`values`: stat name -> value, NaN or absent: not
+        measured); returns the fallback events it causes (empty when auto fallback is off)."""
         if not self.enabled:
             return []
         events = []
         limits = self.thresholds
-        for gemm in GEMMS:
+        for gemm in watched_units(built):
             mode = self.mode_of(name, built)
-            if not mode[gemm]:
+            if not _runs_int8(mode, gemm):
                 continue  # already high precision: nothing to watch
             if all(math.isnan(values.get(f"{gemm}/{stat}", math.nan)) for stat in ("rel_err", "underflow")):
                 continue  # not measured this time: the streak neither grows nor breaks
@@ -142,7 +173,7 @@ class AutoFallback:
             entry = self.moved.setdefault(name, {"mode": mode, "events": []})
             entry["mode"] = new_mode
             entry["events"].append(event)
-            for g in GEMMS:  # the linear runs differently now: its measurements start over
+            for g in watched_units(built):  # the unit runs differently now: its measurements start over
                 self.streaks.pop(f"{name}/{g}", None)
             events.append(event)
             break  # this check measured the old mode: the linear's other GEMMs wait for the next one
@@ -159,7 +190,8 @@ class AutoFallback:
         self.moved = {name: {"mode": dict(e["mode"]), "events": list(e["events"])}
                       for name, e in state.get("moved", {}).items()}
         for name, entry in self.moved.items():
-            unknown = set(entry["mode"]) ^ set(MODE_FIELDS)
+            fields = ATTENTION_MODE_FIELDS if "int8_attention" in entry["mode"] else MODE_FIELDS
+            unknown = set(entry["mode"]) ^ set(fields)
             if unknown:
                 raise ValueError(f"int8 fallback state of {name}: unexpected mode fields {sorted(unknown)}")
 
@@ -170,12 +202,10 @@ class AutoFallback:
         return names
 
 
-def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
-    """Every INT8 linear of the transformer layers by a name that is the same under any pipeline split:
-    'layer<global layer number>.<path in the layer>', e.g. 'layer3.mlp.linear_fc2'."""
+def _layer_modules(model_chunks, accept) -> Dict[str, torch.nn.Module]:
+    """The modules `accept` takes inside the transformer layers, by a name that is the same under any pipeline
+    split: 'layer<global layer number>.<path in the layer>'."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from ..megatron.layers import Int8LinearMixin  # here: the decisions above import without megatron-core
 
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
@@ -183,7 +213,7 @@ def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
     for chunk in model_chunks:
         layers = {name: m.layer_number for name, m in chunk.named_modules() if isinstance(m, TransformerLayer)}
         for name, module in chunk.named_modules():
-            if not (isinstance(module, Int8LinearMixin) and module.int8):
+            if not accept(module):
                 continue
             owner = max((p for p in layers if name.startswith(p + ".")), key=len, default=None)
             if owner is None:
@@ -193,37 +223,72 @@ def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
     return found
 
 
-def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback) -> List[str]:
-    """Give every local linear that moved its fallback mode (and the note the precision table shows);
-    returns the names changed."""
+def int8_linears(model_chunks) -> Dict[str, "Int8LinearMixin"]:
+    """Every INT8 linear of the transformer layers, e.g. 'layer3.mlp.linear_fc2' (`_layer_modules`)."""
+    from ..megatron.layers import Int8LinearMixin  # here: the decisions above import without megatron-core
+
+    return _layer_modules(model_chunks, lambda m: isinstance(m, Int8LinearMixin) and m.int8)
+
+
+def int8_attentions(model_chunks) -> Dict[str, "SDPAttention"]:
+    """Every core attention built to run INT8 (--int8-attention), e.g. 'layer3.self_attention.core_attention'."""
+    from ..megatron.attention import SDPAttention
+
+    return _layer_modules(model_chunks, lambda m: isinstance(m, SDPAttention) and m.int8_attention_built)
+
+
+def attention_mode(module: "SDPAttention") -> dict:
+    """An INT8 attention's mode as built."""
+    return {"int8_attention": module.int8_attention_built}
+
+
+def _fallback_note(entry: Optional[dict]) -> Optional[str]:
+    return "; ".join(f"it {e['iteration']}: {e['gemm']} {e['change']}" for e in entry["events"]) if entry else None
+
+
+def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback,
+                   attentions: Optional[Dict[str, "SDPAttention"]] = None) -> List[str]:
+    """Give every local linear (and INT8 attention) that moved its fallback mode, and the note the precision table
+    shows; returns the names changed."""
     changed = []
     for name, module in linears.items():
         entry = fallback.moved.get(name)
         mode = entry["mode"] if entry else recipe_mode(module.int8_built_recipe)
         recipe = dataclasses.replace(module.int8_built_recipe, **mode)
-        module.int8_fallback_note = "; ".join(f"it {e['iteration']}: {e['gemm']} {e['change']}"
-                                              for e in entry["events"]) if entry else None
+        module.int8_fallback_note = _fallback_note(entry)
         if recipe != module.int8_recipe:
             module.int8_recipe = recipe
+            changed.append(name)
+    for name, module in (attentions or {}).items():
+        entry = fallback.moved.get(name)
+        int8 = (entry["mode"] if entry else attention_mode(module))["int8_attention"]
+        module.int8_fallback_note = _fallback_note(entry)
+        if int8 != module.int8_attention:
+            module.int8_attention = int8
             changed.append(name)
     return changed
 
 
 class HealthMonitor:
-    """Probes on every INT8 linear, armed every `interval` iterations; `collect` reads them (one sync)."""
+    """Probes on every INT8 linear (and INT8 attention), armed every `interval` iterations; `collect` reads them
+    (one sync)."""
 
-    def __init__(self, linears: Dict[str, "Int8LinearMixin"], interval: int, fallback: AutoFallback):
-        """`linears`: `int8_linears(model)`. Collective under pipeline parallelism (it gathers the stages'
-        recipes)."""
+    def __init__(self, linears: Dict[str, "Int8LinearMixin"], interval: int, fallback: AutoFallback,
+                 attentions: Optional[Dict[str, "SDPAttention"]] = None):
+        """`linears`: `int8_linears(model)`, `attentions`: `int8_attentions(model)`. Collective under pipeline
+        parallelism (it gathers the stages' recipes)."""
         if interval < 1:
             raise ValueError(f"--int8-stats-interval must be >= 1, got {interval}")
         self.interval = interval
         self.fallback = fallback
         self.linears = linears
-        self.built = built_modes(linears)
+        self.attentions = attentions or {}
+        self.built = built_modes(linears, self.attentions)
         self.probes = {}
         for name, module in self.linears.items():
             module.int8_probe = self.probes[name] = LinearProbe()
+        for name, module in self.attentions.items():
+            module.int8_probe = self.probes[name] = AttentionProbe()
         self.armed_iterations: List[int] = []
 
     def before_step(self, iteration: int) -> None:
@@ -244,19 +309,23 @@ class HealthMonitor:
         iterations, self.armed_iterations = self.armed_iterations, []
         if not iterations:
             return []
-        names = sorted(self.linears)
-        rows = []
+        names = sorted(self.probes)
+        stats = {name: ATTENTION_STATS if name in self.attentions else STAT_NAMES for name in names}
+        blocks = []
         for name in names:
             taken = self.probes[name].take()[-len(iterations):]
-            # a step whose training forward did not reach this linear leaves NaN (not measured)
-            missing = torch.full((len(STAT_NAMES),), float("nan"), device=taken[0].device if taken else _device())
-            rows += taken + [missing] * (len(iterations) - len(taken))
-        table = torch.stack(rows).reshape(len(names), len(iterations), len(STAT_NAMES)) if rows else None
-        table = _worst_over_replicas(table).cpu() if table is not None else None  # the one host sync
-        local = {name: table[i] for i, name in enumerate(names)} if table is not None else {}
+            # a step whose training forward did not reach this unit leaves NaN (not measured)
+            missing = torch.full((len(stats[name]),), float("nan"), device=taken[0].device if taken else _device())
+            blocks.append(torch.stack(taken + [missing] * (len(iterations) - len(taken))).reshape(-1))
+        flat = _worst_over_replicas(torch.cat(blocks)).cpu() if blocks else None  # the one host sync
+        local, start = {}, 0
+        for name in names:
+            size = len(iterations) * len(stats[name])
+            local[name] = (stats[name], flat[start:start + size].reshape(len(iterations), -1))
+            start += size
         gathered = _gather_over_pipeline(local)
-        return [(it, {name: {s: float(v) for s, v in zip(STAT_NAMES, values[k].tolist()) if v == v}
-                      for name, values in sorted(gathered.items())})
+        return [(it, {name: {s: float(v) for s, v in zip(names_, values[k].tolist()) if v == v}
+                      for name, (names_, values) in sorted(gathered.items())})
                 for k, it in enumerate(iterations)]
 
     def decide(self, checks) -> List[dict]:
@@ -271,17 +340,20 @@ class HealthMonitor:
                     moved.update(e["linear"] for e in new)
                     events += new
         if events:
-            apply_fallback(self.linears, self.fallback)
+            apply_fallback(self.linears, self.fallback, self.attentions)
         return events
 
     def close(self) -> None:
-        for module in self.linears.values():
+        for module in (*self.linears.values(), *self.attentions.values()):
             module.int8_probe = None
 
 
-def built_modes(linears: Dict[str, "Int8LinearMixin"]) -> Dict[str, dict]:
-    """Each local linear's mode as built (before any fallback), gathered over pipeline stages."""
+def built_modes(linears: Dict[str, "Int8LinearMixin"],
+                attentions: Optional[Dict[str, "SDPAttention"]] = None) -> Dict[str, dict]:
+    """Each local linear's (and INT8 attention's) mode as built (before any fallback), gathered over pipeline
+    stages."""
     local = {name: recipe_mode(m.int8_built_recipe) for name, m in linears.items()}
+    local.update({name: attention_mode(m) for name, m in (attentions or {}).items()})
     return _gather_over_pipeline(local)
 
 
@@ -331,7 +403,7 @@ def summarize(checks, top: int = 1) -> str:
         return ""
     iteration, by_linear = checks[-1]
     parts = []
-    for gemm in GEMMS:
+    for gemm in GEMMS + (ATTENTION,):  # an attention's key appears where --int8-attention runs
         for stat, fmt in (("rel_err", ".2e"), ("underflow", ".3f")):
             key = f"{gemm}/{stat}"
             ranked = sorted(((v[key], name) for name, v in by_linear.items() if key in v), reverse=True)[:top]
@@ -350,13 +422,16 @@ class RunHealth:
     run) and, with `--int8-stats-interval`, the monitor."""
 
     def __init__(self, args, model_chunks):
+        # a checkpoint's recorded arguments from before --int8-attention lack its threshold
+        attention_limit = getattr(args, "int8_fallback_max_attention_rel_err", FallbackThresholds.max_attention_rel_err)
         thresholds = FallbackThresholds(max_rel_err=tuple(args.int8_fallback_max_rel_err),
                                         max_underflow=args.int8_fallback_max_underflow,
-                                        patience=args.int8_fallback_patience)
+                                        patience=args.int8_fallback_patience, max_attention_rel_err=attention_limit)
         self.fallback = AutoFallback(thresholds, enabled=bool(args.int8_auto_fallback))
         self.linears = int8_linears(model_chunks)
+        self.attentions = int8_attentions(model_chunks)
         self.reset_on_load = bool(args.int8_reset_fallback)
-        self.monitor = (HealthMonitor(self.linears, args.int8_stats_interval, self.fallback)
+        self.monitor = (HealthMonitor(self.linears, args.int8_stats_interval, self.fallback, self.attentions)
                         if args.int8_stats_interval else None)
 
     def after_load(self, log) -> bool:
@@ -366,7 +441,7 @@ class RunHealth:
             log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} linear(s) back to their configured "
                                                             f"recipe: {', '.join(dropped)}" if dropped else
                                                             "no fallback moves to drop"))
-        changed = apply_fallback(self.linears, self.fallback)
+        changed = apply_fallback(self.linears, self.fallback, self.attentions)
         for name in sorted(self.fallback.moved) if self.linears else ():  # a BF16 run keeps them, unused
             log(f"int8 fallback restored from the checkpoint: {name} runs "
                 f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
@@ -397,5 +472,7 @@ class RunHealth:
 
 
 def describe_mode(mode: dict) -> str:
+    if "int8_attention" in mode:
+        return "INT8 attention" if mode["int8_attention"] else "BF16 attention (SDPA)"
     gemms = "/".join(g if mode[g] else f"{g}:hp" for g in GEMMS)
     return f"{mode['granularity']} scales, {gemms}"
