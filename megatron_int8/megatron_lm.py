@@ -3,7 +3,7 @@
     python -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py [Megatron-LM flags] --int8-linear [--int8-*]
     torchrun --nproc-per-node N -m megatron_int8.megatron_lm run MEGATRON_LM/pretrain_gpt.py ...
 
-`run` takes the `--int8-*` flags off the command line, keeps them for the layers, adds
+`run` takes the `--int8-*` flags (`--int8-attention` too) off the command line, keeps them for the layers, adds
 `--spec megatron_int8.megatron_lm int8_layer_spec` where `--int8-linear` is given, and runs the script as `__main__`
 (its folder first on sys.path, as `python pretrain_gpt.py` would). `int8_layer_spec` is a layer spec whose layer,
 `Int8TransformerLayer`, picks its own submodules when megatron builds it: dense or MoE, INT8 or BF16, from the
@@ -27,6 +27,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from .megatron.cli import add_int8_arguments, policy_from_args
+from .megatron.policy import Int8Policy
+from .training.flags import INT8_ATTENTION_NEEDS_INT8_LINEAR, add_int8_attention_argument, with_int8_attention
 
 # Flags of this project's trainer that Megatron-LM's pretrain_gpt.py does not have.
 TRAINER_ONLY_KEYS = frozenset({"log_jsonl"})
@@ -46,14 +48,14 @@ def add_int8_args(chained_provider: Optional[Callable] = None) -> Callable:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if chained_provider is not None:
             parser = chained_provider(parser)
-        return add_int8_arguments(parser)
+        return add_int8_attention_argument(add_int8_arguments(parser))
 
     return provider
 
 
 def _int8_parser() -> argparse.ArgumentParser:
-    return add_int8_arguments(argparse.ArgumentParser(prog="megatron_int8.megatron_lm run", allow_abbrev=False,
-                                                      add_help=False))
+    parser = argparse.ArgumentParser(prog="megatron_int8.megatron_lm run", allow_abbrev=False, add_help=False)
+    return add_int8_attention_argument(add_int8_arguments(parser))
 
 
 def _upstream_args():
@@ -76,12 +78,27 @@ def int8_args() -> argparse.Namespace:
     return _int8_parser().parse_args(["--int8-linear"])
 
 
-def _check_upstream_flags(args) -> None:
+def int8_policy(args) -> Int8Policy:
+    """The policy of the --int8-* flags in `args`, --int8-attention included; ValueError for values it refuses."""
+    if getattr(args, "int8_attention", False) and not args.int8_linear:
+        raise ValueError(INT8_ATTENTION_NEEDS_INT8_LINEAR)
+    return with_int8_attention(policy_from_args(args), args)
+
+
+def _check_upstream_flags(args, policy: Int8Policy) -> None:
+    """Upstream flags the INT8 spec does not serve, refused when the first layer is built. INT8 attention takes its
+    causal mask from the layer: upstream's data loader must not hand it a mask tensor (its default does)."""
     if args is None:
         return
     given = [flag for flag, name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
     if given:
         raise ValueError(f"megatron-int8's layer spec does not build the layers of {', '.join(given)}")
+    if policy.recipe.int8_attention and getattr(args, "reset_attention_mask", False):
+        raise ValueError("--int8-attention: --reset-attention-mask (document masks) is not supported: INT8 attention "
+                         "is causal over the whole sequence")
+    if policy.recipe.int8_attention and getattr(args, "create_attention_mask_in_dataloader", False):
+        raise ValueError("--int8-attention takes the causal mask from the layer, not a mask tensor: give upstream "
+                         "--no-create-attention-mask-in-dataloader")
 
 
 class Int8TransformerLayer(TransformerLayer):
@@ -94,12 +111,12 @@ class Int8TransformerLayer(TransformerLayer):
 
         from .megatron.spec import get_gpt_int8_layer_specs
 
-        _check_upstream_flags(_upstream_args())
+        policy = int8_policy(int8_args())
+        _check_upstream_flags(_upstream_args(), policy)
         vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
         pp_rank = (get_pg_rank(pg_collection.pp) if pg_collection is not None
                    else parallel_state.get_pipeline_model_parallel_rank())
         index = layer_number - 1 + get_transformer_layer_offset(config, vp_stage, pp_rank)
-        policy = policy_from_args(int8_args())
         spec = get_gpt_int8_layer_specs(config, policy, qk_l2_norm=config.qk_l2_norm)[index]
         super().__init__(config, spec.submodules, layer_number, *args, **kwargs)
 
@@ -112,8 +129,9 @@ def get_gpt_int8_spec_from_args(args, config, vp_stage: Optional[int] = None):
     (for a script that builds GPTModel itself; `run` needs none of this)."""
     from .megatron.spec import get_gpt_int8_block_spec
 
-    _check_upstream_flags(args)
-    return get_gpt_int8_block_spec(config, policy_from_args(args), vp_stage=vp_stage,
+    policy = int8_policy(args)
+    _check_upstream_flags(args, policy)
+    return get_gpt_int8_block_spec(config, policy, vp_stage=vp_stage,
                                    normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
 
 
@@ -126,7 +144,7 @@ def run(argv: List[str]) -> None:
     script = os.path.abspath(argv[0])
     flags, upstream_argv = _int8_parser().parse_known_args(argv[1:])
     try:
-        policy_from_args(flags)
+        int8_policy(flags)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     if flags.int8_linear:

@@ -11,8 +11,9 @@ import math
 import os
 from typing import List
 
+from ..megatron.policy import int8_attention_problems
 from .errors import ArgumentError
-from .flags import TOKENIZER_TYPES, build_parser
+from .flags import INT8_ATTENTION_NEEDS_INT8_LINEAR, TOKENIZER_TYPES, build_parser
 from .health import per_gemm_limits
 from .parsing import origin
 
@@ -117,6 +118,26 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
         raise ArgumentError(str(err)) from None
     if args.int8_fallback_patience < 1:
         raise ArgumentError(f"--int8-fallback-patience must be >= 1, got {args.int8_fallback_patience}")
+    if not args.int8_fallback_max_attention_rel_err > 0:
+        raise ArgumentError(f"--int8-fallback-max-attention-rel-err must be positive, got "
+                            f"{args.int8_fallback_max_attention_rel_err}")
+
+
+def _validate_int8_attention(args: argparse.Namespace) -> None:
+    """--int8-attention serves causal self-attention only: what it cannot serve fails here, in one line, never
+    by a silent fallback to BF16 attention."""
+    if not args.int8_attention:
+        return
+    if not args.int8_linear:
+        raise ArgumentError(INT8_ATTENTION_NEEDS_INT8_LINEAR)
+    dests = {"head_dim": "kv_channels", "attention_dropout": "attention_dropout"}  # the flags that set them
+    problems = [text + origin(args, dests[what])
+                for what, text in int8_attention_problems(args.kv_channels, args.attention_dropout)]
+    if args.reset_attention_mask:
+        problems.append("--reset-attention-mask: document masks are not supported (INT8 attention is causal over "
+                        "the whole sequence)")
+    if problems:
+        raise ArgumentError("--int8-attention: " + "; ".join(problems))
 
 
 def _validate_optimizer_precision(args: argparse.Namespace) -> None:
@@ -257,6 +278,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     elif args.fp8_peer_compile:
         raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
     _validate_int8_health(args)
+    _validate_int8_attention(args)
 
     # Batch.
     per_step = args.micro_batch_size * args.data_parallel_size
