@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_int8 import megatron_lm
 from megatron_int8.training.args import ArgumentError, parse_args
@@ -28,11 +29,12 @@ def test_add_int8_args_chains_the_previous_provider():
         return parser
 
     parser = megatron_lm.add_int8_args(modelopt_like)(argparse.ArgumentParser())
-    args = parser.parse_args(["--export-te-mcore-model", "--int8-linear", "--int8-granularity", "row"])
-    assert calls == ["modelopt"] and args.export_te_mcore_model and args.int8_linear
+    args = parser.parse_args(["--export-te-mcore-model", "--int8-linear", "--int8-granularity", "row",
+                              "--int8-attention"])
+    assert calls == ["modelopt"] and args.export_te_mcore_model and args.int8_linear and args.int8_attention
     assert args.int8_granularity == "row"
     alone = megatron_lm.add_int8_args(None)(argparse.ArgumentParser()).parse_args([])
-    assert alone.int8_linear is False
+    assert alone.int8_linear is False and alone.int8_attention is False
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,41 @@ def test_int8_layer_spec_picks_each_layers_submodules(megatron_world, monkeypatc
         {k: v.shape for k, v in stock.state_dict().items() if "_extra_state" not in k}
 
 
+def test_int8_attention_through_the_spec_hook(megatron_world, monkeypatch):
+    """--int8-attention reaches the layers that upstream's --spec builds: INT8 attention in the INT8 layers (layer 1
+    BF16 by flag keeps BF16 attention); upstream's mask tensor and document masks are refused when the first layer
+    is built, naming the flag, as is --int8-attention without --int8-linear."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mcore_helpers import tiny_config
+
+    flags = ["--int8-linear", "--int8-attention", "--int8-first-last-layers-bf16", "--int8-num-layers-at-end-in-bf16",
+             "0", "--int8-backend", "reference"]
+    monkeypatch.setattr(megatron_lm, "_run_args", megatron_lm._int8_parser().parse_args(flags))
+    config = tiny_config(num_layers=3, hidden_size=128, num_attention_heads=2, kv_channels=64)
+    model = GPTModel(config=config, transformer_layer_spec=megatron_lm.int8_layer_spec, vocab_size=64,
+                     max_sequence_length=32)
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    assert [layer.self_attention.core_attention.int8_attention for layer in layers] == [False, True, True]
+    loss = model(torch.randint(0, 64, (1, 32)), torch.arange(32)[None], None, labels=torch.zeros(1, 32).long())
+    assert torch.isfinite(loss).all()
+
+    upstream = _upstream_like_args(int8_attention=True, create_attention_mask_in_dataloader=True)
+    with pytest.raises(ValueError, match="^--int8-attention takes the causal mask .*--no-create-attention-mask"):
+        megatron_lm.get_gpt_int8_spec_from_args(upstream, config)
+    upstream.create_attention_mask_in_dataloader, upstream.reset_attention_mask = False, True
+    with pytest.raises(ValueError, match="^--int8-attention: --reset-attention-mask"):
+        megatron_lm.get_gpt_int8_spec_from_args(upstream, config)
+    upstream.reset_attention_mask = False
+    spec = megatron_lm.get_gpt_int8_spec_from_args(upstream, config)
+    assert [s.submodules.self_attention.submodules.core_attention.keywords["recipe"].int8_attention
+            for s in spec.layer_specs[1:]] == [True, True]
+    upstream.int8_linear = False
+    with pytest.raises(ValueError, match="^--int8-attention runs in the INT8 layers: it needs --int8-linear"):
+        megatron_lm.get_gpt_int8_spec_from_args(upstream, config)
+
+
 def test_run_takes_the_int8_flags_and_names_the_spec(tmp_path, monkeypatch):
     """`run` hands upstream's script its own flags plus --spec, keeps the --int8-* ones, and puts the script's
     folder first on sys.path; bad --int8-* values and a user's own --spec are refused before the script runs."""
@@ -144,15 +181,17 @@ def test_run_takes_the_int8_flags_and_names_the_spec(tmp_path, monkeypatch):
     monkeypatch.setattr(megatron_lm.runpy, "run_path",
                         lambda path, run_name: seen.update(real_run_path(path, run_name=run_name)))
     megatron_lm.run([str(script), "--num-layers", "2", "--int8-linear", "--int8-bf16-modules", "linear_proj",
-                     "--lr", "1e-4"])
+                     "--lr", "1e-4", "--int8-attention"])
     assert seen["SEEN"] == ([str(script), "--num-layers", "2", "--lr", "1e-4"] + megatron_lm.SPEC_FLAGS, 7)
-    assert megatron_lm._run_args.int8_bf16_modules == ["linear_proj"]
+    assert megatron_lm._run_args.int8_bf16_modules == ["linear_proj"] and megatron_lm._run_args.int8_attention
     megatron_lm.run([str(script), "--num-layers", "2"])  # no --int8-linear: upstream's own spec
     assert seen["SEEN"][0] == [str(script), "--num-layers", "2"]
     with pytest.raises(SystemExit, match="drop --spec"):
         megatron_lm.run([str(script), "--int8-linear", "--spec", "local"])
     with pytest.raises(SystemExit, match="int8-bf16-gemms"):
         megatron_lm.run([str(script), "--int8-linear", "--int8-bf16-gemms", "fprop,bogus"])
+    with pytest.raises(SystemExit, match="--int8-attention runs in the INT8 layers: it needs --int8-linear"):
+        megatron_lm.run([str(script), "--int8-attention"])
     with pytest.raises(SystemExit, match="not a file"):
         megatron_lm.run([str(tmp_path / "missing.py")])
 
@@ -176,12 +215,14 @@ from megatron.core import parallel_state
 parallel_state.initialize_model_parallel()
 model_parallel_seed(1)
 import gpt_builders
+from megatron_int8.megatron.attention import SDPAttention
 from megatron_int8.megatron.layers import Int8LinearMixin
 model = gpt_builders.gpt_builder(args, True, True)
 int8 = sum(isinstance(m, Int8LinearMixin) and m.int8 for m in model.modules())
+attention = sum(isinstance(m, SDPAttention) and m.int8_attention for m in model.modules())
 tokens = torch.randint(0, 200, (1, 32))
 loss = model(tokens, torch.arange(32)[None], None, labels=tokens)
-print("RESULT", args.spec, int8, bool(torch.isfinite(loss.float()).all()))
+print("RESULT", args.spec, int8, attention, bool(torch.isfinite(loss.float()).all()))
 '''
 
 # MEGATRON_LM_GIT: a Megatron-LM clone or bare repository with the core_v0.* tags
@@ -189,10 +230,12 @@ MEGATRON_LM_GIT = os.environ.get("MEGATRON_LM_GIT")
 
 
 @pytest.mark.skipif(not MEGATRON_LM_GIT, reason="set MEGATRON_LM_GIT to a Megatron-LM clone with its core_v0.* tags")
-def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path):
+@pytest.mark.parametrize("attention", [False, True], ids=["bf16-attention", "int8-attention"])
+def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path, attention):
     """scripts/fetch_megatron_lm.sh takes the tag that matches the installed megatron-core (core_v0.16.1 with
     0.16, core_v0.19.0 with 0.19); upstream's own parser, validation and gpt_builder then build a Qwen3-style
-    model whose layers 2 of 2 run INT8 (layer 1 BF16 by flag): 4 INT8 linears, a finite loss."""
+    model whose layers 2 of 2 run INT8 (layer 1 BF16 by flag): 4 INT8 linears, a finite loss; with
+    --int8-attention (and the settings it needs) layer 2's attention runs INT8 too."""
     dest = tmp_path / "mlm"
     fetched = subprocess.run(["bash", os.path.join(ROOT, "scripts", "fetch_megatron_lm.sh"), MEGATRON_LM_GIT,
                               str(dest)], capture_output=True, text=True, timeout=300,
@@ -202,16 +245,18 @@ def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--kv-channels", "16",
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--kv-channels", "64",
              "--seq-length", "32", "--max-position-embeddings", "64", "--tensor-model-parallel-size", "1",
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--global-batch-size", "1",
              "--micro-batch-size", "1", "--int8-linear", "--int8-first-last-layers-bf16",
              "--int8-num-layers-at-end-in-bf16", "0"]
+    if attention:
+        flags += ["--int8-attention", "--attention-dropout", "0", "--no-create-attention-mask-in-dataloader"]
     argv = megatron_lm.yaml_to_argv(os.path.join(ROOT, "configs", "qwen3_4b.yaml")) + megatron_lm.environment_argv()
     pythonpath = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=pythonpath, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=port)
     result = subprocess.run([sys.executable, "-m", "megatron_int8.megatron_lm", "run", str(dest / "probe.py")]
                             + argv + flags, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert "RESULT ['megatron_int8.megatron_lm', 'int8_layer_spec'] 4 True" in result.stdout, \
+    assert f"RESULT ['megatron_int8.megatron_lm', 'int8_layer_spec'] 4 {int(attention)} True" in result.stdout, \
         fetched.stdout + result.stdout[-3000:] + result.stderr[-3000:]
