@@ -14,6 +14,12 @@ as Transformer Engine's grouped experts would run them, rather than SequentialML
 
 Where the grouped op does not apply (FP8 experts, a tensorwise/block or partly high-precision INT8
 recipe, experts of both precisions, biases), it is SequentialMLP, and says why once at construction.
+
+With megatron's padded expert capacity (`moe_expert_capacity_factor` and `moe_pad_expert_input_to_capacity`)
+every expert receives the same number of rows, which the input's shape gives (`padded_expert_counts`): the
+layer then reads no count from the device and builds its layout from shapes alone, so a whole training step
+can be captured in a CUDA graph (`--cuda-graph-impl local`). Otherwise the counts are data, read once per
+call from `tokens_per_expert`.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ..ops.grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
 from .layers import Int8LinearMixin
-from ..reference import Segments, device_tensor
+from ..reference import SEGMENT_ALIGN, Segments, device_tensor, padded_length
 from ..ops.swiglu import weighted_swiglu
 
 
@@ -103,21 +109,89 @@ class Int8GroupedMLP(SequentialMLP):
                 raise ValueError("moe_apply_probs_on_input needs moe_router_topk = 1")
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)  # already applied
-        counts = [int(c) for c in tokens_per_expert.tolist()]
-        if len(counts) != self.num_local_experts or sum(counts) != hidden.shape[0]:
-            raise ValueError(f"Int8GroupedMLP: tokens_per_expert {counts} does not match "
-                             f"{self.num_local_experts} experts and {hidden.shape[0]} tokens")
-        segments = Segments.for_counts(counts)
-        rows = _aligned_rows(counts, segments, hidden.device)
-        x = hidden.new_zeros((segments.rows, hidden.shape[-1])).index_copy(0, rows, hidden)
-        p = probs.new_zeros(segments.rows).index_copy(0, rows, probs)
-        experts = _GroupedExperts(self.local_experts, segments)
+        layout = self._layout(hidden, tokens_per_expert)
+        x, p = layout.place(hidden), layout.place(probs)
+        experts = _GroupedExperts(self.local_experts, layout.segments)
         if self.fused_swiglu:
             h, _ = experts.linear_fc1(x)
             out, _ = experts.linear_fc2(weighted_swiglu(h, p))
         else:
             out, _ = MLP.forward(experts, x, per_token_scale=p)
-        return _SelectRows.apply(out, rows), None
+        return layout.take(out), None
+
+    def _layout(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor):
+        """Where each expert's rows go in the aligned layout: from the shape under padded capacity, else from
+        the counts (the one host read of a device value in this layer)."""
+        counts = padded_expert_counts(self.config, hidden.shape[0], self.num_local_experts)
+        if counts is not None:
+            if tuple(tokens_per_expert.shape) != (self.num_local_experts,):
+                raise ValueError(f"Int8GroupedMLP: tokens_per_expert of shape {tuple(tokens_per_expert.shape)} "
+                                 f"for {self.num_local_experts} local experts")
+            return _PaddedLayout(self.num_local_experts, counts[0])
+        counts = [int(c) for c in tokens_per_expert.tolist()]
+        if len(counts) != self.num_local_experts or sum(counts) != hidden.shape[0]:
+            raise ValueError(f"Int8GroupedMLP: tokens_per_expert {counts} does not match "
+                             f"{self.num_local_experts} experts and {hidden.shape[0]} tokens")
+        return _CountedLayout(counts, hidden.device)
+
+
+def padded_expert_counts(config, rows: int, num_local_experts: int) -> Optional[List[int]]:
+    """The row count of each local expert when megatron pads every expert's input to its capacity; None when it
+    does not (the counts are then data, known only to `tokens_per_expert`).
+
+    With `moe_expert_capacity_factor` F and `moe_pad_expert_input_to_capacity`, megatron's router keeps for each
+    expert exactly capacity = ceil(tokens * topk / experts * F) of a rank's tokens (the excess dropped, the
+    shortfall filled with tokens of probability 0; every token when the capacity exceeds them), and the
+    dispatcher (alltoall, allgather, flex) hands each local expert those rows from each of the TP x EP ranks.
+    So every local expert gets `rows / num_local_experts` rows, a function of the input's shape: reading the
+    counts would be a host sync where they live on the device (allgather), and the layout derived from the
+    shape is the same at every step, which a CUDA graph replays. (megatron's TransformerConfig refuses the
+    padding without a capacity factor.)"""
+    if not config.moe_pad_expert_input_to_capacity:
+        return None
+    if rows % num_local_experts:
+        raise ValueError(f"Int8GroupedMLP: {rows} rows padded to capacity do not split evenly over "
+                         f"{num_local_experts} local experts")
+    return [rows // num_local_experts] * num_local_experts
+
+
+class _PaddedLayout:
+    """`capacity` rows per expert, expert-major. The aligned layout is then a reshape: each expert's block padded
+    with zero rows to a multiple of SEGMENT_ALIGN (nothing to do when the capacity is one, as for Mixtral at
+    4096 tokens), with no index table, so nothing is copied from the host either."""
+
+    def __init__(self, num_experts: int, capacity: int):
+        self.segments = Segments.for_counts([capacity] * num_experts)
+        self.experts, self.capacity = num_experts, capacity
+        self.stride = padded_length(capacity, SEGMENT_ALIGN)
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """[experts * capacity, ...] -> [segments.rows, ...]"""
+        if self.stride == self.capacity:
+            return t
+        blocks = t.reshape(self.experts, self.capacity, *t.shape[1:])
+        pad = blocks.new_zeros((self.experts, self.stride - self.capacity, *t.shape[1:]))
+        return torch.cat([blocks, pad], dim=1).flatten(0, 1)
+
+    def take(self, out: torch.Tensor) -> torch.Tensor:
+        """[segments.rows, ...] -> [experts * capacity, ...]"""
+        if self.stride == self.capacity:
+            return out
+        return out.unflatten(0, (self.experts, self.stride))[:, :self.capacity].flatten(0, 1)
+
+
+class _CountedLayout:
+    """Expert e's `counts[e]` rows at its aligned offset, through a row table built on the host."""
+
+    def __init__(self, counts: List[int], device: torch.device):
+        self.segments = Segments.for_counts(counts)
+        self.rows = _aligned_rows(counts, self.segments, device)
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros((self.segments.rows, *t.shape[1:])).index_copy(0, self.rows, t)
+
+    def take(self, out: torch.Tensor) -> torch.Tensor:
+        return _SelectRows.apply(out, self.rows)
 
 
 class _SelectRows(torch.autograd.Function):

@@ -25,6 +25,7 @@ each expert's rows take a plain matmul.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -165,10 +166,18 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, segments: Segments, offsets: t
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _segment_ends(segments: Segments, device: torch.device) -> torch.Tensor:
+    """int32 [E]: the segments' ends, as torch._grouped_mm takes them; copied to the device once per layout,
+    like `Segments.strip_experts`. Under padded expert capacity the layout is the same at every step: no
+    host-to-device copy per call, and a step captured in a CUDA graph reads a table that stays."""
+    return device_tensor(list(segments.offsets[1:]), torch.int32, device)
+
+
 class _GroupedHpLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, segments: Segments, fuse_wgrad: bool, *weights):
-        offsets = device_tensor(list(segments.offsets[1:]), torch.int32, x.device)  # segment ends, as _grouped_mm takes
+        offsets = _segment_ends(segments, x.device)
         out = _grouped_mm(x, stacked_weights(weights).transpose(1, 2), segments, offsets)
         ctx.segments, ctx.fuse_wgrad, ctx.offsets = segments, fuse_wgrad, offsets
         ctx.save_for_backward(x, *weights)
