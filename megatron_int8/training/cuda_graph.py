@@ -17,6 +17,11 @@ stream (the step waits for it before its end, so the capture joins it).
 
 What a replay cannot do, `args._validate_cuda_graph` rejects up front. The INT8 weight cache is invalidated
 right before a capture, so the captured step quantizes its weights itself (see `_capture`).
+
+MoE layers can be captured when every expert's input is padded to its capacity (megatron's
+`moe_expert_capacity_factor` with `moe_pad_expert_input_to_capacity`, alltoall dispatcher): the router drops and
+pads on the device, the dispatcher sizes everything from shapes, and the grouped experts take their row counts
+from shapes too (`megatron.experts.padded_expert_counts`), so nothing in the step reads a device value on the host.
 """
 from __future__ import annotations
 
