@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_int8.recipe import Int8Recipe
-from mcore_helpers import assert_layers_bit_identical, outlier_tensor, single_process_megatron, tiny_config
+from mcore_helpers import assert_layers_bit_identical, init_megatron, outlier_tensor, run_distributed, \
+    single_process_megatron, tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
 E, H, FFN, TOPK = 4, 32, 48, 2
@@ -281,6 +282,36 @@ def test_padded_moe_layer_grouped_equals_sequential_experts():
         _outlier_parameters(sequential, gen)
         grouped.load_state_dict(sequential.state_dict())
         assert_layers_bit_identical(sequential, grouped, x0, g0)
+
+
+def _padded_expert_parallel_worker(rank, world_size, init_file):
+    from megatron.core.transformer.moe.moe_utils import get_capacity
+
+    init_megatron(world_size, rank, init_file, ep=world_size)
+    gen = torch.Generator().manual_seed(38)  # the same weights on both ranks, each rank its own tokens
+    sequential = _moe_layer(_config(True, grouped=False, expert_model_parallel_size=world_size))
+    grouped = _moe_layer(_config(True, expert_model_parallel_size=world_size))
+    _outlier_parameters(sequential, gen)
+    grouped.load_state_dict(sequential.state_dict())
+    seen = []
+    grouped.experts.register_forward_pre_hook(
+        lambda m, args: seen.append((args[0].shape[0], [int(c) for c in args[1].tolist()])))
+    gen.manual_seed(39 + rank)
+    x0, g0 = outlier_tensor(24, 2, H, generator=gen), outlier_tensor(24, 2, H, generator=gen)
+    assert_layers_bit_identical(sequential, grouped, x0, g0)
+    local = E // world_size
+    capacity = get_capacity(num_tokens=48 * TOPK, num_experts=E, capacity_factor=1.25)
+    assert seen[0] == (local * capacity * world_size, [capacity * world_size] * local)
+    x = x0.clone().requires_grad_(True)
+    with no_host_reads(x, g0, *grouped.parameters()):
+        out, _ = grouped(x)
+        out.backward(g0)
+
+
+def test_padded_moe_layer_under_expert_parallelism():
+    """EP 2 (alltoall between the ranks): each local expert receives capacity rows from each rank, which the
+    shape gives; grouped = SequentialMLP bit for bit; no host read of a device value, exchanges included."""
+    run_distributed(_padded_expert_parallel_worker, 2)
 
 
 # ------------------------------------------------------------------------------------------ no host reads
