@@ -172,12 +172,13 @@ class SDPAttention(MegatronModule):
                 "--int8-attention: a mask tensor reached the core attention; INT8 attention takes the causal mask "
                 "from the layer's mask type (document masks, --reset-attention-mask, are not supported; upstream "
                 "Megatron-LM needs --no-create-attention-mask-in-dataloader)")
-        if mask_type not in (AttnMaskType.causal, AttnMaskType.causal_bottom_right) or not (sq == sk or sq == 1):
+        # one decoding query sees every cached key, whatever the mask type (megatron's static inference says no_mask)
+        causal = sq > 1
+        if causal and not (mask_type in (AttnMaskType.causal, AttnMaskType.causal_bottom_right) and sq == sk):
             raise NotImplementedError(f"--int8-attention: {mask_type.name} attention of {sq} queries over {sk} keys "
                                       "is not supported (causal self-attention, or one query over a KV cache)")
         # [s, b, n, d] -> [b, n, s, d] (views; the op takes strided inputs and GQA as they are)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        causal = sq > 1  # one decoding query sees every cached key
         backend = resolve_backend_name(q.device, self.int8_recipe, triton_available())
         context = int8_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=backend)
         probe = self.int8_probe

@@ -1,8 +1,9 @@
 """INT8 attention in the megatron layers (`--int8-attention`, Int8Recipe.int8_attention) on CPU, the PyTorch path:
 SDPAttention runs `int8_attention` on its [b, h, s, d] views within the op's float64 bounds, GQA and head dims 64
 and 128, a KV-cached decoding step too; the spec puts it in the INT8 layers only, with unchanged state dicts; what
-it cannot serve is refused naming the flag; the health probe measures what it says, and the auto fallback moves a
-layer's attention to BF16 SDPA, through a checkpoint's fallback state. The bounds and data are the op's tests'
+it cannot serve is refused naming the flag; KV-cached generation picks the tokens full recomputation picks; the
+health probe measures what it says, and the auto fallback moves a layer's attention to BF16 SDPA, through a
+checkpoint's fallback state. The bounds and data are the op's tests'
 (tests/kernels/test_int8_attention.py)."""
 import math
 
@@ -165,6 +166,23 @@ def probe_against_float64(heads, groups, seq, head_dim, seed, device="cpu", reci
     s_int8 = scale * (q_int * q_s).double() @ (k_int * k_s).double().transpose(-1, -2)
     qk_err = ((s_int8 - s).masked_fill(mask, 0).norm() / s.masked_fill(mask, 0).norm()).item()
     return values.double().cpu(), torch.tensor([qk_err, out_err], dtype=torch.float64)
+
+
+def test_kv_cached_generation_matches_full_recomputation():
+    """training.inference.generate through megatron's static KV cache (the prompt's pass causal, then one query per
+    step, which megatron calls with no mask) picks the same greedy tokens as recomputing the whole sequence."""
+    from megatron_int8.training.inference import generate
+
+    model = _gpt(Int8Policy(recipe=INT8_ATTENTION), num_layers=2).eval()
+    assert all(a.int8_attention for a in _core_attentions(model))
+    prompt = [5, 7, 9, 11, 13]
+    cached = generate(model, prompt, 8)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            logits = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], None)
+            tokens.append(int(logits[0, -1].argmax()))
+    assert cached == tokens[len(prompt):]
 
 
 def test_probe_measures_the_output_and_score_errors():
