@@ -337,18 +337,19 @@ def test_padded_experts_read_no_device_value(int8):
             counted(x, tokens_per_expert, p)
 
 
-@pytest.mark.parametrize("dispatcher,padded,sync_free", [
-    ("alltoall", True, True),
-    ("allgather", True, False),  # its counts are a device tensor: .cpu(), then masked_select (0.16) or .item() (0.19)
-    ("alltoall", False, False),  # dropless: the splits and counts are data
-], ids=["alltoall-padded", "allgather-padded", "alltoall-dropless"])
-def test_moe_layer_reads_no_device_value(dispatcher, padded, sync_free):
-    """The whole MoE layer (router with its load-balancing loss, dispatcher, grouped INT8 experts), forward and
+@pytest.mark.parametrize("dispatcher,padded,grouped,sync_free", [
+    ("alltoall", True, True, True),
+    ("alltoall", True, False, True),  # SequentialMLP: it reads tokens_per_expert, built on the host here
+    ("allgather", True, True, False),  # its counts are a device tensor: .cpu(), then masked_select (0.16) / .item()
+    ("alltoall", False, True, False),  # dropless: the splits and counts are data
+], ids=["alltoall-padded", "alltoall-padded-sequential", "allgather-padded", "alltoall-dropless"])
+def test_moe_layer_reads_no_device_value(dispatcher, padded, grouped, sync_free):
+    """The whole MoE layer (router with its load-balancing loss, dispatcher, INT8 experts), forward and
     backward, input, parameters and output gradient as device values: only the alltoall dispatcher with padded
     capacity reads none; the others read one (the rule --cuda-graph-impl local enforces)."""
     gen = torch.Generator().manual_seed(36)
     with single_process_megatron():
-        layer = _moe_layer(_config(padded, dispatcher=dispatcher))
+        layer = _moe_layer(_config(padded, dispatcher=dispatcher, grouped=grouped))
         _outlier_parameters(layer, gen)
         x = outlier_tensor(24, 2, H, generator=gen).requires_grad_(True)
         grad = outlier_tensor(24, 2, H, generator=gen)
