@@ -14,8 +14,9 @@ TorchDispatchMode, so autograd's backward ops are seen too), and a host read of 
 that read a value to the host (`aten._local_scalar_dense`, behind item/bool/int/float) or size their output
 from data (nonzero, masked_select, unique, bincount, repeat_interleave without output_size), and the methods
 that copy one out without an ATen op on a CPU tensor (tolist, numpy). A tensor built on the host and only read
-there is not marked (megatron's drop-and-pad counts are such a tensor). tests/megatron/test_moe_graph_gpu.py
-makes the same claim on a GPU, under torch.cuda.set_sync_debug_mode("error") and in a captured CUDA graph.
+there is not marked (megatron's drop-and-pad counts are such a tensor), and neither is one that autograd saved
+and hands back after its Python object died: this check can miss a read, not invent one. The complete check is
+tests/megatron/test_moe_graph_gpu.py, on a GPU under torch.cuda.set_sync_debug_mode("error") and in a CUDA graph.
 """
 from __future__ import annotations
 
