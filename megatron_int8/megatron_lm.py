@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 
 from .megatron.cli import add_int8_arguments, policy_from_args
 from .megatron.policy import Int8Policy
-from .training.flags import INT8_ATTENTION_NEEDS_INT8_LINEAR, add_int8_attention_argument, with_int8_attention
+from .training.flags import INT8_ATTENTION_NEEDS_INT8_LINEAR
 
 # Flags of this project's trainer that Megatron-LM's pretrain_gpt.py does not have.
 TRAINER_ONLY_KEYS = frozenset({"log_jsonl"})
@@ -48,14 +48,14 @@ def add_int8_args(chained_provider: Optional[Callable] = None) -> Callable:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if chained_provider is not None:
             parser = chained_provider(parser)
-        return add_int8_attention_argument(add_int8_arguments(parser))
+        return add_int8_arguments(parser)
 
     return provider
 
 
 def _int8_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron_int8.megatron_lm run", allow_abbrev=False, add_help=False)
-    return add_int8_attention_argument(add_int8_arguments(parser))
+    return add_int8_arguments(argparse.ArgumentParser(prog="megatron_int8.megatron_lm run", allow_abbrev=False,
+                                                      add_help=False))
 
 
 def _upstream_args():
@@ -82,7 +82,7 @@ def int8_policy(args) -> Int8Policy:
     """The policy of the --int8-* flags in `args`, --int8-attention included; ValueError for values it refuses."""
     if getattr(args, "int8_attention", False) and not args.int8_linear:
         raise ValueError(INT8_ATTENTION_NEEDS_INT8_LINEAR)
-    return with_int8_attention(policy_from_args(args), args)
+    return policy_from_args(args)
 
 
 def _check_upstream_flags(args, policy: Int8Policy) -> None:

@@ -7,10 +7,9 @@ so that a switch a YAML file sets can be undone on the command line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from ..megatron.cli import add_int8_arguments
-from ..megatron.policy import FP8_RECIPES, Int8Policy
+from ..megatron.policy import FP8_RECIPES
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 STATE_DTYPE_CHOICES = ("fp32", "fp16", "bf16", "fp8", "int8")  # Megatron-LM's choices, and int8
@@ -294,26 +293,6 @@ def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
 INT8_ATTENTION_NEEDS_INT8_LINEAR = "--int8-attention runs in the INT8 layers: it needs --int8-linear"
 
 
-def add_int8_attention_argument(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--int8-attention, for this trainer and the upstream Megatron-LM route (megatron_lm.py); returns the parser."""
-    group = parser.add_argument_group(title="INT8 attention (megatron-int8; docs/training.md, 'INT8 attention')")
-    group.add_argument("--int8-attention", action="store_true",
-                       help="With --int8-linear: the INT8 layers' core attention runs INT8 Q K^T, P V and "
-                            "gradients (megatron_int8.ops.int8_attention) instead of BF16 flash attention. "
-                            "Causal self-attention only: needs --attention-dropout 0, head dim 64 or 128, no "
-                            "--reset-attention-mask. Opt-in: 0.3x the speed of cuDNN BF16 attention on an H200.")
-    return parser
-
-
-def with_int8_attention(policy: Int8Policy, args) -> Int8Policy:
-    """`policy` with --int8-attention (args.int8_attention; absent from arguments recorded before it existed) in its
-    recipe. The BF16 baseline (no --int8-linear, e.g. an INT8 checkpoint evaluated in BF16) stays BF16 throughout;
-    the trainer's start-up checks and megatron_lm refuse --int8-attention without --int8-linear."""
-    if not (getattr(args, "int8_attention", False) and policy.enabled):
-        return policy
-    return dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, int8_attention=True))
-
-
 def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("FP8 peer (benchmarks: torchao float8 on the same model)")
     g.add_argument("--fp8-peer", choices=FP8_RECIPES, default=None,
@@ -352,7 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_arguments(parser, common)
     _add_logging_checkpoint_arguments(parser, common)
     add_int8_arguments(parser)
-    add_int8_attention_argument(parser)
     _move_to_group(parser, "--int8-linear", common)
     _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)

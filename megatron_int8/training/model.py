@@ -12,7 +12,6 @@ import torch
 
 from ..megatron.compat import apply_cpu_compat, model_parallel_seed
 from .args import transformer_config_from_args
-from .flags import with_int8_attention
 
 
 def _free_port() -> int:
@@ -171,8 +170,7 @@ def _settle_expert_swiglu(model: torch.nn.Module, fused: bool, log) -> None:
 
 
 def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List[torch.nn.Module]:
-    """[DDP(Float16Module?(GPTModel))] for this pipeline stage, on the current device. `policy`: the --int8-*
-    flags' (megatron.cli.policy_from_args); --int8-attention enters its recipe here (flags.with_int8_attention)."""
+    """[DDP(Float16Module?(GPTModel))] for this pipeline stage, on the current device."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -181,7 +179,6 @@ def build_model(args, config, policy, padded_vocab_size: int, log=print) -> List
 
     from ..megatron.spec import get_gpt_int8_block_spec
 
-    policy = with_int8_attention(policy, args)
     if policy.fp8_peer is not None:
         from ..peers import fp8  # noqa: F401  (registers the FP8 peer's linears with the spec)
     spec = get_gpt_int8_block_spec(config, policy)

@@ -113,12 +113,9 @@ def test_the_flag_reaches_the_recipe_and_the_model():
     """--int8-attention (head dim 64, no dropout) passes validation and puts int8_attention in the recipe the
     trainer's model is built with; the policy without --int8-linear stays the BF16 baseline."""
     from megatron_int8.megatron.cli import policy_from_args
-    from megatron_int8.training.flags import with_int8_attention
 
-    args = _validated("--int8-linear", "--int8-attention")
-    assert with_int8_attention(policy_from_args(args), args).recipe.int8_attention
-    without = _validated("--int8-linear")
-    assert not with_int8_attention(policy_from_args(without), without).recipe.int8_attention
+    assert policy_from_args(_validated("--int8-linear", "--int8-attention")).recipe.int8_attention
+    assert not policy_from_args(_validated("--int8-linear")).recipe.int8_attention
     plain = _validated()
     plain.int8_attention = True  # e.g. an INT8 checkpoint's recorded arguments, evaluated in BF16
-    assert not with_int8_attention(policy_from_args(plain), plain).enabled
+    assert not policy_from_args(plain).enabled
