@@ -107,6 +107,10 @@ def convert_to_int8_training(model: nn.Module, recipe: Optional[Int8Recipe] = No
     `module_filter_fn(module, fqn)`: True converts that linear; None uses `keep_high_precision(model)`.
     Call it before wrapping the model in DDP / FSDP2 and before torch.compile."""
     recipe = _checked(recipe)
+    if recipe.int8_attention:
+        raise ValueError("convert_to_int8_training converts linears only: recipe.int8_attention=True would be ignored; "
+                         "call megatron_int8.ops.int8_attention.int8_attention from the model's attention, or use "
+                         "the megatron-core specs (--int8-attention)")
     accept = module_filter_fn if module_filter_fn is not None else keep_high_precision(model)
     if isinstance(model, nn.Linear):
         raise TypeError("convert_to_int8_training converts a model's linears; for one nn.Linear use "

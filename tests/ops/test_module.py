@@ -54,6 +54,16 @@ def test_conversion_keeps_the_parameter_objects():
     assert model.model.layers[0].mlp.up_proj.recipe.granularity == "tensor"
 
 
+def test_conversion_refuses_int8_attention_it_cannot_apply():
+    """The recipe's int8_attention concerns the megatron specs' attention; converting linears must not take it
+    silently."""
+    model = tiny_llama()
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match="int8_attention=True would be ignored"):
+        convert_to_int8_training(model, Int8Recipe(int8_attention=True))
+    assert {n: type(m) for n, m in model.named_modules()} == before  # nothing converted
+
+
 def test_default_filter_rules_and_a_custom_filter():
     class Net(nn.Module):
         def __init__(self):
