@@ -309,6 +309,7 @@ def _padded_expert_parallel_worker(rank, world_size, init_file):
         out.backward(g0)
 
 
+@pytest.mark.slow  # multi-process
 def test_padded_moe_layer_under_expert_parallelism():
     """EP 2 (alltoall between the ranks): each local expert receives capacity rows from each rank, which the
     shape gives; grouped = SequentialMLP bit for bit; no host read of a device value, exchanges included."""

@@ -56,6 +56,7 @@ def _worker(rank, world, port, result_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # multi-process
 @pytest.mark.timeout(120)
 def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
     world = 2
@@ -93,6 +94,7 @@ def _nonfinite_worker(rank, world, port, result_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # multi-process
 @pytest.mark.timeout(120)
 def test_int8_all_gather_immediate_check_raises_on_every_rank(tmp_path):
     """A NaN or Inf in one rank's shard: with check_finite="immediate" every rank raises (none is left waiting in

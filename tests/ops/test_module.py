@@ -153,6 +153,7 @@ def _worker(rank, world, port, mode, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # multi-process
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_data_parallel_on_two_gloo_ranks(mode):
     """Each rank's gradients equal the mean of the two shards' gradients computed in one process."""

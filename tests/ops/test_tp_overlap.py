@@ -82,6 +82,7 @@ def _assert_same(got, want, exact, what, names=NAMES):
             assert (a - b).abs().max().item() <= tol, f"{what}: {name} differs by more than fp32 rounding"
 
 
+@pytest.mark.slow  # multi-process
 @pytest.mark.timeout(180)
 def test_pipelined_tp_communication_matches_unpipelined(tmp_path):
     run_distributed(_worker, WORLD, str(tmp_path / "r"))
