@@ -242,6 +242,21 @@ def tiny_config(**overrides):
     return TransformerConfig(**kw)
 
 
+def adam_losses(model, tokens, steps: int = 6, lr: float = 1e-2) -> list:
+    """Losses of `steps` Adam steps of a GPTModel on one batch of token rows (inputs tokens[:, :-1], labels
+    tokens[:, 1:]), the tiny models' training check."""
+    positions = torch.arange(tokens.shape[1] - 1, device=tokens.device).expand(tokens.shape[0], -1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def outlier_tensor(*shape, generator=None, outliers=4, scale=20.0, dtype=torch.float32):
     """Gaussian data with a few large entries (the INT8 failure mode that tensorwise scales must survive)."""
     x = torch.randn(*shape, generator=generator, dtype=dtype)

@@ -245,11 +245,10 @@ def _pick_q(q: QTensor, index: Optional[torch.Tensor]) -> QTensor:
     return QTensor(q.data.index_select(0, index), scale, q.granularity, q.block_size)
 
 
-class LinearProbe:
-    """One INT8 linear's health probe. `arm()` before a statistics step; the next forward that records
-    autograd (a training forward, not evaluation or the no-grad first pass of activation recompute) is
-    measured, and its backward too. `take()` returns the measured value tensors (one [len(STAT_NAMES)] fp32
-    tensor per armed step, NaN where not measured) and forgets them."""
+class _Probe:
+    """`arm()` before a statistics step; the next forward that records autograd (a training forward, not
+    evaluation or the no-grad first pass of activation recompute) is measured. `take()` returns the measured
+    value tensors (one per armed step, NaN where not measured) and forgets them."""
 
     def __init__(self):
         self.armed = False
@@ -261,6 +260,11 @@ class LinearProbe:
     def take(self) -> List[torch.Tensor]:
         pending, self._pending = self._pending, []
         return pending
+
+
+class LinearProbe(_Probe):
+    """One INT8 linear's health probe (`_Probe`): its forward and its backward are measured, one
+    [len(STAT_NAMES)] fp32 tensor per armed step."""
 
     def observe_forward(self, input: torch.Tensor, weight: torch.Tensor, recipe: Int8Recipe,
                         smooth: bool = False) -> ForwardRecord:
@@ -306,20 +310,9 @@ def sample_heads(heads: int, device) -> torch.Tensor:
     return torch.arange(0, heads, max(1, heads // SAMPLE_HEADS), device=device)[:SAMPLE_HEADS]
 
 
-class AttentionProbe:
-    """One INT8 attention's health probe (megatron.attention.SDPAttention), armed and read as a `LinearProbe`:
-    the next forward that records autograd after `arm()` is measured (`ATTENTION_STATS`, module docstring)."""
-
-    def __init__(self):
-        self.armed = False
-        self._pending: List[torch.Tensor] = []
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def take(self) -> List[torch.Tensor]:
-        pending, self._pending = self._pending, []
-        return pending
+class AttentionProbe(_Probe):
+    """One INT8 attention's health probe (megatron.attention.SDPAttention, `_Probe`): its forward is measured
+    (`ATTENTION_STATS`, module docstring)."""
 
     def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
                 scale: float) -> None:

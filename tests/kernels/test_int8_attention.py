@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
+from attention_cases import (assert_kernels_match, assert_within_bounds, attention64, attention_inputs, grads64,
+                             int8_attention_bounds, run_path, snr_db)
 from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 
-from megatron_int8.ops.int8_attention import (Int8AttentionConfig, attention_reference, int8_attention,
-                                              quantize_blocks, quantize_rows)
+from megatron_int8.ops.int8_attention import Int8AttentionConfig, attention_reference, int8_attention
 
 on_host = pytest.mark.skipif(INTERPRETING, reason="runs in the parent pytest process")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -29,149 +30,6 @@ if not INTERPRETING and HAS_TRITON:
     def test_int8_attention_kernels_under_triton_interpreter():
         """Run this file's kernel tests in a fresh interpreter with TRITON_INTERPRET=1 set before triton loads."""
         run_file_interpreted(__file__, timeout=600)
-
-
-def attention_inputs(B, H, Hk, S, D, seed, dtype=torch.bfloat16, device="cpu"):
-    """Fresh q, k, v, dO as activations look: a few channels of q and k 3x larger, k with a shared bias (what
-    the smoothing removes), and 0.2% outliers of 8x in q, k, v."""
-    g = torch.Generator().manual_seed(seed)
-
-    def act(*shape, channels=False, bias=None):
-        x = torch.randn(*shape, generator=g, dtype=torch.float64)
-        x = torch.where(torch.rand(*shape, generator=g, dtype=torch.float64) < 0.002, 8 * x, x)
-        if channels:
-            x = x * torch.where(torch.rand(shape[-1], generator=g, dtype=torch.float64) < 0.05, 3.0, 1.0)
-        if bias is not None:
-            x = x + bias
-        return x.to(dtype)
-
-    q = act(B, H, S, D, channels=True)
-    k = act(B, Hk, S, D, channels=True, bias=2 * torch.randn(1, Hk, 1, D, generator=g, dtype=torch.float64))
-    v = act(B, Hk, S, D)
-    do = torch.randn(B, H, S, D, generator=g, dtype=torch.float64).to(dtype)
-    return [t.to(device) for t in (q, k, v, do)]
-
-
-def _causal(Sq, Sk, device="cpu"):
-    return torch.ones(Sq, Sk, dtype=torch.bool, device=device).triu(1)
-
-
-def attention64(q, k, v, causal, scale):
-    """Plain attention in the inputs' dtype (float64 here), GQA by repeating k and v."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = scale * q @ k.transpose(-1, -2)
-    if causal:
-        s = s.masked_fill(_causal(q.shape[2], k.shape[2], q.device), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
-
-
-def grads64(q, k, v, do, causal, scale):
-    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    o = attention64(*leaves, causal, scale)
-    o.backward(do.double())
-    return [o.detach()] + [t.grad for t in leaves]
-
-
-def run_path(q, k, v, do, causal, config, backend, scale=None):
-    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    o = int8_attention(*leaves, causal=causal, scale=scale, config=config, backend=backend)
-    o.backward(do)
-    return [o.detach()] + [t.grad for t in leaves]
-
-
-def snr_db(x, ref):
-    ref = ref.double()
-    return 10 * math.log10(ref.pow(2).sum().item() / max((x.double() - ref).pow(2).sum().item(), 1e-300))
-
-
-# ------------------------------------------------------------------------------------------ error bounds
-def _expand(x, group):
-    return x.repeat_interleave(group, dim=1)
-
-
-def _sum_group(x, group):
-    B, H = x.shape[:2]
-    return x.view(B, H // group, group, *x.shape[2:]).sum(dim=2)
-
-
-def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
-    """Elementwise float64 bounds on |path - exact| of (O, dQ, dK, dV), from the quantization steps.
-
-    Per-token scales s_q, s_k of Q and smoothed K bound the score error E = scale (s_q/2 sum|k^| + sum|q| s_k/2);
-    softmax turns it into |P' - P| <= P (exp(E + max_row E) - 1) =: EP. Each INT8 product A B adds
-    |dA| |B^| + |A| |dB| + step_A |B^|, with step = (row max of the quantized tile) / 254 <= (row max) / 254.
-    The backward sees the forward's O (delta = rowsum(dO O')), so dS' - dS <= EP |dP - delta| + P' |delta' - delta|.
-    fp32 sums and the 16-bit outputs add |x| 2^-22 and |result| 2^-8. A worst case (absolute values summed where
-    the errors mostly cancel): the actual errors sit 30-500x below it; the SNR floor and the kernels' comparison
-    with the PyTorch path are the tight checks."""
-    group = q.shape[1] // k.shape[1]
-    Sq, Sk = q.shape[2], k.shape[2]
-    q64, v64, do64 = q.double(), v.double(), do.double()
-    k_s = k.float() - k.mean(dim=2, keepdim=True, dtype=torch.float32)
-    ks64 = k_s.double()
-    mask = ~_causal(Sq, Sk, q.device) if causal else torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
-    fp32 = 2.0 ** -22
-    out16 = 2.0 ** -8 if o_int8.dtype != torch.float32 else fp32
-
-    q_int, s_q = quantize_rows(q.float())
-    k_int, s_k = quantize_rows(k_s)
-    k_hat = (k_int * s_k).double()
-    err_s = scale * ((s_q.double() / 2) * _expand(k_hat.abs().sum(-1), group)[..., None, :]
-                     + q64.abs().sum(-1, keepdim=True) * _expand(s_k.double() / 2, group).transpose(-1, -2))
-    err_s = err_s + scale * fp32 * (q64.abs() @ _expand(ks64.abs(), group).transpose(-1, -2))
-    err_s = err_s.masked_fill(~mask, 0.0)
-    s = scale * q64 @ _expand(ks64, group).transpose(-1, -2)
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    e_p = p * torch.expm1(err_s + err_s.amax(dim=-1, keepdim=True))
-    p_up = p + e_p
-    maskf = mask.double()
-
-    def block_steps(x):
-        _, scale_ = quantize_blocks(x.float(), cfg.block)
-        return scale_.double().repeat_interleave(cfg.block, dim=2)[:, :, :x.shape[2]] / 2
-
-    v_half = _expand(block_steps(v), group)
-    v_up = _expand(v64.abs(), group) + v_half
-    o = p @ _expand(v64, group)
-    e_o = e_p @ v_up + p @ v_half + p_up.amax(-1, keepdim=True) / 254 * (maskf @ v_up)
-    e_o = e_o + fp32 * (p_up @ v_up) + o_int8.double().abs() * out16
-
-    e_delta = (do64.abs() * e_o).sum(-1, keepdim=True)
-    dp = do64 @ _expand(v64, group).transpose(-1, -2)
-    delta = (do64 * o).sum(-1, keepdim=True)
-    e_dp = fp32 * (do64.abs() @ _expand(v64.abs(), group).transpose(-1, -2))
-    ds = p * (dp - delta)
-    e_ds = e_p * (dp - delta).abs() + p_up * (e_dp + e_delta)
-    ds_up = ds.abs() + e_ds
-
-    do_half = block_steps(do)
-    do_up = do64.abs() + do_half
-    pt = p_up.transpose(-1, -2)
-    e_dv = (e_p.transpose(-1, -2) @ do_up + p.transpose(-1, -2) @ do_half
-            + pt.amax(-1, keepdim=True) / 254 * (maskf.t() @ do_up) + fp32 * (pt @ do_up))
-    e_dv = _sum_group(e_dv, group)
-
-    q_half = block_steps(q)
-    q_up = q64.abs() + q_half
-    dst = ds_up.transpose(-1, -2)
-    e_dk = scale * (e_ds.transpose(-1, -2) @ q_up + ds.abs().transpose(-1, -2) @ q_half
-                    + dst.amax(-1, keepdim=True) / 254 * (maskf.t() @ q_up) + fp32 * (dst @ q_up))
-    e_dk = _sum_group(e_dk, group)
-
-    k_half = _expand(block_steps(k_s), group)
-    k_up = _expand(ks64.abs(), group) + k_half
-    e_dq = scale * (e_ds @ k_up + ds.abs() @ k_half + ds_up.amax(-1, keepdim=True) / 254 * (maskf @ k_up)
-                    + fp32 * (ds_up @ k_up))
-    return e_o, e_dq, e_dk, e_dv
-
-
-def assert_within_bounds(got, exact, bounds, dtypes, what):
-    for name, x, ref, bound, dtype in zip(("O", "dQ", "dK", "dV"), got, exact, bounds, dtypes):
-        if dtype != torch.float32:
-            bound = bound + x.double().abs() * 2.0 ** -8  # the gradient's rounding to its 16-bit dtype
-        ratio = ((x.double() - ref).abs() / bound).max().item()
-        assert ratio <= 1.0, f"{what}: {name} exceeds its quantization bound by {ratio:.3f}x"
 
 
 # ------------------------------------------------------------------------------------------ PyTorch path
@@ -252,51 +110,6 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
 
 
 # ------------------------------------------------------------------------------------------ Triton kernels
-def flip_units(q, k, v, do, causal, scale):
-    """What one rounding flip (a quantized P, P^T, dS^T or dS moved by one step, 1/127 of its row's maximum) can
-    change in one element of O, dQ, dK, dV: the step times the other operand's largest value (float64 maxima,
-    5% margin for the INT8 values' own error)."""
-    group = q.shape[1] // k.shape[1]
-    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    s = scale * leaves[0] @ leaves[1].repeat_interleave(group, 1).transpose(-1, -2)
-    if causal:
-        s = s.masked_fill(_causal(q.shape[2], k.shape[2], q.device), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    dp = do.double() @ v.double().repeat_interleave(group, 1).transpose(-1, -2)
-    ds_max = (p * (dp - (dp * p).sum(-1, keepdim=True))).abs().max().item() * 1.05
-    k_s = k.double() - k.double().mean(dim=2, keepdim=True)
-    amax = [t.double().abs().max().item() * 1.05 for t in (v, k_s, q, do)]
-    return [amax[0] / 127, scale * ds_max / 127 * amax[1], scale * ds_max / 127 * amax[2], amax[3] / 127]
-
-
-def assert_kernels_match(q, k, v, do, causal, cfg, what):
-    """Kernels against the PyTorch path. They quantize the same values with the same scales, but fp32 rounding
-    (exp2 against exp, the order of sums and scale products) can flip the rounding of a quantized P or dS by one
-    step, more often the longer the rows. So: every element within fp32 rounding (1e-5 of the largest value; one
-    unit in the last place for 16-bit outputs) plus two flips, and the difference as a whole at most a fifth of
-    the path's own quantization error against float64 (a wrong scale or tile would be as large as that error)."""
-    want = run_path(q, k, v, do, causal, cfg, "reference")
-    if q.dtype == torch.float32 or q.is_cuda:  # through the autograd Function
-        got = run_path(q, k, v, do, causal, cfg, "triton")
-    else:  # the interpreter rounds fp32 to bf16 toward zero (CUDA to nearest): backward gets the path's O
-        from megatron_int8.kernels.int8_attention import triton_attention_backward, triton_attention_forward
-
-        scale = 1 / math.sqrt(q.shape[-1])
-        o, saved = triton_attention_forward(q, k, v, causal, scale, cfg)
-        got = [o, *triton_attention_backward(do, want[0], v, saved, causal, scale, cfg, q.shape, q.dtype, k.shape,
-                                             k.dtype)]
-    exact = grads64(q, k, v, do, causal, 1 / math.sqrt(q.shape[-1]))
-    units = flip_units(q, k, v, do, causal, 1 / math.sqrt(q.shape[-1]))
-    for name, a, b, ref, unit in zip(("O", "dQ", "dK", "dV"), got, want, exact, units):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {name}"
-        ulp = b.float().abs() * (2.0 ** -7 if b.dtype != torch.float32 else 0.0)
-        beyond = (a.float() - b.float()).abs() - (1e-5 * b.float().abs().max() + ulp)
-        assert beyond.max().item() <= 2 * unit, f"{what}: {name} differs by {beyond.max().item():.3g} > 2 flips"
-        if a.dtype == torch.float32 or a.is_cuda:  # (the interpreter's truncation to bf16 is biased)
-            ratio = (a.double() - b.double()).norm().item() / (b.double() - ref).norm().item()
-            assert ratio <= 0.2, f"{what}: {name} differs from the path by {ratio:.2f}x the path's own error"
-
-
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_kernels_match_reference_fp32_gqa(causal):

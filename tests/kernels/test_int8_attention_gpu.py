@@ -4,14 +4,14 @@ against float64 beside BF16 SDPA's (printed with -s).
 
     python3 -m pytest -q -s -m gpu tests/kernels/test_int8_attention_gpu.py
 
-Skipped without CUDA (tests/conftest.py). The helpers (data, float64 attention, bounds) are the CPU tests'.
+Skipped without CUDA (tests/conftest.py). The helpers (data, float64 attention, bounds) are tests/attention_cases.py.
 """
 import math
 
 import pytest
 import torch
-from test_int8_attention import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
-                                 int8_attention_bounds, run_path, snr_db)
+from attention_cases import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
+                             int8_attention_bounds, run_path, snr_db)
 
 from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
 

@@ -4,12 +4,12 @@ and 128, a KV-cached decoding step too; the spec puts it in the INT8 layers only
 it cannot serve is refused naming the flag; KV-cached generation picks the tokens full recomputation picks; the
 health probe measures what it says, and the auto fallback moves a layer's attention to BF16 SDPA, through a
 checkpoint's fallback state. The bounds and data are the op's tests'
-(tests/kernels/test_int8_attention.py)."""
+(tests/attention_cases.py)."""
 import math
 
 import pytest
 import torch
-from kernels.test_int8_attention import assert_within_bounds, attention_inputs, grads64, int8_attention_bounds
+from attention_cases import assert_within_bounds, attention_inputs, grads64, int8_attention_bounds
 from mcore_helpers import single_process_megatron, tiny_config
 
 from megatron_int8.megatron.policy import Int8Policy
@@ -46,16 +46,22 @@ def test_layer_runs_the_op_within_its_float64_bounds(heads, groups, seq, head_di
     """O and the gradients of q, k, v through SDPAttention equal int8_attention's on the same data (so the layer runs
     the INT8 op, not SDPA) and sit within the op's elementwise bounds of float64 attention."""
     q, k, v, do = attention_inputs(2, heads, groups, seq, head_dim, seed)
-    layer = _attention(heads, groups, head_dim)
+    assert_layer_runs_the_op(_attention(heads, groups, head_dim), q, k, v, do, "reference")
+
+
+def assert_layer_runs_the_op(layer, q, k, v, do, backend):
+    """The layer's O and q, k, v gradients (on megatron's [s, b, h, d] views of [b, h, s, d] q, k, v) equal
+    `int8_attention`'s with `backend` bit for bit, and sit within the op's elementwise bounds of float64."""
+    b, heads, seq, head_dim = q.shape
     leaves = _layer_layout(q, k, v)
     out = layer(*leaves, None)
-    assert out.shape == (seq, 2, heads * head_dim) and out.dtype == torch.bfloat16
+    assert out.shape == (seq, b, heads * head_dim) and out.dtype == torch.bfloat16
     out.backward(do.permute(2, 0, 1, 3).reshape(out.shape))
-    got = [out.detach().view(seq, 2, heads, head_dim).permute(1, 2, 0, 3)]
+    got = [out.detach().view(seq, b, heads, head_dim).permute(1, 2, 0, 3)]
     got += [t.grad.permute(1, 2, 0, 3) for t in leaves]
 
     op_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    op_out = int8_attention(*op_leaves, causal=True, backend="reference")
+    op_out = int8_attention(*op_leaves, causal=True, backend=backend)
     op_out.backward(do)
     for x, y in zip(got, [op_out.detach()] + [t.grad for t in op_leaves]):
         assert torch.equal(x, y)
@@ -63,7 +69,7 @@ def test_layer_runs_the_op_within_its_float64_bounds(heads, groups, seq, head_di
     scale = 1 / math.sqrt(head_dim)
     bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, DEFAULT_CONFIG)
     assert_within_bounds(got, grads64(q, k, v, do, True, scale), bounds, [torch.bfloat16] * 4,
-                         f"layer h={heads}/{groups} d={head_dim}")
+                         f"layer h={heads}/{k.shape[1]} s={seq} d={head_dim}")
 
 
 def test_decoding_step_attends_every_cached_key():

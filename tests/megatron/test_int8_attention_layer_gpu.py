@@ -5,15 +5,15 @@ values against float64; a tiny bf16 GPT with INT8 attention training.
 
     python3 -m pytest -q -m gpu tests/megatron/test_int8_attention_layer_gpu.py
 
-The data, bounds and float64 references are the CPU tests' (tests/kernels/test_int8_attention.py,
-tests/megatron/test_int8_attention_layer.py)."""
+The data, bounds and float64 references are tests/attention_cases.py's; the layer helpers
+tests/megatron/test_int8_attention_layer.py's."""
 import math
 
 import pytest
 import torch
-from kernels.test_int8_attention import assert_within_bounds, attention_inputs, grads64, int8_attention_bounds
-from mcore_helpers import single_process_megatron, tiny_config
-from test_int8_attention_layer import _attention, _layer_layout, probe_against_float64
+from attention_cases import attention_inputs, grads64, int8_attention_bounds
+from mcore_helpers import adam_losses, single_process_megatron, tiny_config
+from test_int8_attention_layer import _attention, assert_layer_runs_the_op, probe_against_float64
 
 from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
@@ -35,21 +35,7 @@ def test_layer_runs_the_kernels_within_the_ops_bounds(heads, groups, seq, head_d
     """The layer's O and gradients are the kernels' own on the same data (bit for bit: the launches take the
     layer's strided views as they are) and within the op's float64 bounds."""
     q, k, v, do = attention_inputs(1, heads, groups, seq, head_dim, seed=seq, device="cuda")
-    layer = _attention(heads, groups, head_dim, recipe=ON_KERNELS)
-    leaves = _layer_layout(q, k, v)
-    out = layer(*leaves, None)
-    out.backward(do.permute(2, 0, 1, 3).reshape(out.shape))
-    got = [out.detach().view(seq, 1, heads, head_dim).permute(1, 2, 0, 3)]
-    got += [t.grad.permute(1, 2, 0, 3) for t in leaves]
-    op_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    op_out = int8_attention(*op_leaves, causal=True, backend="triton")
-    op_out.backward(do)
-    for x, y in zip(got, [op_out.detach()] + [t.grad for t in op_leaves]):
-        assert torch.equal(x, y)
-    scale = 1 / math.sqrt(head_dim)
-    bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, DEFAULT_CONFIG)
-    assert_within_bounds(got, grads64(q, k, v, do, True, scale), bounds, [torch.bfloat16] * 4,
-                         f"layer h={heads}/{groups} s={seq} d={head_dim}")
+    assert_layer_runs_the_op(_attention(heads, groups, head_dim, recipe=ON_KERNELS), q, k, v, do, "triton")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -91,19 +77,7 @@ def test_tiny_gpt_with_int8_attention_trains_on_gpu():
     """Six Adam steps on one batch of 4 x 256 tokens: the INT8-attention model's first loss within 0.5% of the same
     model's with BF16 attention (same weights: only the attention differs), and its loss falls by more than 0.1."""
     tokens = torch.randint(0, 128, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    positions = torch.arange(256, device="cuda").expand(4, -1)
-    runs = []
-    for recipe in (Int8Recipe(), ON_KERNELS):
-        model = _tiny_gpt(recipe)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(6):
-            loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        runs.append(losses)
+    runs = [adam_losses(_tiny_gpt(recipe), tokens) for recipe in (Int8Recipe(), ON_KERNELS)]
     bf16, int8 = runs
     assert all(math.isfinite(x) for x in int8) and abs(int8[0] - bf16[0]) <= 5e-3 * bf16[0], runs
     assert int8[-1] < int8[0] - 0.1, runs

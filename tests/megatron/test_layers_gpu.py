@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
-from mcore_helpers import assert_fp8_linear_within_bounds, assert_layers_bit_identical, fp8_linear_checks, \
-    nearest_recipe, outlier_tensor, qgemm_bound, query_norm_layer_pair, single_process_megatron, tiny_config
+from mcore_helpers import adam_losses, assert_fp8_linear_within_bounds, assert_layers_bit_identical, \
+    fp8_linear_checks, nearest_recipe, outlier_tensor, qgemm_bound, query_norm_layer_pair, single_process_megatron, \
+    tiny_config
 from repo_paths import BENCHMARKS, ROOT
 
 pytestmark = pytest.mark.gpu
@@ -91,16 +92,7 @@ def _tiny_gpt(policy):
 
 def _assert_trains(model):
     """Six Adam steps on one random batch must lower the loss by more than 0.1."""
-    tokens = torch.randint(0, 128, (4, 65), device="cuda")
-    positions = torch.arange(64, device="cuda").expand(4, -1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(6):
-        loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = adam_losses(model, torch.randint(0, 128, (4, 65), device="cuda"))
     assert losses[-1] < losses[0] - 0.1, losses
 
 
