@@ -77,6 +77,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-grouped-gemm", action="store_true", help="Run each rank's experts as grouped GEMMs.")
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
                    help="How tokens reach their experts' ranks.")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Tokens each expert takes per step, as a multiple of an even share (tokens x topk / "
+                        "experts); the token-expert pairs beyond it are dropped (default: none dropped).")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="Pad every expert's input to its capacity (needs --moe-expert-capacity-factor): fixed "
+                        "shapes, which --cuda-graph-impl local needs for MoE layers.")
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

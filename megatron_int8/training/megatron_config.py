@@ -73,6 +73,9 @@ def transformer_config_from_args(args, **overrides):
             moe_aux_loss_coeff=args.moe_aux_loss_coeff,
             moe_grouped_gemm=args.moe_grouped_gemm,
             moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            # a checkpoint's recorded arguments (inference, export) may predate these two flags: dropless then
+            moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+            moe_pad_expert_input_to_capacity=getattr(args, "moe_pad_expert_input_to_capacity", False),
         )
     kwargs.update(overrides)
     if args.swiglu and args.num_experts is None and getattr(args, "fused_swiglu", True):
