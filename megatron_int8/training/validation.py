@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import List
+from typing import List, Optional
 
 from ..megatron.policy import int8_attention_problems
 from .errors import ArgumentError
@@ -26,6 +26,50 @@ def _require(args, names: List[str]) -> None:
         raise ArgumentError(f"missing required argument(s): {', '.join(missing)}")
 
 
+def _validate_moe_capacity(args: argparse.Namespace) -> None:
+    """megatron's expert capacity (--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity), refused here
+    where megatron's TransformerConfig would fail later or quietly read a negative factor as none."""
+    factor, pad = args.moe_expert_capacity_factor, args.moe_pad_expert_input_to_capacity
+    if args.num_experts is None:
+        given = [flag for flag, on in (("--moe-expert-capacity-factor", factor is not None),
+                                       ("--moe-pad-expert-input-to-capacity", pad)) if on]
+        if given:
+            raise ArgumentError(f"{' and '.join(given)}: {'they apply' if len(given) > 1 else 'it applies'} to MoE "
+                                "layers only: give --num-experts N")
+        return
+    if factor is not None and not (math.isfinite(factor) and factor > 0):
+        raise ArgumentError(f"--moe-expert-capacity-factor {factor}{origin(args, 'moe_expert_capacity_factor')}: "
+                            "must be a positive number (tokens per expert as a multiple of an even share)")
+    if pad and factor is None:
+        raise ArgumentError("--moe-pad-expert-input-to-capacity pads every expert's input to its capacity: it needs "
+                            "--moe-expert-capacity-factor F")
+    if factor is not None and args.moe_router_load_balancing_type == "sinkhorn":
+        raise ArgumentError(f"--moe-expert-capacity-factor needs --moe-router-load-balancing-type aux_loss, "
+                            f"seq_aux_loss or none, not sinkhorn"
+                            f"{origin(args, 'moe_router_load_balancing_type')} (megatron drops tokens by the "
+                            "auxiliary-loss routers' probabilities)")
+
+
+def _moe_graph_problem(args) -> Optional[str]:
+    """Why a captured step cannot hold this run's MoE layers, or None.
+
+    Dropless routing sends each expert a different number of tokens every step, and the dispatcher and the experts
+    size their buffers from those counts, which the host reads: a replay would reuse the capture's sizes. With every
+    expert's input padded to a fixed capacity the sizes are the same at every step, and the alltoall dispatcher and
+    the experts take them from shapes (`megatron.experts.padded_expert_counts`); megatron's allgather dispatcher
+    still copies its counts to the host (`.cpu()` in its dispatch, megatron-core 0.16.1 and 0.19.2)."""
+    if args.num_experts is None:
+        return None
+    if args.moe_expert_capacity_factor is None or not args.moe_pad_expert_input_to_capacity:
+        return ("MoE layers (--num-experts) route a different number of tokens to each expert every step; give "
+                "every expert a fixed capacity with --moe-expert-capacity-factor F "
+                "--moe-pad-expert-input-to-capacity (tokens beyond F x an even share are dropped, the rest padded)")
+    if args.moe_token_dispatcher_type != "alltoall":
+        return (f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} copies its token counts to the host "
+                "every step; use alltoall")
+    return None
+
+
 def _validate_cuda_graph(args: argparse.Namespace) -> None:
     """--cuda-graph-impl local replays one captured step: nothing in it may depend on the host at run time."""
     if args.cuda_graph_impl == "none":
@@ -36,8 +80,6 @@ def _validate_cuda_graph(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--cuda-graph-warmup-steps must be >= 1 (autotuning and compilation run eagerly), "
                             f"got {args.cuda_graph_warmup_steps}")
     reasons = {
-        "MoE layers (--num-experts) route a different number of tokens to each expert every step":
-            args.num_experts is not None,
         "--int8-grad-rounding stochastic draws its seeds on the host at every call":
             getattr(args, "int8_grad_rounding", "nearest") == "stochastic",
         "--int8-check-finite immediate synchronizes with the host inside the step":
@@ -45,9 +87,10 @@ def _validate_cuda_graph(args: argparse.Namespace) -> None:
         "--fp8-peer is not supported": getattr(args, "fp8_peer", None) is not None,
         "it needs a CUDA GPU": not torch.cuda.is_available(),
     }
-    for reason, applies in reasons.items():
-        if applies:
-            raise ArgumentError(f"--cuda-graph-impl local: {reason}")
+    problems = [_moe_graph_problem(args)] + [reason for reason, applies in reasons.items() if applies]
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise ArgumentError(f"--cuda-graph-impl local: {problem}")
 
 
 def _settle_skip_train(args: argparse.Namespace) -> None:
@@ -188,6 +231,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.manual_gc_interval and not args.manual_gc:
         raise ArgumentError("--manual-gc-interval needs --manual-gc")
+    _validate_moe_capacity(args)
     _validate_cuda_graph(args)
     if args.data_seed is None:
         args.data_seed = args.seed
