@@ -57,11 +57,13 @@ class GraphedForwardBackward:
         self.eager_next = True
 
     def recapture(self) -> None:
-        """Drop the training graph: the next calls warm up eagerly again, then capture (after the layers'
-        recipes changed, e.g. an INT8 fallback, whose new kernels must compile and tune outside a capture)."""
-        self.graphs.pop(False, None)
-        self.results.pop(False, None)
-        self.calls[False] = 0
+        """Drop both graphs, training's and evaluation's: the next calls of each warm up eagerly again, then
+        capture (after the layers' recipes changed, e.g. an INT8 fallback, whose new kernels must compile and
+        tune outside a capture; an evaluation graph kept would go on replaying the old recipes)."""
+        for forward_only in (False, True):
+            self.graphs.pop(forward_only, None)
+            self.results.pop(forward_only, None)
+            self.calls[forward_only] = 0
 
     def __call__(self, **kwargs):
         forward_only = kwargs["forward_only"]
