@@ -159,8 +159,9 @@ class Int8Recipe:
         window, head dims 64 and 128, GQA; the layer refuses anything else when it is built. Layers the policy
         keeps in BF16 keep BF16 attention. Off by default: its kernels ran at 0.3x the speed of cuDNN's BF16
         attention on an H200 (2026-12-02, `python3 benchmarks/bench_attention.py`; O at 27.7 dB SNR against
-        float64, seq 4096). Only the megatron specs read it: `convert_to_int8_training` converts linears and
-        refuses it; other models call `int8_attention` in their attention themselves.
+        float64 on outlier-heavy inputs at seq 4096, `tests/kernels/test_int8_attention_gpu.py`). Only the
+        megatron specs read it: `convert_to_int8_training` converts linears and refuses it; other models call
+        `int8_attention` in their attention themselves.
     shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
         at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
         the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are
