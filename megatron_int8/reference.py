@@ -12,7 +12,6 @@ Conventions, shared with the Triton kernels:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -93,6 +92,10 @@ class Segments:
     """
 
     offsets: Tuple[int, ...]
+    # the device tables below, one per (name, device), owned by this layout: a CUDA graph that captured a step
+    # records their addresses, so they live exactly as long as the layout (kept by its user, e.g. the padded
+    # MoE layout on its layer), never evicted from a shared cache while a graph may replay them
+    _tables: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
         offs = tuple(int(o) for o in self.offsets)
@@ -123,12 +126,21 @@ class Segments:
     def bounds(self, e: int) -> Tuple[int, int]:
         return self.offsets[e], self.offsets[e + 1]
 
-    @functools.lru_cache(maxsize=4)
+    def _table(self, name: str, device: torch.device, values) -> torch.Tensor:
+        key = (name, torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = device_tensor(values(), torch.int32, device)
+        return self._tables[key]
+
     def strip_experts(self, device: torch.device) -> torch.Tensor:
-        """int32 [rows // SEGMENT_ALIGN]: the expert owning each aligned strip of rows (on `device`)."""
-        owner = [e for e in range(self.num_segments) for _ in range((self.offsets[e + 1] - self.offsets[e])
-                                                                  // SEGMENT_ALIGN)]
-        return device_tensor(owner, torch.int32, device)
+        """int32 [rows // SEGMENT_ALIGN]: the expert owning each aligned strip of rows (on `device`), copied there
+        once per layout."""
+        return self._table("strips", device, lambda: [
+            e for e in range(self.num_segments) for _ in range((self.offsets[e + 1] - self.offsets[e]) // SEGMENT_ALIGN)])
+
+    def ends(self, device: torch.device) -> torch.Tensor:
+        """int32 [E]: the segments' ends (as torch._grouped_mm takes them) on `device`, copied there once per layout."""
+        return self._table("ends", device, lambda: list(self.offsets[1:]))
 
 
 def check_segments(x: torch.Tensor, granularity: str, segments: Segments, columnwise_amax,

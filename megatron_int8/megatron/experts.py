@@ -16,7 +16,7 @@ Where the grouped op does not apply (FP8 experts, a tensorwise/block or partly h
 recipe, experts of both precisions, biases), it is SequentialMLP, and says why once at construction.
 
 With megatron's padded expert capacity (`moe_expert_capacity_factor` and `moe_pad_expert_input_to_capacity`)
-every expert receives the same number of rows, which the input's shape gives (`padded_expert_counts`): the
+every expert receives the same number of rows, which the input's shape gives (`padded_expert_capacity`): the
 layer then reads no count from the device and builds its layout from shapes alone, so a whole training step
 can be captured in a CUDA graph (`--cuda-graph-impl local`). Otherwise the counts are data, read once per
 call from `tokens_per_expert`.
@@ -24,7 +24,7 @@ call from `tokens_per_expert`.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,7 @@ class Int8GroupedMLP(SequentialMLP):
     def __init__(self, num_local_experts, config, submodules, pg_collection=None, **newer_options):
         """`newer_options`: what later megatron-core versions pass SequentialMLP (0.17: `name`), handed on."""
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **newer_options)
+        self._padded_layouts: Dict[int, "_PaddedLayout"] = {}  # by capacity; few: one per micro-batch shape
         self.grouped_problem = self._grouped_problem()
         if self.grouped_problem is not None:
             warnings.warn(f"megatron-int8: experts run one by one (SequentialMLP): {self.grouped_problem}")
@@ -122,12 +123,14 @@ class Int8GroupedMLP(SequentialMLP):
     def _layout(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor):
         """Where each expert's rows go in the aligned layout: from the shape under padded capacity, else from
         the counts (the one host read of a device value in this layer)."""
-        counts = padded_expert_counts(self.config, hidden.shape[0], self.num_local_experts)
-        if counts is not None:
+        capacity = padded_expert_capacity(self.config, hidden.shape[0], self.num_local_experts)
+        if capacity is not None:
             if tuple(tokens_per_expert.shape) != (self.num_local_experts,):
                 raise ValueError(f"Int8GroupedMLP: tokens_per_expert of shape {tuple(tokens_per_expert.shape)} "
                                  f"for {self.num_local_experts} local experts")
-            return _PaddedLayout(self.num_local_experts, counts[0])
+            if capacity not in self._padded_layouts:  # kept: a captured step reads its device tables
+                self._padded_layouts[capacity] = _PaddedLayout(self.num_local_experts, capacity)
+            return self._padded_layouts[capacity]
         counts = [int(c) for c in tokens_per_expert.tolist()]
         if len(counts) != self.num_local_experts or sum(counts) != hidden.shape[0]:
             raise ValueError(f"Int8GroupedMLP: tokens_per_expert {counts} does not match "
@@ -135,8 +138,8 @@ class Int8GroupedMLP(SequentialMLP):
         return _CountedLayout(counts, hidden.device)
 
 
-def padded_expert_counts(config, rows: int, num_local_experts: int) -> Optional[List[int]]:
-    """The row count of each local expert when megatron pads every expert's input to its capacity; None when it
+def padded_expert_capacity(config, rows: int, num_local_experts: int) -> Optional[int]:
+    """The row count of every local expert when megatron pads every expert's input to its capacity; None when it
     does not (the counts are then data, known only to `tokens_per_expert`).
 
     With `moe_expert_capacity_factor` F and `moe_pad_expert_input_to_capacity`, megatron's router keeps for each
@@ -152,7 +155,7 @@ def padded_expert_counts(config, rows: int, num_local_experts: int) -> Optional[
     if rows % num_local_experts:
         raise ValueError(f"Int8GroupedMLP: {rows} rows padded to capacity do not split evenly over "
                          f"{num_local_experts} local experts")
-    return [rows // num_local_experts] * num_local_experts
+    return rows // num_local_experts
 
 
 class _PaddedLayout:

@@ -25,7 +25,6 @@ each expert's rows take a plain matmul.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -33,7 +32,7 @@ import torch
 from .backend import get_backend, quantize_kwargs
 from .main_grad import hp_wgrad_into, main_grad_placeholder
 from .weight_cache import weight_cache_key, weight_version_key
-from ..reference import QTensor, Segments, device_tensor, segment_operand
+from ..reference import QTensor, Segments, segment_operand
 from ..recipe import Int8Recipe
 
 _STACK_ATTR = "_megatron_int8_stacked"
@@ -166,18 +165,10 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, segments: Segments, offsets: t
     return out
 
 
-@functools.lru_cache(maxsize=8)
-def _segment_ends(segments: Segments, device: torch.device) -> torch.Tensor:
-    """int32 [E]: the segments' ends, as torch._grouped_mm takes them; copied to the device once per layout,
-    like `Segments.strip_experts`. Under padded expert capacity the layout is the same at every step: no
-    host-to-device copy per call, and a step captured in a CUDA graph reads a table that stays."""
-    return device_tensor(list(segments.offsets[1:]), torch.int32, device)
-
-
 class _GroupedHpLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, segments: Segments, fuse_wgrad: bool, *weights):
-        offsets = _segment_ends(segments, x.device)
+        offsets = segments.ends(x.device)
         out = _grouped_mm(x, stacked_weights(weights).transpose(1, 2), segments, offsets)
         ctx.segments, ctx.fuse_wgrad, ctx.offsets = segments, fuse_wgrad, offsets
         ctx.save_for_backward(x, *weights)

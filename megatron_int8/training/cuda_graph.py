@@ -21,7 +21,7 @@ right before a capture, so the captured step quantizes its weights itself (see `
 MoE layers can be captured when every expert's input is padded to its capacity (megatron's
 `moe_expert_capacity_factor` with `moe_pad_expert_input_to_capacity`, alltoall dispatcher): the router drops and
 pads on the device, the dispatcher sizes everything from shapes, and the grouped experts take their row counts
-from shapes too (`megatron.experts.padded_expert_counts`), so nothing in the step reads a device value on the host.
+from shapes too (`megatron.experts.padded_expert_capacity`), so nothing in the step reads a device value on the host.
 """
 from __future__ import annotations
 

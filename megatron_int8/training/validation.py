@@ -56,7 +56,7 @@ def _moe_graph_problem(args) -> Optional[str]:
     Dropless routing sends each expert a different number of tokens every step, and the dispatcher and the experts
     size their buffers from those counts, which the host reads: a replay would reuse the capture's sizes. With every
     expert's input padded to a fixed capacity the sizes are the same at every step, and the alltoall dispatcher and
-    the experts take them from shapes (`megatron.experts.padded_expert_counts`); megatron's allgather dispatcher
+    the experts take them from shapes (`megatron.experts.padded_expert_capacity`); megatron's allgather dispatcher
     still copies its counts to the host (`.cpu()` in its dispatch, megatron-core 0.16.1 and 0.19.2)."""
     if args.num_experts is None:
         return None

@@ -1,7 +1,7 @@
 """MoE experts under megatron's padded expert capacity (`moe_expert_capacity_factor` +
 `moe_pad_expert_input_to_capacity`), the mode in which an MoE training step can be captured in a CUDA graph.
 
-Every local expert then receives the same number of rows, which `padded_expert_counts` takes from the input's
+Every local expert then receives the same number of rows, which `padded_expert_capacity` takes from the input's
 shape instead of `tokens_per_expert`. Checked here: the dispatchers hand the experts exactly those counts; on the
 same routing the padded path gives bit-identical outputs and gradients to the counted one (the same arithmetic
 on the same rows) and, for high-precision experts, the float64 result within fp32 rounding; and it reads no
@@ -173,26 +173,46 @@ def _run_experts(experts, hidden, probs, tokens_per_expert, grad):
             **{n: q.grad for n, q in experts.named_parameters()}}
 
 
-def test_padded_expert_counts_rule():
-    from megatron_int8.megatron.experts import padded_expert_counts
+def test_padded_expert_capacity_rule():
+    from megatron_int8.megatron.experts import padded_expert_capacity
 
-    assert padded_expert_counts(_config(True), 120, 4) == [30] * 4
-    assert padded_expert_counts(_config(False), 120, 4) is None
-    assert padded_expert_counts(_config(False, moe_expert_capacity_factor=1.25), 120, 4) is None  # drops, no pad
+    assert padded_expert_capacity(_config(True), 120, 4) == 30
+    assert padded_expert_capacity(_config(False), 120, 4) is None
+    assert padded_expert_capacity(_config(False, moe_expert_capacity_factor=1.25), 120, 4) is None  # drops, no pad
     with pytest.raises(ValueError, match="moe_expert_capacity_factor"):  # megatron: no padding without a factor
         _config(False, moe_pad_expert_input_to_capacity=True)
     with pytest.raises(ValueError, match="split evenly"):
-        padded_expert_counts(_config(True), 121, 4)
+        padded_expert_capacity(_config(True), 121, 4)
+
+
+def test_padded_layout_and_its_device_tables_are_kept():
+    """A step captured in a CUDA graph reads the layout's device tables (strip owners, segment ends) by address:
+    the layer keeps one layout per capacity, and each table is made once and owned by it (no shared cache that
+    could evict it under a replay); equal layouts still compare and hash alike."""
+    from megatron_int8.reference import Segments
+
+    with single_process_megatron():
+        experts = _moe_layer(_config(True)).experts
+        counts = torch.full((E,), 40)
+        first = experts._layout(torch.zeros(E * 40, H), counts)
+        tables = first.segments.ends("cpu"), first.segments.strip_experts("cpu")
+        again = experts._layout(torch.zeros(E * 40, H), counts)
+        assert again is first and again.segments.ends("cpu") is tables[0]
+        assert again.segments.strip_experts("cpu") is tables[1]
+        assert experts._layout(torch.zeros(E * 24, H), counts) is not first  # another capacity, another layout
+    assert tables[0].tolist() == list(first.segments.offsets[1:])
+    twin = Segments(first.segments.offsets)
+    assert twin == first.segments and hash(twin) == hash(first.segments) and twin.ends("cpu") is not tables[0]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
 def test_dispatchers_hand_the_experts_the_shape_counts(dispatcher, capacity_factor):
     """Through megatron's router and dispatcher, each expert receives megatron's capacity
-    ceil(tokens * topk / experts * factor) rows, which is what padded_expert_counts reads off the shape."""
+    ceil(tokens * topk / experts * factor) rows, which is what padded_expert_capacity reads off the shape."""
     from megatron.core.transformer.moe.moe_utils import get_capacity
 
-    from megatron_int8.megatron.experts import padded_expert_counts
+    from megatron_int8.megatron.experts import padded_expert_capacity
 
     gen = torch.Generator().manual_seed(31)
     seen = []
@@ -206,7 +226,7 @@ def test_dispatchers_hand_the_experts_the_shape_counts(dispatcher, capacity_fact
     rows, counts = seen[0]
     capacity = get_capacity(num_tokens=48 * TOPK, num_experts=E, capacity_factor=capacity_factor)
     assert counts == [capacity] * E and rows == E * capacity
-    assert padded_expert_counts(layer.config, rows, E) == counts
+    assert [padded_expert_capacity(layer.config, rows, E)] * E == counts
 
 
 @pytest.mark.parametrize("fused_swiglu", [False, True], ids=["megatron-swiglu", "fused-swiglu"])
