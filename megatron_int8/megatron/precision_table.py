@@ -1,21 +1,32 @@
-"""The precision of every linear of a model, as one table for all pipeline stages."""
+"""The precision of every linear of a model (and of every core attention built for --int8-attention), as one
+table for all pipeline stages."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterable, List, Optional, Tuple
 
 import torch
 
+from .attention import SDPAttention
 from .layers import Int8LinearMixin
 from .policy import Int8Policy, describe_fp8_recipe
 
 TABLE_COLUMNS = ("layer", "module", "shape/rank", "precision", "recipe")
 
 
+def _fallback(module) -> str:
+    note = getattr(module, "int8_fallback_note", None)  # set by the trainer's auto fallback (training/health.py)
+    return f" (fallback {note})" if note else ""
+
+
 def _precision_of(module) -> Tuple[str, str]:
+    if isinstance(module, SDPAttention):  # a core attention built for --int8-attention: its own row
+        return ("int8" if module.int8_attention else "bf16"), "int8_attention" + _fallback(module)
     if isinstance(module, Int8LinearMixin) and module.int8:
-        note = getattr(module, "int8_fallback_note", None)  # set by the trainer's auto fallback (training/health.py)
-        return module.precision, module.int8_recipe.describe() + (f" (fallback {note})" if note else "")
+        # the linear's GEMMs: whether attention runs in INT8 is the attention row's to say
+        recipe = dataclasses.replace(module.int8_recipe, int8_attention=False)
+        return module.precision, recipe.describe() + _fallback(module)
     if getattr(module, "fp8_recipe", None) is not None:  # the FP8 peer's linears (peers/fp8.py)
         return "fp8", describe_fp8_recipe(module.fp8_recipe)
     weight = getattr(module, "weight", None)
@@ -26,7 +37,8 @@ def _precision_of(module) -> Tuple[str, str]:
 
 
 def precision_table_rows(model_chunks) -> List[Tuple]:
-    """One row per linear-like module of this rank's model chunks: (sort key, *TABLE_COLUMNS)."""
+    """One row per linear-like module of this rank's model chunks, and per core attention built for INT8: (sort
+    key, *TABLE_COLUMNS)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from megatron.core.transformer.moe.router import Router
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -40,7 +52,8 @@ def precision_table_rows(model_chunks) -> List[Tuple]:
             if isinstance(module, TransformerLayer):
                 layer_of[name] = module.layer_number
         for order, (name, module) in enumerate(chunk.named_modules()):
-            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Router)):
+            linear_like = isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Router))
+            if not (linear_like or isinstance(module, SDPAttention) and module.int8_attention_built):
                 continue
             owner = max((p for p in layer_of if name.startswith(p + ".")), key=len, default=None)
             if owner is not None:

@@ -140,6 +140,26 @@ def test_spec_puts_int8_attention_in_the_int8_layers_and_keeps_state_dicts():
     assert policy.describe().startswith("int8[row,fprop/dgrad/wgrad,attn:int8]")
 
 
+def test_precision_table_has_a_row_per_int8_attention_and_follows_a_fallback():
+    """Each core attention built for INT8 has its own row (int8, or bf16 with the fallback's note once moved);
+    the linears' rows describe their GEMMs only (the policy's title names attn:int8)."""
+    from megatron_int8.megatron.precision_table import precision_table_rows
+
+    recipe = Int8Recipe(backend="reference", int8_attention=True)
+    model = _gpt(Int8Policy(recipe=recipe, first_last_layers_bf16=True))
+
+    def attention_rows():
+        return [(r[1], r[4], r[5]) for r in precision_table_rows(model) if r[2].endswith("core_attention")]
+
+    assert attention_rows() == [("2", "int8", "int8_attention"), ("3", "int8", "int8_attention")]
+    linears = [r for r in precision_table_rows(model) if not r[2].endswith("core_attention")]
+    assert any(r[4] == "int8" for r in linears) and all("attn" not in r[5] for r in linears)
+    moved = _core_attentions(model)[1]
+    moved.int8_attention, moved.int8_fallback_note = False, "at iteration 7: attention/rel_err 0.2 > 0.1"
+    assert attention_rows() == [("2", "bf16", "int8_attention (fallback at iteration 7: attention/rel_err 0.2 > 0.1)"),
+                                ("3", "int8", "int8_attention")]
+
+
 def probe_against_float64(heads, groups, seq, head_dim, seed, device="cpu", recipe=INT8_ATTENTION):
     """(AttentionProbe's values from an INT8 SDPAttention's armed training forward, the same two errors computed
     here in float64 on the probe's sample: the output's error of the op's own O, and the scores' error of Q and
