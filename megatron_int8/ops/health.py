@@ -39,7 +39,8 @@ the sequence, against fp32 attention of the same inputs (`ATTENTION_STATS`):
                      token as the op quantizes them: the product whose error dominates INT8 attention's
   attention/rel_err  ||O - O_fp32||_F / ||O_fp32||_F of the op's own output for the sampled queries: everything
                      the forward quantizes (Q, K, P, V). The backward is not measured.
-Two fp32 products of SAMPLE_HEADS x SAMPLE_ROWS queries by the keys they see, per layer and statistics step.
+Three fp32 products of SAMPLE_HEADS x SAMPLE_ROWS queries by the keys they see (exact scores, scores from the
+quantized operands, P V), per layer and statistics step.
 """
 from __future__ import annotations
 
@@ -322,8 +323,9 @@ class AttentionProbe(_Probe):
         kv_heads = heads // (q.shape[1] // k.shape[1])
         rows = sample_rows(q.shape[2], 1)
         keys = rows.stop if causal else k.shape[2]  # the keys the sampled queries see
-        k_smooth = k[0].detach().float()
-        k_smooth = (k_smooth - k_smooth.mean(dim=1, keepdim=True))[kv_heads, :keys]  # [h, keys, d]
+        k0 = k[0].detach()
+        k_mean = k0.mean(dim=1, keepdim=True, dtype=torch.float32)  # over every token, as the op smooths K
+        k_smooth = k0[kv_heads, :keys].float() - k_mean[kv_heads]  # [h, keys, d]: only the sample in fp32
         q_rows = q[0].detach()[heads, rows].float()  # [h, rows, d]
         v_rows = v[0].detach()[kv_heads, :keys].float()
         (q_int, q_scale), (k_int, k_scale) = quantize_rows(q_rows), quantize_rows(k_smooth)

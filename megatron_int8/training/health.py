@@ -438,11 +438,11 @@ class RunHealth:
         """Apply the loaded moves (or drop them: --int8-reset-fallback); True when a linear's recipe changed."""
         if self.reset_on_load:
             dropped = self.fallback.reset()
-            log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} linear(s) back to their configured "
-                                                            f"recipe: {', '.join(dropped)}" if dropped else
+            log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} module(s) back to their configured "
+                                                            f"precision: {', '.join(dropped)}" if dropped else
                                                             "no fallback moves to drop"))
         changed = apply_fallback(self.linears, self.fallback, self.attentions)
-        for name in sorted(self.fallback.moved) if self.linears else ():  # a BF16 run keeps them, unused
+        for name in sorted(self.fallback.moved) if self.linears or self.attentions else ():  # BF16: kept, unused
             log(f"int8 fallback restored from the checkpoint: {name} runs "
                 f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
         return bool(changed)

@@ -63,7 +63,7 @@ def test_statistics_fallback_and_resume(tmp_path):
     assert ("int8 fallback restored from the checkpoint: layer2.mlp.linear_fc2 runs row scales, "
             "fprop:hp/dgrad:hp/wgrad") in evaluated and "validation loss at iteration 6" in evaluated
     again = train(*base, "--train-iters", "9", "--load", str(tmp_path / "b"), "--int8-reset-fallback")
-    assert "int8 fallback: --int8-reset-fallback: 8 linear(s) back to their configured recipe" in again
+    assert "int8 fallback: --int8-reset-fallback: 8 module(s) back to their configured precision" in again
     assert "restored from the checkpoint" not in again
 
 

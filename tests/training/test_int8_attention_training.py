@@ -65,7 +65,7 @@ def test_auto_fallback_moves_attention_to_bf16_and_a_resume_keeps_it(tmp_path):
     resumed = train(*flags[:2], "--train-iters", "5", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
     assert f"int8 fallback restored from the checkpoint: {ATTENTION} runs BF16 attention (SDPA)" in resumed
     again = train(*flags[:2], "--train-iters", "6", "--load", str(tmp_path / "b"), "--int8-reset-fallback")
-    assert "int8 fallback: --int8-reset-fallback: 2 linear(s) back to their configured recipe" in again
+    assert "int8 fallback: --int8-reset-fallback: 2 module(s) back to their configured precision" in again
 
 
 def _validated(*flags, dropout=("--attention-dropout", "0")):
