@@ -16,4 +16,9 @@ if ! python3 -c "import torch" 2>/dev/null; then
 fi
 python3 -m pip install -q -e ".[test]"
 # the installed distribution's version: megatron.core.__version__ appends the git commit of the current folder
-PYTHONWARNINGS=ignore python3 -c "import importlib.metadata as m, megatron_int8, megatron.core, torch, sys; print(f'megatron-int8 {megatron_int8.__version__}, megatron-core {m.version(\"megatron-core\")}, torch {torch.__version__}, Python {sys.version.split()[0]}')"
+PYTHONWARNINGS=ignore python3 - <<'EOF'
+import importlib.metadata, sys
+import megatron.core, megatron_int8, torch
+print(f"megatron-int8 {megatron_int8.__version__}, megatron-core {importlib.metadata.version('megatron-core')}, "
+      f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+EOF
