@@ -26,9 +26,8 @@ from typing import Callable, List, Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-from .megatron.cli import add_int8_arguments, policy_from_args
-from .megatron.policy import Int8Policy
-from .training.flags import INT8_ATTENTION_NEEDS_INT8_LINEAR
+from .megatron.cli import INT8_ATTENTION_NEEDS_INT8_LINEAR, add_int8_arguments, policy_from_args
+from .megatron.policy import Int8Policy, int8_attention_problems
 
 # Flags of this project's trainer that Megatron-LM's pretrain_gpt.py does not have.
 TRAINER_ONLY_KEYS = frozenset({"log_jsonl"})
@@ -85,7 +84,7 @@ def int8_policy(args) -> Int8Policy:
     return policy_from_args(args)
 
 
-def _check_upstream_flags(args, policy: Int8Policy) -> None:
+def _check_upstream_flags(args, policy: Int8Policy, config) -> None:
     """Upstream flags the INT8 spec does not serve, refused when the first layer is built. INT8 attention takes its
     causal mask from the layer: upstream's data loader must not hand it a mask tensor (its default does)."""
     if args is None:
@@ -93,10 +92,13 @@ def _check_upstream_flags(args, policy: Int8Policy) -> None:
     given = [flag for flag, name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
     if given:
         raise ValueError(f"megatron-int8's layer spec does not build the layers of {', '.join(given)}")
-    if policy.recipe.int8_attention and getattr(args, "reset_attention_mask", False):
-        raise ValueError("--int8-attention: --reset-attention-mask (document masks) is not supported: INT8 attention "
-                         "is causal over the whole sequence")
-    if policy.recipe.int8_attention and getattr(args, "create_attention_mask_in_dataloader", False):
+    if not policy.recipe.int8_attention:
+        return
+    problems = int8_attention_problems(config.kv_channels, config.attention_dropout,
+                                       getattr(args, "reset_attention_mask", False))
+    if problems:
+        raise ValueError("--int8-attention: " + "; ".join(text for _, text in problems))
+    if getattr(args, "create_attention_mask_in_dataloader", False):
         raise ValueError("--int8-attention takes the causal mask from the layer, not a mask tensor: give upstream "
                          "--no-create-attention-mask-in-dataloader")
 
@@ -112,7 +114,7 @@ class Int8TransformerLayer(TransformerLayer):
         from .megatron.spec import get_gpt_int8_layer_specs
 
         policy = int8_policy(int8_args())
-        _check_upstream_flags(_upstream_args(), policy)
+        _check_upstream_flags(_upstream_args(), policy, config)
         vp_stage, pg_collection = kwargs.get("vp_stage"), kwargs.get("pg_collection")
         pp_rank = (get_pg_rank(pg_collection.pp) if pg_collection is not None
                    else parallel_state.get_pipeline_model_parallel_rank())
@@ -130,7 +132,7 @@ def get_gpt_int8_spec_from_args(args, config, vp_stage: Optional[int] = None):
     from .megatron.spec import get_gpt_int8_block_spec
 
     policy = int8_policy(args)
-    _check_upstream_flags(args, policy)
+    _check_upstream_flags(args, policy, config)
     return get_gpt_int8_block_spec(config, policy, vp_stage=vp_stage,
                                    normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
 

@@ -1,4 +1,4 @@
-"""The `--int8-*` command-line flags, shared by this package's trainer and the upstream Megatron-LM patch."""
+"""The `--int8-*` command-line flags, shared by this package's trainer and the upstream Megatron-LM route."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ from typing import List
 from ..recipe import BACKENDS, FINITE_CHECKS, GRANULARITIES, ROUNDINGS, Int8Recipe
 from .policy import BF16_MODULE_NAMES, GEMMS, Int8Policy
 
+INT8_ATTENTION_NEEDS_INT8_LINEAR = "--int8-attention runs in the INT8 layers: it needs --int8-linear"
 
 
 def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

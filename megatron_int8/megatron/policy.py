@@ -108,9 +108,11 @@ class Int8Policy:
         return "; ".join(parts)
 
 
-def int8_attention_problems(head_dim: int, attention_dropout: float) -> List[Tuple[str, str]]:
+def int8_attention_problems(head_dim: int, attention_dropout: float,
+                            reset_attention_mask: bool = False) -> List[Tuple[str, str]]:
     """What INT8 attention (ops.int8_attention) cannot serve in a layer of this head dim and attention dropout:
-    (the setting, "head_dim" or "attention_dropout"; why, naming its flag), empty when it serves it. The trainer's
+    (the setting, "head_dim", "attention_dropout" or "reset_attention_mask"; why, naming its flag), empty when it
+    serves it. The trainer's
     start-up checks (training/validation.py) and the layer (megatron.attention.SDPAttention) ask it, so both
     refuse the same settings."""
     problems = []
@@ -121,6 +123,9 @@ def int8_attention_problems(head_dim: int, attention_dropout: float) -> List[Tup
     if attention_dropout:
         problems.append(("attention_dropout",
                          f"attention dropout {attention_dropout}: INT8 attention has none; give --attention-dropout 0"))
+    if reset_attention_mask:
+        problems.append(("reset_attention_mask", "--reset-attention-mask: document masks are not supported (INT8 "
+                                                 "attention is causal over the whole sequence)"))
     return problems
 
 

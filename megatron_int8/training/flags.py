@@ -296,8 +296,6 @@ def _add_int8_health_arguments(parser: argparse.ArgumentParser) -> None:
                         "recipe as configured again.")
 
 
-INT8_ATTENTION_NEEDS_INT8_LINEAR = "--int8-attention runs in the INT8 layers: it needs --int8-linear"
-
 
 def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("FP8 peer (benchmarks: torchao float8 on the same model)")

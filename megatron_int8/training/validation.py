@@ -11,9 +11,10 @@ import math
 import os
 from typing import List, Optional
 
+from ..megatron.cli import INT8_ATTENTION_NEEDS_INT8_LINEAR
 from ..megatron.policy import int8_attention_problems
 from .errors import ArgumentError
-from .flags import INT8_ATTENTION_NEEDS_INT8_LINEAR, TOKENIZER_TYPES, build_parser
+from .flags import TOKENIZER_TYPES, build_parser
 from .health import per_gemm_limits
 from .parsing import origin
 
@@ -173,12 +174,10 @@ def _validate_int8_attention(args: argparse.Namespace) -> None:
         return
     if not args.int8_linear:
         raise ArgumentError(INT8_ATTENTION_NEEDS_INT8_LINEAR)
-    dests = {"head_dim": "kv_channels", "attention_dropout": "attention_dropout"}  # the flags that set them
-    problems = [text + origin(args, dests[what])
-                for what, text in int8_attention_problems(args.kv_channels, args.attention_dropout)]
-    if args.reset_attention_mask:
-        problems.append("--reset-attention-mask: document masks are not supported (INT8 attention is causal over "
-                        "the whole sequence)")
+    dests = {"head_dim": "kv_channels", "attention_dropout": "attention_dropout",  # the flags that set them
+             "reset_attention_mask": "reset_attention_mask"}
+    problems = [text + origin(args, dests[what]) for what, text in
+                int8_attention_problems(args.kv_channels, args.attention_dropout, args.reset_attention_mask)]
     if problems:
         raise ArgumentError("--int8-attention: " + "; ".join(problems))
 
