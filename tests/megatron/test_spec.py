@@ -232,6 +232,7 @@ def test_query_norm_in_place_matches_megatron_self_attention(groups, qk_norm, in
         assert contiguous == {"ours": [False], "stock": [1 < groups < 4]}
 
 
+@pytest.mark.slow  # end to end: the benchmark script in a subprocess
 @pytest.mark.parametrize("moe", [False, True])
 def test_bench_layer_cpu_smoke(tmp_path, moe):
     """benchmarks/bench_layer.py end to end on tiny shapes (the GPU run uses the same code path), dense and

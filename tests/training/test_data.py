@@ -77,6 +77,7 @@ def test_sample_lines_is_seeded_uniform_and_keeps_input_order():
     assert sample_lines(iter(lines), 1000, seed=7) != sample
 
 
+@pytest.mark.slow  # multi-process (three subprocesses)
 def test_a_sampled_tokenizer_is_the_same_in_every_process(tmp_path):
     """--train-sentencepiece on a sample of the lines: two processes give the same model and the same tokens
     (SentencePiece's own sampler gave a different model in every process)."""
