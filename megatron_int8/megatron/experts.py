@@ -160,8 +160,8 @@ def padded_expert_capacity(config, rows: int, num_local_experts: int) -> Optiona
 
 class _PaddedLayout:
     """`capacity` rows per expert, expert-major. The aligned layout is then a reshape: each expert's block padded
-    with zero rows to a multiple of SEGMENT_ALIGN (nothing to do when the capacity is one, as for Mixtral at
-    4096 tokens), with no index table, so nothing is copied from the host either."""
+    with zero rows to a multiple of SEGMENT_ALIGN (nothing to do when the capacity already is one, as Mixtral's 2560
+    rows at 2 x 4096 tokens), with no index table, so nothing is copied from the host either."""
 
     def __init__(self, num_experts: int, capacity: int):
         self.segments = Segments.for_counts([capacity] * num_experts)
