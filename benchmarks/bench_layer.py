@@ -15,6 +15,8 @@ Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-s
     python benchmarks/bench_layer.py --fp8-recipe rowwise --fp8-compile
     # memory options: one more INT8 row per option (the SwiGLU's / the norms' inputs kept in INT8), one with both
     python benchmarks/bench_layer.py --int8-swiglu-input --int8-norm-input --no-fp8 --no-stock
+    # INT8 attention (forward and backward) beside the INT8 linears, at a length where attention dominates
+    python benchmarks/bench_layer.py --int8-attention --seq 16384 --micro-batch 1 --cuda-graph --no-fp8 --no-stock
 Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
 gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak. On every device
 it gives the bytes per token of the tensors autograd saves for backward (saved_tensors_hooks: distinct
@@ -73,6 +75,8 @@ def parse_args(argv=None):
                         "with the fused SwiGLU)")
     p.add_argument("--int8-norm-input", action="store_true",
                    help="add an INT8 row whose RMSNorms keep their inputs in INT8 (recipe int8_norm_input)")
+    p.add_argument("--int8-attention", action="store_true",
+                   help="add an INT8 row whose attention runs INT8 too, forward and backward (recipe int8_attention)")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="dense MLPs: megatron's SwiGLU instead of megatron_int8.ops.swiglu (as the trainer's flag)")
@@ -122,15 +126,17 @@ def fp8_skip_reason(args):
     return fp8_unavailable_reason()
 
 
-MEMORY_OPTIONS = {"int8_swiglu_input": "swiglu-in:int8", "int8_norm_input": "norm-in:int8"}  # recipe field: label
+# recipe field: row label (each an argparse flag of the same name)
+RECIPE_OPTIONS = {"int8_swiglu_input": "swiglu-in:int8", "int8_norm_input": "norm-in:int8",
+                  "int8_attention": "attention:int8"}
 
 
-def memory_rows(args) -> dict:
-    """{row name: recipe fields set}: one INT8 row per memory option asked for, and one with all when several."""
-    chosen = [field for field in MEMORY_OPTIONS if getattr(args, field)]
-    rows = {f"INT8 {MEMORY_OPTIONS[field]}": {field: True} for field in chosen}
+def option_rows(args) -> dict:
+    """{row name: recipe fields set}: one INT8 row per recipe option asked for, and one with all when several."""
+    chosen = [field for field in RECIPE_OPTIONS if getattr(args, field)]
+    rows = {f"INT8 {RECIPE_OPTIONS[field]}": {field: True} for field in chosen}
     if len(chosen) > 1:
-        rows["INT8 " + ",".join(MEMORY_OPTIONS[field] for field in chosen)] = {field: True for field in chosen}
+        rows["INT8 " + ",".join(RECIPE_OPTIONS[field] for field in chosen)] = {field: True for field in chosen}
     return rows
 
 
@@ -162,7 +168,7 @@ def build_layers(args, skipped):
     grouped = bool(experts and args.moe_grouped_gemm)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
              "BF16": get_gpt_int8_layer_spec(recipe=recipe, int8=False, num_experts=experts)}
-    for name, options in memory_rows(args).items():
+    for name, options in option_rows(args).items():
         specs[name] = get_gpt_int8_layer_spec(recipe=dataclasses.replace(recipe, **options), int8=True,
                                               num_experts=experts, moe_grouped_gemm=grouped)
     if grouped:

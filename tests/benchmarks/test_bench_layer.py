@@ -1,5 +1,5 @@
-"""benchmarks/bench_layer.py's saved-tensor count on CPU: a tiny Llama-style layer, INT8 with and without the
-SwiGLU's and the norms' inputs kept in INT8."""
+"""benchmarks/bench_layer.py on CPU: the saved-tensor count of a tiny Llama-style layer, INT8 with and without the
+SwiGLU's and the norms' inputs kept in INT8, and its INT8-attention row."""
 import math
 
 import pytest
@@ -20,7 +20,7 @@ def test_int8_memory_options_save_the_expected_bytes_per_token(monkeypatch):
     args = bench_layer.parse_args(["--device", "cpu", "--tiny", "--no-stock", "--no-fp8", "--int8-swiglu-input",
                                    "--int8-norm-input", "--backend", "reference"])
     swiglu, norm, both = "INT8 swiglu-in:int8", "INT8 norm-in:int8", "INT8 swiglu-in:int8,norm-in:int8"
-    assert list(bench_layer.memory_rows(args)) == [swiglu, norm, both]
+    assert list(bench_layer.option_rows(args)) == [swiglu, norm, both]
     with single_process_megatron():
         layers = bench_layer.build_layers(args, {})
         assert layers[swiglu].mlp.activation_func.int8_copy and not layers["INT8"].mlp.activation_func.int8_copy
@@ -47,3 +47,32 @@ def test_int8_swiglu_input_needs_the_fused_dense_swiglu(monkeypatch):
     for extra in (["--num-experts", "4"], ["--no-fused-swiglu"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(["--device", "cpu", "--tiny", "--int8-swiglu-input", *extra])
+
+
+def test_int8_attention_row_runs_int8_attention_beside_the_int8_linears(monkeypatch):
+    """--int8-attention adds one row whose core attention runs the INT8 op (the other rows keep BF16 SDPA) and whose
+    forward + backward runs; the INT8 attention changes the layer's output, by less than a tenth of its size."""
+    import torch
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_layer
+
+    args = bench_layer.parse_args(["--device", "cpu", "--tiny", "--kv-channels", "64", "--no-stock", "--no-fp8",
+                                   "--int8-attention", "--backend", "reference"])
+    row = "INT8 attention:int8"
+    assert list(bench_layer.option_rows(args)) == [row]
+    with single_process_megatron():
+        layers = bench_layer.build_layers(args, {})
+        assert layers[row].self_attention.core_attention.int8_attention
+        assert not layers["INT8"].self_attention.core_attention.int8_attention
+        layers[row].load_state_dict(layers["INT8"].state_dict())
+        x, _ = bench_layer._layer_input(args, row)
+        x = x.detach().float().mul(3).to(x.dtype)  # non-trivial attention scores
+        outputs = {}
+        for name in ("INT8", row):
+            leaf = x.clone().requires_grad_(True)
+            out = layers[name](leaf, attention_mask=None)[0]
+            out.float().square().sum().backward()
+            assert torch.isfinite(leaf.grad).all()
+            outputs[name] = out.detach().double()
+    change = (outputs[row] - outputs["INT8"]).norm() / outputs["INT8"].norm()
+    assert 0 < change < 0.1
