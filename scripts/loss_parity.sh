@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # INT8 vs BF16 loss parity in one command: a ~125M Llama-style model (configs/parity_125m.yaml) trained
 # twice with the project's trainer, same seed and data order, on a corpus already on the machine (the
-# Python sources of site-packages: no downloads), with a held-out validation split. Writes both JSONL
+# Python sources of site-packages; with CORPUS=docstrings the English prose of the standard library's and
+# site-packages' docstrings: no downloads), with a held-out validation split. Writes both JSONL
 # logs, a PNG with training and validation curves, and a summary table (last-100-iteration mean training
 # loss, final validation loss, relative gap) to RUN_DIR (default runs/parity; $OUT too when set).
 #
@@ -9,6 +10,7 @@
 #     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
 #     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
 #     PARALLEL=1 VARIANTS="bf16 int8 int8_row_sr" bash scripts/loss_parity.sh   # all variants at once, one GPU
+#     CORPUS=docstrings VARIANTS="bf16 bf16_seed2 int8" bash scripts/loss_parity.sh  # on English prose
 # Variants: bf16; bf16_seed2 (BF16 with another seed, so another init and data order: the noise floor
 # next to each gap); int8 (the default recipe + INT8_FLAGS); and, each with its gradient rounding stated so the
 # ablation means the same whatever the default: int8_nearest / int8_sr (tensorwise, gradients rounded to
@@ -21,7 +23,12 @@
 # on a healthy run. int8_attention: the default recipe with --int8-attention (attention's products in INT8 too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN_DIR=${RUN_DIR:-runs/parity}
+CORPUS=${CORPUS:-source}
+case $CORPUS in
+    source) RUN_DIR=${RUN_DIR:-runs/parity} ;;
+    docstrings) RUN_DIR=${RUN_DIR:-runs/parity_docstrings} ;;
+    *) echo "CORPUS must be source or docstrings, got '$CORPUS'" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
 CORPUS_MB=${CORPUS_MB:-80}
 VOCAB=${VOCAB:-8192}
@@ -31,9 +38,21 @@ read -r -a RUNS <<< "${VARIANTS:-bf16 int8}"
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 mkdir -p "$RUN_DIR"
 
+if [[ -f "$RUN_DIR/corpus.jsonl" && "$(cat "$RUN_DIR/corpus.kind" 2>/dev/null || echo source)" != "$CORPUS" ]]; then
+    echo "$RUN_DIR holds a corpus of kind '$(cat "$RUN_DIR/corpus.kind" 2>/dev/null || echo source)', not '$CORPUS':" \
+        "give another RUN_DIR" >&2
+    exit 2
+fi
 if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
-    echo "== corpus: Python sources of site-packages (${CORPUS_MB} MB)"
-    "$PYTHON" scripts/prepare_tiny_corpus.py --source site-packages --output "$RUN_DIR/corpus.jsonl" --max-mb "$CORPUS_MB"
+    if [[ $CORPUS == docstrings ]]; then
+        echo "== corpus: docstrings of the standard library and site-packages (up to ${CORPUS_MB} MB)"
+        "$PYTHON" scripts/prepare_tiny_corpus.py --source all --text docstrings --output "$RUN_DIR/corpus.jsonl" \
+            --max-mb "$CORPUS_MB"
+    else
+        echo "== corpus: Python sources of site-packages (${CORPUS_MB} MB)"
+        "$PYTHON" scripts/prepare_tiny_corpus.py --source site-packages --output "$RUN_DIR/corpus.jsonl" --max-mb "$CORPUS_MB"
+    fi
+    echo "$CORPUS" > "$RUN_DIR/corpus.kind"
 fi
 PREFIX="$RUN_DIR/data/corpus"
 if [[ ! -f "${PREFIX}_text_document.bin" ]]; then

@@ -2,12 +2,16 @@
 """Build a JSONL text corpus from files already on this machine (no downloads): the .py sources of the
 Python standard library, or of the installed packages (site-packages: larger, for bigger runs), or both
 (all); --docs adds their documentation files (.rst, .md). One document per file: {"text": ..., "path": ...}.
+`--text docstrings` keeps only the English prose of the sources instead: each file's module, class and function
+docstrings of at least 8 words, without their doctest lines (>>> and ...), one document per file.
 
     python3 scripts/prepare_tiny_corpus.py --output runs/tiny/corpus.jsonl --max-mb 8
     python3 scripts/prepare_tiny_corpus.py --source site-packages --output corpus.jsonl --max-mb 120
     python3 scripts/prepare_tiny_corpus.py --source all --docs --output corpus.jsonl --max-mb 2048   # everything
+    python3 scripts/prepare_tiny_corpus.py --source all --text docstrings --output prose.jsonl --max-mb 40
 """
 import argparse
+import ast
 import json
 import os
 import sys
@@ -32,17 +36,39 @@ def python_sources(root: str, max_file_bytes: int, suffixes=(".py",)):
                 yield root, path
 
 
+def docstring_prose(source: str, min_words: int = 8) -> str:
+    """The module's, classes' and functions' docstrings of a Python source (in the order they appear), each of at
+    least `min_words` words once its doctest lines are dropped, separated by blank lines; "" if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    kept = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node) or ""
+            lines = [line for line in text.splitlines() if not line.lstrip().startswith((">>>", "..."))]
+            text = "\n".join(lines).strip()
+            if len(text.split()) >= min_words:
+                kept.append(text)
+    return "\n\n".join(kept)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--source", choices=sorted(SOURCES), default="stdlib", help="which Python sources")
     parser.add_argument("--docs", action="store_true", help="also the documentation files (.rst, .md)")
+    parser.add_argument("--text", choices=("source", "docstrings"), default="source",
+                        help="the files' text (default) or only the docstrings of the .py files (English prose)")
     parser.add_argument("--max-mb", type=float, default=8.0, help="stop after this many MB of text")
     parser.add_argument("--max-file-kb", type=float, default=256.0, help="skip larger source files")
     args = parser.parse_args(argv)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     roots = [sysconfig.get_paths()[name] for name in SOURCES[args.source]]
+    if args.text == "docstrings" and args.docs:
+        parser.error("--text docstrings takes the .py files' docstrings only: leave out --docs")
     suffixes = (".py",) + (DOC_SUFFIXES if args.docs else ())
     files = (found for root in roots for found in python_sources(root, int(args.max_file_kb * 1024), suffixes))
     budget, written, docs = int(args.max_mb * 2**20), 0, 0
@@ -54,6 +80,10 @@ def main(argv=None) -> int:
                     text = f.read()
             except (UnicodeDecodeError, OSError):
                 continue
+            if args.text == "docstrings":
+                text = docstring_prose(text)
+                if not text:
+                    continue
             out.write(json.dumps({"text": text, "path": os.path.relpath(path, root)}) + "\n")
             written += len(text.encode("utf-8"))
             docs += 1

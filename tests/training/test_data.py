@@ -256,3 +256,50 @@ def test_data_seed_fixes_the_batches_whatever_the_init_seed(dataset):
     assert np.array_equal(first_samples("--seed", "7"), reference)
     assert not np.array_equal(first_samples("--seed", "1", "--data-seed", "8"), reference)
     assert not np.array_equal(first_samples("--seed", "1"), reference)
+
+
+def test_docstring_corpus_keeps_the_prose_of_the_sources(tmp_path):
+    """--text docstrings: each document holds only docstrings of 8 words or more, without doctest lines; a
+    source that does not parse gives nothing; --docs with it is a usage error. loss_parity.sh refuses a run
+    folder whose corpus is of the other kind rather than train on it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_tiny_corpus", os.path.join(SCRIPTS, "prepare_tiny_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    source = '''"""A module that draws trees with a turtle, one branch at a time, breadth first."""
+import os
+
+
+def grow(n):
+    """Grow the tree by n levels, cloning the pen at every branching point of the tree.
+
+    >>> grow(2)
+    ... 4
+    """
+    return os.sep * n
+
+
+class Short:
+    """Too short to keep."""
+'''
+    assert corpus.docstring_prose(source) == ("A module that draws trees with a turtle, one branch at a time, breadth "
+                                              "first.\n\nGrow the tree by n levels, cloning the pen at every "
+                                              "branching point of the tree.")
+    assert corpus.docstring_prose("def broken(:\n") == ""
+    out = tmp_path / "prose.jsonl"
+    assert _run(["scripts/prepare_tiny_corpus.py", "--text", "docstrings", "--output", str(out),
+                 "--max-mb", "0.2"]).returncode == 0
+    docs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(docs) > 5 and all(doc["path"].endswith(".py") for doc in docs)
+    lines = [line for doc in docs for line in doc["text"].splitlines()]
+    assert not any(line.lstrip().startswith(">>>") for line in lines)
+    assert sum(line.startswith(("import ", "def ", "class ")) for line in lines) < 0.01 * len(lines)
+    bad = _run(["scripts/prepare_tiny_corpus.py", "--text", "docstrings", "--docs", "--output", str(out)])
+    assert bad.returncode != 0 and "leave out --docs" in bad.stderr
+    run_dir = tmp_path / "parity"
+    run_dir.mkdir()
+    (run_dir / "corpus.jsonl").write_text(out.read_text())
+    refused = subprocess.run(["bash", os.path.join(SCRIPTS, "loss_parity.sh")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, CORPUS="docstrings", RUN_DIR=str(run_dir)))
+    assert refused.returncode == 2 and "not 'docstrings'" in refused.stderr
