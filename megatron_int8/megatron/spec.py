@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_layer import (
 from ..ops.swiglu import SwiGLU
 from ..recipe import DEFAULT_RECIPE, Int8Recipe
 from .attention import QueryNormInPlaceSelfAttention, SDPAttention
-from .compat import SequenceParallelNorm, apply_no_te_compat, experts_spec
+from .compat import SequenceParallelNorm, apply_no_te_compat, experts_spec, submodules_of
 from .experts import Int8GroupedMLP
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
@@ -235,7 +235,10 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
                                                                                  "int8_copy": False})
         for norm_field, block, linear in (("input_layernorm", "self_attention", "linear_qkv"),
                                           ("pre_mlp_layernorm", "mlp", "linear_fc1")):
-            norm, fed = changes.get(norm_field), getattr(getattr(changes.get(block), "submodules", None), linear, None)
+            parent = changes.get(block)
+            fed = getattr(submodules_of(parent), linear, None) if isinstance(parent, (ModuleSpec, functools.partial)) \
+                else None
+            norm = changes.get(norm_field)
             if isinstance(norm, ModuleSpec) and norm.params.get("emit_maxima") and isinstance(fed, ModuleSpec) \
                     and not fed.params.get("int8", True):  # the linear it fed is now BF16: no one reads maxima
                 changes[norm_field] = dataclasses.replace(norm, params={**norm.params, "emit_maxima": False})
