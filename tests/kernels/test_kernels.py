@@ -1129,6 +1129,12 @@ def test_rms_norm_emits_its_output_maxima_for_the_int8_linear(dtype, shape):
     dy = outliers(x_rows, W, dtype).view(shape)
     y.backward(dy)
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
+    both = FusedRMSNorm(W, eps=1e-6, emit_maxima=True, int8_copy=True, dtype=dtype)  # with --int8-norm-input
+    both.load_state_dict(norm.state_dict())
+    y_both = both(x.detach().requires_grad_(True))
+    q, scales, _, _ = y_both.grad_fn.saved_tensors
+    assert q.dtype == torch.int8 and q.shape == x.shape and scales.dtype == torch.float32
+    assert torch.equal(y_both.detach(), y.detach()) and torch.equal(known_maxima(y_both).cols, known.cols)
     spiked = x.clone()
     spiked.view(x_rows, W)[2, 3] = float("inf")
     _, _, rows, cols = triton_rms_norm_forward(spiked, norm.weight.detach(), 1e-6, maxima=True)
