@@ -14,11 +14,6 @@ written into a strided destination (a head slice of a fused QKV gradient), so th
 INT8_COPY (the recipe's int8_norm_input): the forward also writes x's INT8 copy for backward, each row in 1 x QB
 blocks (reference.quantize's block granularity, QB = 128 in training): q [R, W] int8 and scales [R, ceil(W/QB)]
 fp32; the backward then reads q and the scales in place of x (x = q * scale in fp32) with forward's rstd.
-
-MAXIMA: the forward also writes the per-row and per-column maxima of |y| (of the rounded values, Inf/NaN as inf),
-so that the INT8 linear quantizing y row-wise (QKV's and fc1's input) skips its own amax pass over y. Each program
-then walks a strip of rows, keeps its column maxima in registers and folds them into the zeroed column buffer by
-one atomic max per column and strip (kernels/quantize's layout); the row maxima are its own rows', stored.
 """
 from __future__ import annotations
 
@@ -36,37 +31,27 @@ def _rms_norm_fwd_kernel(
     x_ptr, sx_n, sx_h,  # input [N, H, W], last stride 1
     w_ptr, y_ptr, rstd_ptr,  # weight [W]; contiguous output [N * H, W]; fp32 1/rms per row
     q_ptr, qs_ptr,  # INT8_COPY: x's copy [N * H, W] int8 and its 1 x QB block scales [N * H, NB]
-    rmax_ptr, cmax_ptr,  # MAXIMA: [N * H] row maxima of |y| (stored) and [W] column maxima (zeroed, atomic max)
-    R, H, W, eps, NB, RB,  # RB: rows per program, a multiple of BLOCK_R
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, INT8_COPY: tl.constexpr, QB: tl.constexpr, MAXIMA: tl.constexpr,
+    R, H, W, eps, NB,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, INT8_COPY: tl.constexpr, QB: tl.constexpr,
 ):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_W)
+    mask_r = rows < R
+    mask = mask_r[:, None] & (cols < W)[None, :]
+    src = (rows // H) * sx_n + (rows % H) * sx_h
+    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / W + eps)
     w = tl.load(w_ptr + cols, mask=cols < W, other=0.0).to(tl.float32)
-    col_max = tl.zeros((BLOCK_R, BLOCK_W), tl.float32)
-    for r0 in range(0, RB, BLOCK_R):
-        rows = tl.program_id(0).to(tl.int64) * RB + r0 + tl.arange(0, BLOCK_R)
-        mask_r = rows < R
-        mask = mask_r[:, None] & (cols < W)[None, :]
-        src = (rows // H) * sx_n + (rows % H) * sx_h
-        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / W + eps)
-        y = (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * W + cols[None, :], y, mask=mask)
-        tl.store(rstd_ptr + rows, rstd, mask=mask_r)
-        if MAXIMA:  # masked lanes hold 0
-            m = tl.abs(y.to(tl.float32))
-            tl.store(rmax_ptr + rows, max_to_inf(m, 1), mask=mask_r)
-            col_max = max_keep_nan(col_max, m)
-        if INT8_COPY:  # masked lanes are 0: a block past W gets scale 1 and is not stored
-            blocks = tl.reshape(x, (BLOCK_R, BLOCK_W // QB, QB))
-            scale = _scale_from_amax(max_to_inf(tl.abs(blocks), 2))
-            q = tl.reshape(_round_clamp(blocks, scale[:, :, None], 0.0, False), (BLOCK_R, BLOCK_W))
-            tl.store(q_ptr + rows[:, None] * W + cols[None, :], q, mask=mask)
-            bcols = tl.arange(0, BLOCK_W // QB)
-            tl.store(qs_ptr + rows[:, None] * NB + bcols[None, :], scale,
-                     mask=mask_r[:, None] & (bcols < NB)[None, :])
-    if MAXIMA:
-        atomic_max_of(cmax_ptr + cols, max_to_inf(col_max, 0), cols < W)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * W + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=mask_r)
+    if INT8_COPY:  # masked lanes are 0: a block past W gets scale 1 and is not stored
+        blocks = tl.reshape(x, (BLOCK_R, BLOCK_W // QB, QB))
+        scale = _scale_from_amax(max_to_inf(tl.abs(blocks), 2))
+        q = tl.reshape(_round_clamp(blocks, scale[:, :, None], 0.0, False), (BLOCK_R, BLOCK_W))
+        tl.store(q_ptr + rows[:, None] * W + cols[None, :], q, mask=mask)
+        bcols = tl.arange(0, BLOCK_W // QB)
+        tl.store(qs_ptr + rows[:, None] * NB + bcols[None, :], scale, mask=mask_r[:, None] & (bcols < NB)[None, :])
 
 
 @triton.jit
@@ -169,44 +154,32 @@ def _blocks(W: int) -> tuple:
     return max(1, _TILE // block_w), block_w
 
 
-def _strip_rows(R: int, block_r: int, device: torch.device) -> int:
-    """Rows per program for kernels that walk strips of rows (the backward; the forward with MAXIMA), a multiple
-    of block_r: on CUDA four programs per SM, enough to hide load latency, few enough that the per-program partial
-    results (weight-gradient sums, column-maxima atomics) stay few; under the interpreter four programs, so that
-    each walks several row blocks."""
-    max_programs = 4 * num_sms(device_index(device)) if device.type == "cuda" else 4
-    return cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r
+def _max_backward_programs(index: int) -> int:
+    """Four programs per SM of CUDA device `index`: enough to hide load latency, few enough that the
+    weight-gradient partial sums stay small."""
+    return 4 * num_sms(index)
 
 
-def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, int8_block: int = 0,
-                            maxima: bool = False):
+def triton_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, int8_block: int = 0):
     """(y, rstd): y of x's shape and dtype, contiguous; rstd fp32, one per row (x.numel() // W). `int8_block`:
-    (y, rstd, q, scales) with x's INT8 copy in 1 x int8_block blocks (q of x's shape, scales [rows, NB]).
-    `maxima`: (y, rstd, row maxima [rows], column maxima [W], *copy), the maxima of |y| as fp32 (Inf/NaN as inf)."""
+    (y, rstd, q, scales) with x's INT8 copy in 1 x int8_block blocks (q of x's shape, scales [rows, NB])."""
     W = x.shape[-1]
     x3 = _rows(x)
     N, H = x3.shape[0], x3.shape[1]
-    R = N * H
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(N * H, dtype=torch.float32, device=x.device)
     block_r, block_w = _blocks(W)
     copy = ()
     if int8_block:
         _check_int8_block(int8_block, block_w)
         copy = (torch.empty(x.shape, dtype=torch.int8, device=x.device),
-                torch.empty((R, cdiv(W, int8_block)), dtype=torch.float32, device=x.device))
-    found = ()
-    if maxima:  # one zeroed buffer: an empty y keeps the zeros (an all-zero group's scale is 1)
-        zeros = torch.zeros(R + W, dtype=torch.float32, device=x.device)
-        found = (zeros[:R], zeros[R:])
+                torch.empty((N * H, cdiv(W, int8_block)), dtype=torch.float32, device=x.device))
     if y.numel() == 0:
-        return (y, rstd, *found, *copy)
-    rows_per_program = _strip_rows(R, block_r, x.device) if maxima else block_r
-    _FWD.launch((cdiv(R, rows_per_program),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, *(copy or (y, y)),
-                *(found or (y, y)), R, H, W, float(eps), copy[1].shape[1] if copy else 1, rows_per_program,
-                BLOCK_R=block_r, BLOCK_W=block_w, INT8_COPY=bool(copy), QB=int8_block or 1, MAXIMA=maxima,
-                num_warps=_WARPS)
-    return (y, rstd, *found, *copy)
+        return (y, rstd, *copy)
+    _FWD.launch((cdiv(N * H, block_r),), x3, x3.stride(0), x3.stride(1), weight, y, rstd, *(copy or (y, y)),
+                N * H, H, W, float(eps), copy[1].shape[1] if copy else 1, BLOCK_R=block_r, BLOCK_W=block_w,
+                INT8_COPY=bool(copy), QB=int8_block or 1, num_warps=_WARPS)
+    return (y, rstd, *copy)
 
 
 def _check_int8_block(block: int, block_w: int) -> None:
@@ -242,7 +215,11 @@ def triton_rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     if dx.numel() == 0:
         return dx, torch.zeros_like(weight)
     block_r, block_w = _blocks(W)
-    rows_per_program = _strip_rows(R, block_r, x.device)
+    if x.device.type == "cuda":
+        max_programs = _max_backward_programs(device_index(x.device))
+    else:  # the interpreter: a few programs, so that each loops over several row blocks
+        max_programs = 4
+    rows_per_program = cdiv(cdiv(R, min(max_programs, cdiv(R, block_r))), block_r) * block_r
     programs = cdiv(R, rows_per_program)
     dw_part = torch.empty((programs, W), dtype=torch.float32, device=x.device)
     if amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device):

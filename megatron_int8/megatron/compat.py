@@ -299,7 +299,6 @@ class SequenceParallelNorm:
         zero_centered_gamma: bool = False,
         normalization: str = "LayerNorm",
         int8_copy: bool = False,  # RMSNorm: keep the input's INT8 copy for backward (recipe int8_norm_input)
-        emit_maxima: bool = False,  # RMSNorm: attach its output's maxima for the INT8 linear quantizing it
     ):
         if int8_copy and config.normalization != "RMSNorm":
             raise ValueError(f"SequenceParallelNorm: an INT8 input copy needs RMSNorm, not {config.normalization}")
@@ -308,7 +307,7 @@ class SequenceParallelNorm:
         if config.memory_efficient_layer_norm:
             raise ValueError("SequenceParallelNorm: memory_efficient_layer_norm needs apex")
         if config.normalization == "RMSNorm":
-            norm = FusedRMSNorm(hidden_size, eps=eps, int8_copy=int8_copy, emit_maxima=emit_maxima)
+            norm = FusedRMSNorm(hidden_size, eps=eps, int8_copy=int8_copy)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         else:

@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_layer import (
 from ..ops.swiglu import SwiGLU
 from ..recipe import DEFAULT_RECIPE, Int8Recipe
 from .attention import QueryNormInPlaceSelfAttention, SDPAttention
-from .compat import SequenceParallelNorm, apply_no_te_compat, experts_spec, submodules_of
+from .compat import SequenceParallelNorm, apply_no_te_compat, experts_spec
 from .experts import Int8GroupedMLP
 from .layers import Int8ColumnParallelLinear, Int8RowParallelLinear
 from .policy import Int8Policy
@@ -95,20 +95,15 @@ class Int8SpecProvider(LocalSpecProvider):
         that also accepts sequence parallelism."""
         return TENorm if HAVE_TE else SequenceParallelNorm
 
-    def hidden_norm(self, rms_norm: bool = False, feeds_linear: bool = True):
+    def hidden_norm(self, rms_norm: bool = False):
         """The layer's input and pre-MLP norm: `layer_norm`'s, keeping its input's INT8 copy for backward in INT8
-        layers under the recipe's int8_norm_input, and in INT8 layers whose linears quantize row- or tensor-wise
-        handing its output's maxima to QKV and fc1 (megatron_int8.ops.rms_norm) where it `feeds_linear` directly
-        (not an MoE layer's pre-MLP norm, whose output the router and the dispatch read)."""
+        layers under the recipe's int8_norm_input (megatron_int8.ops.rms_norm)."""
         norm = self.layer_norm(rms_norm=rms_norm)
-        int8 = self.fp8_recipe is None and self.int8 and self.recipe.any_int8
-        if int8 and self.recipe.int8_norm_input and norm is not SequenceParallelNorm:
-            raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
-        params = {"int8_copy": int8 and self.recipe.int8_norm_input,
-                  "emit_maxima": int8 and rms_norm and feeds_linear and self.recipe.granularity in ("row", "tensor")}
-        if norm is not SequenceParallelNorm or not any(params.values()):
+        if not (self.fp8_recipe is None and self.int8 and self.recipe.any_int8 and self.recipe.int8_norm_input):
             return norm
-        return ModuleSpec(module=SequenceParallelNorm, params=params)
+        if norm is not SequenceParallelNorm:
+            raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
+        return ModuleSpec(module=SequenceParallelNorm, params={"int8_copy": True})
 
     def core_attention(self):
         """TEDotProductAttention with Transformer Engine, else SDPAttention; in an INT8 layer whose recipe asks for
@@ -172,7 +167,6 @@ def get_gpt_int8_layer_spec(
         apply_no_te_compat()
     backend = Int8SpecProvider(recipe=recipe, int8=int8, fp8_recipe=fp8_recipe, fp8_compile=fp8_compile)
     norm = backend.hidden_norm(rms_norm=normalization == "RMSNorm")
-    pre_mlp_norm = backend.hidden_norm(rms_norm=normalization == "RMSNorm", feeds_linear=num_experts is None)
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=normalization == "RMSNorm", for_qk=True)
                                          if qk_layernorm else IdentityOp)
     # dense MLPs carry the SwiGLU module; megatron's MLP uses it only under config.use_te_activation_func
@@ -200,7 +194,7 @@ def get_gpt_int8_layer_spec(
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_mlp_norm,
+            pre_mlp_layernorm=norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
@@ -233,15 +227,6 @@ def _keep_in_bf16(spec, policy: Int8Policy, name: str = "", expert_group: Option
             changes["activation_func"] = dataclasses.replace(activation, params={**activation.params,
                                                                                  "emit_maxima": False,
                                                                                  "int8_copy": False})
-        for norm_field, block, linear in (("input_layernorm", "self_attention", "linear_qkv"),
-                                          ("pre_mlp_layernorm", "mlp", "linear_fc1")):
-            parent = changes.get(block)
-            fed = getattr(submodules_of(parent), linear, None) if isinstance(parent, (ModuleSpec, functools.partial)) \
-                else None
-            norm = changes.get(norm_field)
-            if isinstance(norm, ModuleSpec) and norm.params.get("emit_maxima") and isinstance(fed, ModuleSpec) \
-                    and not fed.params.get("int8", True):  # the linear it fed is now BF16: no one reads maxima
-                changes[norm_field] = dataclasses.replace(norm, params={**norm.params, "emit_maxima": False})
         return dataclasses.replace(spec, **changes)
     return spec
 

@@ -15,13 +15,8 @@ is torch's own forward.
 + 4 instead of 2W bytes per row. On CUDA the Triton kernels then run at every width: the forward writes the
 copy while it reads x, the backward dequantizes it while it reads it. Elsewhere a PyTorch reference does the same.
 
-`emit_maxima` (the INT8 layers' hidden-size norms when their linears quantize row- or tensor-wise): on CUDA the
-Triton forward runs at every width and also writes the per-row and per-column maxima of its output, attached to it
-(reference.attach_maxima), so that QKV's and fc1's quantization skips its amax pass. Numerics are unchanged: the
-maxima are those the linear would compute.
-
 MEGATRON_INT8_NORM_KERNEL (read at construction): `auto` (the default, as above), `torch` (torch's kernels
-everywhere, and no maxima emitted), `triton` (the Triton kernel at every width; for A/B timing).
+everywhere), `triton` (the Triton kernel at every width; for A/B timing).
 """
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import ENV_NORM_KERNEL, env_choice
-from ..reference import QTensor, attach_maxima, dequantize, quantize
+from ..reference import QTensor, dequantize, quantize
 from .backend import triton_available, triton_runs_on
 
 TRITON_MAX_WIDTH = 512
@@ -40,14 +35,13 @@ INT8_COPY_BLOCK = 128
 
 class _TritonRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, int8_block: int, emit_maxima: bool):
+    def forward(ctx, x, weight, eps, int8_block: int):
         from ..kernels.rms_norm import triton_rms_norm_forward
 
-        y, rstd, *rest = triton_rms_norm_forward(x, weight, eps, int8_block, emit_maxima)
-        maxima, copy = (rest[:2], rest[2:]) if emit_maxima else ((), rest)
+        y, rstd, *copy = triton_rms_norm_forward(x, weight, eps, int8_block)
         ctx.save_for_backward(*(copy or (x,)), weight, rstd)
         ctx.int8_block = int8_block
-        return attach_maxima(y, *maxima) if emit_maxima else y
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -59,7 +53,7 @@ class _TritonRMSNorm(torch.autograd.Function):
         else:
             x, weight, rstd = ctx.saved_tensors
             dx, dw = triton_rms_norm_backward(dy, x, weight, rstd)
-        return dx, dw, None, None, None
+        return dx, dw, None, None
 
 
 class _ReferenceInt8CopyRMSNorm(torch.autograd.Function):
@@ -92,23 +86,21 @@ def norm_kernel_choice() -> str:
 class FusedRMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm over the last dimension whose CUDA forward and backward are one Triton kernel each
     where torch's are slow (`use_triton`: rows of at most TRITON_MAX_WIDTH, per MEGATRON_INT8_NORM_KERNEL).
-    `int8_copy`: keep x's INT8 copy for backward instead of x; `emit_maxima`: attach the output's row and column
-    maxima for the INT8 linear that quantizes it (the module docstring)."""
+    `int8_copy`: keep x's INT8 copy for backward instead of x (the module docstring)."""
 
-    def __init__(self, *args, int8_copy: bool = False, emit_maxima: bool = False, **kwargs):
+    def __init__(self, *args, int8_copy: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.int8_copy = bool(int8_copy)
         if len(self.normalized_shape) != 1:
             raise ValueError(f"FusedRMSNorm normalizes the last dimension only, got {self.normalized_shape}")
         choice = norm_kernel_choice()
         self.use_triton = choice == "triton" or (choice == "auto" and self.normalized_shape[0] <= TRITON_MAX_WIDTH)
-        self.emit_maxima = bool(emit_maxima) and choice != "torch"
 
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether the forward of input x runs the Triton kernels (see the class docstring)."""
         weight = self.weight
-        return ((self.use_triton or self.int8_copy or self.emit_maxima) and weight is not None
-                and x.dtype == weight.dtype and triton_runs_on(x.device) and triton_available())
+        return ((self.use_triton or self.int8_copy) and weight is not None and x.dtype == weight.dtype
+                and triton_runs_on(x.device) and triton_available())
 
     def eps_for(self, x: torch.Tensor) -> float:
         """The epsilon applied to input x: torch.nn.RMSNorm's default (x's dtype's) when none was set."""
@@ -119,12 +111,10 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         if self.runs_triton(x):
             if x.shape[-1] != self.weight.shape[0]:
                 raise ValueError(f"FusedRMSNorm({self.weight.shape[0]}): input of shape {tuple(x.shape)}")
-            return _TritonRMSNorm.apply(x, self.weight, self.eps_for(x), INT8_COPY_BLOCK if copy else 0,
-                                        self.emit_maxima)
+            return _TritonRMSNorm.apply(x, self.weight, self.eps_for(x), INT8_COPY_BLOCK if copy else 0)
         if copy:
             return _ReferenceInt8CopyRMSNorm.apply(x, self.weight, self.eps_for(x))
         return super().forward(x)
 
     def extra_repr(self) -> str:
-        return (super().extra_repr() + (", int8_copy=True" if self.int8_copy else "")
-                + (", emit_maxima=True" if self.emit_maxima else ""))
+        return super().extra_repr() + (", int8_copy=True" if self.int8_copy else "")

@@ -1090,57 +1090,6 @@ def test_rms_norm_kernel_forward_and_backward(dtype, layout):
     assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
 
 
-@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (24, 640)), (torch.float32, (25, 3, 200))])
-def test_rms_norm_emits_its_output_maxima_for_the_int8_linear(dtype, shape):
-    """FusedRMSNorm(emit_maxima=True) at a width above TRITON_MAX_WIDTH (the hidden norms) and at a ragged one,
-    each program walking a strip of row blocks: the output and rstd equal the plain Triton forward's, the maxima
-    attached to the output are exactly its row and column maxima (an Inf row reads inf), the gradients match
-    float64, and the row-wise INT8 linear that reads the output gives bit-identical results with the maxima and
-    without them (the amax pass skipped, nothing else changed)."""
-    from int8_bounds import assert_rms_norm_close
-
-    from megatron_int8.kernels.rms_norm import triton_rms_norm_forward
-    from megatron_int8.ops.rms_norm import TRITON_MAX_WIDTH, FusedRMSNorm
-    from megatron_int8.reference import known_maxima
-
-    ulps = 1.0 if dtype == torch.bfloat16 else 0.5  # the interpreter's fp32 -> bf16 cast truncates
-    W = shape[-1]  # under the interpreter (4 programs at most) each shape gives 3 programs of 2 row blocks
-    x = outliers(x_rows := torch.Size(shape[:-1]).numel(), W, dtype, zero_rows=(5,)).view(shape)
-    norm = FusedRMSNorm(W, eps=1e-6, emit_maxima=True, dtype=dtype)
-    assert norm.use_triton == (W <= TRITON_MAX_WIDTH)  # the maxima make it run the Triton kernel at any width
-    with torch.no_grad():
-        norm.weight.copy_((1 + torch.randn(W)).to(dtype))
-    leaf = x.detach().requires_grad_(True)
-    y = norm(leaf)
-    assert "TritonRMSNorm" in type(y.grad_fn).__name__
-    plain_y, plain_rstd = triton_rms_norm_forward(x, norm.weight.detach(), 1e-6)
-    _, rstd, *_ = triton_rms_norm_forward(x, norm.weight.detach(), 1e-6, maxima=True)
-    assert torch.equal(y.detach(), plain_y) and torch.equal(rstd, plain_rstd)
-    known = known_maxima(y)
-    y2 = y.detach().reshape(x_rows, W).float().abs()
-    assert torch.equal(known.rows, y2.amax(1)) and torch.equal(known.cols, y2.amax(0))
-    assert known.rows[5] == 0 and (known.cols > 0).all()
-    recipe = Int8Recipe(backend="triton")
-    weight = outliers(16, W, dtype)
-    out = int8_linear(y, weight, recipe=recipe)
-    unmarked = y.detach().clone().requires_grad_(True)
-    assert known_maxima(unmarked) is None
-    assert torch.equal(out, int8_linear(unmarked, weight, recipe=recipe))
-    dy = outliers(x_rows, W, dtype).view(shape)
-    y.backward(dy)
-    assert_rms_norm_close(x, norm.weight.detach(), 1e-6, dy, y, leaf.grad, norm.weight.grad, ulps)
-    both = FusedRMSNorm(W, eps=1e-6, emit_maxima=True, int8_copy=True, dtype=dtype)  # with --int8-norm-input
-    both.load_state_dict(norm.state_dict())
-    y_both = both(x.detach().requires_grad_(True))
-    q, scales, _, _ = y_both.grad_fn.saved_tensors
-    assert q.dtype == torch.int8 and q.shape == x.shape and scales.dtype == torch.float32
-    assert torch.equal(y_both.detach(), y.detach()) and torch.equal(known_maxima(y_both).cols, known.cols)
-    spiked = x.clone()
-    spiked.view(x_rows, W)[2, 3] = float("inf")
-    _, _, rows, cols = triton_rms_norm_forward(spiked, norm.weight.detach(), 1e-6, maxima=True)
-    assert rows[2] == float("inf") and cols[3] == float("inf") and torch.isfinite(rows[3:]).all()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_split_qkv_normed_writes_the_qkv_gradient_in_place(dtype):
     """attention._SplitQKVNormed (the split of a fused QKV output plus the Triton q/k norms as one autograd node)

@@ -135,32 +135,6 @@ def test_swiglu_writes_maxima_only_for_an_int8_linear():
                             num_layers_at_end_in_bf16=1)) == [False, True, False]
 
 
-def test_hidden_norms_write_maxima_only_for_an_int8_linear_they_feed():
-    """The input norm writes its output's maxima while QKV quantizes row- or tensor-wise, the pre-MLP norm while
-    fc1 does; not for a BF16 linear (policy), not under block granularity (no amax pass to skip), and not in an
-    MoE layer's pre-MLP norm (the router and the dispatch read it, not a linear). The BF16 layer builds the plain
-    norm class."""
-    from megatron_int8.megatron.spec import get_gpt_int8_layer_specs
-
-    def emits(policy, **config):
-        specs = get_gpt_int8_layer_specs(tiny_config(num_layers=3, **config), policy)
-        return [tuple(getattr(getattr(s.submodules, norm), "params", {}).get("emit_maxima", False)
-                      for norm in ("input_layernorm", "pre_mlp_layernorm")) for s in specs]
-
-    assert emits(Int8Policy()) == [(True, True)] * 3
-    assert emits(Int8Policy(recipe=Int8Recipe(granularity="tensor"))) == [(True, True)] * 3
-    assert emits(Int8Policy(recipe=Int8Recipe(granularity="block"))) == [(False, False)] * 3
-    assert emits(Int8Policy(bf16_modules=("linear_qkv",))) == [(False, True)] * 3
-    assert emits(Int8Policy(bf16_modules=("linear_fc1",))) == [(True, False)] * 3
-    assert emits(Int8Policy(first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
-                            num_layers_at_end_in_bf16=1)) == [(False, False), (True, True), (False, False)]
-    assert emits(Int8Policy(), num_moe_experts=4, moe_router_topk=2) == [(True, False)] * 3
-    from megatron.core.transformer.spec_utils import build_module
-    layer = build_module(get_gpt_int8_layer_specs(tiny_config(num_layers=1), Int8Policy())[0],
-                         config=tiny_config(num_layers=1), layer_number=1)
-    assert layer.input_layernorm.emit_maxima and layer.pre_mlp_layernorm.emit_maxima
-
-
 def test_checkpoints_interchange_with_bf16(tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
