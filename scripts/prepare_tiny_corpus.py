@@ -3,7 +3,7 @@
 Python standard library, or of the installed packages (site-packages: larger, for bigger runs), or both
 (all); --docs adds their documentation files (.rst, .md). One document per file: {"text": ..., "path": ...}.
 `--text docstrings` keeps only the English prose of the sources instead: each file's module, class and function
-docstrings of at least 8 words, without their doctest lines (>>> and ...), one document per file.
+docstrings of at least 8 words, without their doctest examples, one document per file.
 
     python3 scripts/prepare_tiny_corpus.py --output runs/tiny/corpus.jsonl --max-mb 8
     python3 scripts/prepare_tiny_corpus.py --source site-packages --output corpus.jsonl --max-mb 120
@@ -36,21 +36,41 @@ def python_sources(root: str, max_file_bytes: int, suffixes=(".py",)):
                 yield root, path
 
 
+def _definitions(node):
+    """node and the classes and functions inside it, in source order (ast.walk goes level by level)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _definitions(child)
+        elif not isinstance(child, (ast.expr, ast.Lambda)):  # definitions nested in if/try/with blocks
+            yield from (d for d in _definitions(child) if d is not child)
+
+
+def _without_doctests(text: str) -> str:
+    """text less its doctest examples: each from a `>>>` line to the next blank line (prompts and outputs)."""
+    kept, in_example = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith(">>>"):
+            in_example = True
+        elif not line.strip():
+            in_example = False
+        if not in_example:
+            kept.append(line)
+    return "\n".join(kept).strip()
+
+
 def docstring_prose(source: str, min_words: int = 8) -> str:
-    """The module's, classes' and functions' docstrings of a Python source (in the order they appear), each of at
-    least `min_words` words once its doctest lines are dropped, separated by blank lines; "" if it does not parse."""
+    """The module's, classes' and functions' docstrings of a Python source in source order, each of at least
+    `min_words` words once its doctest examples are dropped, separated by blank lines; "" if it does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return ""
     kept = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = ast.get_docstring(node) or ""
-            lines = [line for line in text.splitlines() if not line.lstrip().startswith((">>>", "..."))]
-            text = "\n".join(lines).strip()
-            if len(text.split()) >= min_words:
-                kept.append(text)
+    for node in _definitions(tree):
+        text = _without_doctests(ast.get_docstring(node) or "")
+        if len(text.split()) >= min_words:
+            kept.append(text)
     return "\n\n".join(kept)
 
 

@@ -259,7 +259,8 @@ def test_data_seed_fixes_the_batches_whatever_the_init_seed(dataset):
 
 
 def test_docstring_corpus_keeps_the_prose_of_the_sources(tmp_path):
-    """--text docstrings: each document holds only docstrings of 8 words or more, without doctest lines; a
+    """--text docstrings: each document holds only docstrings of 8 words or more in source order (a method's after
+    its class's, a later function's after both), without doctest examples (prompts and outputs); a
     source that does not parse gives nothing; --docs with it is a usage error. loss_parity.sh refuses a run
     folder whose corpus is of the other kind rather than train on it."""
     import importlib.util
@@ -271,21 +272,32 @@ def test_docstring_corpus_keeps_the_prose_of_the_sources(tmp_path):
 import os
 
 
-def grow(n):
-    """Grow the tree by n levels, cloning the pen at every branching point of the tree.
+class Tree:
+    """A tree of branches, each drawn by its own clone of the pen."""
 
-    >>> grow(2)
-    ... 4
-    """
-    return os.sep * n
+    def grow(self, n):
+        """Grow the tree by n levels, cloning the pen at every branching point of the tree.
+
+        >>> Tree().grow(2)
+        ... # the number of pens
+        four pens now draw the tree
+        """
+        return os.sep * n
 
 
 class Short:
     """Too short to keep."""
+
+
+if os.sep:
+    def prune(tree):
+        """Prune every branch of the tree that has grown past the edge of the canvas."""
 '''
-    assert corpus.docstring_prose(source) == ("A module that draws trees with a turtle, one branch at a time, breadth "
-                                              "first.\n\nGrow the tree by n levels, cloning the pen at every "
-                                              "branching point of the tree.")
+    assert corpus.docstring_prose(source).split("\n\n") == [
+        "A module that draws trees with a turtle, one branch at a time, breadth first.",
+        "A tree of branches, each drawn by its own clone of the pen.",
+        "Grow the tree by n levels, cloning the pen at every branching point of the tree.",
+        "Prune every branch of the tree that has grown past the edge of the canvas."]
     assert corpus.docstring_prose("def broken(:\n") == ""
     out = tmp_path / "prose.jsonl"
     assert _run(["scripts/prepare_tiny_corpus.py", "--text", "docstrings", "--output", str(out),
