@@ -97,6 +97,13 @@ def parse_args(argv=None):
         args.hidden, args.ffn, args.heads, args.seq, args.micro_batch = 128, 352, 4, 64, 2
         args.num_query_groups = 2 if args.num_query_groups else None
         args.warmup, args.iters = 1, 2
+    if args.int8_attention:
+        from megatron_int8.megatron.policy import int8_attention_problems
+
+        head_dim = args.kv_channels or args.hidden // args.heads
+        problems = int8_attention_problems(head_dim, 0.0)
+        if problems:
+            p.error("--int8-attention: " + "; ".join(text for _, text in problems))
     return args
 
 

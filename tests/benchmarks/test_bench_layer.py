@@ -76,3 +76,5 @@ def test_int8_attention_row_runs_int8_attention_beside_the_int8_linears(monkeypa
             outputs[name] = out.detach().double()
     change = (outputs[row] - outputs["INT8"]).norm() / outputs["INT8"].norm()
     assert 0 < change < 0.1
+    with pytest.raises(SystemExit):  # the tiny layer's head dim, 32: a usage error before anything is built
+        bench_layer.parse_args(["--device", "cpu", "--tiny", "--int8-attention"])
