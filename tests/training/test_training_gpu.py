@@ -76,6 +76,14 @@ def _graphed_follows_eager(data, tmp_path, flags):
     return replayed
 
 
+def test_gpu_cuda_graph_steps_with_int8_attention_train_like_eager_steps(data, tmp_path):  # noqa: F811
+    """--int8-attention in the captured step: its quantization (K smoothing, per-block scales) and its Triton
+    kernels, forward and backward, replayed; the replays follow the eager run as the plain INT8 model's do
+    (a scale or a statistics buffer frozen at the capture would drift away from it) and the loss keeps going down."""
+    replayed = _graphed_follows_eager(data, tmp_path, ["--int8-linear", "--int8-attention"])
+    assert sum(replayed[i] for i in range(17, 21)) / 4 < replayed[1] - 0.5, replayed
+
+
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_gpu_cuda_graph_moe_steps_padded_to_capacity_train_like_eager_steps(data, tmp_path, precision):  # noqa: F811
     """MoE layers in the captured step: 4 grouped experts, top-2, the alltoall dispatcher, every expert's input
