@@ -279,13 +279,15 @@ status() {
     python_path
     local deadline=$((started + wait_s - 45))  # the report and the copies take the rest
     while true; do
-        show_progress
-        collect
         local done=0 failed=0 name
         for name in "${RUNS[@]}"; do
             case "$(state_of "$name")" in finished | stopped*) done=$((done + 1)) ;; failed*) failed=1 ;; esac
         done
         if ! alive "$RUN_DIR/pipeline.pid" && [[ "$(cat "$RUN_DIR/pipeline.rc" 2>/dev/null)" != 0 ]]; then failed=1; fi
+        # the states first, then the snapshot: the last snapshot printed is never behind the states that end the wait
+        # (the other order could print a run as running and then end the wait on its having stopped since)
+        show_progress
+        collect
         [[ $done -eq ${#RUNS[@]} || $failed -eq 1 || $SECONDS -ge $deadline ]] && break
         sleep $((deadline - SECONDS < 30 ? (deadline - SECONDS > 1 ? deadline - SECONDS : 1) : 30))
     done
