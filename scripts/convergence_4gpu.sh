@@ -74,7 +74,8 @@
 # GRAPHS=none),
 # GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run beside BF16; the first `start` keeps it
 # in RUN_DIR/second), GPUS_PER_RUN (2; 1 on a 2-GPU machine), STOP_AT (TRAIN_ITERS: the iteration where both runs
-# stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls).
+# stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls), PORT_BASE (29511: the BF16 run's
+# rendezvous port, the other run's the next; another pair where two pipelines share a machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
@@ -93,7 +94,9 @@ RUNS=(bf16 "$SECOND")
 GPUS_PER_RUN=${GPUS_PER_RUN:-$(cat "$RUN_DIR/gpus_per_run" 2>/dev/null || echo 2)}
 [[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || { echo "error: GPUS_PER_RUN is a positive number, got '$GPUS_PER_RUN'" >&2; exit 2; }
 gpu_list() { seq -s, "$1" $(($1 + GPUS_PER_RUN - 1)); }  # gpu_list FIRST: FIRST,...,FIRST+GPUS_PER_RUN-1
-declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list "$GPUS_PER_RUN")) PORT=([bf16]=29511 [$SECOND]=29512)
+PORT_BASE=${PORT_BASE:-29511}
+[[ $PORT_BASE =~ ^[1-9][0-9]*$ && $PORT_BASE -lt 65535 ]] || { echo "error: PORT_BASE is a port below 65535, got '$PORT_BASE'" >&2; exit 2; }
+declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list "$GPUS_PER_RUN")) PORT=([bf16]=$PORT_BASE [$SECOND]=$((PORT_BASE + 1)))
 declare -A LABEL=([bf16]=BF16 [int8]=INT8 [bf16_init2]="BF16, init seed 2")
 SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
 SEED=${SEED:-1234}
