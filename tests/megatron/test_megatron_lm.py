@@ -6,12 +6,12 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from free_ports import free_port
 
 from megatron_int8 import megatron_lm
 from megatron_int8.training.args import ArgumentError, parse_args
@@ -242,9 +242,7 @@ def test_upstream_megatron_lm_builds_int8_model_with_no_patch(tmp_path, attentio
                              env=dict(os.environ, PYTHON=sys.executable))
     assert fetched.returncode == 0, fetched.stderr
     (dest / "probe.py").write_text(UPSTREAM_PROBE)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     flags = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96", "--kv-channels", "64",
              "--seq-length", "32", "--max-position-embeddings", "64", "--tensor-model-parallel-size", "1",
              "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--global-batch-size", "1",

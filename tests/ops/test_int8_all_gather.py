@@ -2,22 +2,16 @@
 bit-identical results to gathering BF16 and quantizing the gathered tensor, keeps only the local INT8
 shard for backward, and matches the unsharded forward exactly."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from free_ports import free_port
 
 from megatron_int8 import Int8Recipe, TPOptions, int8_linear
 
 GRANULARITIES = ("tensor", "row")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, result_path):
@@ -60,7 +54,7 @@ def _worker(rank, world, port, result_path):
 @pytest.mark.timeout(120)
 def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path / "r")), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path / "r")), nprocs=world, join=True)
     for rank in range(world):
         results = torch.load(tmp_path / f"r.{rank}")
         for granularity in GRANULARITIES:
@@ -100,7 +94,7 @@ def test_int8_all_gather_immediate_check_raises_on_every_rank(tmp_path):
     """A NaN or Inf in one rank's shard: with check_finite="immediate" every rank raises (none is left waiting in
     a collective the raising rank never reaches)."""
     world = 2
-    mp.spawn(_nonfinite_worker, args=(world, _free_port(), str(tmp_path / "r")), nprocs=world, join=True)
+    mp.spawn(_nonfinite_worker, args=(world, free_port(), str(tmp_path / "r")), nprocs=world, join=True)
     for rank in range(world):
         raised = torch.load(tmp_path / f"r.{rank}")
         assert len(raised) == 4 and all(raised.values()), (rank, raised)

@@ -2,7 +2,6 @@
 training against an unconverted copy, DDP and FSDP2 over 2 gloo CPU ranks."""
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from free_ports import free_port
 from int8_bounds import heavy_tailed
 from megatron_int8 import Int8Linear, Int8Recipe, convert_to_int8_training, int8_linear
 from megatron_int8.ops.module import keep_high_precision
@@ -120,12 +120,6 @@ def test_tiny_llama_trains_like_the_unconverted_copy():
     assert losses[0] < first[0] - 0.1 and losses[1] < first[1] - 0.1  # both learn
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, mode, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -160,7 +154,7 @@ def test_data_parallel_on_two_gloo_ranks(mode):
     world = 2
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), mode, results), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, free_port(), mode, results), nprocs=world, join=True)
         results = dict(results)
     single = convert_to_int8_training(tiny_llama())
     ids = torch.randint(0, 256, (2 * world, 16), generator=torch.Generator().manual_seed(5))

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from free_ports import free_port_pair
 from repo_paths import CONFIGS, ROOT, SCRIPTS
 from test_training import SMALL_MODEL, _run
 
@@ -20,25 +21,6 @@ import convergence_report  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "scripts", "convergence_4gpu.sh")
 
-
-def _free_port_pair() -> str:
-    """PORT_BASE for the script: a port free now whose successor is free too, so that tests running at once (pytest
-    -n 2) do not both bind the default pair."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return str(port)
-    raise RuntimeError("no two consecutive free ports")
 ITERATIONS, GLOBAL_BATCH, SEQ = 40, 4, 64
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--micro-batch-size", "2",
         "--global-batch-size", str(GLOBAL_BATCH), "--eval-interval", "10", "--train-iters", str(ITERATIONS)]
@@ -294,7 +276,7 @@ def test_start_and_status_of_a_noise_floor_pair_on_cpu(tmp_path):
     run_dir, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
-               PORT_BASE=_free_port_pair(),
+               PORT_BASE=str(free_port_pair()),
                CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
                WORKERS="2", TRAIN_ITERS="4", SECOND="bf16_init2",
                EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 2 "
@@ -350,7 +332,7 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
     run_dir, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
-               PORT_BASE=_free_port_pair(),
+               PORT_BASE=str(free_port_pair()),
                CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
                WORKERS="2", TRAIN_ITERS="4", GPUS_PER_RUN="1", STOP_AT="2",
                EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 3 "

@@ -6,24 +6,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from free_ports import free_port
 from repo_paths import ROOT
 
 pytestmark = pytest.mark.slow
 SMALL_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
                "--num-query-groups", "2", "--seq-length", "64", "--max-position-embeddings", "64",
                "--lr-warmup-iters", "2", "--log-interval", "2", "--eval-iters", "2", "--num-workers", "0"]
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(argv, timeout=300, gpu=False, stderr=False):
@@ -37,7 +31,7 @@ def _run(argv, timeout=300, gpu=False, stderr=False):
 
 def train(data, *flags, nproc=1, gpu=False, stderr=False):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--master-port", str(_free_port())] if nproc > 1 else [sys.executable])
+                 "--master-port", str(free_port())] if nproc > 1 else [sys.executable])
     return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
                             "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
                             "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags), gpu=gpu, stderr=stderr)

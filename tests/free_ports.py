@@ -1,0 +1,27 @@
+"""Free TCP ports on localhost for the tests that start process groups or trainers (one place, so that tests run
+at once under pytest -n 2 never share a fixed port)."""
+import socket
+
+
+def free_port() -> int:
+    """A port that is free now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A free port whose successor is free too, for a script that takes a base port and uses the next one as well."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
