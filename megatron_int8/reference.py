@@ -299,15 +299,9 @@ def attach_amax(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 def known_maxima(t: torch.Tensor) -> Optional[KnownMaxima]:
-    """The maxima `attach_maxima` / `attach_amax` recorded on this tensor object, or on the tensor it is a whole
-    view of (same data, shape and strides: what an autograd Function that returns its input gives, e.g. megatron's
-    copy_to_tensor_model_parallel_region in front of a column-parallel linear), if unchanged since; else None."""
+    """The maxima `attach_maxima` / `attach_amax` recorded on this very tensor object, if it is unchanged
+    since; else None."""
     known = getattr(t, _MAXIMA_ATTR, None)
-    if known is None and not torch.compiler.is_compiling() and t._is_view():  # dynamo cannot trace _base
-        base = t._base
-        if (base.data_ptr() == t.data_ptr() and base.shape == t.shape and base.stride() == t.stride()
-                and base.dtype == t.dtype):
-            known = getattr(base, _MAXIMA_ATTR, None)
     if known is None or known.shape != tuple(t.shape) or known.version != t._version:
         return None
     return known

@@ -229,29 +229,3 @@ def test_precision_shows_the_shape_policy_decisions(monkeypatch):
         assert _build("column", tiny_config()).precision == "int8"
     finally:
         shape_policy.set_timer(None)
-
-
-def test_column_layer_reads_maxima_attached_in_front_of_it():
-    """Maxima attached to a column-parallel layer's input (the hidden norms' and the SwiGLU's) reach its
-    quantization although megatron passes the input through copy_to_tensor_model_parallel_region (an autograd
-    Function returning its input, i.e. a whole view of it): exact maxima give the plain output, 2x ones change
-    it, which shows they are read; a slice of the input is not that tensor and finds none."""
-    from megatron_int8.reference import attach_maxima, known_maxima
-
-    config = tiny_config()
-    torch.manual_seed(0)
-    layer = _build("column", config, bias=False, recipe=Int8Recipe(granularity="row", backend="reference"))
-    x = outlier_tensor(8, 2, 64)
-
-    def run(factor):
-        inp = x.clone()
-        if factor is not None:
-            attach_maxima(inp, x.abs().reshape(-1, 64).amax(1) * factor, x.abs().reshape(-1, 64).amax(0) * factor)
-        return layer(inp)[0]
-
-    plain = run(None)
-    assert torch.equal(run(1.0), plain)
-    assert not torch.equal(run(2.0), plain)
-    inp = x.clone()
-    attach_maxima(inp, x.abs().reshape(-1, 64).amax(1), x.abs().reshape(-1, 64).amax(0))
-    assert known_maxima(inp[:4]) is None and known_maxima(inp.view_as(inp)) is not None

@@ -58,11 +58,6 @@ def test_known_maxima_follow_the_tensor():
     attach_maxima(t, rows, cols)
     assert known_maxima(t).rows is rows
     assert known_maxima(t.view(4, 6)) is None and known_maxima(t.clone()) is None
-    # a whole view (what an autograd Function returning its input gives) is the same data: found; a slice is not
-    assert known_maxima(t.view_as(t)).rows is rows and known_maxima(t[:3]) is None
-    t.view_as(t).add_(1)  # a change through the view bumps the shared version: ignored
-    assert known_maxima(t) is None
-    attach_maxima(t, t.abs().amax(1), t.abs().amax(0))
     t.mul_(2)
     assert known_maxima(t) is None
     with pytest.raises(ValueError, match="do not match"):
