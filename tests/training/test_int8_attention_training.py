@@ -9,7 +9,8 @@ import sys
 
 import pytest
 from repo_paths import CONFIGS
-from test_training import SMALL_MODEL, _free_port, _run
+from free_ports import free_port
+from test_training import SMALL_MODEL, _run
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "2", "--kv-channels", "64"]
@@ -18,7 +19,7 @@ ATTENTION = "layer1.self_attention.core_attention"
 
 def train(*flags, nproc=1):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(_free_port())] if nproc > 1 else [sys.executable])
+                 str(free_port())] if nproc > 1 else [sys.executable])
     return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
                             *SMALL_MODEL, *MOCK, *flags])
 
