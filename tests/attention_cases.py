@@ -77,7 +77,10 @@ def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
 
     Per-token scales s_q, s_k of Q and smoothed K bound the score error E = scale (s_q/2 sum|k^| + sum|q| s_k/2);
     softmax turns it into |P' - P| <= P (exp(E + max_row E) - 1) =: EP. Each INT8 product A B adds
-    |dA| |B^| + |A| |dB| + step_A |B^|, with step = (row max of the quantized tile) / 254 <= (row max) / 254.
+    |dA| |B^| + |A| |dB| + step_A / 2 |B^|, with step_A / 2 <= (row max of A') / 254: P^T, dS^T and dS have step
+    (row max of the quantized tile) / 127; the forward's P, exp(s - m) with m the running max up to its key tile,
+    has the fixed step 1/127, which is exp(m - m_row) / (127 l) <= 1 / (127 l) = (row max of P') / 127 once the
+    row is divided by its sum l (m <= m_row, the row's max).
     The backward sees the forward's O (delta = rowsum(dO O')), so dS' - dS <= EP |dP - delta| + P' |delta' - delta|.
     fp32 sums and the 16-bit outputs add |x| 2^-22 and |result| 2^-8. A worst case (absolute values summed where
     the errors mostly cancel): the actual errors sit 30-500x below it; the SNR floor and the kernels' comparison
@@ -152,7 +155,7 @@ def assert_within_bounds(got, exact, bounds, dtypes, what):
 
 
 def flip_units(q, k, v, do, causal, scale):
-    """What one rounding flip (a quantized P, P^T, dS^T or dS moved by one step, 1/127 of its row's maximum) can
+    """What one rounding flip (a quantized P, P^T, dS^T or dS moved by one step, <= 1/127 of its row's maximum) can
     change in one element of O, dQ, dK, dV: the step times the other operand's largest value (float64 maxima,
     5% margin for the INT8 values' own error)."""
     group = q.shape[1] // k.shape[1]

@@ -1,8 +1,8 @@
 """Triton INT8 attention (causal or not, GQA), forward and backward; the contract is ops/int8_attention.py's.
 
 Products and scales (the module docstring of ops/int8_attention.py says why):
-    forward   S = Q K^T   INT8, Q and smoothed K per token     O = P V     INT8, P per (query, key tile), V per
-                                                                           (head, block, channel)
+    forward   S = Q K^T   INT8, Q and smoothed K per token     O = P V     INT8, P with the fixed scale 1/127, V
+                                                                           per (head, block, channel)
     backward  S = Q K^T   INT8 as forward, dP = dO V^T BF16,   dV = P^T dO INT8, P^T per (key, query tile),
               dS = P (dP - delta)                                          dO per (head, block, channel)
               dK = dS^T Q INT8, dS^T per (key, query tile), Q per (head, block, channel)
@@ -43,18 +43,12 @@ def warps_for(tile: int) -> int:
 
 
 @triton.jit
-def _quantize_rows_by(x, amax):
-    """(int8 tile, fp32 row scales) of a tile quantized per row, given its rows' amax: scale = max(amax,
-    ROW_AMAX_FLOOR) / 127 (IEEE division)."""
-    amax = tl.maximum(amax, ROW_AMAX_FLOOR)
+def _quantize_rows(x):
+    """(int8 tile, fp32 row scales) of a tile quantized per row: scale = max(amax, ROW_AMAX_FLOOR) / 127 (IEEE
+    division)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), ROW_AMAX_FLOOR)
     s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     return _round_clamp(x, s[:, None], 0, False), s
-
-
-@triton.jit
-def _quantize_rows(x):
-    """(int8 tile, fp32 row scales) of a tile quantized per row."""
-    return _quantize_rows_by(x, tl.max(tl.abs(x), axis=1))
 
 
 @triton.jit
@@ -125,16 +119,17 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(valid, s, float("-inf"))
-    s_max = tl.max(s, axis=1)
-    m_new = tl.maximum(m_i, s_max)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p8, p_scale = _quantize_rows_by(p, tl.exp2(s_max - m_new))  # the rows' max of p, without a second reduction
+    # p <= 1 (0 where masked): the fixed scale 1/127 needs no row maximum; 127 p is in [0, 127], where
+    # _round_clamp's addition of 1.5 * 2^23 rounds half to even and leaves round(127 p) in the low byte
+    p8 = (p * 127.0 + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
     vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
-    v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+    v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d) * (1.0 / 127.0)  # with P's scale
     pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
-    acc = acc * alpha[:, None] + pv * p_scale[:, None] * v_scale[None, :]
+    acc = acc * alpha[:, None] + pv * v_scale[None, :]
     return acc, l_i, m_new
 
 
