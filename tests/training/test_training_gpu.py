@@ -80,7 +80,7 @@ def test_gpu_cuda_graph_steps_with_int8_attention_train_like_eager_steps(data, t
     """--int8-attention in the captured step: its quantization (K smoothing, per-block scales) and its Triton
     kernels, forward and backward, replayed; the replays follow the eager run as the plain INT8 model's do
     (a scale or a statistics buffer frozen at the capture would drift away from it) and the loss keeps going down."""
-    replayed = _graphed_follows_eager(data, tmp_path, ["--int8-linear", "--int8-attention"])
+    replayed = _graphed_follows_eager(data, tmp_path, ["--int8-linear", "--int8-attention", "--kv-channels", "64"])
     assert sum(replayed[i] for i in range(17, 21)) / 4 < replayed[1] - 0.5, replayed
 
 
