@@ -3,7 +3,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
 
     python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
-    python3 benchmarks/bench_attention.py --tiles 128 128 64 64 128 128 64 --no-snr   # a tile sweep point
+    python3 benchmarks/bench_attention.py --tiles 128 128 64 64 128 128 --no-snr   # a tile sweep point
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
-    p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
+    p.add_argument("--tiles", type=int, nargs=6, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M"),
                    help="Int8AttentionConfig fields in order (default: the config's defaults)")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     opts = p.parse_args(argv)

@@ -21,10 +21,10 @@ on_host = pytest.mark.skipif(INTERPRETING, reason="runs in the parent pytest pro
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # small tiles, so that a few dozen tokens cross several scale blocks and tiles
 SMALL = Int8AttentionConfig(block=32, fwd_block_m=16, fwd_block_n=16, bwd_block_m=16, bwd_block_n=32,
-                            dq_block_m=32, dq_block_n=16)
+                            dq_block_m=32)
 # the GPU tiles scaled down to the CPU's shapes (blocks of 64 tokens, tiles of 32 and 64)
 CPU = Int8AttentionConfig(block=64, fwd_block_m=64, fwd_block_n=32, bwd_block_m=32, bwd_block_n=64,
-                          dq_block_m=64, dq_block_n=32)
+                          dq_block_m=64)
 
 if not INTERPRETING and HAS_TRITON:
 
@@ -140,6 +140,29 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
 def test_kernels_match_reference_fp32_gqa(causal):
     q, k, v, do = attention_inputs(1, 4, 2, 70, 32, 7, dtype=torch.float32)  # 70: ragged in every tile size
     assert_kernels_match(q, k, v, do, causal, SMALL, f"fp32 GQA causal={causal}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q,seq_k", [(40, 70), (70, 40)])
+def test_kernels_match_reference_queries_and_keys_of_other_lengths(seq_q, seq_k, causal):
+    """The dK/dV program stores dS by key tile, each from its first key (causal) to the last query: fewer queries
+    than keys leave the last key tiles with no rows (no query sees their keys), more leave rows past every key."""
+    q, k, v, do = attention_inputs(1, 4, 2, max(seq_q, seq_k), 32, 11, dtype=torch.float32)
+    q, do = q[:, :, :seq_q].contiguous(), do[:, :, :seq_q].contiguous()
+    k, v = k[:, :, :seq_k].contiguous(), v[:, :, :seq_k].contiguous()
+    assert_kernels_match(q, k, v, do, causal, SMALL, f"fp32 {seq_q} queries, {seq_k} keys, causal={causal}")
+
+
+@needs_interpreter
+def test_kernels_match_reference_with_ds_stored_one_kv_head_at_a_time(monkeypatch):
+    """Long sequences store dS for a chunk of heads at a time: each launch pair must find its heads' rows (batch 2
+    x 2 kv heads in four chunks here)."""
+    import megatron_int8.kernels.int8_attention as kernels
+
+    monkeypatch.setattr(kernels, "DS_BUFFER_BYTES", 1)
+    q, k, v, do = attention_inputs(2, 4, 2, 70, 32, 12, dtype=torch.float32)
+    assert_kernels_match(q, k, v, do, True, SMALL, "fp32 GQA, dS one kv head at a time")
 
 
 @needs_interpreter
