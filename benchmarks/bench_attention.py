@@ -4,6 +4,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
     python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
     python3 benchmarks/bench_attention.py --tiles 128 128 64 64 128 128 --no-snr   # a tile sweep point
+    python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -101,6 +102,27 @@ def snr_columns(names, q, k, v, do, config):
     return result
 
 
+def profile_int8(q, k, v, do, config, steps=5):
+    """The INT8 fwd+bwd's GPU time per kernel (quantize passes, forward, dK/dV, dQ), per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    fn = attention_fn("int8", config)
+    torch.autograd.grad(fn(*leaves), leaves, do)  # compiled before the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.grad(fn(*leaves), leaves, do)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
+    rows = sorted(((e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in kernels), key=lambda r: -r[1])
+    total = sum(ms for _, ms, _ in rows)
+    print(f"\nINT8 fwd+bwd per step, by kernel ({total:.3f} ms of GPU time)")
+    print("| kernel | ms | share | launches |\n|---|---|---|---|")
+    for name, ms, count in rows:
+        print(f"| {name[:70]} | {ms:.3f} | {100 * ms / total:.1f}% | {count} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
@@ -112,6 +134,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
     p.add_argument("--tiles", type=int, nargs=6, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M"),
                    help="Int8AttentionConfig fields in order (default: the config's defaults)")
+    p.add_argument("--profile", action="store_true", help="also print INT8's GPU time per kernel at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     opts = p.parse_args(argv)
     config = Int8AttentionConfig(*opts.tiles) if opts.tiles else DEFAULT_CONFIG
@@ -148,6 +171,8 @@ def main(argv=None) -> None:
                        **{f"SNR {t}": f"{c:.1f}" for t, c in zip(("O", "dQ", "dK", "dV"), cells)}}
                 rows.append(row)
                 print("| " + " | ".join(str(row[h]) for h in header) + " |", flush=True)
+            if opts.profile:
+                profile_int8(q, k, v, do, config)
             del q, k, v, do
             torch.cuda.empty_cache()
     if opts.csv:
