@@ -36,8 +36,10 @@ from .quantize import _round_clamp, _scale_from_amax
 
 LOG2E = 1.4426950408889634
 # The bytes of stored dS (with its scales) to keep at once: seq 4096 x batch 2 x 32 heads (0.57 GB) goes in one
-# launch; longer sequences go in chunks of heads (one head's dS is 35 MB at seq 8192, 139 MB at 16384), each chunk
-# still at least two waves of dK/dV programs, which a chunk of fewer heads would leave idle.
+# launch; longer sequences go in chunks of kv heads (one query head's dS is 35 MB at seq 8192, 139 MB at 16384,
+# 553 MB at 32768). A chunk holds at least one kv head with its query heads, and enough kv heads for one wave of
+# dK/dV programs (a chunk of fewer would leave SMs idle), which can take more than this: 4.4 GB at seq 32768 with 8
+# query heads per kv head.
 DS_BUFFER_BYTES = 1 << 30
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
@@ -411,8 +413,8 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
     # dS lives from the dK/dV launch to the dQ launch: heads go in chunks that keep it within DS_BUFFER_BYTES
     per_kv_head = group * rows * (cfg.bwd_block_n + 4)
     tiles = cdiv(Sk, cfg.bwd_block_n)
-    waves = cdiv(2 * num_sms(do.device), tiles) if do.is_cuda else 1
-    chunk = min(B * Hk, max(1, waves, DS_BUFFER_BYTES // per_kv_head))
+    one_wave = cdiv(num_sms(do.device), tiles) if do.is_cuda else 1
+    chunk = min(B * Hk, max(1, one_wave, DS_BUFFER_BYTES // per_kv_head))
     ds8 = torch.empty((chunk * group * rows, cfg.bwd_block_n), dtype=torch.int8, device=do.device)
     ds_s = torch.empty((chunk * group * rows,), dtype=torch.float32, device=do.device)
     for bhk0 in range(0, B * Hk, chunk):

@@ -276,6 +276,8 @@ def _check(q, k, v) -> None:
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(f"int8_attention: batch and head dim must match and h % h_kv == 0, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
+    if 0 in q.shape or 0 in k.shape:
+        raise ValueError(f"int8_attention: empty inputs, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
