@@ -3,7 +3,8 @@
 
     python3 scripts/plot_loss.py runs/tiny/checkpoints/train_log.jsonl --output runs/tiny/loss.png
     python3 scripts/plot_loss.py bf16/train_log.jsonl int8/train_log.jsonl --labels BF16 INT8 --output cmp.png \
-        --summary cmp.md     # + a markdown table: last-100 mean training loss, final validation loss, gaps
+        --summary cmp.md     # + markdown tables: last-100 mean training loss, final validation loss, gaps;
+                             #   and each run's training-loss gap per tenth of the run
 """
 import argparse
 import json
@@ -49,6 +50,29 @@ def summary_table(runs, window=100) -> str:
                     f"{final_valid:.4f} | {100 * (final_valid / reference[1] - 1):+.2f}% |")
     header = (f"| run | iterations | training loss (mean of last {window}) | gap | final validation loss | gap |\n"
               "|---|---|---|---|---|---|")
+    return "\n".join([header] + rows)
+
+
+def window_gaps(runs, parts=10) -> str:
+    """Markdown: each run's mean training loss over each tenth of the run (iterations the reference logged too)
+    against the reference's over the same iterations: whether a gap is steady, growing or one span's swing, which
+    a last-100 mean cannot tell (another seed's last 100 batches alone moved it 1.4%: docs/convergence.md, sec. 8)."""
+    _, reference, _ = runs[0]
+    steps = sorted(reference)
+    bounds = [steps[len(steps) * i // parts] for i in range(parts)] + [steps[-1] + 1]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    header = ("| run | " + " | ".join(f"{lo}-{hi - 1}" for lo, hi in spans) + " |\n|" + "---|" * (parts + 1))
+    rows = []
+    for label, train, _ in runs[1:]:
+        cells = []
+        for lo, hi in spans:
+            shared = [s for s in steps if lo <= s < hi and s in train]
+            if not shared:
+                cells.append("-")
+                continue
+            ref = sum(reference[s] for s in shared) / len(shared)
+            cells.append(f"{100 * (sum(train[s] for s in shared) / len(shared) / ref - 1):+.2f}%")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join([header] + rows)
 
 
@@ -102,6 +126,9 @@ def main(argv=None) -> int:
     if args.summary:
         with open(args.summary, "w", encoding="utf-8") as f:
             f.write(summary_table(runs) + "\n")
+            if len(runs) > 1:
+                f.write(f"\nTraining-loss gap to {runs[0][0]}, per tenth of the run (mean over each span's "
+                        "iterations):\n\n" + window_gaps(runs) + "\n")
         print(f"wrote {args.summary}")
     return 0
 
