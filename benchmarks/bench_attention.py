@@ -5,6 +5,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
     python3 benchmarks/bench_attention.py --tiles 128 128 64 64 128 128 --no-snr   # a tile sweep point
     python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
+    python3 benchmarks/bench_attention.py --seqs 4096 --kv-heads 8 --no-snr --sweep     # each kernel's tile choices
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 
 import torch
@@ -123,6 +125,41 @@ def profile_int8(q, k, v, do, config, steps=5):
         print(f"| {name[:70]} | {ms:.3f} | {100 * ms / total:.1f}% | {count} |")
 
 
+# The tiles --sweep tries, each kernel's in turn with the others at the config's: (queries, keys) per forward step,
+# per dK/dV step, and queries per dQ program. Warps follow the tiles (kernels.int8_attention.warps_for).
+SWEEP = {"fwd": [(128, 64), (128, 128), (128, 32), (64, 64), (64, 128)],
+         "bwd": [(64, 128), (32, 128), (128, 128), (64, 64), (32, 64)],
+         "dq": [(128,), (64,)]}
+SWEEP_FIELDS = {"fwd": ("fwd_block_m", "fwd_block_n"), "bwd": ("bwd_block_m", "bwd_block_n"), "dq": ("dq_block_m",)}
+
+
+def sweep_tiles(q, k, v, do, base, iters):
+    """Forward and backward ms of each tile choice of SWEEP (the tiles also set the scale groups of P^T and dS, so
+    a new default needs the SNR columns and the GPU tests beside its speed)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    print("\n| kernel | tiles (SWEEP_FIELDS) | fwd ms | bwd ms | fwd+bwd ms |\n|---|---|---|---|---|")
+    best = (float("inf"), base)
+    for kernel, choices in SWEEP.items():
+        for tiles in choices:
+            fields = dict(zip(SWEEP_FIELDS[kernel], tiles))
+            if kernel == "bwd":  # dQ's query tiles may not exceed the dK/dV program's key tile
+                fields["dq_block_m"] = min(base.dq_block_m, fields["bwd_block_n"])
+            try:
+                config = dataclasses.replace(base, **fields)
+            except ValueError:  # a combination the config refuses
+                continue
+            fn = attention_fn("int8", config)
+            fwd = time_ms(lambda: fn(*leaves), 3, iters)
+            o = fn(*leaves)
+            bwd = time_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True), 3, iters)
+            print(f"| {kernel} | {tuple(fields.values())} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} |", flush=True)
+            best = min(best, (fwd + bwd, config), key=lambda b: b[0])
+            del o
+    cfg = best[1]
+    print(f"\nfastest single change: --tiles {cfg.block} {cfg.fwd_block_m} {cfg.fwd_block_n} {cfg.bwd_block_m} "
+          f"{cfg.bwd_block_n} {cfg.dq_block_m} ({best[0]:.3f} ms)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192])
@@ -135,6 +172,7 @@ def main(argv=None) -> None:
     p.add_argument("--tiles", type=int, nargs=6, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M"),
                    help="Int8AttentionConfig fields in order (default: the config's defaults)")
     p.add_argument("--profile", action="store_true", help="also print INT8's GPU time per kernel at each shape")
+    p.add_argument("--sweep", action="store_true", help="also time each kernel's tile choices (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     opts = p.parse_args(argv)
     config = Int8AttentionConfig(*opts.tiles) if opts.tiles else DEFAULT_CONFIG
@@ -173,6 +211,8 @@ def main(argv=None) -> None:
                 print("| " + " | ".join(str(row[h]) for h in header) + " |", flush=True)
             if opts.profile:
                 profile_int8(q, k, v, do, config)
+            if opts.sweep:
+                sweep_tiles(q, k, v, do, config, opts.iters)
             del q, k, v, do
             torch.cuda.empty_cache()
     if opts.csv:
