@@ -19,7 +19,9 @@ Programs: `_quantize_kernel` (one per head and block of tokens), `_attn_fwd_kern
 `_attn_bwd_dkdv_kernel` (one per key/value head and key tile: it walks the query tiles of every query head of
 its group, so GQA needs no atomics; it also stores each query head's dS of its keys in INT8, quantized per query
 over its key tile, about S^2 / 2 bytes per head when causal), `_attn_bwd_dq_kernel` (one per query head and query
-tile: one INT8 product per stored key tile, with no recomputation of S, the softmax or dP).
+tile: one INT8 product per stored key tile, with no recomputation of S, the softmax or dP). Their grids put the
+heads on the first axis, which the GPU dispatches first, so causal programs start longest first across all heads
+(the last query tiles, or the first key tiles), and the last to start are the shortest.
 Numerics match the PyTorch path of ops/int8_attention.py up to fp32 rounding (exp2 against exp, the order of
 the scale products), which can move a quantized P or dS by one step.
 """
@@ -149,12 +151,12 @@ def _attn_fwd_kernel(
     H, GROUP, Sq, Sk, SkP, NBk, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Program (query tile, b * H + h): online softmax over the key tiles, S and P V in INT8. Causal programs
+    """Program (b * H + h, query tile): online softmax over the key tiles, S and P V in INT8. Causal programs
     start with the last query tiles (the longest rows), and only tiles that cross the diagonal or the last key
     are masked."""
-    pid = tl.program_id(0)
-    m0 = (tl.num_programs(0) - 1 - pid if CAUSAL else pid) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(1)
+    m0 = (tl.num_programs(1) - 1 - pid if CAUSAL else pid) * BLOCK_M
+    bh = tl.program_id(0).to(tl.int64)
     bhk = bh // H * (H // GROUP) + bh % H // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -241,11 +243,11 @@ def _attn_bwd_dkdv_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Program (key tile, b * Hk + hk - BHK0): dK and dV of its keys, over the query tiles of the group's query heads:
+    """Program (b * Hk + hk - BHK0, key tile): dK and dV of its keys, over the query tiles of the group's query heads:
     the tiles that cross the diagonal (causal), then the ones below it unmasked, then the last partial one; and
     each query head's dS of its keys, for the dQ program (the buffer holds the query heads from BHK0 * GROUP on)."""
-    n0 = tl.program_id(0) * BLOCK_N
-    bhk = BHK0 + tl.program_id(1).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    bhk = BHK0 + tl.program_id(0).to(tl.int64)
     b = bhk // HK
     hk = bhk % HK
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -258,7 +260,7 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     full = Sq // BLOCK_M * BLOCK_M  # the query tiles that hold no query past Sq
-    first_row, lo = _ds_rows(tl.program_id(0), Sq, BLOCK_N, CAUSAL)
+    first_row, lo = _ds_rows(tl.program_id(1), Sq, BLOCK_N, CAUSAL)
     if CAUSAL:  # (lo = n0: BLOCK_M divides BLOCK_N)
         diag = tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, Sq)  # query tiles from here see every key here
         mid = tl.maximum(diag, full)
@@ -316,11 +318,11 @@ def _attn_bwd_dq_kernel(
     BH0, H, GROUP, Sq, Sk, SkP, NBk, ROWS, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Program (query tile, b * H + h - BH0): dQ = dS K of its queries, one INT8 product per key tile of the dK/dV
+    """Program (b * H + h - BH0, query tile): dQ = dS K of its queries, one INT8 product per key tile of the dK/dV
     program (BLOCK_N keys: dS's scale group), from the dS that program stored (zeros past the diagonal)."""
-    pid = tl.program_id(0)
-    m0 = (tl.num_programs(0) - 1 - pid if CAUSAL else pid) * BLOCK_M
-    local = tl.program_id(1).to(tl.int64)  # bh's place in the dS buffer
+    pid = tl.program_id(1)
+    m0 = (tl.num_programs(1) - 1 - pid if CAUSAL else pid) * BLOCK_M
+    local = tl.program_id(0).to(tl.int64)  # bh's place in the dS buffer
     bh = BH0 + local
     b = bh // H
     bhk = b * (H // GROUP) + bh % H // GROUP
@@ -388,7 +390,7 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
     _, _, vt8, vt_s, _ = _quantize(v, cfg.block)
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
-    _FWD.launch((cdiv(Sq, cfg.fwd_block_m), B * H),
+    _FWD.launch((B * H, cdiv(Sq, cfg.fwd_block_m)),
                 q8, q_s, k8, k_s, vt8, vt_s, o, lse,
                 H, H // Hk, Sq, Sk, vt8.shape[2], vt_s.shape[1], sm_scale * LOG2E,
                 D=D, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
@@ -419,13 +421,13 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
     ds_s = torch.empty((chunk * group * rows,), dtype=torch.float32, device=do.device)
     for bhk0 in range(0, B * Hk, chunk):
         n = min(chunk, B * Hk - bhk0)
-        _BWD_DKDV.launch((tiles, n),
+        _BWD_DKDV.launch((n, tiles),
                          q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse,
                          delta, dk, dv, ds8, ds_s, bhk0, Hk, group, Sq, Sk, qt8.shape[2], qt_s.shape[1], rows,
                          qk_scale, sm_scale,
                          D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block,
                          CAUSAL=bool(causal), UPCAST=_INTERPRET, num_warps=warps_for(cfg.bwd_block_n))
-        _BWD_DQ.launch((cdiv(Sq, cfg.dq_block_m), n * group),
+        _BWD_DQ.launch((n * group, cdiv(Sq, cfg.dq_block_m)),
                        ds8, ds_s, kt8, kt_s, dq, bhk0 * group, H, group, Sq, Sk, kt8.shape[2], kt_s.shape[1], rows,
                        sm_scale,
                        D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
