@@ -280,6 +280,19 @@ def _check(q, k, v) -> None:
         raise ValueError(f"int8_attention: empty inputs, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+# The tiles that an INT8 product contracts over (P V over keys, dV and dK over queries, dQ over keys): the GPU's INT8
+# tensor-core instructions take at least 32 along it (the interpreter and the PyTorch path take 16)
+CONTRACTION_TILES = ("fwd_block_n", "bwd_block_m", "bwd_block_n")
+
+
+def check_gpu_tiles(cfg: Int8AttentionConfig) -> None:
+    """Refuse, by name, a config whose contraction tiles the GPU kernels cannot compile."""
+    for name in CONTRACTION_TILES:
+        if getattr(cfg, name) < 32:
+            raise ValueError(f"int8_attention: Int8AttentionConfig.{name}={getattr(cfg, name)}: the GPU kernels need "
+                             f"at least 32 (an INT8 product contracts over it)")
+
+
 def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                    scale: Optional[float] = None, config: Optional[Int8AttentionConfig] = None,
                    backend: str = "auto") -> torch.Tensor:
@@ -299,5 +312,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     d = q.shape[-1]
     if use_triton and (d & (d - 1) or not 32 <= d <= 256):
         raise ValueError(f"int8_attention: the Triton kernels take head dims 32..256 that are powers of two, got {d}")
+    if use_triton and q.is_cuda:
+        check_gpu_tiles(cfg)
     fn = _TritonAttention if use_triton else _ReferenceAttention
     return fn.apply(q, k, v, causal, _sm_scale(q, scale), cfg)

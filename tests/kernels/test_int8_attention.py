@@ -14,8 +14,8 @@ from attention_cases import (assert_kernels_match, assert_within_bounds, attenti
                              int8_attention_bounds, run_path, snr_db)
 from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 
-from megatron_int8.ops.int8_attention import (Int8AttentionConfig, attention_reference, int8_attention, quantize_blocks,
-                                              quantize_rows)
+from megatron_int8.ops.int8_attention import (Int8AttentionConfig, attention_reference, check_gpu_tiles, int8_attention,
+                                              quantize_blocks, quantize_rows)
 
 on_host = pytest.mark.skipif(INTERPRETING, reason="runs in the parent pytest process")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -130,6 +130,9 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
         int8_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="empty"):
         int8_attention(q, k[:, :, :0], v[:, :, :0])
+    check_gpu_tiles(Int8AttentionConfig())  # the default compiles on the GPU
+    with pytest.raises(ValueError, match="fwd_block_n=16"):
+        check_gpu_tiles(SMALL)  # the interpreter's tiles do not
     if not HAS_TRITON:
         return
     torch.testing.assert_close(int8_attention(q, k, v, config=SMALL),
