@@ -104,6 +104,15 @@ def _uniform_tile(seed, offs_r, lin, col0, C4, TR: tl.constexpr, TC: tl.constexp
 
 
 @triton.jit
+def _round_to_int8(v):
+    """int8 round(v), half to even, of fp32 values with |v| <= 127: adding 1.5 * 2^23 makes the sum's ulp 1, so the
+    add rounds v, and the sum's bits are 0x4B400000 + round(v): its low byte is round(v) as an int8. That skips the
+    subtraction and the float-to-int conversion (16 per clock per SM on Hopper, against 128 adds), which kept the
+    both-axes pass compute-bound on an H200 (Nsight Compute, 2026-11-22)."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@triton.jit
 def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
     """int8 clamp(round(x * (1 / s))), half-to-even or floor(v + u) when stochastic. 1 / s is one IEEE
     division per scale (s is a scalar or a broadcast row/column of scales), then one multiply per element."""
@@ -113,11 +122,7 @@ def _round_clamp(x, s, u, STOCHASTIC: tl.constexpr):
     v = tl.minimum(tl.maximum(v, -127.0), 127.0)
     if STOCHASTIC:
         return tl.minimum(tl.floor(v + u), 127.0).to(tl.int8)
-    # Round half to even by adding 1.5 * 2^23: for |v| <= 127 the sum's ulp is 1, so the add rounds v, and
-    # the sum's bits are 0x4B400000 + round(v): its low byte is round(v) as an int8. That skips the
-    # subtraction and the float-to-int conversion (16 per clock per SM on Hopper, against 128 adds), which
-    # kept the both-axes pass compute-bound on an H200 (Nsight Compute, 2026-11-22).
-    return (v + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    return _round_to_int8(v)
 
 
 @triton.jit
