@@ -136,7 +136,6 @@ SWEEP_FIELDS = {"fwd": ("fwd_block_m", "fwd_block_n"), "bwd": ("bwd_block_m", "b
 def sweep_tiles(q, k, v, do, base, iters):
     """Forward and backward ms of each tile choice of SWEEP (the tiles also set the scale groups of P^T and dS, so
     a new default needs the SNR columns and the GPU tests beside its speed)."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     print("\n| kernel | tiles (SWEEP_FIELDS) | fwd ms | bwd ms | fwd+bwd ms |\n|---|---|---|---|---|")
     best = (float("inf"), base)
     for kernel, choices in SWEEP.items():
@@ -148,13 +147,9 @@ def sweep_tiles(q, k, v, do, base, iters):
                 config = dataclasses.replace(base, **fields)
             except ValueError:  # a combination the config refuses
                 continue
-            fn = attention_fn("int8", config)
-            fwd = time_ms(lambda: fn(*leaves), 3, iters)
-            o = fn(*leaves)
-            bwd = time_ms(lambda: torch.autograd.grad(o, leaves, do, retain_graph=True), 3, iters)
-            print(f"| {kernel} | {tuple(fields.values())} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} |", flush=True)
-            best = min(best, (fwd + bwd, config), key=lambda b: b[0])
-            del o
+            fwd, bwd, both = time_impl(attention_fn("int8", config), q, k, v, do, iters)
+            print(f"| {kernel} | {tuple(fields.values())} | {fwd:.3f} | {bwd:.3f} | {both:.3f} |", flush=True)
+            best = min(best, (both, config), key=lambda b: b[0])
     cfg = best[1]
     print(f"\nfastest single change: --tiles {cfg.block} {cfg.fwd_block_m} {cfg.fwd_block_n} {cfg.bwd_block_m} "
           f"{cfg.bwd_block_n} {cfg.dq_block_m} ({best[0]:.3f} ms)")
