@@ -17,11 +17,9 @@ Softmax in base 2 (scores times log2(e)), online over key tiles in fp32; lse is 
 
 Programs: `_quantize_kernel` (one per head and block of tokens), `_attn_fwd_kernel` (one per head and query tile),
 `_attn_bwd_dkdv_kernel` (one per key/value head and key tile: it walks the query tiles of every query head of
-its group, so GQA needs no atomics; it also stores each query head's dS of its keys in INT8, quantized per query
-over its key tile, about S^2 / 2 bytes per head when causal), `_attn_bwd_dq_kernel` (one per query head and query
-tile: one INT8 product per stored key tile, with no recomputation of S, the softmax or dP). Their grids put the
-heads on the first axis, which the GPU dispatches first, so causal programs start longest first across all heads
-(the last query tiles, or the first key tiles), and the last to start are the shortest.
+its group, so GQA needs no atomics), `_attn_bwd_dq_kernel` (one per query head and query tile). Their grids put
+the heads on the first axis, which the GPU dispatches first, so causal programs start longest first across all
+heads (the last query tiles, or the first key tiles), and the last to start are the shortest.
 Numerics match the PyTorch path of ops/int8_attention.py up to fp32 rounding (exp2 against exp, the order of
 the scale products), which can move a quantized P or dS by one step.
 """
@@ -33,16 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, cdiv, num_sms
-from .quantize import _round_clamp, _round_to_int8, _scale_from_amax
+from .launch import LaunchCache, cdiv
+from .quantize import _round_clamp, _scale_from_amax
 
 LOG2E = 1.4426950408889634
-# The bytes of stored dS (with its scales) to keep at once: seq 4096 x batch 2 x 32 heads (0.57 GB) goes in one
-# launch; longer sequences go in chunks of kv heads (one query head's dS is 35 MB at seq 8192, 139 MB at 16384,
-# 553 MB at 32768). A chunk holds at least one kv head with its query heads, and enough kv heads for one wave of
-# dK/dV programs (a chunk of fewer would leave SMs idle), which can take more than this: 4.4 GB at seq 32768 with 8
-# query heads per kv head.
-DS_BUFFER_BYTES = 1 << 30
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
 
@@ -133,7 +125,9 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p8 = _round_to_int8(p * 127.0)  # p <= 1 (0 where masked): the fixed scale 1/127 needs no row maximum
+    # p <= 1 (0 where masked): the fixed scale 1/127 needs no row maximum; 127 p is in [0, 127], where
+    # _round_clamp's addition of 1.5 * 2^23 rounds half to even and leaves round(127 p) in the low byte
+    p8 = (p * 127.0 + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
     vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
     v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d) * (1.0 / 127.0)  # with P's scale
     pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
@@ -185,14 +179,12 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, mask_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr, sdo_b,
-               sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, ds_rows_ptr, dss_rows_ptr, lo, Sq, SqP, NBq,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
-               MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
-    """One query tile of a dK/dV program; it also stores the tile's dS for the dQ program, in INT8 per (query, key
-    tile): ds_rows_ptr / dss_rows_ptr point at this key tile's rows, the first of them query `lo`. MASK: the tile
-    crosses the diagonal or the last query. (Keys past Sk need no mask for dK and dV: their rows are quantized on
-    their own and never stored; dS's columns span the keys, so there they are zeroed.)"""
+def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr, sdo_b, sdo_h,
+               sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """One query tile of a dK/dV program. MASK: the tile crosses the diagonal or the last query. (Keys past Sk
+    need no mask: their rows are quantized on their own and never stored.)"""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < Sq
@@ -220,10 +212,6 @@ def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, mask_n, m0, bh, b, h, q_ptr, qs_pt
     qt = tl.load(qt_ptr + (bh * D + offs_d[:, None]) * SqP + offs_m[None, :])
     qt_scale = tl.load(qts_ptr + (bh * NBq + blk) * D + offs_d)
     dk += tl.dot(dst8, tl.trans(qt), out_dtype=tl.int32).to(tl.float32) * dst_scale[:, None] * qt_scale[None, :]
-    ds8, ds_scale = _quantize_rows(tl.trans(tl.where(mask_n[:, None], dst, 0.0)))
-    rows = offs_m - lo
-    tl.store(ds_rows_ptr + rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], ds8, mask=mask_m[:, None])
-    tl.store(dss_rows_ptr + rows, ds_scale, mask=mask_m)
     return dk, dv
 
 
@@ -236,16 +224,14 @@ def _attn_bwd_dkdv_kernel(
     dot_ptr, dots_ptr,  # dO^T INT8 [BH, D, SqP], scales [BH, NBq, D]
     lse_ptr, delta_ptr,  # [BH, Sq] fp32
     dk_ptr, dv_ptr,  # [B, Hk, Sk, D] contiguous, in K's and V's dtypes
-    ds_ptr, dss_ptr,  # dS for dQ: INT8 [heads, ROWS, BLOCK_N] and scales [heads, ROWS] (_ds_rows: the row layout)
-    BHK0, HK, GROUP, Sq, Sk, SqP, NBq, ROWS, qk_scale, sm_scale,
+    HK, GROUP, Sq, Sk, SqP, NBq, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Program (b * Hk + hk - BHK0, key tile): dK and dV of its keys, over the query tiles of the group's query heads:
-    the tiles that cross the diagonal (causal), then the ones below it unmasked, then the last partial one; and
-    each query head's dS of its keys, for the dQ program (the buffer holds the query heads from BHK0 * GROUP on)."""
+    """Program (b * Hk + hk, key tile): dK and dV of its keys, over the query tiles of the group's query heads:
+    the tiles that cross the diagonal (causal), then the ones below it unmasked, then the last partial one."""
     n0 = tl.program_id(1) * BLOCK_N
-    bhk = BHK0 + tl.program_id(0).to(tl.int64)
+    bhk = tl.program_id(0).to(tl.int64)
     b = bhk // HK
     hk = bhk % HK
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -258,86 +244,108 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     full = Sq // BLOCK_M * BLOCK_M  # the query tiles that hold no query past Sq
-    first_row, lo = _ds_rows(tl.program_id(1), Sq, BLOCK_N, CAUSAL)
-    if CAUSAL:  # (lo = n0: BLOCK_M divides BLOCK_N)
+    if CAUSAL:
+        lo = n0 // BLOCK_M * BLOCK_M
         diag = tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, Sq)  # query tiles from here see every key here
         mid = tl.maximum(diag, full)
     else:
+        lo = 0
         diag = 0
         mid = full
     for g in range(0, GROUP):
         h = hk * GROUP + g
         bh = b * HK * GROUP + h
-        local = (bhk - BHK0) * GROUP + g  # bh's place in the dS buffer
-        ds_tile = ds_ptr + (local * ROWS + first_row) * BLOCK_N
-        dss_tile = dss_ptr + local * ROWS + first_row
         for m0 in range(lo, diag, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, mask_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr,
-                                do_ptr, sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, ds_tile,
-                                dss_tile, lo, Sq, SqP, NBq, D, BLOCK_M, BLOCK_N, QBLOCK, True, CAUSAL, UPCAST)
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, True, CAUSAL, UPCAST)
         for m0 in range(diag, full, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, mask_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr,
-                                do_ptr, sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, ds_tile,
-                                dss_tile, lo, Sq, SqP, NBq, D, BLOCK_M, BLOCK_N, QBLOCK, False, CAUSAL, UPCAST)
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, False, CAUSAL, UPCAST)
         for m0 in range(mid, Sq, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, mask_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr,
-                                do_ptr, sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, ds_tile,
-                                dss_tile, lo, Sq, SqP, NBq, D, BLOCK_M, BLOCK_N, QBLOCK, True, CAUSAL, UPCAST)
+            dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
+                                sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
+                                D, BLOCK_M, QBLOCK, True, CAUSAL, UPCAST)
     out = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_n[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask_n[:, None])
 
 
 @triton.jit
-def _ds_rows(j, Sq, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """(first row, first query) of key tile j's dS in a head's [ROWS, BLOCK_N] block: the tile's rows are its
-    queries from `lo` (the tile's first key when causal, the earlier queries seeing none of its keys; 0 otherwise)
-    to Sq, one after another, key tile after key tile. ds_rows_total gives ROWS."""
-    if CAUSAL:
-        jj = tl.minimum(j, tl.cdiv(Sq, BLOCK_N))  # tiles from cdiv(Sq, BLOCK_N) on have no rows
-        return jj * Sq - BLOCK_N * (jj * (jj - 1) // 2), j * BLOCK_N
-    return j * Sq, 0
-
-
-def ds_rows_total(Sq: int, Sk: int, block_n: int, causal: bool) -> int:
-    """Rows of one head's stored dS (_ds_rows' layout): about half of Sq x Sk / block_n when causal."""
-    tiles = cdiv(Sk, block_n)
-    if not causal:
-        return tiles * Sq
-    jj = min(tiles, cdiv(Sq, block_n))
-    return jj * Sq - block_n * (jj * (jj - 1) // 2)
+def _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h, sv_s,
+             b, hk, bhk, Sk, SkP, NBk, D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of a dQ program. MASK: the tile crosses the diagonal or the last key. (Queries past Sq need no
+    mask: their dO and delta are zero, so is their dS, and they are never stored.)"""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    k_rows = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    v_rows = b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :]
+    if MASK:
+        mask_n = offs_n < Sk
+        k = tl.load(k_ptr + k_rows, mask=mask_n[:, None], other=0)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
+        v = tl.load(v_ptr + v_rows, mask=mask_n[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_rows)
+        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n)
+        v = tl.load(v_ptr + v_rows)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+    p = tl.exp2(s - lse[:, None])
+    if MASK:
+        valid = mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+    ds8, ds_scale = _quantize_rows(p * (_dot_16bit(do, tl.trans(v), UPCAST) - delta[:, None]))
+    kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
+    kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
+    return dq + tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None] * kt_scale[None, :]
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    ds_ptr, dss_ptr,  # dS INT8 [heads, ROWS, BLOCK_N] and its scales [heads, ROWS], from the dK/dV program
+    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per-token INT8 Q, K and scales (as the forward)
     kt_ptr, kts_ptr,  # per-block K^T INT8 [BHk, D, SkP], scales [BHk, NBk, D]
+    v_ptr, sv_b, sv_h, sv_s,  # V [B, Hk, Sk, D] (16-bit, last stride 1)
+    do_ptr, sdo_b, sdo_h, sdo_s,  # dO [B, H, Sq, D] (16-bit, last stride 1)
+    lse_ptr, delta_ptr,  # [BH, Sq] fp32
     dq_ptr,  # [B, H, Sq, D] contiguous, in Q's dtype
-    BH0, H, GROUP, Sq, Sk, SkP, NBk, ROWS, sm_scale,
+    H, GROUP, Sq, Sk, SkP, NBk, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """Program (b * H + h - BH0, query tile): dQ = dS K of its queries, one INT8 product per key tile of the dK/dV
-    program (BLOCK_N keys: dS's scale group), from the dS that program stored (zeros past the diagonal)."""
+    """Program (b * H + h, query tile): dQ of its queries, over the key tiles (masked as the forward's)."""
     pid = tl.program_id(1)
     m0 = (tl.num_programs(1) - 1 - pid if CAUSAL else pid) * BLOCK_M
-    local = tl.program_id(0).to(tl.int64)  # bh's place in the dS buffer
-    bh = BH0 + local
+    bh = tl.program_id(0).to(tl.int64)
     b = bh // H
-    bhk = b * (H // GROUP) + bh % H // GROUP
+    hk = bh % H // GROUP
+    bhk = b * (H // GROUP) + hk
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < Sq
+    q = tl.load(q_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], mask=mask_m[:, None], other=0)
+    q_scale = tl.load(qs_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0) * qk_scale
+    do = tl.load(do_ptr + b * sdo_b + bh % H * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
+                 mask=mask_m[:, None], other=0.0)
+    lse = tl.load(lse_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    hi = tl.minimum(Sk, m0 + BLOCK_M) if CAUSAL else Sk  # (causal: every tile here starts at or before m0)
-    for n0 in range(0, hi, BLOCK_N):
-        first_row, lo = _ds_rows(n0 // BLOCK_N, Sq, BLOCK_N, CAUSAL)
-        rows = local * ROWS + first_row + offs_m - lo
-        ds8 = tl.load(ds_ptr + rows[:, None] * BLOCK_N + offs_n[None, :], mask=mask_m[:, None], other=0)
-        ds_scale = tl.load(dss_ptr + rows, mask=mask_m, other=0.0)
-        kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + n0 + offs_n[None, :])  # zeros past Sk
-        kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
-        dq += tl.dot(ds8, tl.trans(kt), out_dtype=tl.int32).to(tl.float32) * ds_scale[:, None] * kt_scale[None, :]
+    full = Sk // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        mid = tl.minimum(m0 // BLOCK_N * BLOCK_N, full)
+        hi = tl.minimum(Sk, m0 + BLOCK_M)
+    else:
+        mid = full
+        hi = Sk
+    for n0 in range(0, mid, BLOCK_N):
+        dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, False, CAUSAL, UPCAST)
+    for n0 in range(mid, hi, BLOCK_N):
+        dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, True, CAUSAL, UPCAST)
     tl.store(dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
              mask=mask_m[:, None])
 
@@ -408,26 +416,16 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
     dk = torch.empty(k_shape, dtype=k_dtype, device=do.device)
     dv = torch.empty(k_shape, dtype=v.dtype, device=do.device)
     qk_scale = sm_scale * LOG2E
-    rows = ds_rows_total(Sq, Sk, cfg.bwd_block_n, causal)
-    group = H // Hk
-    # dS lives from the dK/dV launch to the dQ launch: heads go in chunks that keep it within DS_BUFFER_BYTES
-    per_kv_head = group * rows * (cfg.bwd_block_n + 4)
-    tiles = cdiv(Sk, cfg.bwd_block_n)
-    one_wave = cdiv(num_sms(do.device), tiles) if do.is_cuda else 1
-    chunk = min(B * Hk, max(1, one_wave, DS_BUFFER_BYTES // per_kv_head))
-    ds8 = torch.empty((chunk * group * rows, cfg.bwd_block_n), dtype=torch.int8, device=do.device)
-    ds_s = torch.empty((chunk * group * rows,), dtype=torch.float32, device=do.device)
-    for bhk0 in range(0, B * Hk, chunk):
-        n = min(chunk, B * Hk - bhk0)
-        _BWD_DKDV.launch((n, tiles),
-                         q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse,
-                         delta, dk, dv, ds8, ds_s, bhk0, Hk, group, Sq, Sk, qt8.shape[2], qt_s.shape[1], rows,
-                         qk_scale, sm_scale,
-                         D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block,
-                         CAUSAL=bool(causal), UPCAST=_INTERPRET, num_warps=warps_for(cfg.bwd_block_n))
-        _BWD_DQ.launch((n * group, cdiv(Sq, cfg.dq_block_m)),
-                       ds8, ds_s, kt8, kt_s, dq, bhk0 * group, H, group, Sq, Sk, kt8.shape[2], kt_s.shape[1], rows,
-                       sm_scale,
-                       D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                       num_warps=warps_for(cfg.dq_block_m))
+    _BWD_DKDV.launch((B * Hk, cdiv(Sk, cfg.bwd_block_n)),
+                     q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse, delta,
+                     dk, dv, Hk, H // Hk, Sq, Sk, qt8.shape[2], qt_s.shape[1], qk_scale, sm_scale,
+                     D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
+                     UPCAST=_INTERPRET,
+                     num_warps=warps_for(cfg.bwd_block_n))
+    _BWD_DQ.launch((B * H, cdiv(Sq, cfg.dq_block_m)),
+                   q8, q_s, k8, k_s, kt8, kt_s, v, *v.stride()[:3], do, *do.stride()[:3], lse, delta, dq,
+                   H, H // Hk, Sq, Sk, kt8.shape[2], kt_s.shape[1], qk_scale, sm_scale,
+                   D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
+                   UPCAST=_INTERPRET,
+                   num_warps=warps_for(cfg.dq_block_m))
     return dq, dk, dv

@@ -11,7 +11,7 @@ Which products are INT8 (SageBwd's split: six of the seven, dP = dO V^T kept 16-
               dP = dO V^T           BF16 inputs, fp32 accumulation
               dV = P^T dO           INT8, P^T per (key, tile of `bwd_block_m` queries), dO per (head, block, channel)
               dK = dS^T Q           INT8, dS^T per (key, tile of `bwd_block_m` queries), Q per (head, block, channel)
-              dQ = dS K             INT8, dS per (query, tile of `bwd_block_n` keys), K per (head, block, channel)
+              dQ = dS K             INT8, dS per (query, tile of `dq_block_n` keys), K per (head, block, channel)
 Q and K are thus saved twice in INT8 (together the bytes of one BF16 copy): per token for the scores, whose
 error dominates, and per block and channel for dK and dQ, which contract over tokens (an operand's scales must
 be constant along the contraction axis of a tile). Measured on this PyTorch path against fp64 (CPU, 2026-12-02,
@@ -67,19 +67,15 @@ class Int8AttentionConfig:
     fwd_block_m: int = 128  # queries per forward program
     fwd_block_n: int = 64  # keys per forward step (P is exp(s - the running max of the keys so far))
     bwd_block_m: int = 64  # queries per step of the dK/dV program: P^T's and dS^T's scales per key and tile
-    bwd_block_n: int = 128  # keys per dK/dV program, which stores dS for dQ: dS's scales per query and such a tile
+    bwd_block_n: int = 128  # keys per dK/dV program
     dq_block_m: int = 128  # queries per dQ program
+    dq_block_n: int = 64  # keys per step of the dQ program: dS's scales per query and such a tile
 
     def __post_init__(self):
-        for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m"):
+        for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             tile = getattr(self, name)
             if tile < 16 or tile & (tile - 1) or self.block % tile:
                 raise ValueError(f"Int8AttentionConfig.{name}={tile}: a power of two >= 16 dividing block={self.block}")
-        # the stored dS's rows of a key tile start at its first key, a multiple of both query tiles
-        for name in ("bwd_block_m", "dq_block_m"):
-            if getattr(self, name) > self.bwd_block_n:
-                raise ValueError(f"Int8AttentionConfig.{name}={getattr(self, name)}: at most "
-                                 f"bwd_block_n={self.bwd_block_n}")
 
 
 DEFAULT_CONFIG = Int8AttentionConfig()
@@ -211,8 +207,8 @@ def reference_backward(do, o, v, saved: _Saved, causal: bool, sm_scale: float, c
     dq = torch.zeros(B, H, Sq, D, device=o.device)
     k_int = _expand_heads(saved.kb_int, group)
     k_tok = _per_token(_expand_heads(saved.kb_scale, group), cfg.block, Sk)
-    for n0 in range(0, Sk, cfg.bwd_block_n):  # contraction over key tiles: scales per (query, tile)
-        tile = slice(n0, n0 + cfg.bwd_block_n)
+    for n0 in range(0, Sk, cfg.dq_block_n):  # contraction over key tiles: scales per (query, tile)
+        tile = slice(n0, n0 + cfg.dq_block_n)
         ds_int, ds_scale = quantize_rows(ds[..., tile])
         dq += (ds_int @ k_int[..., tile, :]) * ds_scale * k_tok[..., n0:n0 + 1, :]
     return dq * sm_scale, _sum_heads(dk, group) * sm_scale, _sum_heads(dv, group)
@@ -282,7 +278,7 @@ def _check(q, k, v) -> None:
 
 # The tiles that an INT8 product contracts over (P V over keys, dV and dK over queries, dQ over keys): the GPU's INT8
 # tensor-core instructions take at least 32 along it (the interpreter and the PyTorch path take 16)
-CONTRACTION_TILES = ("fwd_block_n", "bwd_block_m", "bwd_block_n")
+CONTRACTION_TILES = ("fwd_block_n", "bwd_block_m", "dq_block_n")
 
 
 def check_gpu_tiles(cfg: Int8AttentionConfig) -> None:

@@ -265,12 +265,12 @@ def _attention_cases():
             dict(D=d, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=True),
             AT.warps_for(cfg.fwd_block_m))
         cases[f"attention backward dK dV causal d{d}"] = (
-            AT._attn_bwd_dkdv_kernel, dict(bwd, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16", ds_ptr="i8"),
+            AT._attn_bwd_dkdv_kernel, dict(bwd, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16"),
             dict(D=d, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
             AT.warps_for(cfg.bwd_block_n))
         cases[f"attention backward dQ causal d{d}"] = (
-            AT._attn_bwd_dq_kernel, dict(ds_ptr="i8", kt_ptr="i8", dq_ptr="bf16"),
-            dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True),
+            AT._attn_bwd_dq_kernel, dict(bwd, kt_ptr="i8", dq_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
             AT.warps_for(cfg.dq_block_m))
     return cases
 
