@@ -64,8 +64,8 @@ class Int8AttentionConfig:
     every token tile below divides it, so an operand's scale is constant along a tile of its contraction axis.
     """
     block: int = 128
-    fwd_block_m: int = 128  # queries per forward program
-    fwd_block_n: int = 64  # keys per forward step (P is exp(s - the running max of the keys so far))
+    fwd_block_m: int = 64  # queries per forward program (64 x 128 ran 21-23% faster than 128 x 64 on an H200)
+    fwd_block_n: int = 128  # keys per forward step (P is exp(s - the running max of the keys so far))
     bwd_block_m: int = 64  # queries per step of the dK/dV program: P^T's and dS^T's scales per key and tile
     bwd_block_n: int = 128  # keys per dK/dV program
     dq_block_m: int = 128  # queries per dQ program
