@@ -67,7 +67,7 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="With --int8-linear: the INT8 layers' core attention runs INT8 Q K^T, P V and "
                             "gradients (megatron_int8.ops.int8_attention) instead of BF16 flash attention. "
                             "Causal self-attention only: needs --attention-dropout 0, head dim 64 or 128, no "
-                            "--reset-attention-mask. Opt-in: 0.3x the speed of cuDNN BF16 attention on an H200 "
+                            "--reset-attention-mask. Opt-in: 0.4x the speed of cuDNN BF16 attention on an H200 "
                             "(docs/training.md, 'INT8 attention').")
     return parser
 
