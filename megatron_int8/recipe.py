@@ -157,8 +157,8 @@ class Int8Recipe:
         also where Transformer Engine is installed). A numerics field: it changes results, which the execution
         options never do. It serves causal self-attention without a mask tensor, attention dropout or a sliding
         window, head dims 64 and 128, GQA; the layer refuses anything else when it is built. Layers the policy
-        keeps in BF16 keep BF16 attention. Off by default: its kernels ran at 0.3x the speed of cuDNN's BF16
-        attention on an H200 (2026-12-02, `python3 benchmarks/bench_attention.py`; O at 27.7 dB SNR against
+        keeps in BF16 keep BF16 attention. Off by default: its kernels ran at 0.4x the speed of cuDNN's BF16
+        attention on an H200 (2026-12-02, `python3 benchmarks/bench_attention.py`; O at 27.2 dB SNR against
         float64 on outlier-heavy inputs at seq 4096, `tests/kernels/test_int8_attention_gpu.py`). Only the
         megatron specs read it: `convert_to_int8_training` converts linears and refuses it; other models call
         `int8_attention` in their attention themselves.
