@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .launch import LaunchCache, cdiv
-from .quantize import _round_clamp, _scale_from_amax
+from .quantize import _round_clamp, _round_to_int8, _scale_from_amax
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -125,9 +125,7 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    # p <= 1 (0 where masked): the fixed scale 1/127 needs no row maximum; 127 p is in [0, 127], where
-    # _round_clamp's addition of 1.5 * 2^23 rounds half to even and leaves round(127 p) in the low byte
-    p8 = (p * 127.0 + 12582912.0).to(tl.int32, bitcast=True).to(tl.int8)
+    p8 = _round_to_int8(p * 127.0)  # p <= 1 (0 where masked): the fixed scale 1/127 needs no row maximum
     vt = tl.load(vt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
     v_scale = tl.load(vs_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d) * (1.0 / 127.0)  # with P's scale
     pv = tl.dot(p8, tl.trans(vt), out_dtype=tl.int32).to(tl.float32)
