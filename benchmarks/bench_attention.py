@@ -3,7 +3,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
 
     python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
-    python3 benchmarks/bench_attention.py --tiles 128 64 128 64 128 128 64 --no-snr   # a tile point (the defaults)
+    python3 benchmarks/bench_attention.py --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point (the defaults)
     python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
     python3 benchmarks/bench_attention.py --seqs 4096 --kv-heads 8 --no-snr --sweep     # each kernel's tile choices
 
