@@ -72,8 +72,8 @@ def test_snr_against_fp64_beside_bf16_sdpa(seq):
     # The PyTorch path on CPU (4 query / 1 kv heads) measured 29.4, 24.1, 27.5, 29.2 dB at seq 1024 and 28.2, 22.7,
     # 24.9, 28.4 at 2048 with P per tile: ~1.3 dB less per doubling of the keys a query sees (dK 2.6). Floors: that
     # trend carried to `seq`, less 2 dB. With the forward's P at the fixed scale (c16b635): 29.6, 24.6, 26.6, 30.7
-    # and 27.3, 23.9, 25.3, 28.1, above the floors by 1.1-3.5 dB; on an H200 (f4c310e) the kernels gave 30.7, 27.3,
-    # 28.0, 31.7 at 1024 and 27.2, 21.1, 22.9, 27.3 at 4096 with 16 / 4 heads (docs/numerics.md).
+    # and 27.3, 23.9, 25.3, 28.1, above the floors by 1.1-3.5 dB; on an H200 (68462cf) the kernels gave 30.7, 27.3,
+    # 28.1, 31.9 at 1024 and 27.2, 21.1, 23.0, 27.4 at 4096 with 16 / 4 heads (docs/numerics.md).
     doublings = math.log2(seq / 1024)
     floors = {"O": 27.4 - 1.3 * doublings, "dQ": 22.1 - 1.4 * doublings, "dK": 25.5 - 2.6 * doublings,
               "dV": 27.2 - 1.3 * doublings}
