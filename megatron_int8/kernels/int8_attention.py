@@ -102,12 +102,13 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP, NBk,
-              D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """One key tile of the forward's online softmax. MASK: the tile crosses the diagonal or the last key."""
+def _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """(S, offs_n) of the key tile at n0: the dequantized scores of a query tile, -inf past Sk and above the
+    diagonal where MASK (the tile crosses either), so that exp2 makes their probabilities exactly 0. The forward
+    and the dQ program share it."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    k_rows = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    k_rows = (bhk * Sk + offs_n[:, None]) * D + tl.arange(0, D)[None, :]
     if MASK:
         mask_n = offs_n < Sk
         k = tl.load(k_ptr + k_rows, mask=mask_n[:, None], other=0)
@@ -121,6 +122,15 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(valid, s, float("-inf"))
+    return s, offs_n
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP, NBk,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key tile of the forward's online softmax. MASK: the tile crosses the diagonal or the last key."""
+    offs_d = tl.arange(0, D)
+    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -261,26 +271,14 @@ def _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, 
              MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile of a dQ program. MASK: the tile crosses the diagonal or the last key. (Queries past Sq need no
     mask: their dO and delta are zero, so is their dS, and they are never stored.)"""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    k_rows = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
+    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL)
     v_rows = b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :]
     if MASK:
-        mask_n = offs_n < Sk
-        k = tl.load(k_ptr + k_rows, mask=mask_n[:, None], other=0)
-        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n, mask=mask_n, other=0.0)
-        v = tl.load(v_ptr + v_rows, mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + v_rows, mask=(offs_n < Sk)[:, None], other=0.0)
     else:
-        k = tl.load(k_ptr + k_rows)
-        k_scale = tl.load(ks_ptr + bhk * Sk + offs_n)
         v = tl.load(v_ptr + v_rows)
-    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
     p = tl.exp2(s - lse[:, None])
-    if MASK:
-        valid = mask_n[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(valid, p, 0.0)
     ds8, ds_scale = _quantize_rows(p * (_dot_16bit(do, tl.trans(v), UPCAST) - delta[:, None]))
     kt = tl.load(kt_ptr + (bhk * D + offs_d[:, None]) * SkP + offs_n[None, :])  # zeros past Sk
     kt_scale = tl.load(kts_ptr + (bhk * NBk + n0 // QBLOCK) * D + offs_d)
