@@ -10,6 +10,10 @@ section: a few minutes, for a check after a kernel change.
    8192 * top-2 / 8 = 2048 tokens an expert sees on average): BF16 torch.matmul, our Triton INT8 GEMM with
    fused dequant (tensorwise), torch._int_mm + eager dequant, FP8 torch._scaled_mm (tensorwise), in TFLOP/s
    (TOP/s), and ours / BF16.
+1b. Block-scale GEMMs (the block recipe: 1 x B scales along K, B x B weight tiles) of Llama2-7B's and Qwen3-4B's
+   linears (--quick: Llama2-7B's) on Hopper's block kernel (the default route) at B = 128, 256 and 512, and at 128 on
+   the portable kernel (MEGATRON_INT8_GEMM_KERNEL=portable, autotuned), in TOP/s beside the default recipe's
+   row-scale GEMMs; wgrad adds into an fp32 main_grad as in training, fprop and dgrad write bf16.
 2. Quantize kernels on an 8192 x 4096 bf16 activation: GB/s by the minimal-bytes model (read the input
    once, write each int8 output once) next to a device-to-device copy's GB/s (read + write).
    Also each of a current-scaling call's two kernels on its own: the quantize pass with the maxima given
@@ -96,6 +100,68 @@ def n_copies(nbytes):
 
 
 # ---------------------------------------------------------------------------------------------- GEMMs
+def _gemm_operands(M, N, K, granularity, wgrad, block_size=128):
+    """Operands as a training step quantizes them: a token-major activation or gradient (a; wgrad: Q(dy^T)), and a
+    weight (b; block scales: B x B tiles) or, for wgrad, Q(x^T) (1 x B blocks along the tokens)."""
+    qa, _ = REF.quantize(data(M, K), granularity=granularity, block_size=block_size, weight=False, rowwise=True,
+                         columnwise=False)
+    qb, _ = REF.quantize(data(N, K), granularity=granularity, block_size=block_size, weight=not wgrad, rowwise=True,
+                         columnwise=False)
+    return qa, qb
+
+
+def _time_gemm(qs, M, N, wgrad, kernel):
+    """Median ms of triton_gemm through MEGATRON_INT8_GEMM_KERNEL=`kernel` (tuning, if any, before the timing):
+    a bf16 output, or wgrad's fp32 accumulation into a main_grad."""
+    before = os.environ.get("MEGATRON_INT8_GEMM_KERNEL")
+    os.environ["MEGATRON_INT8_GEMM_KERNEL"] = kernel
+    try:
+        if wgrad:
+            main = torch.zeros(M, N, device="cuda")
+            fn = lambda: triton_gemm(*qs(), out_dtype=torch.float32, accumulate_into=main)  # noqa: E731
+        else:
+            fn = lambda: triton_gemm(*qs(), out_dtype=torch.bfloat16)  # noqa: E731
+        fn()
+        return bench(fn)
+    finally:
+        if before is None:
+            del os.environ["MEGATRON_INT8_GEMM_KERNEL"]
+        else:
+            os.environ["MEGATRON_INT8_GEMM_KERNEL"] = before
+
+
+def block_gemm_table(quick):
+    """The block recipe's GEMMs (1 x B scales, B x B weight tiles) on their Hopper kernel (the default route) at
+    block sizes 128, 256 and 512 ("-" where the block does not divide K: the portable kernel would take it), and at
+    128 on the portable kernel (autotuned), against the default recipe's row-scale GEMMs (the default route)."""
+    variants = (("row", "row", 128, "auto"), ("block", "block", 128, "auto"), ("block 256", "block", 256, "auto"),
+                ("block 512", "block", 512, "auto"), ("portable", "block", 128, "portable"))
+    lines = ["| model | GEMM | M, N, K | row scales TOP/s | block 128 TOP/s | block 256 TOP/s | block 512 TOP/s | "
+             "block 128, portable kernel TOP/s | block 128 / row | block 512 / row |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    linears = LINEARS[:4] if quick else LINEARS[:4] + LINEARS[8:12]  # Llama2-7B (and Qwen3-4B)
+    for model, name, fin, fout, tok in linears:
+        for gemm, (M, N, K) in (("fprop", (tok, fout, fin)), ("dgrad", (tok, fin, fout)), ("wgrad", (fout, fin, tok))):
+            wgrad = gemm == "wgrad"
+            n = n_copies(M * K + N * K)
+            tops = {}
+            for label, granularity, B, kernel in variants:
+                if K % B:
+                    tops[label] = float("nan")
+                    continue
+                qs = rotating(lambda: _gemm_operands(M, N, K, granularity, wgrad, B), n)
+                tops[label] = 2.0 * M * N * K / (_time_gemm(qs, M, N, wgrad, kernel) * 1e-3) / 1e12
+                del qs
+                torch.cuda.empty_cache()
+            ratios.append(tops["block"] / tops["row"])
+            cells = " | ".join("-" if tops[v[0]] != tops[v[0]] else f"{tops[v[0]]:.0f}" for v in variants)
+            lines.append(f"| {model} | {name} {gemm} | {M}, {N}, {K} | {cells} | {ratios[-1]:.2f}x | "
+                         f"{tops['block 512'] / tops['row']:.2f}x |")
+            print(lines[-1], flush=True)
+    return lines, ratios
+
+
 def gemm_row(M, N, K, cache):
     key = (M, N, K)
     if key in cache:
@@ -391,7 +457,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: gemm,quantize,linear,compile")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: gemm,blockgemm,quantize,linear,compile")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -408,6 +474,13 @@ def main():
         summary.append(f"GEMM ours/BF16: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x, "
                        f"max {max(ratios):.2f}x (target >= 1.8x)")
         print(f"[gemm section {time.time() - t0:.0f} s]", flush=True)
+        _write(args.out, out, summary)
+    if "blockgemm" not in skip:
+        lines, ratios = block_gemm_table(args.quick)
+        out += ["## Block-scale GEMMs (the block recipe) against row-scale ones", ""] + lines + [""]
+        summary.append(f"block-scale GEMM / row-scale GEMM: median {statistics.median(ratios):.2f}x, "
+                       f"min {min(ratios):.2f}x, max {max(ratios):.2f}x")
+        print(f"[blockgemm section {time.time() - t0:.0f} s]", flush=True)
         _write(args.out, out, summary)
     if "quantize" not in skip:
         lines, fracs, fracs_given, fracs_amax = quantize_table()

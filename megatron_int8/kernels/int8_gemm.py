@@ -24,8 +24,10 @@ launch for all experts, a fixed tile (token counts change with every routing, so
 Routes (MEGATRON_INT8_GEMM_KERNEL, dispatch.py): one per architecture. Hopper: a hand-written CUDA kernel
 (kernels/sm90_gemm.py) takes the tensor- and row-scale GEMMs without bias where nvcc builds it; else Triton's
 persistent TMA kernel in one fixed configuration (TMA_TILE), sharing the 16-bit-output GEMMs with K > 4096 with
-a warp-specialized Gluon kernel (kernels/int8_gemm_ws.py). Every other GPU, and what no Hopper kernel takes
-(block scales, K > MAX_EXACT_K): the portable pointer kernel. With "auto" (the default) and autotuning,
+a warp-specialized Gluon kernel (kernels/int8_gemm_ws.py); the block recipe's GEMMs (block size 128, or 256 and 512
+where they divide K) go to that module's block-scale kernel. Every other GPU, and what no Hopper kernel takes (other
+block sizes, K > MAX_EXACT_K with tensor or row scales): the portable pointer kernel. With "auto" (the default) and
+autotuning,
 `_gemm_plan` times the CUDA kernel against the Triton choice below and keeps the faster; the CUDA kernel's
 grouped mode takes the grouped GEMMs with a bf16 output.
 
@@ -295,17 +297,29 @@ def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
     base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
     expert's wgrad operands are column slices of Q(x^T)); the output c is contiguous. The TMA kernel
     reads row scales at unit stride: strided `scales` go to the plain kernel, which takes their strides."""
-    if mode == _SCALE_BLOCK or split or not ad.is_cuda:
+    if mode == _SCALE_BLOCK or split:
         return False
     if any(s.dim() and s.stride(-1) != 1 for s in scales):
         return False
-    if capability(ad.device)[0] < 9:
+    return _tma_operands(ad, bd, c)
+
+
+def _tma_operands(ad, bd, c) -> bool:
+    """What TMA descriptors need of the operands and what the TMA epilogues need of c, on an sm_90+ GPU."""
+    if not ad.is_cuda or capability(ad.device)[0] < 9:
         return False
     if not c.is_contiguous() or (c.shape[1] * c.element_size()) % 16:
         return False
     if any(t.stride(1) != 1 or t.stride(0) % 16 for t in (ad, bd)):  # int8: strides in bytes
         return False
     return all(t.data_ptr() % 16 == 0 for t in (ad, bd, c))
+
+
+def _block_ws_eligible(ad, bd, c, block_size: int, sb_rows: int, K: int) -> bool:
+    """Whether a block-scale GEMM goes to the Gluon block-scale kernel (int8_gemm_ws.supports_block): Hopper's
+    route for the block recipe (MEGATRON_INT8_GEMM_KERNEL=portable keeps the plain kernel)."""
+    return (not _INTERPRET and env_choice(ENV_GEMM_KERNEL) != "portable" and _tma_operands(ad, bd, c)
+            and int8_gemm_ws.supports_block(c, block_size, sb_rows, K))
 
 
 class TmaVariant(NamedTuple):
@@ -349,6 +363,7 @@ assert ref.SEGMENT_ALIGN % TMA_TILE.block_m == 0, "TMA_TILE's rows must divide S
 
 _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_tma_kernel)
 _GEMM_WS = LaunchCache(int8_gemm_ws.KERNEL) if int8_gemm_ws.KERNEL is not None else None
+_GEMM_WS_BLOCK = LaunchCache(int8_gemm_ws.BLOCK_KERNEL) if int8_gemm_ws.BLOCK_KERNEL is not None else None
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
 _PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
 CHOSEN = {}  # (M, N, K) -> "cuda" or "triton": the kernel the latest plan for that shape took (benchmarks)
@@ -369,12 +384,32 @@ def _configs():
     return cfgs
 
 
+_PLAIN_SHARED_BYTES = 200 * 1024  # the plain kernel's pipeline buffers, under Hopper's 227 KB per block
+
+
+def plain_stages(block_m: int, block_n: int, block_k: int, sub_k: int, stages: int) -> int:
+    """`stages`, or fewer where its buffers would not fit shared memory: a block recipe's block of sub_k k-steps
+    (block size 256: 2, 512: 4) is unrolled, and each step's operand tiles are buffered per stage, so 128 x 256
+    tiles on 3 stages need 295 KB at block size 256 (Hopper: 227 KB)."""
+    per_stage = sub_k * (block_m + block_n) * block_k  # int8 operand tiles
+    return max(1, min(stages, _PLAIN_SHARED_BYTES // per_stage))
+
+
 def _prune(configs, named_args, **kwargs):
-    """Drop tiles far larger than the problem (tiny or ragged GEMMs)."""
+    """Drop tiles far larger than the problem (tiny or ragged GEMMs); fewer stages where a block recipe's unrolled
+    block would not fit shared memory (plain_stages)."""
     M, N = named_args["M"], named_args["N"]
     keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(128, next_pow2(M))
-            and c.kwargs["BLOCK_N"] <= max(128, next_pow2(N))]
-    return keep or configs[:1]
+            and c.kwargs["BLOCK_N"] <= max(128, next_pow2(N))] or configs[:1]
+    sub_k, block_k = kwargs.get("SUB_K", 1), kwargs.get("BLOCK_K", 128)
+    fitted = []
+    for c in keep:
+        stages = plain_stages(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], block_k, sub_k, c.num_stages)
+        if stages != c.num_stages:
+            c = triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages)
+        if all(stages != f.num_stages or c.kwargs != f.kwargs or c.num_warps != f.num_warps for f in fitted):
+            fitted.append(c)
+    return fitted
 
 
 _int8_gemm_tuned = triton.autotune(
@@ -470,8 +505,9 @@ def _no_hopper_kernel(tma_ok: bool) -> None:
     """MEGATRON_INT8_GEMM_KERNEL=hopper asks for the Hopper kernels only: raise where none takes the GEMM."""
     if not tma_ok:
         raise ValueError(f"{ENV_GEMM_KERNEL}=hopper: no Hopper kernel takes this GEMM (they need an sm_90 GPU, "
-                         "tensor or row scales, K <= MAX_EXACT_K and 16-byte-aligned operands); unset it (auto) "
-                         "to run the portable kernel here")
+                         "16-byte-aligned operands, and tensor or row scales with K <= MAX_EXACT_K or block scales "
+                         "of block size 128, or 256 and 512 dividing K); unset it (auto) to run the portable kernel "
+                         "here")
 
 
 def _fastest(candidates: dict, optional=()):
@@ -547,12 +583,18 @@ def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
     tma_ok = _tma_eligible(ad, bd, c, bias, mode, split, (sa, sb))
-    if tuned:
+    if mode == _SCALE_BLOCK and _block_ws_eligible(ad, bd, c, a.block_size, sb_rows, K):
+        # one configuration, not tuned: it ran every benchmarked block GEMM faster than the tuned plain kernel
+        opts = int8_gemm_ws.block_launch_options(a.block_size, sb_rows > 1, bias is not None,
+                                                 accumulate_into is not None)
+        tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
+        cache, grid, launch_args, kw = _GEMM_WS_BLOCK, (min(num_sms(dev), tiles),), args, opts
+    elif tuned:
         cache, grid, launch_args, kw = _tuned_launch(args, meta, M, N, K, c, tma_ok)
     else:
         cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, N)
     launch = cache.prepare(grid, tuple(ARG if isinstance(v, torch.Tensor) else v for v in launch_args), **kw)
-    tma = cache is _GEMM_TMA or cache is _GEMM_WS  # device-side tensor descriptors
+    tma = cache in (_GEMM_TMA, _GEMM_WS, _GEMM_WS_BLOCK)  # device-side tensor descriptors
 
     def run(a, b, bias, accumulate_into, out):
         if tma:  # the scratch allocator is per thread, and backward runs on autograd's own
@@ -601,8 +643,9 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
     # a split contraction's 128 x 256 tile needs 272 KB of shared memory (triton 3.6, unaligned K)
     wide = c_dtype.itemsize == 2 and N >= 256 and M >= 128 and not meta["SPLIT_K_EXACT"]
     BM, BN = (128, 256) if wide else (128, 128)
+    stages = plain_stages(BM, BN, meta["BLOCK_K"], meta["SUB_K"], 3)
     return _GEMM_PLAIN, (cdiv(M, BM) * cdiv(N, BN),), args, dict(meta, BLOCK_M=BM, BLOCK_N=BN, GROUP_M=8,
-                                                                  num_warps=8, num_stages=3)
+                                                                  num_warps=8, num_stages=stages)
 
 
 def _tma_tile_launch(args, meta, nb: int):

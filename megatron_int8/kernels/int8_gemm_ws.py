@@ -12,6 +12,11 @@ next ones issue. Gluon states the schedule explicitly:
 Its epilogue is not overlapped with the next tile's wgmmas: it pays off where the k loop is long
 (`MIN_K`), and the dispatch (int8_gemm.TMA_TILE) keeps the Triton TMA kernel below that.
 
+The block recipe's GEMMs (1 x B scales along K, B x B weight tiles; B = 128, 256 or 512) take a second kernel of
+this module,
+`_int8_gemm_ws_block_kernel` (`supports_block`): the same producer, and consumers that promote each block's
+int32 product into an fp32 tile with that block's scales, as the reference does.
+
 Contract (`supports`): sm_90 (wgmma), tensor or row scales, no bias, no grouped GEMM, a bf16 or fp16
 output (an fp32 tile beside the accumulator spills registers: wgrads into main_grad stay on the TMA kernel's
 reduce-add), fewer than 2**31 output elements, and what the TMA kernel needs of its operands
@@ -172,9 +177,118 @@ if _MISSING is None:
                          BLOCK_K, STAGES, GROUP_M)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
+    @gluon.jit
+    def _block_consumer(a_bufs, b_bufs, ready, empty, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_cm,
+                        stride_sam, stride_sak, stride_sbn, stride_sbk,  #
+                        SUB_K: gl.constexpr, B_TILES: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                        GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        # each scale block of K (SUB_K k-steps of BLOCK_K) has scales of its own, so its int32 product is promoted
+        # into the fp32 tile on its own, between the warpgroup's wgmmas (a product in flight beside the one being
+        # promoted and the fp32 tile would not fit the consumers' registers); the two warpgroups fall into taking
+        # turns, one promoting while the other's wgmmas run.
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 32])
+        rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        n_kb = gl.cdiv(K, BLOCK_K * SUB_K)  # supports_block: SUB_K > 1 only where K is a multiple of the block
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, acc_layout)
+        step = 0
+        for tile_id in range(pid, num_pid_m * num_pid_n, nprog):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows)
+            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+            # rows and columns past the edges read the last one's scales (their outputs are never stored), so the
+            # k loop's scale loads need no masks
+            sa_rows = gl.minimum(offs_m, M - 1) * stride_sam
+            if B_TILES:  # a weight tile's scale per block of K (the BLOCK_N rows of b are in one tile)
+                sb_tile = (pid_n // SUB_K) * stride_sbn
+            else:
+                sb_rows = gl.minimum(offs_n, N - 1) * stride_sbn
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            for kb in range(n_kb):
+                part = zero
+                for j in gl.static_range(SUB_K):
+                    s = step % STAGES
+                    mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                    a_s = a_bufs.index(s)
+                    b_s = b_bufs.index(s)
+                    part = warpgroup_mma(a_s, b_s.permute((1, 0)), part, use_acc=j > 0, is_async=True)
+                    if j == 0:  # the block's scales load while its first wgmmas run
+                        sa = gl.load(sa_ptr + (sa_rows + kb * stride_sak))
+                        if B_TILES:
+                            sab = gl.expand_dims(sa * gl.load(sb_ptr + (sb_tile + kb * stride_sbk)), 1)
+                        else:
+                            sb = gl.load(sb_ptr + (sb_rows + kb * stride_sbk))
+                    if j < SUB_K - 1:  # within a block one wgmma group stays in flight, as in the row kernel
+                        part, a_s, b_s = warpgroup_mma_wait(num_outstanding=1, deps=(part, a_s, b_s))
+                    else:
+                        part, a_s, b_s = warpgroup_mma_wait(num_outstanding=0, deps=(part, a_s, b_s))
+                    if j > 0:  # the previous k-step's wgmmas are done
+                        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+                    step += 1
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+                if B_TILES and SUB_K <= 2:
+                    # int32 -> fp32 exactly through the float bits (|part| <= 127 * 127 * 256 < 2**22): an integer
+                    # and an fp32 add instead of the conversion, which issues at a quarter of their rate; with one
+                    # scale per row (B_TILES) that made fprop and dgrad 1.2-1.3x faster, where wgrad's outer product
+                    # of scales, one multiply more, ran 5% slower than with the conversion (docs/kernels.md)
+                    f = (part + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+                else:
+                    f = part.to(gl.float32)
+                if B_TILES:
+                    acc += f * sab
+                else:
+                    acc += (f * gl.expand_dims(sa, 1)) * gl.expand_dims(sb, 0)  # the reference's order
+            if HAS_BIAS:
+                acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 0)
+            r = gl.expand_dims(offs_m, 1)
+            c = gl.expand_dims(offs_n, 0)
+            ptrs = c_ptr + (r * stride_cm + c)  # int32 offsets (supports_block: M * N < 2**31)
+            mask = (r < M) & (c < N)
+            if ACCUMULATE:
+                acc = gl.load(ptrs, mask=mask, other=0.0) + acc
+            gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _int8_gemm_ws_block_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                                   stride_sam, stride_sak, stride_sbn, stride_sbk, K_CHUNK, SB_ROWS_PER_SCALE,
+                                   strip_ptr,  #
+                                   SUB_K: gl.constexpr, B_TILES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                   ACCUMULATE: gl.constexpr, BLOCK_M: gl.constexpr,
+                                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                                   GROUP_M: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   num_warps: gl.constexpr):
+        """c[M, N] = sum over blocks kb of K of (a[:, kb] @ b[:, kb]^T) * sa[m, kb] * sb[n, kb] [+ bias], written or
+        added into c (ACCUMULATE): the block recipe's GEMM, 1 x B scales along K (B = SUB_K * BLOCK_K); B_TILES: b is
+        a weight in B x B tiles, sb[n // B, kb]. The runtime arguments are the plain kernel's
+        (int8_gemm._plain_args), so a plan binds either; its unit strides (stride_ak, stride_bk, stride_cn),
+        K_CHUNK, SB_ROWS_PER_SCALE (B_TILES says it) and strip_ptr are unused."""
+        layout: gl.constexpr = gl.NVMMASharedLayout(128, 8, 2)
+        a_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_M, BLOCK_K], layout)
+        b_bufs = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, BLOCK_K], layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_block_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_cm,
+                               stride_sam, stride_sak, stride_sbn, stride_sbk, SUB_K, B_TILES, HAS_BIAS, ACCUMULATE,
+                               BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, num_warps)),
+            (_producer, (a_ptr, b_ptr, stride_am, stride_bn, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N,
+                         BLOCK_K, STAGES, GROUP_M)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
     KERNEL = _int8_gemm_ws_kernel
+    BLOCK_KERNEL = _int8_gemm_ws_block_kernel
 else:
-    KERNEL = None
+    KERNEL = BLOCK_KERNEL = None
 
 
 def supports(c: torch.Tensor, has_bias: bool, accumulate: bool, grouped: bool) -> bool:
@@ -190,3 +304,23 @@ def launch_options(scale_mode: int) -> dict:
     return dict(SCALE_MODE=scale_mode, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                 STAGES=STAGES, GROUP_M=GROUP_M, PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS,
                 num_warps=NUM_WARPS)
+
+
+BLOCK_SCALE_TILE = (128, 128, 128, 4, 8)  # the block-scale kernel's BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps
+BLOCK_SIZES = (128, 256, 512)  # the recipe's block sizes it takes: SUB_K = block_size // BLOCK_K k-steps per scale
+
+
+def supports_block(c: torch.Tensor, block_size: int, sb_rows: int, K: int) -> bool:
+    """Whether the block-scale kernel can take a block-recipe GEMM (operands as the TMA kernel needs them, checked
+    by the caller) into c: Gluon present, sm_90, a block size of BLOCK_SIZES that divides K (128: any K), b's scales
+    per row or per block x block tile, c of fewer than 2**31 elements (int32 offsets)."""
+    return (BLOCK_KERNEL is not None and block_size in BLOCK_SIZES and (block_size == 128 or K % block_size == 0)
+            and sb_rows in (1, block_size) and c.numel() < 2**31 and capability(c.device)[0] == 9)
+
+
+def block_launch_options(block_size: int, b_tiles: bool, has_bias: bool, accumulate: bool) -> dict:
+    """The block-scale kernel's constexprs and launch options (b_tiles: b is a weight in block x block tiles)."""
+    bm, bn, bk, stages, warps = BLOCK_SCALE_TILE
+    return dict(SUB_K=block_size // bk, B_TILES=b_tiles, HAS_BIAS=has_bias, ACCUMULATE=accumulate, BLOCK_M=bm,
+                BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, GROUP_M=GROUP_M, PRODUCER_WARPS=_PRODUCER_WARPS,
+                PRODUCER_REGS=_PRODUCER_REGS, num_warps=warps)

@@ -15,8 +15,8 @@ Where the kernels fall back on Ampere:
   no wgmma is left in its PTX. It is checked, not launched, there.
 - Quantize, SwiGLU, RMSNorm, RoPE, cross entropy and AdamW use no Hopper-only operation.
 - INT8 attention (its quantize pass, forward, dK/dV and dQ kernels): the products become `mma.sync`.
-- The Gluon GEMM (int8_gemm_ws.py) is Hopper's alone (its wgmmas are written out): compiled for sm_90a only, and
-  launched only on capability 9.
+- The Gluon GEMMs (int8_gemm_ws.py: tensor / row scales, and the block recipe's) are Hopper's alone (their wgmmas
+  are written out): compiled for sm_90a only, and launched only on capability 9.
 On Hopper (sm_90a) the same TMA kernel uses bulk tensor copies and wgmma; its configuration (`TMA_TILE`) is
 compiled for it too, and its shared memory must fit `programs_per_sm` programs per SM. The attention kernels are
 compiled for sm_90a too (they launch on every CUDA GPU): each of their products, the INT8 ones and dP's BF16 one,
@@ -191,6 +191,30 @@ def test_gluon_gemm_compiles_for_hopper_with_async_wgmma(out, scale_mode):
     assert compiled.metadata.shared <= HOPPER_MAX_SHARED_PER_BLOCK, compiled.metadata.shared
 
 
+@pytest.mark.skipif(WS.BLOCK_KERNEL is None, reason=str(WS.unavailable_reason()))
+@pytest.mark.parametrize("block,out,b_tiles,accumulate,bias", [(128, "bf16", True, False, True),
+                                                                 (128, "fp32", False, True, False),
+                                                                 (512, "bf16", True, False, False)])
+def test_gluon_block_gemm_compiles_for_hopper(block, out, b_tiles, accumulate, bias):
+    """The block recipe's Gluon GEMM (int8_gemm_ws.supports_block): wgmma on int8, each block's product waited for
+    (`wait_group 0`; blocks of several k-steps keep one group in flight within the block, `wait_group 1`) before its
+    promotion, which converts int32 to fp32 through the float bits where b is a weight in tiles of up to 256 (no cvt)
+    and with cvt otherwise (wgrad's operands; 512: its products exceed 2**22), TMA loads from device-side
+    descriptors, setmaxnreg, and a ring that fits one program per SM."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    opts = WS.block_launch_options(block, b_tiles, bias, accumulate)
+    compiled = compile_for(HOPPER, WS.BLOCK_KERNEL, _gemm_pointers(out), opts, opts["num_warps"], num_stages=1,
+                           source=GluonASTSource)
+    ptx = assert_code_for(compiled, HOPPER)
+    assert "wgmma.mma_async" in ptx and ".s32.s8.s8" in ptx
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
+    assert ("cvt.rn.f32.s32" in ptx) == (block > 256 or not b_tiles)
+    assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == (block > 128)
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor" in ptx and "tensormap" in ptx
+    assert compiled.metadata.shared <= HOPPER_MAX_SHARED_PER_BLOCK, compiled.metadata.shared
+
+
 # ---------------------------------------------------------------------------------- the other kernels
 def _quantize_cases():
     ATR, ATC = Q._AMAX_TILE
@@ -310,7 +334,8 @@ def test_every_kernel_is_covered():
 
     import megatron_int8.kernels as package
 
-    covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, WS.KERNEL, *(k for k, *_ in OTHER_CASES.values())}
+    covered = {G._int8_gemm_kernel, G._int8_gemm_tma_kernel, WS.KERNEL, WS.BLOCK_KERNEL,
+               *(k for k, *_ in OTHER_CASES.values())}
     launched = set()
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")

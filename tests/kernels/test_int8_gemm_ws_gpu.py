@@ -7,6 +7,8 @@ zero fill and the masked stores, a tiny GEMM a box larger than the tensor, a lon
 and a column slice a strided operand (an MoE expert's wgrad operand); `gluon_everywhere` hands it every GEMM it
 can take (a test-only TMA_TILE), short K included. The dispatch check: TMA_TILE sends exactly the GEMMs with
 K > MIN_K and a 16-bit output without bias to the Gluon kernel, and keeps the others on the Triton TMA kernel.
+The block recipe's kernel (1 x 128 scales along K, 128 x 128 weight tiles) adds each k-block's product in fp32, as
+the reference does, so its outputs are bounded by the fp32 rounding of those sums (the plain kernel's bound).
 
     python3 -m pytest -q tests/kernels/test_int8_gemm_ws_gpu.py
 """
@@ -14,7 +16,7 @@ import importlib
 
 import pytest
 import torch
-from test_kernels_gpu import _kw, outliers, use_gemm_route
+from test_kernels_gpu import EPS, _kw, _mag, assert_gemm_close, outliers, use_gemm_route
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +103,105 @@ def test_tma_tile_sends_long_k_16_bit_gemms_to_gluon(launches):
             assert torch.equal(got, want)
         else:  # the TMA kernel's own tests bound these; here only the route matters
             assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+# (M, N, K): Llama2-7B's qkv fprop, ragged M and K, a box larger than the tensor, one k-block, Llama2-7B's fc2 wgrad
+BLOCK_SHAPES = [(8192, 4096, 4096), (1000, 1544, 4112), (37, 32, 4160), (300, 520, 128), (4096, 11008, 8192)]
+
+
+@pytest.fixture
+def block_launches(monkeypatch):
+    """Plans that record the block-scale kernel's launches; fresh plan caches."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs compute capability 9.0 (wgmma)")
+    assert WS.BLOCK_KERNEL is not None, WS.unavailable_reason()
+    from megatron_int8.kernels.launch import PlanCache
+
+    monkeypatch.setattr(G, "_PLANS", PlanCache(64))
+    prepared = []
+    prepare = G._GEMM_WS_BLOCK.prepare
+
+    def recording(grid, template, **kw):
+        prepared.append(grid)
+        return prepare(grid, template, **kw)
+
+    monkeypatch.setattr(G._GEMM_WS_BLOCK, "prepare", recording)
+    return prepared
+
+
+def _block_operands(M, N, K, a_tiles, b_tiles, block_size=128):
+    """Block-quantized operands: b in B x B tiles (a weight: fprop, dgrad) or in 1 x B rows (wgrad's Q(x^T)); a in
+    rows, or in tiles."""
+    kw = dict(block_size=block_size, rowwise=True, columnwise=False)
+    qa, _ = REF.quantize(outliers(M, K), **_kw("block", a_tiles, **kw))
+    qb, _ = REF.quantize(outliers(N, K), **_kw("block", b_tiles, **kw))
+    return qa, qb
+
+
+def _block_cases():
+    cases = [(128, *shape, a_tiles, b_tiles) for shape in BLOCK_SHAPES
+             for a_tiles, b_tiles in [(False, True), (False, False), (True, True)]]
+    # 256 and 512: several k-steps per scale block (512: the products' int32 exceeds 2**22, converted as such);
+    # ragged M, and N not a multiple of the block (a partial last weight tile)
+    for B in (256, 512):
+        cases += [(B, 1000, 1544, 4096, False, True), (B, 640, 520, 2048, False, False),
+                  (B, 8192, 4096, 8192, False, True)]
+    return cases
+
+
+@pytest.mark.parametrize("B,M,N,K,a_tiles,b_tiles", _block_cases())
+def test_block_gemm_matches_reference(block_launches, B, M, N, K, a_tiles, b_tiles):
+    """Each output is the reference's fp32 sum over the blocks of K within the rounding of that sum: an fp32 and a
+    bf16 output with bias, and an fp32 accumulation into an existing buffer (main_grad)."""
+    qa, qb = _block_operands(M, N, K, a_tiles, b_tiles, B)
+    mag = _mag(qa, qb, REF)
+    nkb = -(-K // B)
+    assert_gemm_close(G.triton_gemm(qa, qb, out_dtype=torch.float32), REF.gemm(qa, qb, out_dtype=torch.float32), mag,
+                      "fp32", nkb)
+    bias = torch.randn(N, device="cuda").bfloat16()
+    want = REF.gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    got = G.triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
+    ulp = 2.0 ** -7 * want.float().abs()
+    assert ((got.float() - want.float()).abs() <= ulp + 4 * nkb * EPS * (mag + bias.float().abs())).all()
+    main = torch.randn(M, N, device="cuda")
+    buf = main.clone()
+    got = G.triton_gemm(qa, qb, out_dtype=torch.float32, accumulate_into=buf)
+    assert got is buf
+    want = REF.gemm(qa, qb, out_dtype=torch.float32, accumulate_into=main.clone())
+    assert_gemm_close(got, want, mag + main.abs(), "accumulate_into", nkb + 1)
+    assert len(block_launches) == 3, block_launches
+
+
+def test_block_gemm_propagates_a_nan_scale(block_launches):
+    """A non-finite input gives its group a NaN scale: every output it reaches is NaN, the others stay finite."""
+    qa, qb = _block_operands(256, 384, 512, False, True)
+    qa.scale[5, 2] = float("nan")
+    got = G.triton_gemm(qa, qb, out_dtype=torch.float32)
+    assert got[5].isnan().all() and torch.isfinite(torch.cat([got[:5], got[6:]])).all()
+
+
+def test_block_gemm_route(block_launches, monkeypatch):
+    """MEGATRON_INT8_GEMM_KERNEL=portable keeps block GEMMs on the plain kernel (same results within the bound);
+    operands that TMA cannot read (a row stride that is no multiple of 16 bytes) go there too, and so does a block of
+    256 that does not divide K."""
+    qa, qb = _block_operands(512, 640, 1024, False, True)
+    want = REF.gemm(qa, qb, out_dtype=torch.float32)
+    mag = _mag(qa, qb, REF)
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "portable")
+    assert_gemm_close(G.triton_gemm(qa, qb, out_dtype=torch.float32), want, mag, "portable", 8)
+    assert block_launches == []
+    monkeypatch.setenv("MEGATRON_INT8_GEMM_KERNEL", "auto")
+    odd, oddb = _block_operands(512, 640, 1000, False, True)  # K = 1000: int8 rows of 1000 bytes
+    assert_gemm_close(G.triton_gemm(odd, oddb, out_dtype=torch.float32), REF.gemm(odd, oddb, out_dtype=torch.float32),
+                      _mag(odd, oddb, REF), "unaligned", 8)
+    assert block_launches == []
+    # 4.5 blocks of 256, 2.25 of 512: the plain kernel, tuned and untuned (whose 128 x 256 tile on 3 stages needed
+    # 295 KB of shared memory at block size 256 until int8_gemm.plain_stages)
+    for B, K, autotune in ((256, 1152, True), (256, 1152, False), (512, 1152, True), (512, 1152, False)):
+        qB, qBb = _block_operands(512, 640, K, False, True, B)
+        got = G.triton_gemm(qB, qBb, out_dtype=torch.bfloat16, autotune=autotune).float()
+        want = REF.gemm(qB, qBb, out_dtype=torch.bfloat16).float()
+        assert ((got - want).abs() <= 2.0 ** -7 * want.abs() + 12 * EPS * _mag(qB, qBb, REF)).all(), (B, autotune)
+    assert block_launches == []
+    G.triton_gemm(qa, qb, out_dtype=torch.float32)
+    assert len(block_launches) == 1
