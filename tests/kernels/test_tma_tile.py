@@ -124,3 +124,42 @@ def test_gluon_kernel_needs_a_triton_with_its_api(version, usable):
     """Older Tritons have Gluon with another API: the dispatch must keep the Triton kernels there, with a reason."""
     problem = G.int8_gemm_ws.gluon_problem(version)
     assert (problem is None) is usable, problem
+
+
+@pytest.mark.parametrize("block_size,sb_rows,K,capability,fits", [
+    (128, 128, 4096, (9, 0), True), (128, 1, 4160, (9, 0), True),  # weight tiles; wgrad's rows; any K at 128
+    (256, 256, 4096, (9, 0), True), (512, 1, 8192, (9, 0), True),
+    (256, 256, 1152, (9, 0), False), (512, 512, 11008, (9, 0), False),  # the block does not divide K
+    (64, 64, 4096, (9, 0), False), (96, 1, 4032, (9, 0), False),  # other block sizes
+    (128, 64, 4096, (9, 0), False),  # weight tiles of another size than the activations' blocks
+    (128, 128, 4096, (8, 0), False), (128, 128, 4096, (10, 0), False)])
+def test_block_kernel_contract(monkeypatch, block_size, sb_rows, K, capability, fits):
+    """The block recipe's Gluon GEMM takes block sizes 128 (any K) and 256 / 512 dividing K, b's scales per row or per
+    block x block tile, on sm_90 alone; everything else goes to the portable kernel."""
+    if G._GEMM_WS_BLOCK is None:
+        pytest.skip(G.int8_gemm_ws.unavailable_reason())
+    monkeypatch.setattr(G.int8_gemm_ws, "capability", lambda device: capability)
+    c = torch.empty(64, 64, dtype=torch.float32)
+    assert G.int8_gemm_ws.supports_block(c, block_size, sb_rows, K) is fits
+
+
+def test_plain_kernel_stages_fit_blocks_of_several_k_steps():
+    """At block sizes of several k-steps (256: 2, 512: 4) the portable kernel buffers each unrolled step's tiles per
+    stage: the prune lowers the stages until a config's int8 buffers fit 200 KB (Triton 3.6 asked 295 KB for 128 x 256
+    on 3 stages at 256, over the H200's 227 KB), leaves block size 128's configs as they are, and keeps no duplicate;
+    the untuned tile gets the same fit."""
+    def listed(configs):
+        return [(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in configs]
+
+    configs = G._configs()
+    shape = dict(M=8192, N=8192)
+    assert listed(G._prune(configs, shape, SUB_K=1, BLOCK_K=128)) == listed(configs)
+    for sub_k in (2, 4):
+        fitted = G._prune(configs, shape, SUB_K=sub_k, BLOCK_K=128)
+        assert fitted and len(set(listed(fitted))) == len(fitted)
+        for c in fitted:
+            per_stage = sub_k * (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * 128
+            assert c.num_stages >= 1 and (c.num_stages * per_stage <= 200 * 1024 or c.num_stages == 1), c
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in fitted} == \
+            {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs}
+    assert [G.plain_stages(128, 256, 128, sub_k, 3) for sub_k in (1, 2, 4)] == [3, 2, 1]
