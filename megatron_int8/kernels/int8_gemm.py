@@ -27,9 +27,8 @@ persistent TMA kernel in one fixed configuration (TMA_TILE), sharing the 16-bit-
 a warp-specialized Gluon kernel (kernels/int8_gemm_ws.py); the block recipe's GEMMs (block size 128, or 256 and 512
 where they divide K) go to that module's block-scale kernel. Every other GPU, and what no Hopper kernel takes (other
 block sizes, K > MAX_EXACT_K with tensor or row scales): the portable pointer kernel. With "auto" (the default) and
-autotuning,
-`_gemm_plan` times the CUDA kernel against the Triton choice below and keeps the faster; the CUDA kernel's
-grouped mode takes the grouped GEMMs with a bf16 output.
+autotuning, `_gemm_plan` times the CUDA kernel against the Triton choice below and keeps the faster; the CUDA
+kernel's grouped mode takes the grouped GEMMs with a bf16 output.
 
 Triton dispatch: the first call per key (N; M and K rounded up to powers of two; scale mode, flags, output dtype,
 device, TMA eligibility and the MEGATRON_INT8_GEMM_* settings) autotunes the plain kernel and, with
@@ -317,7 +316,9 @@ def _tma_operands(ad, bd, c) -> bool:
 
 def _block_ws_eligible(ad, bd, c, block_size: int, sb_rows: int, K: int) -> bool:
     """Whether a block-scale GEMM goes to the Gluon block-scale kernel (int8_gemm_ws.supports_block): Hopper's
-    route for the block recipe (MEGATRON_INT8_GEMM_KERNEL=portable keeps the plain kernel)."""
+    route for the block recipe (MEGATRON_INT8_GEMM_KERNEL=portable keeps the plain kernel). Its operands as TMA
+    loads need them; c as the TMA kernels need it too, which its pointer stores do not, but those are the outputs
+    its GPU tests cover."""
     return (not _INTERPRET and env_choice(ENV_GEMM_KERNEL) != "portable" and _tma_operands(ad, bd, c)
             and int8_gemm_ws.supports_block(c, block_size, sb_rows, K))
 
@@ -384,13 +385,13 @@ def _configs():
     return cfgs
 
 
-_PLAIN_SHARED_BYTES = 200 * 1024  # the plain kernel's pipeline buffers, under Hopper's 227 KB per block
+_PLAIN_SHARED_BYTES = 200 * 1024  # the plain kernel's pipeline buffers, under Hopper's 227 KiB per block
 
 
 def plain_stages(block_m: int, block_n: int, block_k: int, sub_k: int, stages: int) -> int:
     """`stages`, or fewer where its buffers would not fit shared memory: a block recipe's block of sub_k k-steps
     (block size 256: 2, 512: 4) is unrolled, and each step's operand tiles are buffered per stage, so 128 x 256
-    tiles on 3 stages need 295 KB at block size 256 (Hopper: 227 KB)."""
+    tiles on 3 stages needed 295,936 bytes (289 KiB) at block size 256 under Triton 3.6 (Hopper: 227 KiB)."""
     per_stage = sub_k * (block_m + block_n) * block_k  # int8 operand tiles
     return max(1, min(stages, _PLAIN_SHARED_BYTES // per_stage))
 
@@ -584,7 +585,8 @@ def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
     tma_ok = _tma_eligible(ad, bd, c, bias, mode, split, (sa, sb))
     if mode == _SCALE_BLOCK and _block_ws_eligible(ad, bd, c, a.block_size, sb_rows, K):
-        # one configuration, not tuned: it ran every benchmarked block GEMM faster than the tuned plain kernel
+        # one configuration, not tuned: at block size 128 it ran each of Llama2-7B's GEMMs 1.05-1.42x faster than the
+        # tuned plain kernel (H200, docs/benchmarks.md)
         opts = int8_gemm_ws.block_launch_options(a.block_size, sb_rows > 1, bias is not None,
                                                  accumulate_into is not None)
         tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])

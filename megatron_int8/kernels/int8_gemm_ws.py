@@ -13,9 +13,8 @@ Its epilogue is not overlapped with the next tile's wgmmas: it pays off where th
 (`MIN_K`), and the dispatch (int8_gemm.TMA_TILE) keeps the Triton TMA kernel below that.
 
 The block recipe's GEMMs (1 x B scales along K, B x B weight tiles; B = 128, 256 or 512) take a second kernel of
-this module,
-`_int8_gemm_ws_block_kernel` (`supports_block`): the same producer, and consumers that promote each block's
-int32 product into an fp32 tile with that block's scales, as the reference does.
+this module, `_int8_gemm_ws_block_kernel` (`supports_block`): the same producer, and consumers that promote each
+block's int32 product into an fp32 tile with that block's scales, as the reference does.
 
 Contract (`supports`): sm_90 (wgmma), tensor or row scales, no bias, no grouped GEMM, a bf16 or fp16
 output (an fp32 tile beside the accumulator spills registers: wgrads into main_grad stay on the TMA kernel's
@@ -184,9 +183,11 @@ if _MISSING is None:
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                         GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         # each scale block of K (SUB_K k-steps of BLOCK_K) has scales of its own, so its int32 product is promoted
-        # into the fp32 tile on its own, between the warpgroup's wgmmas (a product in flight beside the one being
-        # promoted and the fp32 tile would not fit the consumers' registers); the two warpgroups fall into taking
-        # turns, one promoting while the other's wgmmas run.
+        # into the fp32 tile on its own, after its wgmmas and before the next block's: the consumers synchronize at
+        # each slot release, and a product in flight beside the one being promoted and the fp32 tile (three
+        # 64-register tiles per thread) is more than the sm_90a build keeps (its ptxas schedules the promotion
+        # before the next issue). That promotion is what limits the kernel (docs/benchmarks.md, "Block-scale GEMMs
+        # on Hopper").
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 32])
         rows: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -232,10 +233,11 @@ if _MISSING is None:
                     step += 1
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
                 if B_TILES and SUB_K <= 2:
-                    # int32 -> fp32 exactly through the float bits (|part| <= 127 * 127 * 256 < 2**22): an integer
-                    # and an fp32 add instead of the conversion, which issues at a quarter of their rate; with one
-                    # scale per row (B_TILES) that made fprop and dgrad 1.2-1.3x faster, where wgrad's outer product
-                    # of scales, one multiply more, ran 5% slower than with the conversion (docs/kernels.md)
+                    # int32 -> fp32 exactly through the float bits (|part| <= 127 * 127 * 256 < 2**22): an
+                    # integer and an fp32 add in place of the conversion instruction; with the weight tile's scale
+                    # folded into the row scales (one fused multiply-add per element) fprop and dgrad ran
+                    # 1.18-1.30x faster, while with wgrad's scale per column the two adds ran 6-9% slower than the
+                    # instruction (docs/benchmarks.md, "Block-scale GEMMs on Hopper")
                     f = (part + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
                 else:
                     f = part.to(gl.float32)
@@ -308,6 +310,9 @@ def launch_options(scale_mode: int) -> dict:
 
 BLOCK_SCALE_TILE = (128, 128, 128, 4, 8)  # the block-scale kernel's BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps
 BLOCK_SIZES = (128, 256, 512)  # the recipe's block sizes it takes: SUB_K = block_size // BLOCK_K k-steps per scale
+# the kernel indexes a weight tile's scale by pid_n // SUB_K and converts through the float bits for SUB_K <= 2:
+# both assume these tile sides
+assert BLOCK_SCALE_TILE[1] == BLOCK_SCALE_TILE[2] == 128, "the block kernel assumes BLOCK_N == BLOCK_K == 128"
 
 
 def supports_block(c: torch.Tensor, block_size: int, sb_rows: int, K: int) -> bool:

@@ -7,8 +7,8 @@ zero fill and the masked stores, a tiny GEMM a box larger than the tensor, a lon
 and a column slice a strided operand (an MoE expert's wgrad operand); `gluon_everywhere` hands it every GEMM it
 can take (a test-only TMA_TILE), short K included. The dispatch check: TMA_TILE sends exactly the GEMMs with
 K > MIN_K and a 16-bit output without bias to the Gluon kernel, and keeps the others on the Triton TMA kernel.
-The block recipe's kernel (1 x 128 scales along K, 128 x 128 weight tiles) adds each k-block's product in fp32, as
-the reference does, so its outputs are bounded by the fp32 rounding of those sums (the plain kernel's bound).
+The block recipe's kernel (1 x B scales along K, B x B weight tiles, B = 128, 256, 512) adds each block's product in
+fp32, as the reference does, so its outputs are bounded by the fp32 rounding of those sums (the plain kernel's bound).
 
     python3 -m pytest -q tests/kernels/test_int8_gemm_ws_gpu.py
 """
@@ -196,7 +196,7 @@ def test_block_gemm_route(block_launches, monkeypatch):
                       _mag(odd, oddb, REF), "unaligned", 8)
     assert block_launches == []
     # 4.5 blocks of 256, 2.25 of 512: the plain kernel, tuned and untuned (whose 128 x 256 tile on 3 stages needed
-    # 295 KB of shared memory at block size 256 until int8_gemm.plain_stages)
+    # 289 KiB of shared memory at block size 256 under Triton 3.6 until int8_gemm.plain_stages)
     for B, K, autotune in ((256, 1152, True), (256, 1152, False), (512, 1152, True), (512, 1152, False)):
         qB, qBb = _block_operands(512, 640, K, False, True, B)
         got = G.triton_gemm(qB, qBb, out_dtype=torch.bfloat16, autotune=autotune).float()

@@ -145,8 +145,8 @@ def test_block_kernel_contract(monkeypatch, block_size, sb_rows, K, capability, 
 
 def test_plain_kernel_stages_fit_blocks_of_several_k_steps():
     """At block sizes of several k-steps (256: 2, 512: 4) the portable kernel buffers each unrolled step's tiles per
-    stage: the prune lowers the stages until a config's int8 buffers fit 200 KB (Triton 3.6 asked 295 KB for 128 x 256
-    on 3 stages at 256, over the H200's 227 KB), leaves block size 128's configs as they are, and keeps no duplicate;
+    stage: the prune lowers the stages until a config's int8 buffers fit 200 KiB (Triton 3.6 asked 289 KiB for 128 x
+    256 on 3 stages at 256, over the H200's 227 KiB), leaves block size 128's configs as they are, keeps no duplicate;
     the untuned tile gets the same fit."""
     def listed(configs):
         return [(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in configs]
