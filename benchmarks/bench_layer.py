@@ -61,11 +61,17 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--granularity", choices=("tensor", "row", "block"), default=DEFAULT_RECIPE.granularity)
     p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto")
-    p.add_argument("--cache-weights", action="store_true",
-                   help="keep weight quantization across iterations (as micro-batches of one step do); "
-                        "default re-quantizes every iteration, the cost of a 1-micro-batch step")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--cache-weights", action="store_true",
+                         help="keep weight quantization across iterations (as micro-batches of one step do); by "
+                              "default every iteration is a new optimizer step: the weight cache is invalidated, so "
+                              "the forward quantizes Q(W) and Q(W)^T in one pass, as the trainer does at one "
+                              "micro-batch per step")
+    weights.add_argument("--no-weight-cache", action="store_true",
+                         help="the recipe's cache_weights=False: Q(W) quantized in the forward and Q(W)^T in the "
+                              "backward, each its own pass, every iteration")
     p.add_argument("--no-dgrad-weight-cache", dest="cache_dgrad_weight", action="store_false",
-                   help="with --cache-weights: cache Q(W) only, so every iteration quantizes dgrad's Q(W)^T (recipe "
+                   help="cache Q(W) only, so every iteration quantizes dgrad's Q(W)^T in the backward (recipe "
                         "cache_dgrad_weight=False; the time it costs a micro-batch)")
     p.add_argument("--check-finite", choices=FINITE_CHECKS, default=DEFAULT_RECIPE.check_finite,
                    help="the recipe's Inf/NaN check: deferred (default; no host sync), immediate (one host "
@@ -170,7 +176,7 @@ def build_layers(args, skipped):
     if args.fused_swiglu and not args.num_experts:
         config = dataclasses.replace(config, use_te_activation_func=True, bias_activation_fusion=False)
     recipe = Int8Recipe(granularity=args.granularity, backend=args.backend, check_finite=args.check_finite,
-                        cache_weights=args.cache_weights, cache_dgrad_weight=args.cache_dgrad_weight)
+                        cache_weights=not args.no_weight_cache, cache_dgrad_weight=args.cache_dgrad_weight)
     experts = args.num_experts or None
     grouped = bool(experts and args.moe_grouped_gemm)
     specs = {"INT8": get_gpt_int8_layer_spec(recipe=recipe, int8=True, num_experts=experts, moe_grouped_gemm=grouped),
@@ -264,16 +270,13 @@ def saved_tensor_bytes(layer, name, args) -> int:
 
 def layer_memory(layer, args):
     """(saved, peak) in MiB for one eager forward + backward on CUDA: what the forward leaves allocated
-    beyond its output (the tensors kept for backward), and the highest allocation above the start. Weight
-    caches already built stay out of both; without --cache-weights the weights' quantization is inside."""
-    from megatron_int8.ops.linear import invalidate_weight_caches
-
+    beyond its output (the tensors kept for backward), and the highest allocation above the start. The weight
+    caches the timing built (held between steps, as by the trainer) stay out of both; with --no-weight-cache the
+    weights' quantization is inside."""
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
     grad = torch.randn_like(x)
     layer.zero_grad(set_to_none=True)
-    if not args.cache_weights:
-        invalidate_weight_caches()
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -294,7 +297,7 @@ def _graphed(layer, x, grad, mask, args):
     each replay writes them afresh, the work the eager loop times (which sets them to None every step); with
     gradients left in place, every replay would add into them, kernels the eager loop does not run and the
     trainer's INT8 linears fuse into their wgrad GEMMs. Without --cache-weights the graph quantizes the
-    weights itself."""
+    weights itself (the cache is invalidated before the capture)."""
     from megatron_int8.ops.linear import invalidate_weight_caches
 
     def body():
@@ -323,11 +326,15 @@ def profile_layer(layer, args) -> None:
     """Where an INT8 layer's time goes: GPU kernels by total time, and CPU vs GPU busy time."""
     from torch.profiler import ProfilerActivity, profile
 
+    from megatron_int8.ops.linear import invalidate_weight_caches
+
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
                     requires_grad=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(3):  # as the timed step: gradients set to None, so no accumulation kernels
+            if not args.cache_weights:
+                invalidate_weight_caches()
             out, _ = layer(x)
             out.backward(torch.ones_like(out))
             layer.zero_grad(set_to_none=True)
@@ -338,9 +345,10 @@ def profile_layer(layer, args) -> None:
 
 
 def _weight_cache_state(args) -> str:
-    if not args.cache_weights:
-        return "off (re-quantized every iteration)"
-    return "on" if args.cache_dgrad_weight else "Q(W) only (Q(W)^T quantized every iteration)"
+    if args.no_weight_cache:
+        return "off (Q(W) and Q(W)^T quantized apart every iteration)"
+    kept = "kept across iterations" if args.cache_weights else "invalidated every iteration (one step per iteration)"
+    return kept + ("" if args.cache_dgrad_weight else ", Q(W) only (Q(W)^T quantized every iteration)")
 
 
 def main(argv=None) -> str:
