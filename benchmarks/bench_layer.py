@@ -95,7 +95,8 @@ def parse_args(argv=None):
                    help="time replays of one captured forward + backward per spec (the trainer's "
                         "--cuda-graph-impl local steps): GPU time without the eager host overhead")
     p.add_argument("--profile", action="store_true",
-                   help="after timing, profile 3 INT8 iterations and print the top kernels and CPU/GPU time")
+                   help="after timing, profile 3 steps of the INT8 and the BF16 layer: each one's GPU kernels "
+                        "by time per step (on CPU: the INT8 layer's operators)")
     args = p.parse_args(argv)
     if args.int8_swiglu_input and (args.num_experts or not args.fused_swiglu):
         p.error("--int8-swiglu-input needs a dense MLP with the fused SwiGLU (no --num-experts, no --no-fused-swiglu)")
@@ -322,26 +323,42 @@ def _graphed(layer, x, grad, mask, args):
     return graph.replay
 
 
-def profile_layer(layer, args) -> None:
-    """Where an INT8 layer's time goes: GPU kernels by total time, and CPU vs GPU busy time."""
+def profile_layers(layers, args) -> str:
+    """Where each layer's GPU time goes (INT8, then BF16): kernels by time per step over 3 eager steps (the
+    timed step's work: weights quantized as the timing mode does, gradients set to None). On CPU: torch's
+    operator table of the INT8 layer."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_int8.ops.linear import invalidate_weight_caches
 
+    steps = 3
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
                     requires_grad=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(3):  # as the timed step: gradients set to None, so no accumulation kernels
-            if not args.cache_weights:
-                invalidate_weight_caches()
-            out, _ = layer(x)
-            out.backward(torch.ones_like(out))
-            layer.zero_grad(set_to_none=True)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-    sort = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+    cuda = args.device == "cuda"
+    text = []
+    for name in ("INT8", "BF16") if cuda else ("INT8",):
+        activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                if not args.cache_weights:
+                    invalidate_weight_caches()
+                out, _ = layers[name](x)
+                out.backward(torch.ones_like(out))
+                layers[name].zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+        if not cuda:
+            text.append(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+            continue
+        kernels = sorted(((e.device_time_total / steps / 1e3, e.count // steps, e.key)
+                          for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0),
+                         reverse=True)
+        total = sum(ms for ms, _, _ in kernels)
+        text += [f"{name}: {total:.3f} ms of GPU kernels per step", "", "| kernel | ms / step | share | launches |",
+                 "|---|---|---|---|"]
+        text += [f"| {key[:90]} | {ms:.3f} | {100 * ms / total:.1f}% | {n} |" for ms, n, key in kernels[:25]]
+        text.append("")
+    return "\n".join(text)
 
 
 def _weight_cache_state(args) -> str:
@@ -375,8 +392,6 @@ def main(argv=None) -> str:
             if not name.startswith("FP8"):
                 raise
             skipped[name] = f"{type(err).__name__}: {str(err)[:300]}"
-    if args.profile:
-        profile_layer(layers["INT8"], args)
     backend = resolve_backend_name(torch.device(args.device), Int8Recipe(backend=args.backend))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     mlp = (f"{args.num_experts} experts (top-{args.topk}) of ffn {args.ffn}"
@@ -406,6 +421,8 @@ def main(argv=None) -> str:
     table = "\n".join(lines)
     # the saved-tensors column changed the table's columns: a new CSV (benchmarks/results/layer.csv has the old ones)
     common.record_tables("layer_saved_tensors", table)
+    if args.profile:  # printed and in $OUT/bench_layer.md, not recorded: a diagnosis, not a result
+        table += "\n\n" + profile_layers(layers, args)
     print(table)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_layer.md"), "w") as f:
