@@ -1,5 +1,5 @@
 """benchmarks/bench_layer.py on CPU: the saved-tensor count of a tiny Llama-style layer, INT8 with and without the
-SwiGLU's and the norms' inputs kept in INT8, and its INT8-attention row."""
+SwiGLU's and the norms' inputs kept in INT8, and its INT8-attention row; the weight quantizations of its modes."""
 import math
 
 import pytest
@@ -78,3 +78,37 @@ def test_int8_attention_row_runs_int8_attention_beside_the_int8_linears(monkeypa
     assert 0 < change < 0.1
     with pytest.raises(SystemExit):  # the tiny layer's head dim, 32: a usage error before anything is built
         bench_layer.parse_args(["--device", "cpu", "--tiny", "--int8-attention"])
+
+
+@pytest.mark.parametrize("mode, per_step, first_step", [
+    ([], [(True, True)] * 4, None),  # default: every iteration a new step, both forms in one pass
+    (["--no-weight-cache"], [(True, False)] * 4 + [(False, True)] * 4, None),  # Q(W), then Q(W)^T in backward
+    (["--cache-weights"], [], [(True, True)] * 4),  # only the first iteration quantizes
+])
+def test_bench_layer_weight_quantization_per_iteration(monkeypatch, mode, per_step, first_step):
+    """bench_layer's weight modes quantize each linear's weight as they say: by default once per iteration with
+    Q(W) and Q(W)^T from one pass (the trainer's step of one micro-batch), with --no-weight-cache twice (forward
+    and backward apart), with --cache-weights in the first iteration only."""
+    from megatron_int8.reference import ReferenceBackend
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_layer
+
+    calls = []
+    quantize = ReferenceBackend.quantize
+
+    def counting(self, x, **kw):
+        if kw["weight"]:
+            calls.append((kw["rowwise"], kw["columnwise"]))
+        return quantize(self, x, **kw)
+
+    monkeypatch.setattr(ReferenceBackend, "quantize", counting)
+    args = bench_layer.parse_args(["--device", "cpu", "--tiny", "--no-fp8", "--no-stock", "--backend", "reference",
+                                   *mode])
+    args.warmup, args.iters = 1, 2
+    with single_process_megatron():
+        layer = bench_layer.build_layers(args, {})["INT8"]
+        bench_layer.time_layer(layer, "INT8", args)
+    steps = args.warmup + args.iters
+    expected = (first_step or []) + per_step * steps
+    assert sorted(calls) == sorted(expected), calls

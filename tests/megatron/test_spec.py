@@ -253,37 +253,3 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
     assert "| n/a | n/a |" in table  # memory columns: CUDA only
     assert ("| INT8 per-expert |" in table) == moe
 
-
-@pytest.mark.parametrize("mode, per_step, first_step", [
-    ([], [(True, True)] * 4, None),  # default: every iteration a new step, both forms in one pass
-    (["--no-weight-cache"], [(True, False)] * 4 + [(False, True)] * 4, None),  # Q(W), then Q(W)^T in backward
-    (["--cache-weights"], [], [(True, True)] * 4),  # only the first iteration quantizes
-])
-def test_bench_layer_weight_quantization_per_iteration(monkeypatch, mode, per_step, first_step):
-    """bench_layer's weight modes quantize each linear's weight as they say: by default once per iteration with
-    Q(W) and Q(W)^T from one pass (the trainer's step of one micro-batch), with --no-weight-cache twice (forward
-    and backward apart), with --cache-weights in the first iteration only."""
-    import importlib
-
-    from megatron_int8.reference import ReferenceBackend
-
-    monkeypatch.syspath_prepend(BENCHMARKS)
-    bench_layer = importlib.import_module("bench_layer")
-    calls = []
-    quantize = ReferenceBackend.quantize
-
-    def counting(self, x, **kw):
-        if kw["weight"]:
-            calls.append((kw["rowwise"], kw["columnwise"]))
-        return quantize(self, x, **kw)
-
-    monkeypatch.setattr(ReferenceBackend, "quantize", counting)
-    args = bench_layer.parse_args(["--device", "cpu", "--tiny", "--no-fp8", "--no-stock", "--backend", "reference",
-                                   *mode])
-    args.warmup, args.iters = 1, 2
-    with single_process_megatron():
-        layer = bench_layer.build_layers(args, {})["INT8"]
-        bench_layer.time_layer(layer, "INT8", args)
-    steps = args.warmup + args.iters
-    expected = (first_step or []) + per_step * steps
-    assert sorted(calls) == sorted(expected), calls
