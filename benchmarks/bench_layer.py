@@ -98,6 +98,8 @@ def parse_args(argv=None):
                    help="after timing, profile 3 steps of the INT8 and the BF16 layer: each one's GPU kernels "
                         "by time per step (on CPU: the INT8 layer's operators)")
     args = p.parse_args(argv)
+    if args.no_weight_cache and not args.cache_dgrad_weight:
+        p.error("--no-dgrad-weight-cache: with --no-weight-cache no Q(W) is cached either")
     if args.int8_swiglu_input and (args.num_experts or not args.fused_swiglu):
         p.error("--int8-swiglu-input needs a dense MLP with the fused SwiGLU (no --num-experts, no --no-fused-swiglu)")
     if args.tiny:

@@ -112,3 +112,15 @@ def test_bench_layer_weight_quantization_per_iteration(monkeypatch, mode, per_st
     steps = args.warmup + args.iters
     expected = (first_step or []) + per_step * steps
     assert sorted(calls) == sorted(expected), calls
+
+
+def test_weight_modes_that_contradict_are_refused(monkeypatch, capsys):
+    """--cache-weights with --no-weight-cache, and --no-dgrad-weight-cache with nothing cached, are errors."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_layer
+
+    for argv, said in ((["--cache-weights", "--no-weight-cache"], "not allowed with argument"),
+                       (["--no-weight-cache", "--no-dgrad-weight-cache"], "no Q(W) is cached either")):
+        with pytest.raises(SystemExit):
+            bench_layer.parse_args(["--device", "cpu", "--tiny", *argv])
+        assert said in capsys.readouterr().err
