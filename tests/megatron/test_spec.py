@@ -252,4 +252,3 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
         assert name in table
     assert "| n/a | n/a |" in table  # memory columns: CUDA only
     assert ("| INT8 per-expert |" in table) == moe
-
