@@ -214,16 +214,21 @@ def build_layers(args, skipped):
     return layers
 
 
-def time_layer(layer, name, args) -> float:
-    """Mean ms of one forward + backward."""
+def new_step(args) -> None:
+    """Start an iteration as a new optimizer step (the weights quantized again), unless --cache-weights keeps them."""
     from megatron_int8.ops.linear import invalidate_weight_caches
 
+    if not args.cache_weights:
+        invalidate_weight_caches()
+
+
+def time_layer(layer, name, args) -> float:
+    """Mean ms of one forward + backward."""
     x, mask = _layer_input(args, name)
     grad = torch.randn_like(x)
 
     def step():
-        if not args.cache_weights:
-            invalidate_weight_caches()  # a new optimizer step: weights are quantized again
+        new_step(args)
         out, _ = layer(x, attention_mask=mask)
         out.backward(grad)
         layer.zero_grad(set_to_none=True)
@@ -301,8 +306,6 @@ def _graphed(layer, x, grad, mask, args):
     gradients left in place, every replay would add into them, kernels the eager loop does not run and the
     trainer's INT8 linears fuse into their wgrad GEMMs. Without --cache-weights the graph quantizes the
     weights itself (the cache is invalidated before the capture)."""
-    from megatron_int8.ops.linear import invalidate_weight_caches
-
     def body():
         out, _ = layer(x, attention_mask=mask)
         out.backward(grad)
@@ -311,12 +314,10 @@ def _graphed(layer, x, grad, mask, args):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(max(args.warmup, 2)):
-            if not args.cache_weights:
-                invalidate_weight_caches()
+            new_step(args)
             body()
     torch.cuda.current_stream().wait_stream(side)
-    if not args.cache_weights:
-        invalidate_weight_caches()
+    new_step(args)
     layer.zero_grad(set_to_none=True)
     x.grad = None
     graph = torch.cuda.CUDAGraph()
@@ -331,8 +332,6 @@ def profile_layers(layers, args) -> str:
     operator table of the INT8 layer."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_int8.ops.linear import invalidate_weight_caches
-
     steps = 3
     x = torch.randn(args.seq, args.micro_batch, args.hidden, device=args.device, dtype=torch.bfloat16,
                     requires_grad=True)
@@ -342,8 +341,7 @@ def profile_layers(layers, args) -> str:
         activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                if not args.cache_weights:
-                    invalidate_weight_caches()
+                new_step(args)
                 out, _ = layers[name](x)
                 out.backward(torch.ones_like(out))
                 layers[name].zero_grad(set_to_none=True)
