@@ -32,6 +32,7 @@ from typing import Any, Dict, Tuple
 import torch
 
 from ..dispatch import ENV_DIRECT_LAUNCH, env_flag
+from ..reference import cdiv  # noqa: F401  (the kernels' grids take it from here)
 
 DIRECT = env_flag(ENV_DIRECT_LAUNCH)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,11 +72,6 @@ def capability(device: torch.device) -> tuple:
 def device_index(device: torch.device) -> int:
     """The index of a CUDA torch.device (the current device's for a bare "cuda")."""
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function: microseconds per host call)."""
-    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:

@@ -344,15 +344,3 @@ def precision_aware_optimizers(optimizer) -> list:
     """The PrecisionAwareAdamW instances inside megatron's optimizer."""
     return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])
             if isinstance(getattr(inner, "optimizer", None), PrecisionAwareAdamW)]
-
-
-def optimizer_state_bytes(optimizer) -> Optional[Dict[str, int]]:
-    """Bytes of each PrecisionAwareAdamW state on this rank, summed over megatron's chain (None: none)."""
-    found = precision_aware_optimizers(optimizer)
-    if not found:
-        return None
-    totals: Dict[str, int] = {}
-    for opt in found:
-        for key, value in opt.state_nbytes().items():
-            totals[key] = totals.get(key, 0) + value
-    return totals

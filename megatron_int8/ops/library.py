@@ -38,7 +38,7 @@ import torch
 
 from ..dispatch import resolve_backend_name
 from ..recipe import Int8Recipe
-from ..reference import QTensor, padded_length
+from ..reference import QTensor, cdiv, padded_length
 from .backend import backend_instance
 from .weight_cache import quantized_weight
 
@@ -46,10 +46,6 @@ from .weight_cache import quantized_weight
 # and says so once per call site, in every compiled program: the result is the same either way
 warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function "
                         r"at '(linear|weight_cache)\.py:")
-
-
-def _ceil(a, b):
-    return -(-a // b)
 
 
 def traced_backend(device: torch.device, recipe: Int8Recipe) -> "TracedBackend":
@@ -85,7 +81,7 @@ def scale_shape(rows, cols, granularity: str, block_size: int, tile2d: bool) -> 
         return ()
     if granularity == "row":
         return (rows,)
-    return (_ceil(rows, block_size) if tile2d else rows, _ceil(cols, block_size))
+    return (cdiv(rows, block_size) if tile2d else rows, cdiv(cols, block_size))
 
 
 def _quantize_fake(x, backend, granularity, block_size, weight, rowwise, columnwise, stochastic, name, check_finite,

@@ -71,3 +71,8 @@ def install_cpu_optimizer_support() -> bool:
                            f"already imported: {already}")
     sys.meta_path.insert(0, _CpuRewriteFinder())
     return True
+
+
+def training_device() -> torch.device:
+    """The device this process trains on: its current CUDA device, or the CPU on a CPU-only build."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -35,6 +35,7 @@ import torch
 
 from ..ops.health import ATTENTION_STATS, GEMMS, STAT_NAMES, AttentionProbe, LinearProbe
 from ..recipe import Int8Recipe
+from .cpu import training_device
 
 if TYPE_CHECKING:
     from ..megatron.attention import SDPAttention
@@ -315,7 +316,8 @@ class HealthMonitor:
         for name in names:
             taken = self.probes[name].take()[-len(iterations):]
             # a step whose training forward did not reach this unit leaves NaN (not measured)
-            missing = torch.full((len(stats[name]),), float("nan"), device=taken[0].device if taken else _device())
+            device = taken[0].device if taken else training_device()
+            missing = torch.full((len(stats[name]),), float("nan"), device=device)
             blocks.append(torch.stack(taken + [missing] * (len(iterations) - len(taken))).reshape(-1))
         flat = _worst_over_replicas(torch.cat(blocks)).cpu() if blocks else None  # the one host sync
         local, start = {}, 0
@@ -355,10 +357,6 @@ def built_modes(linears: Dict[str, "Int8LinearMixin"],
     local = {name: recipe_mode(m.int8_built_recipe) for name, m in linears.items()}
     local.update({name: attention_mode(m) for name, m in (attentions or {}).items()})
     return _gather_over_pipeline(local)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _worst_over_replicas(table: torch.Tensor) -> torch.Tensor:

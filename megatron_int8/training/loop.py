@@ -16,6 +16,7 @@ from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size, validate_args
 from .checkpoint import CheckpointError, check_save_target, load_checkpoint, read_saved_arguments, save_checkpoint
+from .cpu import training_device
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
 from .health import RunHealth
@@ -29,10 +30,6 @@ from .profiling import StepProfiler
 def _log(message: str) -> None:
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(message, flush=True)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _needs_data() -> bool:
@@ -56,7 +53,7 @@ def forward_step(data_iterator, model):
     if not _needs_data():  # middle pipeline stages receive activations, not tokens
         return model(None, None, None), partial(loss_func, None)
     batch = next(data_iterator)
-    device = _device()
+    device = training_device()
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
@@ -66,7 +63,7 @@ def _reduce_loss(losses_reduced) -> float:
     """Token-weighted mean loss over the global batch, known on every rank."""
     from megatron.core import parallel_state
 
-    total = torch.zeros(2, dtype=torch.float64, device=_device())
+    total = torch.zeros(2, dtype=torch.float64, device=training_device())
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for item in losses_reduced:
             total += item["lm loss"].to(total)
@@ -175,7 +172,7 @@ class ExitSignals:
             if self.received:
                 raise KeyboardInterrupt
             return ""
-        flag = torch.tensor([float(self.received)], device=_device())
+        flag = torch.tensor([float(self.received)], device=training_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return signal.Signals(int(flag.item())).name if flag.item() else ""
 
@@ -261,7 +258,7 @@ def pretrain(args) -> dict:
     _log(f"world size {world_size}: TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
          f"DP {args.data_parallel_size}, EP {args.expert_model_parallel_size}; global batch "
          f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {args.data_parallel_size} x "
-         f"{args.num_micro_batches} micro-batches; device {_device()}")
+         f"{args.num_micro_batches} micro-batches; device {training_device()}")
     _log(f"tokenizer {args.tokenizer_type}: {tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}")
     config = build_config(args, _log)
     settle_grad_reduce_overlap(args, _log)
