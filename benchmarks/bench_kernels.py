@@ -39,7 +39,6 @@ import time
 
 import torch
 import triton
-import triton.testing
 
 import common  # noqa: E402  (puts the repository on sys.path)
 
@@ -73,8 +72,7 @@ LINEARS = [
 ]
 
 
-def bench(fn, rep=60, warmup=15):
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+bench = common.median_ms
 
 
 def rotating(make, n):

@@ -32,7 +32,6 @@ import sys
 
 import torch
 import triton
-import triton.testing
 
 import common  # noqa: E402  (puts the repository on sys.path)
 
@@ -83,7 +82,7 @@ class Experts:
 def bench(fn) -> float:
     fn()  # compile / first-call work outside the timing
     torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return common.median_ms(fn, warmup=10, rep=50)
 
 
 def on_triton(fn):

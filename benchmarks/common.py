@@ -127,6 +127,14 @@ def record_tables(name: str, text: str, directory: str = None) -> list:
     return paths
 
 
+def median_ms(fn, warmup: int = 15, rep: int = 60) -> float:
+    """Median ms of fn over about `rep` ms of calls after `warmup` ms (triton.testing.do_bench, which flushes L2
+    before each call)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
 def time_ms(fn, warmup: int, iters: int) -> float:
     for _ in range(warmup):
         fn()

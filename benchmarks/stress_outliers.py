@@ -49,6 +49,9 @@ from megatron_int8.ops.swiglu import swiglu
 from megatron_int8.recipe import Int8Recipe
 from megatron_int8.training.health import AutoFallback, FallbackThresholds, recipe_mode
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from plot_loss import smooth  # noqa: E402  (the trailing mean of the loss plots)
+
 SIZES = {  # parity: configs/parity_125m.yaml's decoder
     "parity": dict(layers=12, hidden=768, ffn=2048, heads=12, groups=4, seq=1024, batch=8, vocab=8192),
     "small": dict(layers=4, hidden=512, ffn=1408, heads=8, groups=4, seq=512, batch=8, vocab=4096),
@@ -256,17 +259,9 @@ def train(run: str, cfg: dict, init_state: dict, batches, args, device, log):
     return result
 
 
-def windowed(values, window):
-    out = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1): i + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
-
-
 def departures(loss, reference, window):
     """Relative departure of a run's windowed mean loss from the reference's, per step."""
-    a, b = windowed(loss, window), windowed(reference, window)
+    a, b = smooth(loss, window), smooth(reference, window)
     return [x / y - 1 for x, y in zip(a, b)]
 
 
