@@ -272,15 +272,6 @@ def _int8_gemm_tma_kernel(
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-_EPI_TILE_BYTES = 64 * 1024  # the TMA epilogue's shared-memory staging (sub-)tile
-
-
-def epi_split(block_m: int, block_n: int, out_dtype: torch.dtype) -> int:
-    """Column sub-tiles for the TMA epilogue: 2 where the whole output tile would stage in more than 64 KB
-    (fp32 outputs on 128 x 256 or 256 x 128 tiles)."""
-    return 2 if block_m * block_n * out_dtype.itemsize > _EPI_TILE_BYTES else 1
-
-
 def _scratch_alloc(size, alignment, stream):
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
@@ -324,8 +315,8 @@ def _block_ws_eligible(ad, bd, c, block_size: int, sb_rows: int, K: int) -> bool
 
 
 class TmaVariant(NamedTuple):
-    """The persistent TMA kernel's fixed configuration. `epi_split` None: by the output's size (epi_split());
-    `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
+    """The persistent TMA kernel's fixed configuration. `epi_split`: the TMA epilogue's column sub-tiles (1, 2 or
+    4); `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
     registers together). `gluon_min_k` not None: GEMMs with K above it go to the warp-specialized Gluon kernel
     (kernels/int8_gemm_ws.py) where it applies (int8_gemm_ws.supports); the rest run this configuration."""
     block_m: int
@@ -334,15 +325,14 @@ class TmaVariant(NamedTuple):
     num_warps: int
     num_stages: int
     flatten: bool
-    epi_split: Optional[int]
+    epi_split: int
     programs_per_sm: int = 1
     gluon_min_k: Optional[int] = None
 
-    def launch_options(self, c_dtype: torch.dtype, n_sms: int) -> dict:
-        """The kernel's tile keywords and launch options for an output of c_dtype on a GPU of n_sms SMs."""
-        split = self.epi_split or epi_split(self.block_m, self.block_n, c_dtype)
+    def launch_options(self, n_sms: int) -> dict:
+        """The kernel's tile keywords and launch options on a GPU of n_sms SMs."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=8,
-                    NUM_SMS=n_sms * self.programs_per_sm, FLATTEN=self.flatten, EPI_SPLIT=split,
+                    NUM_SMS=n_sms * self.programs_per_sm, FLATTEN=self.flatten, EPI_SPLIT=self.epi_split,
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -661,7 +651,7 @@ def _tma_tile_launch(args, meta, nb: int):
         opts = int8_gemm_ws.launch_options(meta["SCALE_MODE"])
         tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
         return _GEMM_WS, (min(num_sms(args[0].device), tiles),), _tma_args(args, nb), opts
-    opts = TMA_TILE.launch_options(c.dtype, num_sms(args[0].device))
+    opts = TMA_TILE.launch_options(num_sms(args[0].device))
     tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
     return _GEMM_TMA, (min(opts["NUM_SMS"], tiles),), _tma_args(args, nb), dict(
         opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
@@ -752,7 +742,7 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, accumula
     TMA store and reduce-add with; the package's own launches always take C_TMA."""
     M, K = a.data.shape
     N = b.data.shape[0]
-    opts = TMA_TILE.launch_options(c.dtype, num_sms(c.device))
+    opts = TMA_TILE.launch_options(num_sms(c.device))
     if not c_tma:
         opts["EPI_SPLIT"] = 1
     _ensure_allocator()

@@ -126,8 +126,8 @@ def test_plain_gemm_compiles_for_ampere(case):
     assert "mma.sync.aligned" in ptx and ".s8.s8" in ptx  # int8 tensor-core MMAs
 
 
-def _tma_constexprs(variant: "G.TmaVariant", out: str, accumulate: bool, scale_mode: int, grouped=False) -> dict:
-    opts = variant.launch_options(torch.float32 if out == "fp32" else torch.bfloat16, n_sms=132)
+def _tma_constexprs(variant: "G.TmaVariant", accumulate: bool, scale_mode: int, grouped=False) -> dict:
+    opts = variant.launch_options(n_sms=132)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
     return dict(opts, SCALE_MODE=scale_mode, HAS_BIAS=False, ACCUMULATE=accumulate, C_TMA=True, GROUPED=grouped), \
         warps, stages
@@ -141,7 +141,7 @@ TMA_OUTPUTS = [("bf16", False, 0), ("fp32", True, 1)]
 def test_tma_gemm_compiles_for_ampere_without_hopper_instructions(out, accumulate, scale_mode):
     """The dispatch never launches the TMA kernel below capability 9, but it compiles there: its descriptors
     become pointer accesses."""
-    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, out, accumulate, scale_mode)
+    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, accumulate, scale_mode)
     ptx = assert_code_for(compile_for(AMPERE, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps,
                                       stages), AMPERE)
     assert "mma.sync.aligned" in ptx
@@ -152,7 +152,7 @@ def test_tma_tile_compiles_for_hopper_and_fits(out, accumulate, scale_mode):
     """The TMA kernel's configuration (TMA_TILE): bulk-tensor loads, wgmma, a TMA store (or reduce-add into
     main_grad), and shared memory for `programs_per_sm` programs on one SM."""
     variant = G.TMA_TILE
-    constexprs, warps, stages = _tma_constexprs(variant, out, accumulate, scale_mode)
+    constexprs, warps, stages = _tma_constexprs(variant, accumulate, scale_mode)
     compiled = compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers(out), constexprs, warps, stages)
     ptx = assert_code_for(compiled, HOPPER)
     assert "wgmma.mma_async" in ptx and ".s32.s8.s8" in ptx
@@ -164,7 +164,7 @@ def test_tma_tile_compiles_for_hopper_and_fits(out, accumulate, scale_mode):
 
 
 def test_grouped_tma_gemm_compiles_for_hopper():
-    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, "bf16", False, 1, grouped=True)
+    constexprs, warps, stages = _tma_constexprs(G.TMA_TILE, False, 1, grouped=True)
     assert_code_for(compile_for(HOPPER, G._int8_gemm_tma_kernel, _gemm_pointers("bf16"), constexprs, warps, stages),
                     HOPPER)
 

@@ -38,7 +38,7 @@ def _operands(M, N, K, granularity, seed):
 
 def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
     """One launch of the TMA kernel with the configuration's structure on a scaled-down tile."""
-    opts = variant.launch_options(c.dtype, n_sms=programs)
+    opts = variant.launch_options(n_sms=programs)
     opts.update(BLOCK_M=variant.block_m // SCALE_M, BLOCK_N=variant.block_n // SCALE_N, BLOCK_K=32, GROUP_M=2)
     opts.pop("num_warps"), opts.pop("num_stages")
     M, K = qa.data.shape
@@ -72,7 +72,7 @@ def test_tma_tile_matches_reference(granularity, out_dtype, accumulate):
 def test_tma_tile_grid_holds_programs_per_sm_and_rows_fit_grouped_segments():
     """The persistent grid holds programs_per_sm programs per SM; the tile's rows divide SEGMENT_ALIGN, so a grouped
     tile reads one expert's rows."""
-    assert G.TMA_TILE.launch_options(torch.float32, 132)["NUM_SMS"] == 132 * G.TMA_TILE.programs_per_sm
+    assert G.TMA_TILE.launch_options(132)["NUM_SMS"] == 132 * G.TMA_TILE.programs_per_sm
     assert importlib.import_module("megatron_int8.reference").SEGMENT_ALIGN % G.TMA_TILE.block_m == 0
 
 
