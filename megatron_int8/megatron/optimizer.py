@@ -22,7 +22,7 @@ part of FusedAdam's interface that megatron calls, so megatron's own code paths 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
