@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,7 +46,29 @@ def config_name(name: str) -> str:
     return name
 
 
+# options that take a string of trainer flags as their one value
+FLAG_STRING_OPTIONS = ("--layout", "--int8-extra", "--bf16-extra")
+
+
+def attach_flag_strings(argv: list) -> list:
+    """`--int8-extra --int8-swiglu-input` as `--int8-extra=--int8-swiglu-input`: argparse would read a value that
+    is one trainer flag as an option of its own and stop with "expected one argument". --extra's tail is left as
+    it is (its flags are the trainer's)."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--extra":
+            return out + argv[i:]
+        if argv[i] in FLAG_STRING_OPTIONS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse_args(argv=None):
+    argv = attach_flag_strings(sys.argv[1:] if argv is None else list(argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), type=config_name, metavar="MODEL",
                    help=f"configs/MODEL.yaml (default: the six models, {' '.join(MODELS)}); a config without "

@@ -88,3 +88,18 @@ def test_memory_cap_sets_the_fraction_before_the_module_runs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         memory_cap.apply_cap(79)
+
+
+def test_a_flag_string_that_is_one_trainer_flag_is_taken_as_the_value():
+    """argparse alone reads `--int8-extra --int8-swiglu-input` as two options and stops; --extra's flags stay."""
+    opts = bench_e2e.parse_args(["--int8-extra", "--int8-swiglu-input", "--layout", "--sequence-parallel",
+                                 "--bf16-extra", "--recompute-activations", "--models", "qwen3_4b",
+                                 "--extra", "--bf16-extra", "--x"])
+    assert opts.int8_extra == "--int8-swiglu-input"
+    assert opts.layout == "--sequence-parallel"
+    assert opts.bf16_extra == "--recompute-activations"
+    assert opts.models == ["qwen3_4b"]
+    assert opts.extra == ["--bf16-extra", "--x"]
+    several = bench_e2e.parse_args(["--int8-extra", "--int8-swiglu-input --int8-no-dgrad-weight-cache"])
+    assert several.int8_extra == "--int8-swiglu-input --int8-no-dgrad-weight-cache"
+    assert bench_e2e.parse_args(["--int8-extra=--int8-norm-input"]).int8_extra == "--int8-norm-input"
