@@ -13,6 +13,11 @@
 # On a 2-GPU machine, GPUS_PER_RUN=1 runs each precision on one GPU (BF16 on 0, the other on 1; the same global
 # batch, by gradient accumulation), at about half the speed: on two H200s (2026-11-28, c1db005) BF16 ran 181k and
 # INT8 209k tokens/s, so 301.5M tokens take 28 and 24 minutes of steps, more than one 30-minute machine loan.
+# On a 1-GPU machine, REFERENCE_PAIR="<pair>" runs only the run beside BF16 (SECOND), on GPU 0, and compares its
+# validation losses with those of a pair an earlier job recorded in benchmarks/results/convergence_350m.csv (the
+# `pair` column), e.g. SECOND=int8_attention (INT8 with --int8-attention) against the BF16 and INT8 runs of a 2-GPU
+# job. The comparison holds only on that job's token stream: TOKENS_SHA256=<its SHA-256, or a prefix> makes the
+# data build stop before the launch where the stream built here differs (another corpus or tokenizer).
 # STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
 # checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
@@ -86,18 +91,32 @@ VOCAB=${VOCAB:-8192}
 WORKERS=${WORKERS:-$(nproc)}
 PREFIX="$RUN_DIR/data/corpus"
 DATA="${PREFIX}_text_document"
-# the run beside BF16: int8, or bf16_init2 for the noise floor (kept in RUN_DIR/second by the first `start`)
+# the run beside BF16: int8, int8_attention (with --int8-attention), or bf16_init2 for the noise floor (kept in
+# RUN_DIR/second by the first `start`)
 SECOND=${SECOND:-$(cat "$RUN_DIR/second" 2>/dev/null || echo int8)}
-[[ $SECOND == int8 || $SECOND == bf16_init2 ]] || { echo "error: SECOND is int8 or bf16_init2, got '$SECOND'" >&2; exit 2; }
-RUNS=(bf16 "$SECOND")
+[[ $SECOND == int8 || $SECOND == int8_attention || $SECOND == bf16_init2 ]] ||
+    { echo "error: SECOND is int8, int8_attention or bf16_init2, got '$SECOND'" >&2; exit 2; }
+# a pair recorded by an earlier job, compared with in place of a BF16 run here (kept in RUN_DIR/reference_pair)
+REFERENCE_PAIR=${REFERENCE_PAIR:-$(cat "$RUN_DIR/reference_pair" 2>/dev/null || true)}
+REFERENCE_CSV=${REFERENCE_CSV:-benchmarks/results/convergence_350m.csv}
+if [[ -n $REFERENCE_PAIR ]]; then
+    [[ $SECOND != bf16_init2 ]] || { echo "error: REFERENCE_PAIR compares an INT8 run, not SECOND=bf16_init2" >&2; exit 2; }
+    grep -qF ",$REFERENCE_PAIR," "$REFERENCE_CSV" 2>/dev/null ||
+        { echo "error: no pair '$REFERENCE_PAIR' in $REFERENCE_CSV (REFERENCE_PAIR is its pair column)" >&2; exit 2; }
+    RUNS=("$SECOND")
+else
+    RUNS=(bf16 "$SECOND")
+fi
 # GPUs per run (kept in RUN_DIR/gpus_per_run by `start`): 2 on a 4-GPU machine, 1 on a 2-GPU one
 GPUS_PER_RUN=${GPUS_PER_RUN:-$(cat "$RUN_DIR/gpus_per_run" 2>/dev/null || echo 2)}
 [[ $GPUS_PER_RUN =~ ^[1-9][0-9]*$ ]] || { echo "error: GPUS_PER_RUN is a positive number, got '$GPUS_PER_RUN'" >&2; exit 2; }
 gpu_list() { seq -s, "$1" $(($1 + GPUS_PER_RUN - 1)); }  # gpu_list FIRST: FIRST,...,FIRST+GPUS_PER_RUN-1
 PORT_BASE=${PORT_BASE:-29511}
 [[ $PORT_BASE =~ ^[1-9][0-9]*$ && $PORT_BASE -lt 65535 ]] || { echo "error: PORT_BASE is a port below 65535, got '$PORT_BASE'" >&2; exit 2; }
-declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list "$GPUS_PER_RUN")) PORT=([bf16]=$PORT_BASE [$SECOND]=$((PORT_BASE + 1)))
-declare -A LABEL=([bf16]=BF16 [int8]=INT8 [bf16_init2]="BF16, init seed 2")
+declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list $((GPUS_PER_RUN * (${#RUNS[@]} - 1)))))
+declare -A PORT=([bf16]=$PORT_BASE [$SECOND]=$((PORT_BASE + 1)))
+declare -A LABEL=([bf16]=BF16 [int8]=INT8 [int8_attention]="INT8 + INT8 attention" [bf16_init2]="BF16, init seed 2")
+THE_RUNS=$([[ ${#RUNS[@]} -eq 1 ]] && echo "the run" || echo "both runs")
 SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
 SEED=${SEED:-1234}
 TRAIN_ITERS=${TRAIN_ITERS:-$(cat "$RUN_DIR/train_iters" 2>/dev/null || awk '/^train_iters:/ {print $2}' "$CONFIG")}
@@ -142,6 +161,13 @@ build_data() {  # each step ends the function on failure (errexit does not hold 
             --tokenizer-type SentencePieceTokenizer --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
             "${train[@]}" --workers "$WORKERS" --log-interval-s 15 || return 1
     fi
+    if [[ -n "${TOKENS_SHA256:-}" ]]; then  # the reference's token stream, or nothing is launched
+        local built
+        built=$(sha256sum "$DATA.bin" | cut -d' ' -f1)
+        [[ $built == "$TOKENS_SHA256"* ]] || { echo "error: the token stream built here has SHA-256 $built, not" \
+            "$TOKENS_SHA256 (TOKENS_SHA256): another corpus or tokenizer than the reference's; nothing launched"; return 1; }
+        echo "== token stream: SHA-256 $built, as TOKENS_SHA256"
+    fi
 }
 
 corpus_statistics() {  # after the launch: the runs need not wait for it
@@ -154,10 +180,11 @@ corpus_statistics() {  # after the launch: the runs need not wait for it
 launch() {  # launch NAME: one precision on its GPUs, detached (setsid); NAME.pid, NAME.rc, NAME.log
     local name=$1 flags=()
     read -r -a flags <<< "${EXTRA_FLAGS:-}"
-    if [[ $name == int8 ]]; then
+    if [[ $name == int8 || $name == int8_attention ]]; then
         local int8_extra=()
         read -r -a int8_extra <<< "${INT8_FLAGS:-}"
         flags+=(--int8-linear --int8-stats-interval 100 --int8-auto-fallback "${int8_extra[@]}")
+        [[ $name == int8_attention ]] && flags+=(--int8-attention)
     elif [[ $name == bf16_init2 ]]; then  # BF16's batches from another initialization
         flags+=(--seed $((SEED + 1)) --data-seed "$SEED")
     fi
@@ -175,7 +202,7 @@ launch() {  # launch NAME: one precision on its GPUs, detached (setsid); NAME.pi
         --log-jsonl "$RUN_DIR/$name.jsonl" "${flags[@]}" >> "$RUN_DIR/$name.log" 2>&1 < /dev/null &
 }
 
-pipeline() {  # the data, both runs, the corpus statistics (what `start` leaves running in the background)
+pipeline() {  # the data, the runs, the corpus statistics (what `start` leaves running in the background)
     local status=0
     build_data || status=$?
     if [[ $status -eq 0 ]]; then
@@ -195,14 +222,16 @@ start() {
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-    [[ $gpus -ge ${MIN_GPUS:-$((2 * GPUS_PER_RUN))} ]] ||
-        die "this needs $((2 * GPUS_PER_RUN)) GPUs (BF16 on ${GPUS[bf16]}, $SECOND on ${GPUS[$SECOND]}); torch sees $gpus" \
-            "(GPUS_PER_RUN=1 runs each precision on one GPU of a 2-GPU machine)"
+    local needed=$((${#RUNS[@]} * GPUS_PER_RUN))
+    [[ $gpus -ge ${MIN_GPUS:-$needed} ]] ||
+        die "this needs $needed GPUs ($(for name in "${RUNS[@]}"; do printf '%s on %s; ' "$name" "${GPUS[$name]}"; done)" \
+            "torch sees $gpus) (GPUS_PER_RUN=1 runs each precision on one GPU of a 2-GPU machine)"
     if alive "$RUN_DIR/pipeline.pid"; then echo "the data build is running: see $RUN_DIR/pipeline.log"; return; fi
     echo "$TRAIN_ITERS" > "$RUN_DIR/train_iters"  # what every later call compares the runs with
     echo "$STOP_AT" > "$RUN_DIR/stop_at"
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
+    echo "$REFERENCE_PAIR" > "$RUN_DIR/reference_pair"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
     for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
     # setsid execs (a background job of a script is no process-group leader), so $! is the pipeline's shell
@@ -253,7 +282,23 @@ collect() {  # what the runs logged so far, to $OUT (at most 8 files come back: 
     return 0
 }
 
+report_against_csv() {  # REFERENCE_PAIR: the one run here against the recorded pair
+    [[ -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the run has logged nothing"; return 0; }
+    mkdir -p "$RUN_DIR/report"
+    "$PYTHON" "${REPORT[@]}" against-csv --log "$RUN_DIR/$SECOND.jsonl" --csv "$REFERENCE_CSV" \
+        --pair "$REFERENCE_PAIR" --label "${LABEL[$SECOND]}" --config "$CONFIG" --train-iters "$TRAIN_ITERS" \
+        --output "$RUN_DIR/report/against_reference.md" > "$RUN_DIR/report.log" 2>&1 ||
+        { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
+    grep -E "^# |^Check|a lead: |^At the end|^Throughput|move\(s\)" "$RUN_DIR/report/against_reference.md" || true
+    if [[ -n "${OUT:-}" ]]; then
+        cp "$RUN_DIR/report/against_reference.md" "$OUT/"
+        [[ -f "$RUN_DIR/report/health.png" ]] && cp "$RUN_DIR/report/health.png" "$OUT/"
+    fi
+    return 0
+}
+
 report() {
+    if [[ -n $REFERENCE_PAIR ]]; then report_against_csv; return; fi
     [[ -f "$RUN_DIR/bf16.jsonl" && -f "$RUN_DIR/$SECOND.jsonl" ]] || { echo "no report yet: the runs have logged nothing"; return 0; }
     local noise=()  # a noise-floor run in the same RUN_DIR: its gap goes beside INT8's
     [[ $SECOND == int8 && -f "$RUN_DIR/bf16_init2.jsonl" ]] &&
@@ -302,10 +347,11 @@ status() {
     grep -h "^corpus: .* epochs" "$RUN_DIR/pipeline.log" | tail -n 1 || true
     [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
     if [[ $done -eq ${#RUNS[@]} && $STOP_AT -lt $TRAIN_ITERS ]]; then
-        echo "both runs stopped at iteration $STOP_AT of $TRAIN_ITERS: the report so far is in \$OUT;" \
-            "'STOP_AT=$TRAIN_ITERS bash scripts/convergence_4gpu.sh start' continues them"
+        echo "$THE_RUNS stopped at iteration $STOP_AT of $TRAIN_ITERS: the report so far is in \$OUT;" \
+            "'STOP_AT=$TRAIN_ITERS bash scripts/convergence_4gpu.sh start' continues $([[ ${#RUNS[@]} -eq 1 ]] && echo it || echo them)"
     elif [[ $done -eq ${#RUNS[@]} ]]; then
-        echo "both runs finished: the report (convergence.md, its PNGs) is in \$OUT"
+        echo "$THE_RUNS finished: the report ($([[ -n $REFERENCE_PAIR ]] && echo against_reference.md ||
+            echo convergence.md), its PNGs) is in \$OUT"
     fi
     return 0
 }

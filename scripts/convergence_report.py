@@ -13,6 +13,11 @@
     python3 scripts/convergence_report.py report --bf16 R/bf16.jsonl --int8 R/bf16_init2.jsonl \\
         --labels BF16 "BF16, init 2" --config configs/convergence_350m.yaml --output-dir R/report
     # ... and beside the INT8 pair: add --noise-floor R/bf16.jsonl R/bf16_init2.jsonl to the first command
+    # one run of a 1-GPU machine against a pair an earlier job recorded on the same token stream (validation
+    # losses at the same iterations; convergence_4gpu.sh with REFERENCE_PAIR runs it):
+    python3 scripts/convergence_report.py against-csv --log R/int8_attention.jsonl \\
+        --csv benchmarks/results/convergence_350m.csv --pair "<the pair column>" \\
+        --config configs/convergence_350m.yaml --output R/report/against_reference.md
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
     python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
 
@@ -409,6 +414,85 @@ def report(opts) -> int:
     return 0
 
 
+def recorded_pair(csv_path, pair):
+    """The evaluations of one pair recorded in a results CSV (benchmarks/results/convergence_350m.csv's columns):
+    ({iteration: reference validation loss}, {iteration: the other run's}, the rows' (date, commit, gpu))."""
+    import csv
+
+    reference, other, origin = {}, {}, set()
+    with open(csv_path, encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            if row["pair"] == pair:
+                it = int(row["iteration"])
+                reference[it], other[it] = float(row["reference_valid"]), float(row["other_valid"])
+                origin.add((row["date"], row["commit"], row["gpu"]))
+    return reference, other, sorted(origin)
+
+
+def against_csv(opts) -> int:
+    """One run (a 1-GPU machine's) against a pair recorded by an earlier job on the same token stream: its
+    validation loss beside the pair's at each evaluation, the parity check against the pair's reference, and the
+    run's throughput and health."""
+    train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
+    if not os.path.exists(opts.log):
+        print(f"error: no log {opts.log}", file=sys.stderr)
+        return 1
+    reference, recorded, origin = recorded_pair(opts.csv, opts.pair)
+    if not reference:
+        print(f"error: no pair {opts.pair!r} in {opts.csv}", file=sys.stderr)
+        return 1
+    train, valid, speed = read_series(opts.log, "lm_loss", "valid_lm_loss", "tokens_per_s")
+    if not train:
+        print(f"error: {opts.log} has no training loss records yet", file=sys.stderr)
+        return 1
+    ref, other = opts.reference_labels
+    label = opts.label
+    gaps = validation_gaps(reference, valid)
+    judged, failing, leading = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
+    last = max(train)
+    lines = [f"# {label} against the recorded pair `{opts.pair}`: `{os.path.basename(opts.config)}`", "",
+             f"The pair's rows in `{os.path.basename(opts.csv)}`: "
+             + "; ".join(f"{date}, {commit}, {gpu}" for date, commit, gpu in origin)
+             + f". This run: iteration {last} of {train_iters} ({last * tokens_per_iteration / 1e6:.1f}M tokens)"
+             + ("." if last >= train_iters else ", **not finished**."),
+             "", f"gap = {label} / {ref} - 1 of the validation loss at the same iteration (the same batches where "
+                 f"the token stream is the pair's); {other}'s gap is the pair's own.", "",
+             f"| iteration | tokens | {ref} | {other} | {label} | gap | {other}'s gap | {label} / {other} - 1 |",
+             "|---" * 8 + "|"]
+    for it, b, x, g in gaps:
+        y = recorded.get(it)
+        lines.append(f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {_fmt(y)} | {x:.4f} | {g:+.2f}% | "
+                     + (f"{100 * (y / b - 1):+.2f}% | {100 * (x / y - 1):+.2f}% |" if y else "n/a | n/a |"))
+    rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
+    if not judged:
+        lines += ["", f"Check ({rule}): **not judged yet**, no evaluation after iteration "
+                      f"{opts.settle * train_iters:.0f}."]
+    elif not failing:
+        worst = max(judged, key=lambda g: g[3])
+        lines += ["", f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."]
+    else:
+        lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
+                                                                        for it, _, _, g in failing) + "."]
+    lines += lead_summary(leading, opts.gap_limit, label, ref)
+    if gaps and gaps[-1][0] >= train_iters:
+        lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
+    median = throughput(speed)
+    lines += ["", f"Throughput: {_fmt(median, 0)} tokens/s (median step after the first 10; {label}, this job).", ""]
+    health_png = None
+    if opts.output:
+        health_png = os.path.join(os.path.dirname(os.path.abspath(opts.output)), "health.png")
+        from plot_health import main as plot_health
+
+        if plot_health([opts.log, "--output", health_png]) != 0:
+            health_png = None
+    lines += health_section(opts.log, health_png, label)
+    if opts.output:
+        with open(opts.output, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def progress(opts) -> int:
     """One line on a run in progress: last iteration, loss, last validation, recent tokens/s, time left."""
     train_iters, tokens_per_iteration = run_schedule(opts.config, opts.train_iters)
@@ -543,6 +627,20 @@ def main(argv=None) -> int:
     pro.add_argument("--config", required=True)
     pro.add_argument("--train-iters", type=int, default=None)
     pro.add_argument("--stop-at", type=int, default=None, help="the iteration where the run stops (STOP_AT)")
+    csv_cmd = commands.add_parser("against-csv",
+                                  help="one run against a pair recorded in a results CSV (a 1-GPU machine's run)")
+    csv_cmd.add_argument("--log", required=True, help="the run's JSONL log")
+    csv_cmd.add_argument("--csv", required=True, help="the results CSV (benchmarks/results/convergence_350m.csv)")
+    csv_cmd.add_argument("--pair", required=True, help="the recorded pair: its `pair` column, exactly")
+    csv_cmd.add_argument("--label", default="INT8 + INT8 attention", help="the run's name (default: %(default)s)")
+    csv_cmd.add_argument("--reference-labels", nargs=2, default=list(LABELS), metavar=("REFERENCE", "OTHER"),
+                         help="the recorded pair's two runs (default: %(default)s)")
+    csv_cmd.add_argument("--config", required=True, help="the run's YAML (train_iters, global batch, sequence length)")
+    csv_cmd.add_argument("--train-iters", type=int, default=None, help="the run's --train-iters, where not the YAML's")
+    csv_cmd.add_argument("--output", default=None, help="markdown to write (health.png beside it)")
+    csv_cmd.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
+    csv_cmd.add_argument("--settle", type=float, default=0.1,
+                         help="fraction of the run before the gap is judged (default: %(default)s)")
     opts = parser.parse_args(argv)
     if opts.command == "progress":
         return progress(opts)
@@ -553,6 +651,10 @@ def main(argv=None) -> int:
         if opts.spike_window < 1 or opts.windows < 1 or opts.gap_limit <= 0 or opts.grad_spike_factor <= 1:
             parser.error("--spike-window and --windows must be >= 1, --gap-limit > 0, --grad-spike-factor > 1")
         return report(opts)
+    if opts.command == "against-csv":
+        if not 0 < opts.settle < 1 or opts.gap_limit <= 0:
+            parser.error("--settle must be in (0, 1) and --gap-limit > 0")
+        return against_csv(opts)
     return corpus(opts)
 
 

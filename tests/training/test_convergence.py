@@ -371,6 +371,77 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
     assert lrs[2] == lr_at_2 and lrs[4] < lrs[3] < lrs[2]  # one cosine schedule over the 4 iterations
 
 
+@pytest.mark.slow
+def test_one_run_against_a_recorded_pair(tmp_path):
+    """REFERENCE_PAIR (a 1-GPU machine): `start` runs only SECOND=int8_attention, on GPU 0, and `status` compares its
+    validation losses with the pair's rows of a results CSV. TOKENS_SHA256 stops the launch where the token stream
+    built differs from the reference's, and lets it through where it matches."""
+    run_dir, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+    pair = "bf16 vs int8 tiny one GPU each"
+    header = "date,commit,gpu,torch,triton,command,pair,mode,iteration,tokens_m,reference_valid,other_valid,gap_pct\n"
+    recorded = {2: (6.0, 6.06), 4: (5.0, 4.95)}  # the reference and its INT8, at the run's evaluations
+    csv_path = tmp_path / "convergence.csv"
+    csv_path.write_text(header + "".join(f"2026-11-28,abc1234,GPU,2.11,3.6,cmd,{pair},graphed,{it},0.0,{b},{i},0\n"
+                                         for it, (b, i) in recorded.items()))
+    env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
+               PORT_BASE=str(free_port_pair()), REFERENCE_CSV=str(csv_path), REFERENCE_PAIR=pair,
+               SECOND="int8_attention", TOKENS_SHA256="0" * 64, INT8_FLAGS="--int8-stats-interval 2",
+               CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
+               WORKERS="2", TRAIN_ITERS="4", GPUS_PER_RUN="1",
+               EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --split 90,10,0")
+
+    def call(*args, timeout=450):
+        return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    assert call("start").returncode == 0
+    result = call("status", "300")
+    assert result.returncode == 1, result.stdout + result.stderr
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert "not " + "0" * 64 + " (TOKENS_SHA256)" in pipeline and "nothing launched" in pipeline, pipeline
+    assert "== launching" not in pipeline
+
+    built = hashlib.sha256((run_dir / "data" / "corpus_text_document.bin").read_bytes()).hexdigest()
+    env["TOKENS_SHA256"] = built[:12]
+    assert call("start").returncode == 0
+    result = call("status", "400")
+    assert result.returncode == 0, result.stdout + result.stderr + (run_dir / "pipeline.log").read_text()
+    assert "the run finished: the report (against_reference.md" in result.stdout, result.stdout
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert f"== token stream: SHA-256 {built}" in pipeline
+    assert "== launching int8_attention on GPUs 0: " in pipeline and "--int8-attention" in pipeline
+    assert "== launching bf16" not in pipeline and not (run_dir / "bf16.jsonl").exists()
+    valid = {r["iteration"]: r["valid_lm_loss"] for r in records(run_dir / "int8_attention.jsonl", "valid_lm_loss")}
+    assert sorted(valid) == [2, 4]
+    summary = (out / "against_reference.md").read_text()
+    assert summary.startswith(f"# INT8 + INT8 attention against the recorded pair `{pair}`")
+    assert "2026-11-28, abc1234, GPU" in summary
+    for it, (b, i) in recorded.items():  # each row: the recorded losses, this run's, and the gaps from them
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
+        assert f"| {b:.4f} | {i:.4f} | {valid[it]:.4f} | {100 * (valid[it] / b - 1):+.2f}% | " \
+               f"{100 * (i / b - 1):+.2f}% | {100 * (valid[it] / i - 1):+.2f}% |" in row, row
+    verdict = "met" if 100 * (valid[4] / 5.0 - 1) <= 1.0 else "not met"
+    assert f"Check (gap <= 1% at every evaluation after the first 10% of the run): **{verdict}**" in summary
+    assert "## INT8 health" in summary and "No `int8_health` records" not in summary
+    assert sorted(os.listdir(out)) == ["against_reference.md", "corpus.json", "health.png", "int8_attention.jsonl",
+                                       "logs.tar.gz"]
+
+
+def test_against_csv_names_a_missing_pair(tmp_path):
+    csv_path = tmp_path / "c.csv"
+    csv_path.write_text("date,commit,gpu,torch,triton,command,pair,mode,iteration,tokens_m,reference_valid,"
+                        "other_valid,gap_pct\n")
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
+    (tmp_path / "run.yaml").write_text("train_iters: 4\nglobal_batch_size: 4\nseq_length: 64\n")
+    assert convergence_report.main(["against-csv", "--log", str(log), "--csv", str(csv_path), "--pair", "nope",
+                                    "--config", str(tmp_path / "run.yaml")]) == 1
+    env = dict(os.environ, RUN_DIR=str(tmp_path / "r"), REFERENCE_CSV=str(csv_path), REFERENCE_PAIR="nope")
+    result = subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no pair 'nope' in" in result.stderr, result.stderr
+
+
 def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     """`corpus` on a small indexed dataset: every document's tokens are its SentencePiece ids plus one EOD, the
     training split is megatron's first 90% of the documents, epochs = tokens trained / training-split tokens."""
