@@ -16,8 +16,10 @@
 # On a 1-GPU machine, REFERENCE_PAIR="<pair>" runs only the run beside BF16 (SECOND), on GPU 0, and compares its
 # validation losses with those of a pair an earlier job recorded in benchmarks/results/convergence_350m.csv (the
 # `pair` column), e.g. SECOND=int8_attention (INT8 with --int8-attention) against the BF16 and INT8 runs of a 2-GPU
-# job. The comparison holds only on that job's token stream: TOKENS_SHA256=<its SHA-256, or a prefix> makes the
-# data build stop before the launch where the stream built here differs (another corpus or tokenizer).
+# job. The comparison holds only on that job's token stream (TOKENS_SHA256=<its SHA-256, or a prefix> makes the
+# data build stop before the launch where the stream built here differs: another corpus or tokenizer) and with the
+# same validation batches: pairs recorded before 70dc00f (2026-12-01) were scored on others (docs/convergence.md,
+# section 10), so a run of today's trainer is compared with the validation losses of a pair recorded since.
 # STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
 # checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
@@ -74,7 +76,8 @@
 # from an earlier run's logs.tar.gz gives that run's token stream. Training is reproducible since acee284: before,
 # SentencePiece's own line sampler drew another sample in every process, and three runs of 2026-11-27/28 got
 # 97.90M-97.95M tokens from the same text),
-# EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run), PYTHON (python3), MIN_GPUS
+# EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run; both kept in RUN_DIR by the
+# first `start`, so that a run launched later trains with its partner's flags), PYTHON (python3), MIN_GPUS
 # (2 x GPUS_PER_RUN; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml
 # GRAPHS=none),
 # GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run beside BF16; the first `start` keeps it
@@ -217,8 +220,24 @@ pipeline() {  # the data, the runs, the corpus statistics (what `start` leaves r
     echo "$status" > "$RUN_DIR/pipeline.rc"
 }
 
+keep_flags() {  # keep_flags VAR FILE: VAR as the first `start` gave it, kept in RUN_DIR/FILE for the later calls
+    local var=$1 file="$RUN_DIR/$2" name
+    if [[ -f $file && -z ${!var+set} ]]; then
+        export "$var=$(cat "$file")"
+    elif [[ -f $file && "${!var}" != "$(cat "$file")" ]]; then
+        for name in "${RUNS[@]}"; do
+            [[ -f "$RUN_DIR/$name.jsonl" ]] && die "$var='${!var}' differs from '$(cat "$file")', which the runs of" \
+                "$RUN_DIR started with: a run launched now would train with other flags than its partner; leave $var" \
+                "unset to keep them, or use another RUN_DIR"
+        done
+    fi
+    printf '%s\n' "${!var:-}" > "$file"
+}
+
 start() {
     mkdir -p "$RUN_DIR"
+    keep_flags EXTRA_FLAGS extra_flags
+    keep_flags INT8_FLAGS int8_flags
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")

@@ -361,14 +361,21 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
     lr_at_2 = {r["iteration"]: r["lr"] for r in records(run_dir / "bf16.jsonl", "lr")}[2]
 
     env["STOP_AT"] = "4"  # kept in RUN_DIR otherwise: a bare `start` would leave the stopped runs alone
+    first_flags = env.pop("EXTRA_FLAGS")  # kept in RUN_DIR by the first `start`: the continued runs get them again
     follow("both runs finished")
     pipeline = (run_dir / "pipeline.log").read_text()
     assert pipeline.count("--exit-interval") == 2  # only the first launches stop early
+    assert pipeline.count(first_flags) == 4, pipeline
     for name in ("bf16", "int8"):
         steps = [r["iteration"] for r in records(run_dir / f"{name}.jsonl", "lm_loss")]
         assert steps == [1, 2, 3, 4], steps
     lrs = {r["iteration"]: r["lr"] for r in records(run_dir / "bf16.jsonl", "lr")}
     assert lrs[2] == lr_at_2 and lrs[4] < lrs[3] < lrs[2]  # one cosine schedule over the 4 iterations
+
+    env["EXTRA_FLAGS"] = first_flags.replace("--eval-interval 2", "--eval-interval 3")  # a partner on other flags
+    started = subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert started.returncode == 1 and "EXTRA_FLAGS='" in started.stderr, started.stdout + started.stderr
+    assert f"differs from '{first_flags}', which the runs of" in started.stderr
 
 
 @pytest.mark.slow
