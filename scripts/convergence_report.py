@@ -157,14 +157,14 @@ def spike_lines(found, series, labels, tolerance, digits, listed=10):
 
 def window_means(series, train_iters, windows):
     """[(first, last, mean of the values logged in [first, last])] over `windows` equal spans of the run;
-    spans the run has not reached are left out."""
+    spans the run has not reached are left out, and a span it has only begun ends at its last logged iteration."""
     span = max(1, math.ceil(train_iters / windows))
     rows = []
     for first in range(1, train_iters + 1, span):
-        last = min(first + span - 1, train_iters)
-        values = [v for it, v in series.items() if first <= it <= last]
-        if values:
-            rows.append((first, last, sum(values) / len(values)))
+        logged = {it: v for it, v in series.items() if first <= it <= min(first + span - 1, train_iters)}
+        if logged:
+            last = min(first + span - 1, train_iters) if max(series) > first + span - 1 else max(logged)
+            rows.append((first, last, sum(logged.values()) / len(logged)))
     return rows
 
 
@@ -388,8 +388,10 @@ def report(opts) -> int:
 
     lines += ["", "## Gradient norms (mean over each span)", "", f"| iterations | {ref} | {other} | {other} / {ref} |",
               "|---|---|---|---|"]
-    int8_means = {(a, b): m for a, b, m in window_means(int8["grad_norm"], train_iters, opts.windows)}
-    for first, last, mean in window_means(bf16["grad_norm"], train_iters, opts.windows):
+    # up to the common iteration, as the losses: a span one run has only begun would compare other steps
+    reference_norms, other_norms = (upto[label]["grad_norm"] for label in opts.labels)
+    int8_means = {(a, b): m for a, b, m in window_means(other_norms, train_iters, opts.windows)}
+    for first, last, mean in window_means(reference_norms, train_iters, opts.windows):
         other_mean = int8_means.get((first, last))
         lines.append(f"| {first}-{last} | {mean:.3f} | {_fmt(other_mean, 3)} | "
                      f"{_fmt(other_mean / mean if other_mean is not None else None, 3)} |")

@@ -228,6 +228,14 @@ def test_grad_norm_spikes_follow_their_definition():
     assert convergence_report.unmatched_spikes(spikes, [(12, 2.0, 0.4)], tolerance=2) == [spikes[0]]
 
 
+def test_window_means_end_a_begun_span_at_its_last_step():
+    """Equal spans of the run; the span a run has only begun is labelled with the steps it holds, so that a table
+    over two runs cut to their common part does not name iterations neither reached."""
+    series = {1: 1.0, 2: 3.0, 5: 2.0, 6: 4.0, 7: 6.0}
+    assert convergence_report.window_means(series, 10, 2) == [(1, 5, 2.0), (6, 7, 5.0)]
+    assert convergence_report.window_means({**series, 10: 8.0}, 10, 2) == [(1, 5, 2.0), (6, 10, 6.0)]
+
+
 def test_the_script_parses_and_status_needs_a_started_run(tmp_path):
     assert subprocess.run(["bash", "-n", SCRIPT]).returncode == 0
     env = dict(os.environ, RUN_DIR=str(tmp_path / "nothing"))
