@@ -78,12 +78,15 @@
 # 97.90M-97.95M tokens from the same text),
 # EXTRA_FLAGS (more trainer flags for both runs), INT8_FLAGS (more for the INT8 run; both kept in RUN_DIR by the
 # first `start`, so that a run launched later trains with its partner's flags), PYTHON (python3), MIN_GPUS
-# (2 x GPUS_PER_RUN; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml
+# (the runs x GPUS_PER_RUN; 0 lets `start` run the plumbing on a CPU with a small model, e.g. CONFIG=configs/tiny.yaml
 # GRAPHS=none),
-# GRAPHS (local: CUDA graphs, or none), SECOND (int8, or bf16_init2: the run beside BF16; the first `start` keeps it
-# in RUN_DIR/second), GPUS_PER_RUN (2; 1 on a 2-GPU machine), STOP_AT (TRAIN_ITERS: the iteration where both runs
-# stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls), PORT_BASE (29511: the BF16 run's
-# rendezvous port, the other run's the next; another pair where two pipelines share a machine).
+# GRAPHS (local: CUDA graphs, or none), SECOND (int8, int8_attention, or bf16_init2: the run beside BF16; the first
+# `start` keeps it in RUN_DIR/second), GPUS_PER_RUN (2; 1 on a 2-GPU machine), STOP_AT (TRAIN_ITERS: the iteration
+# where both runs stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls), PORT_BASE (29511:
+# the BF16 run's rendezvous port, the other run's the next; another pair where two pipelines share a machine),
+# REFERENCE_PAIR (none: the recorded pair a lone SECOND run is compared with, kept in RUN_DIR), REFERENCE_CSV
+# (benchmarks/results/convergence_350m.csv: where that pair is recorded), TOKENS_SHA256 (none: the token stream's
+# SHA-256, or a prefix, the data build must give before a launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
