@@ -75,6 +75,18 @@ def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
             [row for row in judged if row[3] < -limit_percent])
 
 
+def check_line(judged, failing, limit_percent, settle, train_iters):
+    """The parity check's verdict on parity_check's rows: not judged yet, met (with the largest gap), or not met."""
+    rule = f"gap <= {limit_percent:g}% at every evaluation after the first {settle:.0%} of the run"
+    if not judged:
+        return f"Check ({rule}): **not judged yet**, no common evaluation after iteration {settle * train_iters:.0f}."
+    if not failing:
+        worst = max(judged, key=lambda g: g[3])
+        return f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."
+    return f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
+                                                          for it, _, _, g in failing) + "."
+
+
 def lead_summary(leading, limit_percent, other, ref):
     """A line naming the evaluations where `other` leads `ref` by more than the limit (none without such a lead)."""
     if not leading:
@@ -354,16 +366,7 @@ def report(opts) -> int:
     for it, b, i, g in gaps:
         noise = (f" {noise_at[it]:+.2f}% |" if it in noise_at else " n/a |") if noise_gaps else ""
         lines.append(f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {i:.4f} | {g:+.2f}% |" + noise)
-    rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
-    if not judged:
-        lines += ["", f"Check ({rule}): **not judged yet**, no common evaluation after iteration "
-                      f"{opts.settle * train_iters:.0f}."]
-    elif not failing:
-        worst = max(judged, key=lambda g: g[3])
-        lines += ["", f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."]
-    else:
-        lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
-                                                                        for it, _, _, g in failing) + "."]
+    lines += ["", check_line(judged, failing, opts.gap_limit, opts.settle, train_iters)]
     lines += lead_summary(leading, opts.gap_limit, other, ref)
     lines += noise_summary(gaps, noise_at, train_iters, opts.settle)
     if gaps and gaps[-1][0] >= train_iters:
@@ -465,16 +468,7 @@ def against_csv(opts) -> int:
         y = recorded.get(it)
         lines.append(f"| {it} | {it * tokens_per_iteration / 1e6:.1f}M | {b:.4f} | {_fmt(y)} | {x:.4f} | {g:+.2f}% | "
                      + (f"{100 * (y / b - 1):+.2f}% | {100 * (x / y - 1):+.2f}% |" if y else "n/a | n/a |"))
-    rule = f"gap <= {opts.gap_limit:g}% at every evaluation after the first {opts.settle:.0%} of the run"
-    if not judged:
-        lines += ["", f"Check ({rule}): **not judged yet**, no evaluation after iteration "
-                      f"{opts.settle * train_iters:.0f}."]
-    elif not failing:
-        worst = max(judged, key=lambda g: g[3])
-        lines += ["", f"Check ({rule}): **met** (largest {worst[3]:+.2f}% at iteration {worst[0]})."]
-    else:
-        lines += ["", f"Check ({rule}): **not met** at " + ", ".join(f"iteration {it} ({g:+.2f}%)"
-                                                                        for it, _, _, g in failing) + "."]
+    lines += ["", check_line(judged, failing, opts.gap_limit, opts.settle, train_iters)]
     lines += lead_summary(leading, opts.gap_limit, label, ref)
     if gaps and gaps[-1][0] >= train_iters:
         lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
@@ -640,7 +634,8 @@ def main(argv=None) -> int:
     csv_cmd.add_argument("--config", required=True, help="the run's YAML (train_iters, global batch, sequence length)")
     csv_cmd.add_argument("--train-iters", type=int, default=None, help="the run's --train-iters, where not the YAML's")
     csv_cmd.add_argument("--output", default=None, help="markdown to write (health.png beside it)")
-    csv_cmd.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
+    csv_cmd.add_argument("--gap-limit", type=float, default=1.0,
+                         help="validation gap limit in %% (default: %(default)s)")
     csv_cmd.add_argument("--settle", type=float, default=0.1,
                          help="fraction of the run before the gap is judged (default: %(default)s)")
     opts = parser.parse_args(argv)
