@@ -370,7 +370,7 @@ status() {
     [[ $failed -eq 0 ]] || die "a run or the data build failed (see above); after a fix, 'start' resumes from the checkpoints"
     if [[ $done -eq ${#RUNS[@]} && $STOP_AT -lt $TRAIN_ITERS ]]; then
         echo "$THE_RUNS stopped at iteration $STOP_AT of $TRAIN_ITERS: the report so far is in \$OUT;" \
-            "'STOP_AT=$TRAIN_ITERS bash scripts/convergence_4gpu.sh start' continues $([[ ${#RUNS[@]} -eq 1 ]] && echo it || echo them)"
+            "'STOP_AT=$TRAIN_ITERS bash scripts/convergence_4gpu.sh start' continues $THE_RUNS"
     elif [[ $done -eq ${#RUNS[@]} ]]; then
         echo "$THE_RUNS finished: the report ($([[ -n $REFERENCE_PAIR ]] && echo against_reference.md ||
             echo convergence.md), its PNGs) is in \$OUT"

@@ -43,7 +43,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts below
-from plot_health import read_health, worst_linears  # noqa: E402
+from plot_health import main as plot_health, read_health, worst_linears  # noqa: E402
 from plot_loss import read_series, smooth, summary_table  # noqa: E402
 
 HEALTH_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
@@ -208,6 +208,12 @@ def _fmt(value, digits=4):
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def health_plot(log, output_dir):
+    """health.png in output_dir from a run's health records (scripts/plot_health.py); None where it has none."""
+    path = os.path.join(output_dir, "health.png")
+    return path if plot_health([log, "--output", path]) == 0 else None
+
+
 def health_section(int8_log, health_png, label="INT8"):
     """Markdown of the INT8 run's health records and fallback events (plot_health's readers)."""
     series, events = read_health(int8_log)
@@ -330,11 +336,7 @@ def report(opts) -> int:
     os.makedirs(opts.output_dir, exist_ok=True)
     png = os.path.join(opts.output_dir, "convergence.png")
     plot(runs, gaps, train_iters, opts.settle, opts.gap_limit, png, noise_gaps)
-    health_png = os.path.join(opts.output_dir, "health.png")
-    from plot_health import main as plot_health
-
-    if plot_health([opts.int8, "--output", health_png]) != 0:
-        health_png = None
+    health_png = health_plot(opts.int8, opts.output_dir)
 
     done = {label: max(data["train"]) for label, data in runs}
     lines = [f"# {other} vs {ref} convergence: `{os.path.basename(opts.config)}`", ""]
@@ -474,13 +476,7 @@ def against_csv(opts) -> int:
         lines.append(f"At the end (iteration {gaps[-1][0]}): gap {gaps[-1][3]:+.2f}%.")
     median = throughput(speed)
     lines += ["", f"Throughput: {_fmt(median, 0)} tokens/s (median step after the first 10; {label}, this job).", ""]
-    health_png = None
-    if opts.output:
-        health_png = os.path.join(os.path.dirname(os.path.abspath(opts.output)), "health.png")
-        from plot_health import main as plot_health
-
-        if plot_health([opts.log, "--output", health_png]) != 0:
-            health_png = None
+    health_png = health_plot(opts.log, os.path.dirname(os.path.abspath(opts.output))) if opts.output else None
     lines += health_section(opts.log, health_png, label)
     if opts.output:
         with open(opts.output, "w", encoding="utf-8") as f:
