@@ -20,6 +20,11 @@
 # data build stop before the launch where the stream built here differs: another corpus or tokenizer) and with the
 # same validation batches: pairs recorded before 70dc00f (2026-12-01) were scored on others (docs/convergence.md,
 # section 10), so a run of today's trainer is compared with the validation losses of a pair recorded since.
+# The mirror of that: RECORDED_LOG=<the JSONL log of SECOND's run from an earlier job, .jsonl or .jsonl.gz> runs only
+# BF16, on GPU 0, and the report compares the two as a pair (training loss, validation at every evaluation, gradient
+# norms, spikes), e.g. BF16 beside benchmarks/results/convergence_350m_logs/*.jsonl.gz. It holds with the recorded
+# run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (the file's name says them); the throughput ratio
+# of two jobs is labelled as such.
 # STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
 # checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
@@ -85,7 +90,8 @@
 # where both runs stop; each `start` keeps GPUS_PER_RUN and STOP_AT in RUN_DIR for later calls), PORT_BASE (29511:
 # the BF16 run's rendezvous port, the other run's the next; another pair where two pipelines share a machine),
 # REFERENCE_PAIR (none: the recorded pair a lone SECOND run is compared with, kept in RUN_DIR), REFERENCE_CSV
-# (benchmarks/results/convergence_350m.csv: where that pair is recorded), TOKENS_SHA256 (none: the token stream's
+# (benchmarks/results/convergence_350m.csv: where that pair is recorded), RECORDED_LOG (none: SECOND's log from an
+# earlier job, beside which a lone BF16 run trains; kept in RUN_DIR), TOKENS_SHA256 (none: the token stream's
 # SHA-256, or a prefix, the data build must give before a launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -102,14 +108,21 @@ DATA="${PREFIX}_text_document"
 SECOND=${SECOND:-$(cat "$RUN_DIR/second" 2>/dev/null || echo int8)}
 [[ $SECOND == int8 || $SECOND == int8_attention || $SECOND == bf16_init2 ]] ||
     { echo "error: SECOND is int8, int8_attention or bf16_init2, got '$SECOND'" >&2; exit 2; }
-# a pair recorded by an earlier job, compared with in place of a BF16 run here (kept in RUN_DIR/reference_pair)
-REFERENCE_PAIR=${REFERENCE_PAIR:-$(cat "$RUN_DIR/reference_pair" 2>/dev/null || true)}
+# a pair recorded by an earlier job, compared with in place of a BF16 run here (kept in RUN_DIR/reference_pair;
+# REFERENCE_PAIR= set empty forgets it, so that a later `start` runs BF16 beside the lone run of this RUN_DIR)
+REFERENCE_PAIR=${REFERENCE_PAIR-$(cat "$RUN_DIR/reference_pair" 2>/dev/null || true)}
 REFERENCE_CSV=${REFERENCE_CSV:-benchmarks/results/convergence_350m.csv}
+# SECOND's log from an earlier job, beside which BF16 runs alone here (kept in RUN_DIR/recorded_log)
+RECORDED_LOG=${RECORDED_LOG-$(cat "$RUN_DIR/recorded_log" 2>/dev/null || true)}
+[[ -z $REFERENCE_PAIR || -z $RECORDED_LOG ]] ||
+    { echo "error: REFERENCE_PAIR runs SECOND alone and RECORDED_LOG runs BF16 alone: give one of them" >&2; exit 2; }
 if [[ -n $REFERENCE_PAIR ]]; then
     [[ $SECOND != bf16_init2 ]] || { echo "error: REFERENCE_PAIR compares an INT8 run, not SECOND=bf16_init2" >&2; exit 2; }
     grep -qF ",$REFERENCE_PAIR," "$REFERENCE_CSV" 2>/dev/null ||
         { echo "error: no pair '$REFERENCE_PAIR' in $REFERENCE_CSV (REFERENCE_PAIR is its pair column)" >&2; exit 2; }
     RUNS=("$SECOND")
+elif [[ -n $RECORDED_LOG ]]; then
+    RUNS=(bf16)
 else
     RUNS=(bf16 "$SECOND")
 fi
@@ -254,6 +267,14 @@ start() {
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
     echo "$REFERENCE_PAIR" > "$RUN_DIR/reference_pair"
+    if [[ -n $RECORDED_LOG ]]; then  # the partner's log, where the report reads it
+        [[ -f $RECORDED_LOG ]] || die "RECORDED_LOG: no file '$RECORDED_LOG'"
+        [[ ! -d "$RUN_DIR/$SECOND/ckpt" ]] ||
+            die "$RUN_DIR holds a $SECOND run of its own: use another RUN_DIR for a BF16 run beside RECORDED_LOG"
+        case $RECORDED_LOG in *.gz) gzip -dc ;; *) cat ;; esac < "$RECORDED_LOG" > "$RUN_DIR/$SECOND.jsonl" ||
+            die "RECORDED_LOG: cannot read '$RECORDED_LOG'"
+    fi
+    echo "$RECORDED_LOG" > "$RUN_DIR/recorded_log"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
     for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
     # setsid execs (a background job of a script is no process-group leader), so $! is the pipeline's shell
@@ -328,7 +349,7 @@ report() {
     "$PYTHON" "${REPORT[@]}" report --bf16 "$RUN_DIR/bf16.jsonl" --int8 "$RUN_DIR/$SECOND.jsonl" --config "$CONFIG" \
         --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
-        --gpus-per-run "$GPUS_PER_RUN" \
+        --gpus-per-run "$GPUS_PER_RUN" ${RECORDED_LOG:+--other-recorded "$RECORDED_LOG"} \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
     grep -E -e "^- (BF16|INT8)|^Check|^Noise floor|a lead: |^At the end|^The runs have not|spikes without" \
         -e "^[^|]* / BF16: |fallback|move\(s\)" \

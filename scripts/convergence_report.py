@@ -18,6 +18,8 @@
     python3 scripts/convergence_report.py against-csv --log R/int8_attention.jsonl \\
         --csv benchmarks/results/convergence_350m.csv --pair "<the pair column>" \\
         --config configs/convergence_350m.yaml --output R/report/against_reference.md
+    # BF16 of this job beside a run an earlier job recorded (convergence_4gpu.sh with RECORDED_LOG): `report` as
+    # above with --other-recorded <that log>, named in the summary, its throughput ratio labelled as one of two jobs
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
     python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
 
@@ -343,7 +345,9 @@ def report(opts) -> int:
     for label, last in done.items():
         lines.append(f"- {label}: iteration {last} of {train_iters} ({last * tokens_per_iteration / 1e6:.1f}M of "
                      f"{train_iters * tokens_per_iteration / 1e6:.1f}M tokens)" + ("" if last >= train_iters else
-                                                                                    ", **not finished**"))
+                                                                                    ", **not finished**")
+                     + (f"; recorded by an earlier job: `{opts.other_recorded}`"
+                        if label == other and opts.other_recorded else ""))
     if opts.corpus_stats and os.path.exists(opts.corpus_stats):
         with open(opts.corpus_stats, encoding="utf-8") as f:
             lines += ["", "Corpus: " + corpus_sentence(json.load(f))]
@@ -411,7 +415,11 @@ def report(opts) -> int:
         seconds = sum(data["step_time_s"].values())
         lines.append(f"| {label} | {_fmt(speeds[label], 0)} | {seconds / 60:.1f} min |")
     if speeds[ref] and speeds[other]:
-        lines.append(f"\n{other} / {ref}: {speeds[other] / speeds[ref]:.3f}x.")
+        lines.append(f"\n{other} / {ref}: {speeds[other] / speeds[ref]:.3f}x" + (" (two jobs)." if opts.other_recorded
+                                                                                 else "."))
+    if opts.other_recorded:
+        lines.append(f"\nThe runs ran in two jobs ({other} recorded earlier): compare their speeds on one machine "
+                     "before reading a ratio of these as a speed-up.")
     lines += [""] + health_section(opts.int8, health_png, other)
     summary = os.path.join(opts.output_dir, "convergence.md")
     with open(summary, "w", encoding="utf-8") as f:
@@ -593,6 +601,9 @@ def main(argv=None) -> int:
                           "changed, --data-seed kept): their gap, beside the other run's")
     rep.add_argument("--corpus-stats", default=None, help="the JSON of the `corpus` command, quoted in the summary")
     rep.add_argument("--gpus-per-run", type=int, default=2, help="GPUs each run trained on, for the throughput table")
+    rep.add_argument("--other-recorded", default=None, metavar="LOG",
+                     help="where --int8 came from when an earlier job recorded it (named in the summary; the "
+                          "throughput ratio is then one of two jobs)")
     rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
     rep.add_argument("--settle", type=float, default=0.1,
                      help="fraction of the run before the gap is judged (default: %(default)s)")

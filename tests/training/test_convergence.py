@@ -2,6 +2,7 @@
 scripts/convergence_report.py reads two real trainer logs (a BF16 and an INT8 run with health statistics and
 fallback moves) into the gap table, the 1% check, spikes and the PNG, and scripts/convergence_4gpu.sh's `status`
 mode collects a finished pair of runs into $OUT and refuses an empty run directory with a clear message."""
+import gzip
 import hashlib
 import json
 import os
@@ -390,7 +391,8 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
 def test_one_run_against_a_recorded_pair(tmp_path):
     """REFERENCE_PAIR (a 1-GPU machine): `start` runs only SECOND=int8_attention, on GPU 0, and `status` compares its
     validation losses with the pair's rows of a results CSV. TOKENS_SHA256 stops the launch where the token stream
-    built differs from the reference's, and lets it through where it matches."""
+    built differs from the reference's, and lets it through where it matches. REFERENCE_PAIR= then forgets the pair:
+    BF16 runs beside the finished run. Then RECORDED_LOG: BF16 alone, in another RUN_DIR, beside that run's log."""
     run_dir, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     pair = "bf16 vs int8 tiny one GPU each"
@@ -441,6 +443,62 @@ def test_one_run_against_a_recorded_pair(tmp_path):
     assert "## INT8 health" in summary and "No `int8_health` records" not in summary
     assert sorted(os.listdir(out)) == ["against_reference.md", "corpus.json", "health.png", "int8_attention.jsonl",
                                        "logs.tar.gz"]
+
+    # REFERENCE_PAIR= (set empty) forgets the pair kept in RUN_DIR: BF16 then runs beside the finished lone run
+    env["REFERENCE_PAIR"] = ""
+    assert call("start").returncode == 0
+    result = call("status", "400")
+    assert result.returncode == 0 and "both runs finished" in result.stdout, result.stdout + result.stderr
+    pipeline = (run_dir / "pipeline.log").read_text()
+    assert "== launching bf16 on GPUs 0: " in pipeline and pipeline.count("== launching int8_attention") == 1
+    assert (out / "convergence.md").read_text().startswith("# INT8 + INT8 attention vs BF16 convergence")
+
+    # RECORDED_LOG, the mirror: BF16 alone in another RUN_DIR, beside this run's log (gzipped, as the repository keeps
+    # such logs), on the same token stream; the report compares the two as a pair
+    recorded = tmp_path / "int8_attention.jsonl.gz"
+    recorded.write_bytes(gzip.compress((run_dir / "int8_attention.jsonl").read_bytes()))
+    bf16_dir, out2 = tmp_path / "bf16_beside", tmp_path / "out2"
+    out2.mkdir()
+    del env["REFERENCE_PAIR"]
+    env.update(RUN_DIR=str(bf16_dir), OUT=str(out2), RECORDED_LOG=str(recorded), PORT_BASE=str(free_port_pair()),
+               TOKENIZER=str(run_dir / "tokenizer" / "spm.model"))
+    assert call("start").returncode == 0
+    result = call("status", "400")
+    assert result.returncode == 0, result.stdout + result.stderr + (bf16_dir / "pipeline.log").read_text()
+    assert "the run finished: the report (convergence.md" in result.stdout, result.stdout
+    pipeline = (bf16_dir / "pipeline.log").read_text()
+    assert f"== token stream: SHA-256 {built}" in pipeline
+    assert "== launching bf16 on GPUs 0: " in pipeline and "== launching int8_attention" not in pipeline
+    assert (bf16_dir / "int8_attention.jsonl").read_bytes() == (run_dir / "int8_attention.jsonl").read_bytes()
+    summary = (out2 / "convergence.md").read_text()
+    assert summary.startswith("# INT8 + INT8 attention vs BF16 convergence")
+    assert f"recorded by an earlier job: `{recorded}`" in summary and "The runs ran in two jobs (INT8 + INT8 attention" in summary
+    bf16_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(bf16_dir / "bf16.jsonl", "valid_lm_loss")}
+    for it in (2, 4):
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
+        assert f"| {bf16_valid[it]:.4f} | {valid[it]:.4f} | {100 * (valid[it] / bf16_valid[it] - 1):+.2f}% |" in row
+    assert sorted(os.listdir(out2)) == ["bf16.jsonl", "convergence.md", "convergence.png", "corpus.json", "health.png",
+                                        "logs.tar.gz"]
+
+
+def test_recorded_log_refuses_what_it_cannot_pair(tmp_path):
+    """RECORDED_LOG with REFERENCE_PAIR (each runs another precision alone), a missing file, and a RUN_DIR that
+    trained SECOND itself are refused before anything starts."""
+    def start(**extra):
+        env = dict(os.environ, RUN_DIR=str(tmp_path / "r"), PYTHON=sys.executable, MIN_GPUS="0", **extra)
+        return subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    both = start(RECORDED_LOG="x.jsonl", REFERENCE_PAIR="p")
+    assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
+    missing = start(RECORDED_LOG=str(tmp_path / "none.jsonl.gz"))
+    assert missing.returncode == 1 and "RECORDED_LOG: no file" in missing.stderr, missing.stderr
+    log = tmp_path / "int8.jsonl"
+    log.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
+    (tmp_path / "r" / "int8" / "ckpt").mkdir(parents=True)
+    own = start(RECORDED_LOG=str(log), SECOND="int8")
+    assert own.returncode == 1 and "holds a int8 run of its own" in own.stderr, own.stderr
+    assert not (tmp_path / "r" / "pipeline.log").exists()
 
 
 def test_against_csv_names_a_missing_pair(tmp_path):
