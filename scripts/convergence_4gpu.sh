@@ -352,7 +352,7 @@ report() {
         --gpus-per-run "$GPUS_PER_RUN" ${RECORDED_LOG:+--other-recorded "$RECORDED_LOG"} \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
     grep -E -e "^- (BF16|INT8)|^Check|^Noise floor|a lead: |^At the end|^The runs have not|spikes without" \
-        -e "^[^|]* / BF16: |fallback|move\(s\)" \
+        -e "^[^|]* / BF16: |fallback|move\(s\)|^\*\*Not one schedule" \
         "$RUN_DIR/report/convergence.md" || true
     if [[ -n "${OUT:-}" ]]; then
         cp "$RUN_DIR"/report/convergence.{png,md} "$OUT/"

@@ -68,6 +68,16 @@ def validation_gaps(bf16_valid, int8_valid):
             for it in sorted(set(bf16_valid) & set(int8_valid))]
 
 
+def schedule_mismatch(reference_lr, other_lr, rel=1e-6):
+    """(iteration, reference lr, other lr) where the two runs' learning rates first differ, or None: a pair whose
+    schedules differ (another --train-iters, --lr or warm-up) is no comparison of precisions."""
+    for it in sorted(set(reference_lr) & set(other_lr)):
+        a, b = reference_lr[it], other_lr[it]
+        if abs(a - b) > rel * max(abs(a), abs(b)):
+            return it, a, b
+    return None
+
+
 def parity_check(gaps, train_iters, limit_percent=1.0, settle=0.1):
     """(judged, failing, leading) rows of `gaps`: the evaluations after settle x train_iters, those whose gap
     exceeds the limit (the check fails), and those more than the limit below zero (a lead, which the check does
@@ -322,7 +332,7 @@ def report(opts) -> int:
         print(f"error: no log {missing[0]}", file=sys.stderr)
         return 1
     for label, path in zip(opts.labels, (opts.bf16, opts.int8)):
-        keys = ("train", "valid", "grad_norm", "tokens_per_s", "step_time_s")
+        keys = ("train", "valid", "grad_norm", "tokens_per_s", "step_time_s", "lr")
         data = dict(zip(keys, read_series(path, "lm_loss", "valid_lm_loss", *keys[2:])))
         if not data["train"]:
             print(f"error: {path} has no training loss records yet", file=sys.stderr)
@@ -348,6 +358,12 @@ def report(opts) -> int:
                                                                                     ", **not finished**")
                      + (f"; recorded by an earlier job: `{opts.other_recorded}`"
                         if label == other and opts.other_recorded else ""))
+    mismatch = schedule_mismatch(bf16["lr"], int8["lr"])
+    if mismatch:
+        it, a, b = mismatch
+        lines += ["", f"**Not one schedule**: the learning rates differ from iteration {it} ({ref} {a:.6g}, {other} "
+                      f"{b:.6g}), so the gaps below compare runs trained differently, not two precisions (compare "
+                      "their --train-iters, --lr, --min-lr and warm-up)."]
     if opts.corpus_stats and os.path.exists(opts.corpus_stats):
         with open(opts.corpus_stats, encoding="utf-8") as f:
             lines += ["", "Corpus: " + corpus_sentence(json.load(f))]

@@ -108,7 +108,7 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert f"At the end (iteration {ITERATIONS}): gap" in summary
     assert "- BF16: 0 spike(s)" in summary and "- INT8: 0 spike(s)" in summary
     assert "| 1-4 | " in summary and "| 37-40 | " in summary  # gradient norms over ten spans of the run
-    assert "INT8 / BF16: " in summary
+    assert "INT8 / BF16: " in summary and "Not one schedule" not in summary
     # health: the statistics at every check (5, 10, ..., 40) and the fallback moves the thresholds forced
     assert "| statistic | it 5 | it 10 | it 15 | it 20 | it 25 | it 30 | it 35 | it 40 |" in summary
     assert "| fprop/rel_err | " in summary and "| wgrad/underflow | " in summary
@@ -120,6 +120,10 @@ def test_report_of_two_real_logs(logs, tmp_path):
         assert (tmp_path / "a" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # an INT8 loss spike (x1.5 at iteration 30) that BF16 does not have, and a 2% gap at the evaluation of 20
+    other_schedule = edited(logs / "int8.jsonl", tmp_path / "lr.jsonl", 25, "lr", 1.01)
+    lr_25 = {r["iteration"]: r["lr"] for r in records(logs / "bf16.jsonl", "lr")}[25]
+    assert (f"**Not one schedule**: the learning rates differ from iteration 25 (BF16 {lr_25:.6g}, INT8 "
+            f"{lr_25 * 1.01:.6g})") in report(logs, tmp_path / "lr", None, other_schedule)
     spiked = edited(logs / "int8.jsonl", tmp_path / "spiked.jsonl", 30, "lm_loss", 1.5)
     worse = edited(spiked, tmp_path / "worse.jsonl", 20, "valid_lm_loss", 1.02)
     summary = report(logs, tmp_path / "b", None, worse, "--spike-window", "10")
@@ -227,6 +231,14 @@ def test_grad_norm_spikes_follow_their_definition():
     # 9: 1.25 / 0.41 = 3.05; 10: 1.3 / 0.42 = 3.10; 14: 1.2 / 0.42 = 2.86 is not one
     assert [(it, round(median, 2)) for it, _, median in spikes] == [(9, 0.41), (10, 0.42)]
     assert convergence_report.unmatched_spikes(spikes, [(12, 2.0, 0.4)], tolerance=2) == [spikes[0]]
+
+
+def test_schedule_mismatch_names_the_first_differing_step():
+    lr = {1: 1.5e-5, 2: 3.0e-5, 3: 4.5e-5}
+    assert convergence_report.schedule_mismatch(lr, dict(lr)) is None
+    assert convergence_report.schedule_mismatch(lr, {**lr, 2: 3.0e-5 * (1 + 1e-9)}) is None  # rounding, not a schedule
+    assert convergence_report.schedule_mismatch(lr, {**lr, 2: 3.3e-5, 3: 5e-5}) == (2, 3.0e-5, 3.3e-5)
+    assert convergence_report.schedule_mismatch(lr, {4: 1.0}) is None  # no common step: nothing to compare
 
 
 def test_window_means_end_a_begun_span_at_its_last_step():
