@@ -23,8 +23,8 @@
 # The mirror of that: RECORDED_LOG=<the JSONL log of SECOND's run from an earlier job, .jsonl or .jsonl.gz> runs only
 # BF16, on GPU 0, and the report compares the two as a pair (training loss, validation at every evaluation, gradient
 # norms, spikes), e.g. BF16 beside benchmarks/results/convergence_350m_logs/*.jsonl.gz. It holds with the recorded
-# run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (the file's name says them); the throughput ratio
-# of two jobs is labelled as such.
+# run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (docs/convergence.md gives them for each kept log;
+# the report names a pair whose learning rates differ at any step); the throughput ratio of two jobs is labelled.
 # STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
 # checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
