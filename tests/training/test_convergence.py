@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -108,7 +109,11 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert f"At the end (iteration {ITERATIONS}): gap" in summary
     assert "- BF16: 0 spike(s)" in summary and "- INT8: 0 spike(s)" in summary
     assert "| 1-4 | " in summary and "| 37-40 | " in summary  # gradient norms over ten spans of the run
-    assert "INT8 / BF16: " in summary and "Not one schedule" not in summary
+    assert "INT8 / BF16: " in summary and "Not one schedule" not in summary and "two jobs" not in summary
+    recorded = report(logs, tmp_path / "recorded", None, None, "--other-recorded", "earlier/int8.jsonl.gz")
+    assert "- INT8: iteration 40 of 40 (0.0M of 0.0M tokens); recorded by an earlier job: `earlier/int8.jsonl.gz`" \
+        in recorded
+    assert re.search(r"^INT8 / BF16: \d+\.\d{3}x \(two jobs: compare speeds on one machine", recorded, re.M), recorded
     # health: the statistics at every check (5, 10, ..., 40) and the fallback moves the thresholds forced
     assert "| statistic | it 5 | it 10 | it 15 | it 20 | it 25 | it 30 | it 35 | it 40 |" in summary
     assert "| fprop/rel_err | " in summary and "| wgrad/underflow | " in summary
@@ -424,6 +429,14 @@ def test_one_run_against_a_recorded_pair(tmp_path):
         return subprocess.run(["bash", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
 
+    def run_to_end(directory):
+        """`start`, then `status` until the runs end: status's output and the pipeline log, after they succeeded."""
+        assert call("start").returncode == 0
+        result = call("status", "400")
+        pipeline = (directory / "pipeline.log").read_text()
+        assert result.returncode == 0, result.stdout + result.stderr + pipeline
+        return result.stdout, pipeline
+
     assert call("start").returncode == 0
     result = call("status", "300")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -433,11 +446,8 @@ def test_one_run_against_a_recorded_pair(tmp_path):
 
     built = hashlib.sha256((run_dir / "data" / "corpus_text_document.bin").read_bytes()).hexdigest()
     env["TOKENS_SHA256"] = built[:12]
-    assert call("start").returncode == 0
-    result = call("status", "400")
-    assert result.returncode == 0, result.stdout + result.stderr + (run_dir / "pipeline.log").read_text()
-    assert "the run finished: the report (against_reference.md" in result.stdout, result.stdout
-    pipeline = (run_dir / "pipeline.log").read_text()
+    stdout, pipeline = run_to_end(run_dir)
+    assert "the run finished: the report (against_reference.md" in stdout, stdout
     assert f"== token stream: SHA-256 {built}" in pipeline
     assert "== launching int8_attention on GPUs 0: " in pipeline and "--int8-attention" in pipeline
     assert "== launching bf16" not in pipeline and not (run_dir / "bf16.jsonl").exists()
@@ -458,10 +468,8 @@ def test_one_run_against_a_recorded_pair(tmp_path):
 
     # REFERENCE_PAIR= (set empty) forgets the pair kept in RUN_DIR: BF16 then runs beside the finished lone run
     env["REFERENCE_PAIR"] = ""
-    assert call("start").returncode == 0
-    result = call("status", "400")
-    assert result.returncode == 0 and "both runs finished" in result.stdout, result.stdout + result.stderr
-    pipeline = (run_dir / "pipeline.log").read_text()
+    stdout, pipeline = run_to_end(run_dir)
+    assert "both runs finished" in stdout, stdout
     assert "== launching bf16 on GPUs 0: " in pipeline and pipeline.count("== launching int8_attention") == 1
     assert (out / "convergence.md").read_text().startswith("# INT8 + INT8 attention vs BF16 convergence")
 
@@ -474,17 +482,14 @@ def test_one_run_against_a_recorded_pair(tmp_path):
     del env["REFERENCE_PAIR"]
     env.update(RUN_DIR=str(bf16_dir), OUT=str(out2), RECORDED_LOG=str(recorded), PORT_BASE=str(free_port_pair()),
                TOKENIZER=str(run_dir / "tokenizer" / "spm.model"))
-    assert call("start").returncode == 0
-    result = call("status", "400")
-    assert result.returncode == 0, result.stdout + result.stderr + (bf16_dir / "pipeline.log").read_text()
-    assert "the run finished: the report (convergence.md" in result.stdout, result.stdout
-    pipeline = (bf16_dir / "pipeline.log").read_text()
+    stdout, pipeline = run_to_end(bf16_dir)
+    assert "the run finished: the report (convergence.md" in stdout, stdout
     assert f"== token stream: SHA-256 {built}" in pipeline
     assert "== launching bf16 on GPUs 0: " in pipeline and "== launching int8_attention" not in pipeline
     assert (bf16_dir / "int8_attention.jsonl").read_bytes() == (run_dir / "int8_attention.jsonl").read_bytes()
     summary = (out2 / "convergence.md").read_text()
     assert summary.startswith("# INT8 + INT8 attention vs BF16 convergence")
-    assert f"recorded by an earlier job: `{recorded}`" in summary and "The runs ran in two jobs (INT8 + INT8 attention" in summary
+    assert f"recorded by an earlier job: `{recorded}`" in summary
     bf16_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(bf16_dir / "bf16.jsonl", "valid_lm_loss")}
     for it in (2, 4):
         row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
