@@ -51,6 +51,9 @@ from plot_loss import read_series, smooth, summary_table  # noqa: E402
 HEALTH_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                 "wgrad/underflow")
 LABELS = ("BF16", "INT8")
+# the runs a results CSV's `pair` column names ("<reference> vs <other> <schedule>"), longest first
+RUN_NAMES = (("int8 + int8 attention", "INT8 + INT8 attention"), ("bf16 init seed 2", "BF16, init seed 2"),
+             ("int8", "INT8"), ("bf16", "BF16"))
 
 
 def run_schedule(config_path, train_iters=None):
@@ -458,6 +461,18 @@ def recorded_pair(csv_path, pair):
     return reference, other, sorted(origin)
 
 
+def pair_labels(pair):
+    """(reference, other): the labels of the two runs a results CSV's `pair` names, so that a recorded pair of
+    INT8 attention, or of INT8 against INT8 attention, is not labelled BF16 vs INT8; None where the name does not
+    begin "<run> vs <run>"."""
+    reference, vs, rest = pair.partition(" vs ")
+    names = dict(RUN_NAMES)
+    if not vs or reference not in names:
+        return None
+    return next(((names[reference], label) for name, label in RUN_NAMES
+                 if rest == name or rest.startswith(name + " ")), None)
+
+
 def against_csv(opts) -> int:
     """One run (a 1-GPU machine's) against a pair recorded by an earlier job on the same token stream: its
     validation loss beside the pair's at each evaluation, the parity check against the pair's reference, and the
@@ -474,7 +489,12 @@ def against_csv(opts) -> int:
     if not train:
         print(f"error: {opts.log} has no training loss records yet", file=sys.stderr)
         return 1
-    ref, other = opts.reference_labels
+    labels = opts.reference_labels or pair_labels(opts.pair)
+    if labels is None:
+        print(f"error: the pair {opts.pair!r} does not begin '<run> vs <run>' with runs named as in "
+              f"{[name for name, _ in RUN_NAMES]}: give its runs' labels with --reference-labels", file=sys.stderr)
+        return 1
+    ref, other = labels
     label = opts.label
     gaps = validation_gaps(reference, valid)
     judged, failing, leading = parity_check(gaps, train_iters, opts.gap_limit, opts.settle)
@@ -650,8 +670,9 @@ def main(argv=None) -> int:
     csv_cmd.add_argument("--csv", required=True, help="the results CSV (benchmarks/results/convergence_350m.csv)")
     csv_cmd.add_argument("--pair", required=True, help="the recorded pair: its `pair` column, exactly")
     csv_cmd.add_argument("--label", default="INT8 + INT8 attention", help="the run's name (default: %(default)s)")
-    csv_cmd.add_argument("--reference-labels", nargs=2, default=list(LABELS), metavar=("REFERENCE", "OTHER"),
-                         help="the recorded pair's two runs (default: %(default)s)")
+    csv_cmd.add_argument("--reference-labels", nargs=2, default=None, metavar=("REFERENCE", "OTHER"),
+                         help="the recorded pair's two runs (default: read from the pair's name, e.g. 'bf16 vs int8 "
+                              "+ int8 attention ...' -> BF16, INT8 + INT8 attention)")
     csv_cmd.add_argument("--config", required=True, help="the run's YAML (train_iters, global batch, sequence length)")
     csv_cmd.add_argument("--train-iters", type=int, default=None, help="the run's --train-iters, where not the YAML's")
     csv_cmd.add_argument("--output", default=None, help="markdown to write (health.png beside it)")

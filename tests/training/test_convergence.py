@@ -532,6 +532,39 @@ def test_against_csv_names_a_missing_pair(tmp_path):
     assert result.returncode == 2 and "no pair 'nope' in" in result.stderr, result.stderr
 
 
+def test_against_csv_labels_the_pair_by_its_name(tmp_path, capsys):
+    """The recorded pair's runs are read from its name: INT8 + INT8 attention beside BF16 is not labelled INT8, INT8
+    as the reference is not labelled BF16; a name of no known runs is refused unless --reference-labels names them.
+    Every pair recorded in the repository's CSV can be named."""
+    import csv
+
+    assert convergence_report.pair_labels("bf16 vs int8 + int8 attention lr 1.5e-4 (two jobs)") == \
+        ("BF16", "INT8 + INT8 attention")
+    assert convergence_report.pair_labels("int8 vs int8 + int8 attention") == ("INT8", "INT8 + INT8 attention")
+    assert convergence_report.pair_labels("bf16 vs bf16 init seed 2 lr 1.5e-4") == ("BF16", "BF16, init seed 2")
+    assert convergence_report.pair_labels("bf16 vs int8x") is None
+    assert convergence_report.pair_labels("fp8 vs int8") is None
+    with open(os.path.join(ROOT, "benchmarks", "results", "convergence_350m.csv"), encoding="utf-8") as f:
+        assert all(convergence_report.pair_labels(row["pair"]) for row in csv.DictReader(f))
+
+    header = "date,commit,gpu,torch,triton,command,pair,mode,iteration,tokens_m,reference_valid,other_valid,gap_pct\n"
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in
+                           ({"iteration": 1, "lm_loss": 5.0}, {"iteration": 2, "valid_lm_loss": 4.1})))
+    (tmp_path / "run.yaml").write_text("train_iters: 2\nglobal_batch_size: 4\nseq_length: 64\n")
+    for pair, extra, columns in (("int8 vs int8 + int8 attention x", [], "| INT8 | INT8 + INT8 attention | INT8 |"),
+                                 ("mine vs yours", ["--reference-labels", "A", "B"], "| A | B | INT8 |")):
+        csv_path = tmp_path / "c.csv"
+        csv_path.write_text(header + f"2026-12-03,abc1234,GPU,2.11,3.6,cmd,{pair},graphed,2,0.0,4.0,4.2,+5.00\n")
+        argv = ["against-csv", "--log", str(log), "--csv", str(csv_path), "--pair", pair, "--label", "INT8",
+                "--config", str(tmp_path / "run.yaml")]
+        assert convergence_report.main(argv + extra) == 0
+        table = capsys.readouterr().out
+        assert f"| iteration | tokens {columns}" in table and "| 2 | 0.0M | 4.0000 | 4.2000 | 4.1000 | +2.50% |" in table
+    assert convergence_report.main(argv) == 1
+    assert "does not begin '<run> vs <run>'" in capsys.readouterr().err
+
+
 def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
     """`corpus` on a small indexed dataset: every document's tokens are its SentencePiece ids plus one EOD, the
     training split is megatron's first 90% of the documents, epochs = tokens trained / training-split tokens."""
