@@ -1,0 +1,82 @@
+"""How the INT8 attention's output error depends on how sharp attention is, and how much of it the INT8 scores make.
+
+Training sharpens attention (the logits grow), and at 344M the INT8 attention's sampled output error grew over the
+run while the relative error of its scores stayed flat (docs/convergence.md, section 10). This script scales Q by a
+temperature t (softmax(t s): t > 1 sharper), on unit-normal q, k, v with a per-channel bias on k, and reports, against
+float64 attention on the same inputs:
+  - the mean entropy of a row of P (nats) and the mean of its largest probability,
+  - the relative error ||O - O64|| / ||O64|| of the INT8 attention (its PyTorch path: the kernels' arithmetic),
+  - that of float64 softmax over the INT8 scores times exact V: the part the scores (Q K^T from INT8 Q, K) make,
+  - that of BF16 `F.scaled_dot_product_attention`, for scale.
+Runs on CPU (float64 needs S^2 memory per head, so keep seq x heads modest) or on a GPU (--device cuda).
+
+    python3 benchmarks/attention_sharpness.py                       # seq 1024, 4 heads, d 128, t 0.5 ... 8
+    python3 benchmarks/attention_sharpness.py --seq 2048 --temperatures 1 4 16
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import common  # noqa: F401  (the repository on sys.path)
+import torch
+import torch.nn.functional as F
+
+from bench_attention import attention64
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, _scores, reference_forward
+
+
+def relative_error(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def sharpness_row(q, k, v, temperature):
+    """One table row for Q scaled by `temperature`: entropy, row max, and the three relative errors."""
+    q = q * temperature
+    sm_scale = 1 / math.sqrt(q.shape[-1])
+    exact = attention64(q.double(), k.double(), v.double())
+    o_int8, saved = reference_forward(q, k, v, True, sm_scale, DEFAULT_CONFIG)
+    p_int8_scores = torch.softmax(_scores(saved, 1, sm_scale, True).double(), dim=-1)
+    # the row statistics of exact P (recomputed here: attention64 returns only O)
+    s = (q.double() @ k.double().transpose(-1, -2)) * sm_scale
+    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1).mean().item()
+    bf16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    return (temperature, entropy, p.amax(-1).mean().item(), relative_error(o_int8, exact),
+            relative_error(p_int8_scores @ v.double(), exact), relative_error(bf16, exact))
+
+
+def make_inputs(heads, seq, dim, device, seed):
+    """Unit-normal fp32 q, k, v [1, heads, seq, dim], k with a shared per-channel bias (what K smoothing removes)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, generator=g) for _ in range(3))
+    return q, k + torch.randn(1, heads, 1, dim, device=device, generator=g), v
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 1, 2, 3, 4, 6, 8])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    opts = p.parse_args(argv)
+    if any(t <= 0 for t in opts.temperatures):
+        p.error("--temperatures are positive")
+    q, k, v = make_inputs(opts.heads, opts.seq, opts.dim, opts.device, opts.seed)
+    print(f"seq {opts.seq}, {opts.heads} heads, d {opts.dim}, causal, {opts.device}; relative error of O against "
+          "float64\n")
+    print("| temperature | row entropy (nats) | row max of P | INT8 | INT8 scores, exact P V | BF16 SDPA |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for t in opts.temperatures:
+        row = sharpness_row(q, k, v, t)
+        rows.append(row)
+        print("| {:g} | {:.2f} | {:.3f} | {:.4f} | {:.4f} | {:.4f} |".format(*row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

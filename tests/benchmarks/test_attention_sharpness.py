@@ -1,0 +1,35 @@
+"""benchmarks/attention_sharpness.py at small size on CPU: sharper attention (a larger temperature) has lower row
+entropy and a larger row maximum; the INT8 attention's output error grows with it, stays above BF16 SDPA's and
+within the band the forward's quantization steps allow, and the INT8 scores alone account for part of it."""
+import math
+import sys
+
+import pytest
+from repo_paths import BENCHMARKS
+
+
+def _sharpness():
+    sys.path.insert(0, BENCHMARKS)
+    import attention_sharpness
+
+    return attention_sharpness
+
+
+def test_table_rows_follow_the_temperature(capsys):
+    rows = _sharpness().main(["--seq", "256", "--heads", "2", "--dim", "64", "--temperatures", "0.5", "6",
+                              "--seed", "3"])
+    out = capsys.readouterr().out
+    assert "| temperature | row entropy (nats) | row max of P | INT8 | INT8 scores, exact P V | BF16 SDPA |" in out
+    (_, ent_lo, max_lo, int8_lo, scores_lo, bf16_lo), (_, ent_hi, max_hi, int8_hi, scores_hi, bf16_hi) = rows
+    assert ent_hi < ent_lo <= math.log(256) and max_lo < max_hi <= 1
+    for int8, scores, bf16 in ((int8_lo, scores_lo, bf16_lo), (int8_hi, scores_hi, bf16_hi)):
+        # BF16 rounds each element to 8 significant bits, INT8 a token or block to 255 levels: BF16 < INT8; 0.1 is
+        # the health limit (--int8-fallback-max-attention-rel-err), which such inputs stay well below
+        assert 0 < bf16 < int8 < 0.1 and 0 < scores <= int8 * 1.5
+    assert int8_hi > int8_lo and scores_hi > scores_lo  # the same relative score error costs more when sharp
+    assert f"| 6 | {ent_hi:.2f} | {max_hi:.3f} | {int8_hi:.4f} |" in out
+
+
+def test_temperatures_are_positive():
+    with pytest.raises(SystemExit):
+        _sharpness().main(["--temperatures", "0"])
