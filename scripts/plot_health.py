@@ -85,6 +85,9 @@ def main(argv=None) -> int:
             if event["gemm"] == gemm and event["linear"] in series:
                 ax.axvline(event["iteration"], color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(stat)
+        if not ax.lines:  # no linear recorded this statistic (a log of other statistics, or none yet)
+            ax.text(0.5, 0.5, "no records", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
         if stat.endswith(("rel_err", "crest", "kurtosis", "amax")):
             ax.set_yscale("log")
         ax.legend(fontsize=6)

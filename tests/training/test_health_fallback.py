@@ -190,3 +190,12 @@ def test_plot_health_reads_the_log_as_written(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
     assert plot_health.main([str(empty), "--output", str(tmp_path / "e.png")]) == 1
+    # only an INT8 attention's statistics: every linear-statistic panel says it has no records, without a warning
+    attention = tmp_path / "attention.jsonl"
+    attention.write_text(json.dumps({"iteration": 10, "int8_health": {
+        "int8_health/layer1.self_attention.core_attention/qk/rel_err": 0.007}}) + "\n")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_health.main([str(attention), "--output", str(tmp_path / "a.png")]) == 0
