@@ -7,11 +7,14 @@ float64 attention on the same inputs:
   - the mean entropy of a row of P (nats) and the mean of its largest probability,
   - the relative error ||O - O64|| / ||O64|| of the INT8 attention (its PyTorch path: the kernels' arithmetic),
   - that of float64 softmax over the INT8 scores times exact V: the part the scores (Q K^T from INT8 Q, K) make,
-  - that of BF16 `F.scaled_dot_product_attention`, for scale.
+  - that of BF16 `F.scaled_dot_product_attention`, for scale,
+  - with --score-groups G ..., that of softmax over scores from Q and smoothed K quantized per token and G channels
+    (the op's scale is per token over all d channels): what finer scales would buy the scores.
 Runs on CPU (float64 needs S^2 memory per head, so keep seq x heads modest) or on a GPU (--device cuda).
 
     python3 benchmarks/attention_sharpness.py                       # seq 1024, 4 heads, d 128, t 0.5 ... 8
     python3 benchmarks/attention_sharpness.py --seq 2048 --temperatures 1 4 16
+    python3 benchmarks/attention_sharpness.py --temperatures 1 4 8 --score-groups 64 32
 """
 from __future__ import annotations
 
@@ -30,21 +33,38 @@ def relative_error(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
-def sharpness_row(q, k, v, temperature):
-    """One table row for Q scaled by `temperature`: entropy, row max, and the three relative errors."""
+def quantized_per_group(x, group):
+    """x [..., d] rounded to INT8 steps with one scale per `group` channels of each token (amax / 127)."""
+    xg = x.unflatten(-1, (x.shape[-1] // group, group))
+    scale = xg.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return (torch.round(xg / scale) * scale).flatten(-2)
+
+
+def causal_softmax(scores):
+    """softmax over keys of float64 scores [..., Sq, Sk], keys after the query masked."""
+    mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+
+
+def sharpness_row(q, k, v, temperature, score_groups=()):
+    """One table row for Q scaled by `temperature`: entropy, row max, the three relative errors, and one for each
+    channel group of `score_groups`."""
     q = q * temperature
     sm_scale = 1 / math.sqrt(q.shape[-1])
     exact = attention64(q.double(), k.double(), v.double())
     o_int8, saved = reference_forward(q, k, v, True, sm_scale, DEFAULT_CONFIG)
     p_int8_scores = torch.softmax(_scores(saved, 1, sm_scale, True).double(), dim=-1)
     # the row statistics of exact P (recomputed here: attention64 returns only O)
-    s = (q.double() @ k.double().transpose(-1, -2)) * sm_scale
-    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    p = causal_softmax((q.double() @ k.double().transpose(-1, -2)) * sm_scale)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1).mean().item()
     bf16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    grouped = []
+    k_smoothed = k - k.mean(dim=2, keepdim=True)
+    for group in score_groups:
+        q_g, k_g = quantized_per_group(q, group).double(), quantized_per_group(k_smoothed, group).double()
+        grouped.append(relative_error(causal_softmax((q_g @ k_g.transpose(-1, -2)) * sm_scale) @ v.double(), exact))
     return (temperature, entropy, p.amax(-1).mean().item(), relative_error(o_int8, exact),
-            relative_error(p_int8_scores @ v.double(), exact), relative_error(bf16, exact))
+            relative_error(p_int8_scores @ v.double(), exact), relative_error(bf16, exact), *grouped)
 
 
 def make_inputs(heads, seq, dim, device, seed):
@@ -62,19 +82,26 @@ def main(argv=None) -> list:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 1, 2, 3, 4, 6, 8])
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--score-groups", type=int, nargs="*", default=[],
+                   help="channels per scale of Q and K for extra columns (exact P V; the op's is d)")
     opts = p.parse_args(argv)
     if any(t <= 0 for t in opts.temperatures):
         p.error("--temperatures are positive")
+    if any(g <= 0 or opts.dim % g for g in opts.score_groups):
+        p.error(f"--score-groups divide --dim ({opts.dim})")
     q, k, v = make_inputs(opts.heads, opts.seq, opts.dim, opts.device, opts.seed)
     print(f"seq {opts.seq}, {opts.heads} heads, d {opts.dim}, causal, {opts.device}; relative error of O against "
           "float64\n")
-    print("| temperature | row entropy (nats) | row max of P | INT8 | INT8 scores, exact P V | BF16 SDPA |")
-    print("|---|---|---|---|---|---|")
+    extra = [f"INT8 scores per {g} channels, exact P V" for g in opts.score_groups]
+    print("| " + " | ".join(["temperature", "row entropy (nats)", "row max of P", "INT8", "INT8 scores, exact P V",
+                             "BF16 SDPA", *extra]) + " |")
+    print("|---" * (6 + len(extra)) + "|")
     rows = []
     for t in opts.temperatures:
-        row = sharpness_row(q, k, v, t)
+        row = sharpness_row(q, k, v, t, opts.score_groups)
         rows.append(row)
-        print("| {:g} | {:.2f} | {:.3f} | {:.4f} | {:.4f} | {:.4f} |".format(*row), flush=True)
+        print("| {:g} | {:.2f} | {:.3f} | ".format(*row[:3]) + " | ".join(f"{x:.4f}" for x in row[3:]) + " |",
+              flush=True)
     return rows
 
 

@@ -1,6 +1,7 @@
 """benchmarks/attention_sharpness.py at small size on CPU: sharper attention (a larger temperature) has lower row
 entropy and a larger row maximum; the INT8 attention's output error grows with it, stays above BF16 SDPA's and
-within the band the forward's quantization steps allow, and the INT8 scores alone account for part of it."""
+within the band the forward's quantization steps allow, and the INT8 scores alone account for part of it. Scores
+from Q and K rounded here per token and all d channels give the op's own scores' error; finer groups give less."""
 import math
 import sys
 
@@ -30,6 +31,19 @@ def test_table_rows_follow_the_temperature(capsys):
     assert f"| 6 | {ent_hi:.2f} | {max_hi:.3f} | {int8_hi:.4f} |" in out
 
 
-def test_temperatures_are_positive():
+def test_score_groups_of_all_channels_are_the_ops_scores(capsys):
+    rows = _sharpness().main(["--seq", "256", "--heads", "2", "--dim", "64", "--temperatures", "1", "6",
+                              "--score-groups", "64", "16", "--seed", "4"])
+    header = "| INT8 scores per 64 channels, exact P V | INT8 scores per 16 channels, exact P V |"
+    assert header in capsys.readouterr().out
+    for row in rows:
+        scores, whole, groups_of_16 = row[4], row[6], row[7]
+        assert whole == pytest.approx(scores, rel=1e-3)  # the op's per-token scales, rounded independently here
+        assert groups_of_16 < whole
+
+
+@pytest.mark.parametrize("argv", [["--temperatures", "0"], ["--dim", "64", "--score-groups", "48"]])
+def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
-        _sharpness().main(["--temperatures", "0"])
+        _sharpness().main(argv)
+    assert "error:" in capsys.readouterr().err
