@@ -25,6 +25,10 @@
 # norms, spikes), e.g. BF16 beside benchmarks/results/convergence_350m_logs/*.jsonl.gz. It holds with the recorded
 # run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (docs/convergence.md gives them for each kept log;
 # the report names a pair whose learning rates differ at any step); the throughput ratio of two jobs is labelled.
+# RECORDED_BF16_LOG=<BF16's log from an earlier job> is the other way round: SECOND runs alone, on GPU 0, and the
+# report is the same two-run report (e.g. INT8 beside benchmarks/results/convergence_350m_logs/bf16_*.jsonl.gz, or
+# SECOND=bf16_init2 for the noise floor beside it). Each recorded log must be of the precision it stands in for (its
+# records' "int8" flag), or `start` refuses it.
 # STOP_AT=<iteration> stops both runs there on the full schedule (the learning rate follows TRAIN_ITERS), with a
 # checkpoint; a later `STOP_AT=<later> bash scripts/convergence_4gpu.sh start` on the same disk continues them.
 #
@@ -91,7 +95,8 @@
 # the BF16 run's rendezvous port, the other run's the next; another pair where two pipelines share a machine),
 # REFERENCE_PAIR (none: the recorded pair a lone SECOND run is compared with, kept in RUN_DIR), REFERENCE_CSV
 # (benchmarks/results/convergence_350m.csv: where that pair is recorded), RECORDED_LOG (none: SECOND's log from an
-# earlier job, beside which a lone BF16 run trains; kept in RUN_DIR), TOKENS_SHA256 (none: the token stream's
+# earlier job, beside which a lone BF16 run trains; kept in RUN_DIR), RECORDED_BF16_LOG (none: BF16's log from an
+# earlier job, beside which a lone SECOND run trains; kept in RUN_DIR), TOKENS_SHA256 (none: the token stream's
 # SHA-256, or a prefix, the data build must give before a launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -114,8 +119,11 @@ REFERENCE_PAIR=${REFERENCE_PAIR-$(cat "$RUN_DIR/reference_pair" 2>/dev/null || t
 REFERENCE_CSV=${REFERENCE_CSV:-benchmarks/results/convergence_350m.csv}
 # SECOND's log from an earlier job, beside which BF16 runs alone here (kept in RUN_DIR/recorded_log)
 RECORDED_LOG=${RECORDED_LOG-$(cat "$RUN_DIR/recorded_log" 2>/dev/null || true)}
-[[ -z $REFERENCE_PAIR || -z $RECORDED_LOG ]] ||
-    { echo "error: REFERENCE_PAIR runs SECOND alone and RECORDED_LOG runs BF16 alone: give one of them" >&2; exit 2; }
+# BF16's log from an earlier job, beside which SECOND runs alone here (kept in RUN_DIR/recorded_bf16_log)
+RECORDED_BF16_LOG=${RECORDED_BF16_LOG-$(cat "$RUN_DIR/recorded_bf16_log" 2>/dev/null || true)}
+(( (${#REFERENCE_PAIR} > 0) + (${#RECORDED_LOG} > 0) + (${#RECORDED_BF16_LOG} > 0) <= 1 )) ||
+    { echo "error: REFERENCE_PAIR and RECORDED_BF16_LOG run SECOND alone, RECORDED_LOG runs BF16 alone: give one of" \
+        "them" >&2; exit 2; }
 if [[ -n $REFERENCE_PAIR ]]; then
     [[ $SECOND != bf16_init2 ]] || { echo "error: REFERENCE_PAIR compares an INT8 run, not SECOND=bf16_init2" >&2; exit 2; }
     grep -qF ",$REFERENCE_PAIR," "$REFERENCE_CSV" 2>/dev/null ||
@@ -123,6 +131,8 @@ if [[ -n $REFERENCE_PAIR ]]; then
     RUNS=("$SECOND")
 elif [[ -n $RECORDED_LOG ]]; then
     RUNS=(bf16)
+elif [[ -n $RECORDED_BF16_LOG ]]; then
+    RUNS=("$SECOND")
 else
     RUNS=(bf16 "$SECOND")
 fi
@@ -135,6 +145,8 @@ PORT_BASE=${PORT_BASE:-29511}
 declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list $((GPUS_PER_RUN * (${#RUNS[@]} - 1)))))
 declare -A PORT=([bf16]=$PORT_BASE [$SECOND]=$((PORT_BASE + 1)))
 declare -A LABEL=([bf16]=BF16 [int8]=INT8 [int8_attention]="INT8 + INT8 attention" [bf16_init2]="BF16, init seed 2")
+declare -A RECORDED_HELP=([RECORDED_LOG]="RECORDED_LOG is SECOND's log, RECORDED_BF16_LOG BF16's"
+                          [RECORDED_BF16_LOG]="RECORDED_BF16_LOG is BF16's log, RECORDED_LOG SECOND's")
 THE_RUNS=$([[ ${#RUNS[@]} -eq 1 ]] && echo "the run" || echo "both runs")
 SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
 SEED=${SEED:-1234}
@@ -250,6 +262,27 @@ keep_flags() {  # keep_flags VAR FILE: VAR as the first `start` gave it, kept in
     printf '%s\n' "${!var:-}" > "$file"
 }
 
+place_recorded() {  # place_recorded VAR PARTNER: the partner's log from an earlier job, where the report reads it
+    local var=$1 partner=$2 log=${!1} precision expected=INT8
+    [[ -f $log ]] || die "$var: no file '$log'"
+    [[ ! -d "$RUN_DIR/$partner/ckpt" ]] ||
+        die "$RUN_DIR holds a $partner run of its own: use another RUN_DIR for a ${LABEL[${RUNS[0]}]} run beside $var"
+    case $log in *.gz) gzip -dc ;; *) cat ;; esac < "$log" > "$RUN_DIR/$partner.jsonl" || die "$var: cannot read '$log'"
+    precision=$("$PYTHON" -c 'import json, sys
+for line in open(sys.argv[1], encoding="utf-8"):
+    record = json.loads(line) if line.strip() else {}
+    if "int8" in record:
+        print("INT8" if record["int8"] else "BF16")
+        break' "$RUN_DIR/$partner.jsonl") || die "$var: '$log' is not a trainer's JSONL log"
+    [[ $partner == bf16* ]] && expected=BF16
+    if [[ $precision != "$expected" ]]; then
+        rm -f "$RUN_DIR/$partner.jsonl"
+        local what="the log of a $precision run"
+        [[ -n $precision ]] || what='no training run'"'"'s log (no "int8" record)'
+        die "$var: '$log' is $what, not of $partner (${RECORDED_HELP[$var]})"
+    fi
+}
+
 start() {
     mkdir -p "$RUN_DIR"
     keep_flags EXTRA_FLAGS extra_flags
@@ -267,14 +300,10 @@ start() {
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
     echo "$REFERENCE_PAIR" > "$RUN_DIR/reference_pair"
-    if [[ -n $RECORDED_LOG ]]; then  # the partner's log, where the report reads it
-        [[ -f $RECORDED_LOG ]] || die "RECORDED_LOG: no file '$RECORDED_LOG'"
-        [[ ! -d "$RUN_DIR/$SECOND/ckpt" ]] ||
-            die "$RUN_DIR holds a $SECOND run of its own: use another RUN_DIR for a BF16 run beside RECORDED_LOG"
-        case $RECORDED_LOG in *.gz) gzip -dc ;; *) cat ;; esac < "$RECORDED_LOG" > "$RUN_DIR/$SECOND.jsonl" ||
-            die "RECORDED_LOG: cannot read '$RECORDED_LOG'"
-    fi
+    if [[ -n $RECORDED_LOG ]]; then place_recorded RECORDED_LOG "$SECOND"; fi
+    if [[ -n $RECORDED_BF16_LOG ]]; then place_recorded RECORDED_BF16_LOG bf16; fi
     echo "$RECORDED_LOG" > "$RUN_DIR/recorded_log"
+    echo "$RECORDED_BF16_LOG" > "$RUN_DIR/recorded_bf16_log"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's
     for name in "${RUNS[@]}"; do alive "$RUN_DIR/$name.pid" || rm -f "$RUN_DIR/$name.rc"; done
     # setsid execs (a background job of a script is no process-group leader), so $! is the pipeline's shell
@@ -350,6 +379,7 @@ report() {
         --labels BF16 "${LABEL[$SECOND]}" "${noise[@]}" \
         --train-iters "$TRAIN_ITERS" --output-dir "$RUN_DIR/report" --corpus-stats "$RUN_DIR/corpus.json" \
         --gpus-per-run "$GPUS_PER_RUN" ${RECORDED_LOG:+--other-recorded "$RECORDED_LOG"} \
+        ${RECORDED_BF16_LOG:+--bf16-recorded "$RECORDED_BF16_LOG"} \
         > "$RUN_DIR/report.log" 2>&1 || { echo "the report failed:"; tail -n 20 "$RUN_DIR/report.log"; return 0; }
     grep -E -e "^- (BF16|INT8)|^Check|^Noise floor|a lead: |^At the end|^The runs have not|spikes without" \
         -e "^[^|]* / BF16: |fallback|move\(s\)|^\*\*Not one schedule" \

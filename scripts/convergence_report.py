@@ -20,6 +20,7 @@
         --config configs/convergence_350m.yaml --output R/report/against_reference.md
     # BF16 of this job beside a run an earlier job recorded (convergence_4gpu.sh with RECORDED_LOG): `report` as
     # above with --other-recorded <that log>, named in the summary, its throughput ratio labelled as one of two jobs
+    # (--bf16-recorded the other way round: a run of this job beside BF16 of an earlier one, RECORDED_BF16_LOG)
     # one line on a run in progress (scripts/convergence_4gpu.sh status prints it):
     python3 scripts/convergence_report.py progress --log R/int8.jsonl --config configs/convergence_350m.yaml
 
@@ -354,13 +355,13 @@ def report(opts) -> int:
     health_png = health_plot(opts.int8, opts.output_dir)
 
     done = {label: max(data["train"]) for label, data in runs}
+    recorded = {ref: opts.bf16_recorded, other: opts.other_recorded}  # logs an earlier job recorded
     lines = [f"# {other} vs {ref} convergence: `{os.path.basename(opts.config)}`", ""]
     for label, last in done.items():
         lines.append(f"- {label}: iteration {last} of {train_iters} ({last * tokens_per_iteration / 1e6:.1f}M of "
                      f"{train_iters * tokens_per_iteration / 1e6:.1f}M tokens)" + ("" if last >= train_iters else
                                                                                     ", **not finished**")
-                     + (f"; recorded by an earlier job: `{opts.other_recorded}`"
-                        if label == other and opts.other_recorded else ""))
+                     + (f"; recorded by an earlier job: `{recorded[label]}`" if recorded[label] else ""))
     mismatch = schedule_mismatch(bf16["lr"], int8["lr"])
     if mismatch:
         it, a, b = mismatch
@@ -436,7 +437,7 @@ def report(opts) -> int:
     if speeds[ref] and speeds[other]:
         lines.append(f"\n{other} / {ref}: {speeds[other] / speeds[ref]:.3f}x" +
                      (" (two jobs: compare speeds on one machine before reading this as a speed-up)."
-                      if opts.other_recorded else "."))
+                      if opts.other_recorded or opts.bf16_recorded else "."))
     lines += [""] + health_section(opts.int8, health_png, other)
     summary = os.path.join(opts.output_dir, "convergence.md")
     with open(summary, "w", encoding="utf-8") as f:
@@ -638,6 +639,8 @@ def main(argv=None) -> int:
     rep.add_argument("--other-recorded", default=None, metavar="LOG",
                      help="where --int8 came from when an earlier job recorded it (named in the summary; the "
                           "throughput ratio is then one of two jobs)")
+    rep.add_argument("--bf16-recorded", default=None, metavar="LOG",
+                     help="where --bf16 came from when an earlier job recorded it (as --other-recorded)")
     rep.add_argument("--gap-limit", type=float, default=1.0, help="validation gap limit in %% (default: %(default)s)")
     rep.add_argument("--settle", type=float, default=0.1,
                      help="fraction of the run before the gap is judged (default: %(default)s)")

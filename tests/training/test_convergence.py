@@ -114,6 +114,10 @@ def test_report_of_two_real_logs(logs, tmp_path):
     assert "- INT8: iteration 40 of 40 (0.0M of 0.0M tokens); recorded by an earlier job: `earlier/int8.jsonl.gz`" \
         in recorded
     assert re.search(r"^INT8 / BF16: \d+\.\d{3}x \(two jobs: compare speeds on one machine", recorded, re.M), recorded
+    recorded_bf16 = report(logs, tmp_path / "recorded_bf16", None, None, "--bf16-recorded", "earlier/bf16.jsonl.gz")
+    assert "- BF16: iteration 40 of 40 (0.0M of 0.0M tokens); recorded by an earlier job: `earlier/bf16.jsonl.gz`" \
+        in recorded_bf16 and "- INT8: iteration 40 of 40 (0.0M of 0.0M tokens)\n" in recorded_bf16
+    assert re.search(r"^INT8 / BF16: \d+\.\d{3}x \(two jobs", recorded_bf16, re.M), recorded_bf16
     # health: the statistics at every check (5, 10, ..., 40) and the fallback moves the thresholds forced
     assert "| statistic | it 5 | it 10 | it 15 | it 20 | it 25 | it 30 | it 35 | it 40 |" in summary
     assert "| fprop/rel_err | " in summary and "| wgrad/underflow | " in summary
@@ -405,6 +409,7 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # four runs and three data builds: ~7 minutes on 2 idle cores
 def test_one_run_against_a_recorded_pair(tmp_path):
     """REFERENCE_PAIR (a 1-GPU machine): `start` runs only SECOND=int8_attention, on GPU 0, and `status` compares its
     validation losses with the pair's rows of a results CSV. TOKENS_SHA256 stops the launch where the token stream
@@ -497,17 +502,43 @@ def test_one_run_against_a_recorded_pair(tmp_path):
     assert sorted(os.listdir(out2)) == ["bf16.jsonl", "convergence.md", "convergence.png", "corpus.json", "health.png",
                                         "logs.tar.gz"]
 
+    # RECORDED_BF16_LOG, the other way round: INT8 alone in a third RUN_DIR, beside the BF16 run just made
+    recorded_bf16 = tmp_path / "bf16.jsonl.gz"
+    recorded_bf16.write_bytes(gzip.compress((bf16_dir / "bf16.jsonl").read_bytes()))
+    int8_dir, out3 = tmp_path / "int8_beside", tmp_path / "out3"
+    out3.mkdir()
+    del env["RECORDED_LOG"]
+    env.update(RUN_DIR=str(int8_dir), OUT=str(out3), RECORDED_BF16_LOG=str(recorded_bf16), SECOND="int8",
+               PORT_BASE=str(free_port_pair()))
+    stdout, pipeline = run_to_end(int8_dir)
+    assert "the run finished: the report (convergence.md" in stdout, stdout
+    assert "== launching int8 on GPUs 0: " in pipeline and "== launching bf16" not in pipeline
+    assert (int8_dir / "bf16.jsonl").read_bytes() == (bf16_dir / "bf16.jsonl").read_bytes()
+    summary = (out3 / "convergence.md").read_text()
+    assert summary.startswith("# INT8 vs BF16 convergence")
+    assert f"- BF16: iteration 4 of 4 (0.0M of 0.0M tokens); recorded by an earlier job: `{recorded_bf16}`" in summary
+    int8_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(int8_dir / "int8.jsonl", "valid_lm_loss")}
+    for it in (2, 4):
+        row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
+        assert f"| {bf16_valid[it]:.4f} | {int8_valid[it]:.4f} | {100 * (int8_valid[it] / bf16_valid[it] - 1):+.2f}% |" \
+            in row
+    assert "## INT8 health" in summary
+
 
 def test_recorded_log_refuses_what_it_cannot_pair(tmp_path):
-    """RECORDED_LOG with REFERENCE_PAIR (each runs another precision alone), a missing file, and a RUN_DIR that
-    trained SECOND itself are refused before anything starts."""
+    """RECORDED_LOG with REFERENCE_PAIR or RECORDED_BF16_LOG (each runs another precision alone), a missing file, a
+    RUN_DIR that trained the partner itself, and a log of the wrong precision are refused before anything starts."""
     def start(**extra):
-        env = dict(os.environ, RUN_DIR=str(tmp_path / "r"), PYTHON=sys.executable, MIN_GPUS="0", **extra)
+        env = dict(os.environ, RUN_DIR=str(tmp_path / "r"), PYTHON=sys.executable, MIN_GPUS="0")
+        env.update(extra)
         return subprocess.run(["bash", SCRIPT, "start"], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=60)
 
-    both = start(RECORDED_LOG="x.jsonl", REFERENCE_PAIR="p")
-    assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
+    for pair in ({"RECORDED_LOG": "x.jsonl", "REFERENCE_PAIR": "p"},
+                 {"RECORDED_LOG": "x.jsonl", "RECORDED_BF16_LOG": "y.jsonl"},
+                 {"RECORDED_BF16_LOG": "y.jsonl", "REFERENCE_PAIR": "p"}):
+        both = start(**pair)
+        assert both.returncode == 2 and "give one of them" in both.stderr, both.stderr
     missing = start(RECORDED_LOG=str(tmp_path / "none.jsonl.gz"))
     assert missing.returncode == 1 and "RECORDED_LOG: no file" in missing.stderr, missing.stderr
     log = tmp_path / "int8.jsonl"
@@ -516,6 +547,16 @@ def test_recorded_log_refuses_what_it_cannot_pair(tmp_path):
     own = start(RECORDED_LOG=str(log), SECOND="int8")
     assert own.returncode == 1 and "holds a int8 run of its own" in own.stderr, own.stderr
     assert not (tmp_path / "r" / "pipeline.log").exists()
+    # a log of the other precision (or of no training step) in place of the partner's: named, nothing started
+    bf16_log, int8_log = tmp_path / "b.jsonl", tmp_path / "i.jsonl.gz"
+    bf16_log.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0, "int8": False}) + "\n")
+    int8_log.write_bytes(gzip.compress((json.dumps({"iteration": 1, "lm_loss": 5.0, "int8": True}) + "\n").encode()))
+    for extra, message in (({"RECORDED_LOG": str(bf16_log)}, "is the log of a BF16 run, not of int8_attention (RECORDED_LOG is"),
+                           ({"RECORDED_BF16_LOG": str(int8_log)}, "is the log of a INT8 run, not of bf16 (RECORDED_BF16_LOG"),
+                           ({"RECORDED_BF16_LOG": str(log)}, "is no training run's log (no \"int8\" record), not of bf16")):
+        wrong = start(RUN_DIR=str(tmp_path / "w"), SECOND="int8_attention", **extra)
+        assert wrong.returncode == 1 and message in wrong.stderr, (extra, wrong.stderr)
+        assert not (tmp_path / "w" / "pipeline.log").exists()
 
 
 def test_against_csv_names_a_missing_pair(tmp_path):
