@@ -23,8 +23,9 @@
 # The mirror of that: RECORDED_LOG=<the JSONL log of SECOND's run from an earlier job, .jsonl or .jsonl.gz> runs only
 # BF16, on GPU 0, and the report compares the two as a pair (training loss, validation at every evaluation, gradient
 # norms, spikes), e.g. BF16 beside benchmarks/results/convergence_350m_logs/int8_attention_*.jsonl.gz. It holds with
-# the recorded run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (docs/convergence.md gives them for each kept log;
-# the report names a pair whose learning rates differ at any step); the throughput ratio of two jobs is labelled.
+# the recorded run's token stream (TOKENS_SHA256), TRAIN_ITERS and EXTRA_FLAGS (docs/convergence.md gives them for
+# each kept log; the report names a pair whose learning rates differ at any step); the throughput ratio of two jobs
+# is labelled.
 # RECORDED_BF16_LOG=<BF16's log from an earlier job> is the other way round: SECOND runs alone, on GPU 0, and the
 # report is the same two-run report (e.g. INT8 beside benchmarks/results/convergence_350m_logs/bf16_*.jsonl.gz, or
 # SECOND=bf16_init2 for the noise floor beside it). Each recorded log must be of the precision it stands in for (its
