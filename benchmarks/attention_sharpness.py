@@ -25,19 +25,20 @@ import common  # noqa: F401  (the repository on sys.path)
 import torch
 import torch.nn.functional as F
 
-from bench_attention import attention64
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, _scores, reference_forward
+from bench_attention import make_inputs
+from megatron_int8.ops.health import relative_error
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, _scores, quantize_rows, reference_forward
 
 
-def relative_error(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
+def error(approx, exact):
+    """The health statistic's relative error (megatron_int8.ops.health), as a float."""
+    return relative_error(approx.double(), exact).item()
 
 
 def quantized_per_group(x, group):
-    """x [..., d] rounded to INT8 steps with one scale per `group` channels of each token (amax / 127)."""
-    xg = x.unflatten(-1, (x.shape[-1] // group, group))
-    scale = xg.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
-    return (torch.round(xg / scale) * scale).flatten(-2)
+    """x [..., d] rounded to the op's INT8 steps (quantize_rows) with one scale per `group` channels of each token."""
+    values, scale = quantize_rows(x.unflatten(-1, (x.shape[-1] // group, group)))
+    return (values * scale).flatten(-2)
 
 
 def causal_softmax(scores):
@@ -51,27 +52,19 @@ def sharpness_row(q, k, v, temperature, score_groups=()):
     channel group of `score_groups`."""
     q = q * temperature
     sm_scale = 1 / math.sqrt(q.shape[-1])
-    exact = attention64(q.double(), k.double(), v.double())
+    p = causal_softmax((q.double() @ k.double().transpose(-1, -2)) * sm_scale)
+    exact = p @ v.double()
     o_int8, saved = reference_forward(q, k, v, True, sm_scale, DEFAULT_CONFIG)
     p_int8_scores = torch.softmax(_scores(saved, 1, sm_scale, True).double(), dim=-1)
-    # the row statistics of exact P (recomputed here: attention64 returns only O)
-    p = causal_softmax((q.double() @ k.double().transpose(-1, -2)) * sm_scale)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1).mean().item()
     bf16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
     grouped = []
     k_smoothed = k - k.mean(dim=2, keepdim=True)
     for group in score_groups:
         q_g, k_g = quantized_per_group(q, group).double(), quantized_per_group(k_smoothed, group).double()
-        grouped.append(relative_error(causal_softmax((q_g @ k_g.transpose(-1, -2)) * sm_scale) @ v.double(), exact))
-    return (temperature, entropy, p.amax(-1).mean().item(), relative_error(o_int8, exact),
-            relative_error(p_int8_scores @ v.double(), exact), relative_error(bf16, exact), *grouped)
-
-
-def make_inputs(heads, seq, dim, device, seed):
-    """Unit-normal fp32 q, k, v [1, heads, seq, dim], k with a shared per-channel bias (what K smoothing removes)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v = (torch.randn(1, heads, seq, dim, device=device, generator=g) for _ in range(3))
-    return q, k + torch.randn(1, heads, 1, dim, device=device, generator=g), v
+        grouped.append(error(causal_softmax((q_g @ k_g.transpose(-1, -2)) * sm_scale) @ v.double(), exact))
+    return (temperature, entropy, p.amax(-1).mean().item(), error(o_int8, exact),
+            error(p_int8_scores @ v.double(), exact), error(bf16, exact), *grouped)
 
 
 def main(argv=None) -> list:
@@ -89,7 +82,7 @@ def main(argv=None) -> list:
         p.error("--temperatures are positive")
     if any(g <= 0 or opts.dim % g for g in opts.score_groups):
         p.error(f"--score-groups divide --dim ({opts.dim})")
-    q, k, v = make_inputs(opts.heads, opts.seq, opts.dim, opts.device, opts.seed)
+    q, k, v, _ = make_inputs(1, opts.heads, opts.heads, opts.seq, opts.dim, opts.seed, opts.device, torch.float32)
     print(f"seq {opts.seq}, {opts.heads} heads, d {opts.dim}, causal, {opts.device}; relative error of O against "
           "float64\n")
     extra = [f"INT8 scores per {g} channels, exact P V" for g in opts.score_groups]

@@ -30,15 +30,15 @@ from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
-def make_inputs(batch, heads, kv_heads, seq, dim, seed=0):
-    """Activation-like bf16 q, k, v, dO: unit normal, k with a shared per-channel bias (what K smoothing removes)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, heads, seq, dim, device="cuda", generator=g)
-    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", generator=g)
-    k = k + torch.randn(1, kv_heads, 1, dim, device="cuda", generator=g)
-    v = torch.randn(batch, kv_heads, seq, dim, device="cuda", generator=g)
-    do = torch.randn(batch, heads, seq, dim, device="cuda", generator=g)
-    return [t.bfloat16() for t in (q, k, v, do)]
+def make_inputs(batch, heads, kv_heads, seq, dim, seed=0, device="cuda", dtype=torch.bfloat16):
+    """Activation-like q, k, v, dO: unit normal, k with a shared per-channel bias (what K smoothing removes)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, device=device, generator=g)
+    k = torch.randn(batch, kv_heads, seq, dim, device=device, generator=g)
+    k = k + torch.randn(1, kv_heads, 1, dim, device=device, generator=g)
+    v = torch.randn(batch, kv_heads, seq, dim, device=device, generator=g)
+    do = torch.randn(batch, heads, seq, dim, device=device, generator=g)
+    return [t.to(dtype) for t in (q, k, v, do)]
 
 
 def attention_fn(name, config=None):
