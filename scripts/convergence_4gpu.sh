@@ -146,8 +146,6 @@ PORT_BASE=${PORT_BASE:-29511}
 declare -A GPUS=([bf16]=$(gpu_list 0) [$SECOND]=$(gpu_list $((GPUS_PER_RUN * (${#RUNS[@]} - 1)))))
 declare -A PORT=([bf16]=$PORT_BASE [$SECOND]=$((PORT_BASE + 1)))
 declare -A LABEL=([bf16]=BF16 [int8]=INT8 [int8_attention]="INT8 + INT8 attention" [bf16_init2]="BF16, init seed 2")
-declare -A RECORDED_HELP=([RECORDED_LOG]="RECORDED_LOG is SECOND's log, RECORDED_BF16_LOG BF16's"
-                          [RECORDED_BF16_LOG]="RECORDED_BF16_LOG is BF16's log, RECORDED_LOG SECOND's")
 THE_RUNS=$([[ ${#RUNS[@]} -eq 1 ]] && echo "the run" || echo "both runs")
 SEED=$(awk '/^seed:/ {print $2}' "$CONFIG" 2>/dev/null)
 SEED=${SEED:-1234}
@@ -280,7 +278,7 @@ for line in open(sys.argv[1], encoding="utf-8"):
         rm -f "$RUN_DIR/$partner.jsonl"
         local what="the log of a $precision run"
         [[ -n $precision ]] || what='no training run'"'"'s log (no "int8" record)'
-        die "$var: '$log' is $what, not of $partner (${RECORDED_HELP[$var]})"
+        die "$var: '$log' is $what, not of $partner (RECORDED_LOG is SECOND's log, RECORDED_BF16_LOG BF16's)"
     fi
 }
 

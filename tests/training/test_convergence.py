@@ -409,7 +409,7 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # four runs and three data builds: ~7 minutes on 2 idle cores
+@pytest.mark.timeout(1200)  # four runs and three data builds: 4 minutes on 2 idle cores, 12 beside a busy CI
 def test_one_run_against_a_recorded_pair(tmp_path):
     """REFERENCE_PAIR (a 1-GPU machine): `start` runs only SECOND=int8_attention, on GPU 0, and `status` compares its
     validation losses with the pair's rows of a results CSV. TOKENS_SHA256 stops the launch where the token stream
@@ -478,50 +478,43 @@ def test_one_run_against_a_recorded_pair(tmp_path):
     assert "== launching bf16 on GPUs 0: " in pipeline and pipeline.count("== launching int8_attention") == 1
     assert (out / "convergence.md").read_text().startswith("# INT8 + INT8 attention vs BF16 convergence")
 
-    # RECORDED_LOG, the mirror: BF16 alone in another RUN_DIR, beside this run's log (gzipped, as the repository keeps
-    # such logs), on the same token stream; the report compares the two as a pair
-    recorded = tmp_path / "int8_attention.jsonl.gz"
-    recorded.write_bytes(gzip.compress((run_dir / "int8_attention.jsonl").read_bytes()))
-    bf16_dir, out2 = tmp_path / "bf16_beside", tmp_path / "out2"
-    out2.mkdir()
-    del env["REFERENCE_PAIR"]
-    env.update(RUN_DIR=str(bf16_dir), OUT=str(out2), RECORDED_LOG=str(recorded), PORT_BASE=str(free_port_pair()),
-               TOKENIZER=str(run_dir / "tokenizer" / "spm.model"))
-    stdout, pipeline = run_to_end(bf16_dir)
-    assert "the run finished: the report (convergence.md" in stdout, stdout
-    assert f"== token stream: SHA-256 {built}" in pipeline
-    assert "== launching bf16 on GPUs 0: " in pipeline and "== launching int8_attention" not in pipeline
-    assert (bf16_dir / "int8_attention.jsonl").read_bytes() == (run_dir / "int8_attention.jsonl").read_bytes()
-    summary = (out2 / "convergence.md").read_text()
-    assert summary.startswith("# INT8 + INT8 attention vs BF16 convergence")
-    assert f"recorded by an earlier job: `{recorded}`" in summary
-    bf16_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(bf16_dir / "bf16.jsonl", "valid_lm_loss")}
-    for it in (2, 4):
-        row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
-        assert f"| {bf16_valid[it]:.4f} | {valid[it]:.4f} | {100 * (valid[it] / bf16_valid[it] - 1):+.2f}% |" in row
-    assert sorted(os.listdir(out2)) == ["bf16.jsonl", "convergence.md", "convergence.png", "corpus.json", "health.png",
-                                        "logs.tar.gz"]
+    def beside_recorded(var, partner, partner_dir, lone, title):
+        """`var` (RECORDED_LOG or RECORDED_BF16_LOG) set to the gzipped log of `partner` from `partner_dir`: `lone`
+        trains alone in a RUN_DIR of its own, on GPU 0, and the two-run report names the recorded log and sets the
+        two runs' validation losses side by side. Returns the lone run's directory and the report's text."""
+        recorded_log = tmp_path / f"{partner}.jsonl.gz"
+        recorded_log.write_bytes(gzip.compress((partner_dir / f"{partner}.jsonl").read_bytes()))
+        lone_dir, lone_out = tmp_path / f"{lone}_beside", tmp_path / f"out_{lone}"
+        lone_out.mkdir()
+        for name in ("REFERENCE_PAIR", "RECORDED_LOG", "RECORDED_BF16_LOG"):
+            env.pop(name, None)
+        env.update({"RUN_DIR": str(lone_dir), "OUT": str(lone_out), var: str(recorded_log),
+                    "PORT_BASE": str(free_port_pair())})
+        stdout, pipeline = run_to_end(lone_dir)
+        assert "the run finished: the report (convergence.md" in stdout, stdout
+        assert f"== token stream: SHA-256 {built}" in pipeline
+        assert f"== launching {lone} on GPUs 0: " in pipeline and f"== launching {partner}" not in pipeline
+        assert (lone_dir / f"{partner}.jsonl").read_bytes() == (partner_dir / f"{partner}.jsonl").read_bytes()
+        summary = (lone_out / "convergence.md").read_text()
+        assert summary.startswith(f"# {title} convergence")
+        assert f"recorded by an earlier job: `{recorded_log}`" in summary
+        reference_dir, other = (lone_dir, partner) if lone == "bf16" else (partner_dir, lone)
+        bf16 = {r["iteration"]: r["valid_lm_loss"] for r in records(reference_dir / "bf16.jsonl", "valid_lm_loss")}
+        second = {r["iteration"]: r["valid_lm_loss"] for r in records(lone_dir / f"{other}.jsonl", "valid_lm_loss")}
+        for it in (2, 4):
+            row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
+            assert f"| {bf16[it]:.4f} | {second[it]:.4f} | {100 * (second[it] / bf16[it] - 1):+.2f}% |" in row
+        assert sorted(os.listdir(lone_out)) == sorted([f"{lone}.jsonl", "convergence.md", "convergence.png",
+                                                       "corpus.json", "health.png", "logs.tar.gz"])
+        return lone_dir, summary
 
+    # RECORDED_LOG, the mirror: BF16 alone in another RUN_DIR, beside this run's log (gzipped, as the repository keeps
+    # such logs), on the same token stream
+    env["TOKENIZER"] = str(run_dir / "tokenizer" / "spm.model")
+    bf16_dir, _ = beside_recorded("RECORDED_LOG", "int8_attention", run_dir, "bf16", "INT8 + INT8 attention vs BF16")
     # RECORDED_BF16_LOG, the other way round: INT8 alone in a third RUN_DIR, beside the BF16 run just made
-    recorded_bf16 = tmp_path / "bf16.jsonl.gz"
-    recorded_bf16.write_bytes(gzip.compress((bf16_dir / "bf16.jsonl").read_bytes()))
-    int8_dir, out3 = tmp_path / "int8_beside", tmp_path / "out3"
-    out3.mkdir()
-    del env["RECORDED_LOG"]
-    env.update(RUN_DIR=str(int8_dir), OUT=str(out3), RECORDED_BF16_LOG=str(recorded_bf16), SECOND="int8",
-               PORT_BASE=str(free_port_pair()))
-    stdout, pipeline = run_to_end(int8_dir)
-    assert "the run finished: the report (convergence.md" in stdout, stdout
-    assert "== launching int8 on GPUs 0: " in pipeline and "== launching bf16" not in pipeline
-    assert (int8_dir / "bf16.jsonl").read_bytes() == (bf16_dir / "bf16.jsonl").read_bytes()
-    summary = (out3 / "convergence.md").read_text()
-    assert summary.startswith("# INT8 vs BF16 convergence")
-    assert f"- BF16: iteration 4 of 4 (0.0M of 0.0M tokens); recorded by an earlier job: `{recorded_bf16}`" in summary
-    int8_valid = {r["iteration"]: r["valid_lm_loss"] for r in records(int8_dir / "int8.jsonl", "valid_lm_loss")}
-    for it in (2, 4):
-        row = next(line for line in summary.splitlines() if line.startswith(f"| {it} |"))
-        assert f"| {bf16_valid[it]:.4f} | {int8_valid[it]:.4f} | {100 * (int8_valid[it] / bf16_valid[it] - 1):+.2f}% |" \
-            in row
+    env["SECOND"] = "int8"
+    _, summary = beside_recorded("RECORDED_BF16_LOG", "bf16", bf16_dir, "int8", "INT8 vs BF16")
     assert "## INT8 health" in summary
 
 
@@ -551,9 +544,10 @@ def test_recorded_log_refuses_what_it_cannot_pair(tmp_path):
     bf16_log, int8_log = tmp_path / "b.jsonl", tmp_path / "i.jsonl.gz"
     bf16_log.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0, "int8": False}) + "\n")
     int8_log.write_bytes(gzip.compress((json.dumps({"iteration": 1, "lm_loss": 5.0, "int8": True}) + "\n").encode()))
-    for extra, message in (({"RECORDED_LOG": str(bf16_log)}, "is the log of a BF16 run, not of int8_attention (RECORDED_LOG is"),
-                           ({"RECORDED_BF16_LOG": str(int8_log)}, "is the log of a INT8 run, not of bf16 (RECORDED_BF16_LOG"),
-                           ({"RECORDED_BF16_LOG": str(log)}, "is no training run's log (no \"int8\" record), not of bf16")):
+    for extra, message in (
+            ({"RECORDED_LOG": str(bf16_log)}, "is the log of a BF16 run, not of int8_attention (RECORDED_LOG is"),
+            ({"RECORDED_BF16_LOG": str(int8_log)}, "is the log of a INT8 run, not of bf16 (RECORDED_LOG is SECOND's"),
+            ({"RECORDED_BF16_LOG": str(log)}, "is no training run's log (no \"int8\" record), not of bf16")):
         wrong = start(RUN_DIR=str(tmp_path / "w"), SECOND="int8_attention", **extra)
         assert wrong.returncode == 1 and message in wrong.stderr, (extra, wrong.stderr)
         assert not (tmp_path / "w" / "pipeline.log").exists()
@@ -601,7 +595,8 @@ def test_against_csv_labels_the_pair_by_its_name(tmp_path, capsys):
                 "--config", str(tmp_path / "run.yaml")]
         assert convergence_report.main(argv + extra) == 0
         table = capsys.readouterr().out
-        assert f"| iteration | tokens {columns}" in table and "| 2 | 0.0M | 4.0000 | 4.2000 | 4.1000 | +2.50% |" in table
+        assert f"| iteration | tokens {columns}" in table
+        assert "| 2 | 0.0M | 4.0000 | 4.2000 | 4.1000 | +2.50% |" in table
     assert convergence_report.main(argv) == 1
     assert "does not begin '<run> vs <run>'" in capsys.readouterr().err
 
