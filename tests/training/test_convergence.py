@@ -597,7 +597,7 @@ def test_against_csv_labels_the_pair_by_its_name(tmp_path, capsys):
         table = capsys.readouterr().out
         assert f"| iteration | tokens {columns}" in table
         assert "| 2 | 0.0M | 4.0000 | 4.2000 | 4.1000 | +2.50% |" in table
-    assert convergence_report.main(argv) == 1
+    assert convergence_report.main(argv) == 1  # "mine vs yours" without --reference-labels
     assert "does not begin '<run> vs <run>'" in capsys.readouterr().err
 
 
