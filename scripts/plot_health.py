@@ -15,6 +15,8 @@ import math
 import re
 import sys
 
+from plot_loss import open_log
+
 DEFAULT_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                  "wgrad/underflow", "x/crest", "w/crest", "dy/crest")
 PREFIX = "int8_health/"
@@ -24,7 +26,7 @@ def read_health(path):
     """({linear: {stat: [(iteration, value)]}}, [fallback events]); later lines win (a resumed run rewrites
     the iterations after its checkpoint)."""
     by_iteration, events = {}, {}
-    with open(path, encoding="utf-8") as f:
+    with open_log(path) as f:
         for line in f:
             if not line.strip():
                 continue

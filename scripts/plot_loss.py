@@ -7,16 +7,22 @@
                              #   and each run's training-loss gap per tenth of the run
 """
 import argparse
+import gzip
 import json
 import os
 import sys
+
+
+def open_log(path):
+    """A trainer JSONL log for reading as text, gzipped (.gz: the kept logs of benchmarks/results/) or not."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
 def read_series(path, *keys):
     """[{iteration: value}] for each per-step key of a trainer JSONL log, in one pass (None values dropped;
     later lines win: resumed runs)."""
     series = [{} for _ in keys]
-    with open(path, encoding="utf-8") as f:
+    with open_log(path) as f:
         for line in f:
             if not line.strip():
                 continue

@@ -183,6 +183,11 @@ def test_plot_health_reads_the_log_as_written(tmp_path):
     log.write_text("".join(json.dumps(line) + "\n" for line in lines))
     series, events = plot_health.read_health(str(log))
     assert series["layer1.mlp.linear_fc2"]["fprop/rel_err"] == [(10, 0.1), (20, 0.5), (30, pytest.approx(0.3))]
+    import gzip  # a kept log (benchmarks/results/*.jsonl.gz) reads the same
+
+    with gzip.open(tmp_path / "train_log.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(log.read_text())
+    assert plot_health.read_health(str(tmp_path / "train_log.jsonl.gz")) == (series, events)
     assert plot_health.worst_linears(series, "fprop/rel_err", 1) == ["layer1.mlp.linear_fc2"]
     assert [e["gemm"] for e in events] == ["fprop"]
     assert plot_health.main([str(log), "--output", str(tmp_path / "h.png")]) == 0

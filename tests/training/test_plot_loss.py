@@ -1,5 +1,6 @@
 """scripts/plot_loss.py's summary: the last-window table and the per-tenth training-loss gaps, on logs with known
 losses (fresh random noise around them, so a span's mean is what the test derives, not a constant)."""
+import gzip
 import importlib.util
 import json
 import os
@@ -39,6 +40,11 @@ def test_summary_shows_each_tenth_gap(tmp_path):
                               "--output", str(tmp_path / "p.png"), "--summary", str(summary)]) == 0
     text = summary.read_text()
     last = sum(other[-100:]) / sum(base[-100:]) - 1
+    gzipped = tmp_path / "b.jsonl.gz"  # a kept log (benchmarks/results/*.jsonl.gz) reads the same
+    gzipped.write_bytes(gzip.compress((tmp_path / "b.jsonl").read_bytes()))
+    series = _plot_loss().read_series(str(gzipped), "lm_loss", "valid_lm_loss")
+    assert series == _plot_loss().read_series(str(tmp_path / "b.jsonl"), "lm_loss", "valid_lm_loss")
+    assert series[1] == {n: 2.55} and len(series[0]) == n
     assert f"| int8 | 200 | {sum(other[-100:]) / 100:.4f} | {100 * last:+.2f}% | 2.5500 | +2.00% |" in text
     assert "| run | 1-20 | 21-40 | 41-60 | 61-80 | 81-100 | 101-120 | 121-140 | 141-160 | 161-180 | 181-200 |" in text
     assert "| int8 | " + " | ".join(["+1.00%"] * 5 + ["+3.00%"] * 5) + " |" in text
