@@ -157,19 +157,26 @@ def reference_forward(q, k, v, causal: bool, sm_scale: float, cfg: Int8Attention
     (q_int, q_scale), (k_int, k_scale) = quantize_rows(qf), quantize_rows(kf)
     saved = _Saved(q_int, q_scale.squeeze(-1), k_int, k_scale.squeeze(-1), *quantize_blocks(qf, cfg.block),
                    *quantize_blocks(kf, cfg.block))
-    v_int, v_scale = quantize_blocks(v.float(), cfg.block)
-    s = _scores(saved, group, sm_scale, causal)
-    v_int = _expand_heads(v_int, group)
-    v_tok = _per_token(_expand_heads(v_scale, group), cfg.block, k.shape[2])
+    o, saved.lse = softmax_int8_pv(_scores(saved, group, sm_scale, causal), v, cfg)
+    return o.to(q.dtype), saved
 
-    # online softmax over key tiles, as the kernel: P = exp(s - running max) <= 1 takes the fixed scale 1/127
-    B, H, Sq, D = q.shape
-    m = torch.full((B, H, Sq, 1), float("-inf"), device=q.device)
+
+def softmax_int8_pv(s: torch.Tensor, v: torch.Tensor, cfg: Int8AttentionConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(s) V in fp32, log-sum-exp of s [B, H, Sq]) as the forward kernel forms it from scaled, masked scores s
+    [B, H, Sq, Sk]: online over key tiles, P = exp(s - running max) <= 1 in INT8 at the fixed scale 1/127, V in INT8
+    per block. Apart from reference_forward so that scores of another precision can be set before it
+    (benchmarks/attention_sharpness.py)."""
+    group = s.shape[1] // v.shape[1]
+    v_int, v_scale = quantize_blocks(v.float(), cfg.block)
+    v_int = _expand_heads(v_int, group)
+    v_tok = _per_token(_expand_heads(v_scale, group), cfg.block, v.shape[2])
+    B, H, Sq, _ = s.shape
+    m = torch.full((B, H, Sq, 1), float("-inf"), device=s.device)
     l = torch.zeros_like(m)
-    acc = torch.zeros(B, H, Sq, D, device=q.device)
-    for n0 in range(0, k.shape[2], cfg.fwd_block_n):
+    acc = torch.zeros(B, H, Sq, v.shape[-1], device=s.device)
+    for n0 in range(0, v.shape[2], cfg.fwd_block_n):
         tile = slice(n0, n0 + cfg.fwd_block_n)
-        st = s[..., tile]
+        st = s[..., tile].float()
         m_new = torch.maximum(m, st.amax(dim=-1, keepdim=True))
         p = torch.exp(st - m_new)
         alpha = torch.exp(m - m_new)
@@ -177,8 +184,7 @@ def reference_forward(q, k, v, causal: bool, sm_scale: float, cfg: Int8Attention
         # V's scales are constant along the tile (cfg.block % fwd_block_n == 0): one per channel, with P's 1/127
         acc = acc * alpha + (torch.round(p * 127) @ v_int[..., tile, :]) * (v_tok[..., n0:n0 + 1, :] * (1 / 127))
         m = m_new
-    saved.lse = (m + torch.log(l)).squeeze(-1)
-    return (acc / l).to(q.dtype), saved
+    return acc / l, (m + torch.log(l)).squeeze(-1)
 
 
 def reference_backward(do, o, v, saved: _Saved, causal: bool, sm_scale: float, cfg: Int8AttentionConfig):

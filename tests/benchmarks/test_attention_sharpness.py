@@ -1,7 +1,8 @@
 """benchmarks/attention_sharpness.py at small size on CPU: sharper attention (a larger temperature) has lower row
 entropy and a larger row maximum; the INT8 attention's output error grows with it, stays above BF16 SDPA's and
 within the band the forward's quantization steps allow, and the INT8 scores alone account for part of it. Scores
-from Q and K rounded here per token and all d channels give the op's own scores' error; finer groups give less."""
+from Q and K rounded here per token and all d channels give the op's own scores' error; finer groups give less; a
+second INT8 term for the residuals, or BF16 scores, leave P V's part."""
 import math
 import sys
 
@@ -40,6 +41,23 @@ def test_score_groups_of_all_channels_are_the_ops_scores(capsys):
         scores, whole, groups_of_16 = row[4], row[6], row[7]
         assert whole == pytest.approx(scores, rel=1e-3)  # the op's per-token scales, rounded independently here
         assert groups_of_16 < whole
+
+
+def test_more_score_bits_remove_the_scores_part(capsys):
+    rows = _sharpness().main(["--seq", "256", "--heads", "2", "--dim", "64", "--temperatures", "1", "8",
+                              "--more-score-bits", "--seed", "5"])
+    header = "| two-term INT8 scores, exact P V | two-term INT8 scores, INT8 P V | BF16 scores, INT8 P V |"
+    assert header in capsys.readouterr().out
+    for _, _, _, int8, scores, bf16_sdpa, two_terms, two_terms_int8_pv, bf16_scores_int8_pv in rows:
+        # the residual term rounds each score's INT8 error to 1/127 of itself: a 20x margin on that
+        assert 0 < two_terms < scores / 20
+        assert two_terms_int8_pv < int8 and bf16_scores_int8_pv < int8  # the scores' part is gone, P V's stays
+    diffuse, sharp = rows
+    # diffuse rows: P V's fixed steps of 1/127 are coarse for many small p, and its error stays well above BF16's
+    assert diffuse[7] > 2 * diffuse[5] and diffuse[8] > 2 * diffuse[5]
+    # sharp rows: more score bits cut INT8's error by more than half, to within 2x of BF16 SDPA's
+    for remedy in sharp[7], sharp[8]:
+        assert remedy < sharp[3] / 2 and remedy < 2 * sharp[5]
 
 
 @pytest.mark.parametrize("argv", [["--temperatures", "0"], ["--dim", "64", "--score-groups", "48"]])
