@@ -75,7 +75,8 @@ def _sum_group(x, group):
 def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
     """Elementwise float64 bounds on |path - exact| of (O, dQ, dK, dV), from the quantization steps.
 
-    Per-token scales s_q, s_k of Q and smoothed K bound the score error E = scale (s_q/2 sum|k^| + sum|q| s_k/2);
+    Per-token scales s_q, s_k of Q and smoothed K bound the score error E = scale (s_q/2 sum|k^| + sum|q| s_k/2)
+    (scores="bf16": E = scale 2^-8 sum|q||k|);
     softmax turns it into |P' - P| <= P (exp(E + max_row E) - 1) =: EP. Each INT8 product A B adds
     |dA| |B^| + |A| |dB| + step_A / 2 |B^|, with step_A / 2 <= (row max of A') / 254: P^T, dS^T and dS have step
     (row max of the quantized tile) / 127; the forward's P, exp(s - m) with m the running max up to its key tile,
@@ -94,12 +95,16 @@ def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
     fp32 = 2.0 ** -22
     out16 = 2.0 ** -8 if o_int8.dtype != torch.float32 else fp32
 
-    q_int, s_q = quantize_rows(q.float())
-    k_int, s_k = quantize_rows(k_s)
-    k_hat = (k_int * s_k).double()
-    err_s = scale * ((s_q.double() / 2) * _expand(k_hat.abs().sum(-1), group)[..., None, :]
-                     + q64.abs().sum(-1, keepdim=True) * _expand(s_k.double() / 2, group).transpose(-1, -2))
-    err_s = err_s + scale * fp32 * (q64.abs() @ _expand(ks64.abs(), group).transpose(-1, -2))
+    qk_abs = q64.abs() @ _expand(ks64.abs(), group).transpose(-1, -2)
+    if cfg.scores == "bf16":  # Q and smoothed K each rounded to 8 significant bits: 2^-9 each, 1% for the product
+        err_s = scale * 2.0 ** -8 * 1.01 * qk_abs
+    else:
+        q_int, s_q = quantize_rows(q.float())
+        k_int, s_k = quantize_rows(k_s)
+        k_hat = (k_int * s_k).double()
+        err_s = scale * ((s_q.double() / 2) * _expand(k_hat.abs().sum(-1), group)[..., None, :]
+                         + q64.abs().sum(-1, keepdim=True) * _expand(s_k.double() / 2, group).transpose(-1, -2))
+    err_s = err_s + scale * fp32 * qk_abs
     err_s = err_s.masked_fill(~mask, 0.0)
     s = scale * q64 @ _expand(ks64, group).transpose(-1, -2)
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)

@@ -14,6 +14,8 @@ and channel).
 Each INT8 product accumulates in int32 over one tile and is dequantized once per tile into an fp32 accumulator:
 the tiles divide the scale block, so an operand's scale is constant along the tile's contraction axis.
 Softmax in base 2 (scores times log2(e)), online over key tiles in fp32; lse is kept in base 2 for backward.
+With scores="bf16" (SCORES_BF16) the scores, forward and backward, multiply BF16 Q and smoothed K (written by
+PyTorch in the per-token layout, with unit scales) in 16-bit products with fp32 sums; the rest is unchanged.
 
 Programs: `_quantize_kernel` (one per head and block of tokens), `_attn_fwd_kernel` (one per head and query tile),
 `_attn_bwd_dkdv_kernel` (one per key/value head and key tile: it walks the query tiles of every query head of
@@ -63,6 +65,14 @@ def _dot_16bit(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _score_dot(a, b, SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b of score operands in fp32: INT8 tiles with int32 sums, or 16-bit tiles (SCORES_BF16)."""
+    if SCORES_BF16:
+        return _dot_16bit(a, b, UPCAST)
+    return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, sx_b, sx_h, sx_s,  # input [B, H, S, D], last stride 1
     mean_ptr,  # [B * H, D] fp32, subtracted when MEAN
@@ -103,7 +113,7 @@ def _quantize_kernel(
 
 @triton.jit
 def _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MASK: tl.constexpr, CAUSAL: tl.constexpr):
+                     MASK: tl.constexpr, CAUSAL: tl.constexpr, SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr):
     """(S, offs_n) of the key tile at n0: the dequantized scores of a query tile, -inf past Sk and above the
     diagonal where MASK (the tile crosses either), so that exp2 makes their probabilities exactly 0. The forward
     and the dQ program share it."""
@@ -116,7 +126,7 @@ def _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D: tl.const
     else:
         k = tl.load(k_ptr + k_rows)
         k_scale = tl.load(ks_ptr + bhk * Sk + offs_n)
-    s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+    s = _score_dot(q, tl.trans(k), SCORES_BF16, UPCAST) * (q_scale[:, None] * k_scale[None, :])
     if MASK:
         valid = mask_n[None, :]
         if CAUSAL:
@@ -127,10 +137,12 @@ def _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D: tl.const
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP, NBk,
-              D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+              D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile of the forward's online softmax. MASK: the tile crosses the diagonal or the last key."""
     offs_d = tl.arange(0, D)
-    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL)
+    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL,
+                                 SCORES_BF16, UPCAST)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -150,6 +162,7 @@ def _attn_fwd_kernel(
     o_ptr, lse_ptr,  # O [B, H, Sq, D] contiguous (output dtype), lse2 [BH, Sq] fp32
     H, GROUP, Sq, Sk, SkP, NBk, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
+    SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Program (b * H + h, query tile): online softmax over the key tiles, S and P V in INT8. Causal programs
     start with the last query tiles (the longest rows), and only tiles that cross the diagonal or the last key
@@ -176,10 +189,10 @@ def _attn_fwd_kernel(
         hi = Sk
     for n0 in range(0, mid, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP,
-                                  NBk, D, BLOCK_N, QBLOCK, False, CAUSAL)
+                                  NBk, D, BLOCK_N, QBLOCK, False, CAUSAL, SCORES_BF16, UPCAST)
     for n0 in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_ptr, bhk, Sk, SkP,
-                                  NBk, D, BLOCK_N, QBLOCK, True, CAUSAL)
+                                  NBk, D, BLOCK_N, QBLOCK, True, CAUSAL, SCORES_BF16, UPCAST)
     o = acc / l_i[:, None]
     tl.store(o_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=mask_m[:, None])
@@ -190,7 +203,7 @@ def _attn_fwd_kernel(
 def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr, sdo_b, sdo_h,
                sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
                D: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-               UPCAST: tl.constexpr):
+               SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr):
     """One query tile of a dK/dV program, masked past Sq and above the diagonal whether or not it crosses them:
     one code path for every tile needs fewer registers than separate masked and unmasked loops (sm_90a spills
     1.6 -> 0.5 KB per thread at 64 x 128 tiles) and runs faster (docs/benchmarks.md). (Keys past Sk need no mask:
@@ -204,7 +217,7 @@ def _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_pt
     delta = tl.load(delta_ptr + bh * Sq + offs_m, mask=mask_m, other=0.0)
     do = tl.load(do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None].to(tl.int64) * sdo_s + offs_d[None, :],
                  mask=mask_m[:, None], other=0.0)
-    st = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32) * (k_scale[:, None] * q_scale[None, :])
+    st = _score_dot(k, tl.trans(q), SCORES_BF16, UPCAST) * (k_scale[:, None] * q_scale[None, :])
     pt = tl.exp2(st - lse[None, :])
     valid = mask_m[None, :]
     if CAUSAL:
@@ -235,7 +248,7 @@ def _attn_bwd_dkdv_kernel(
     dk_ptr, dv_ptr,  # [B, Hk, Sk, D] contiguous, in K's and V's dtypes
     HK, GROUP, Sq, Sk, SqP, NBq, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Program (b * Hk + hk, key tile): dK and dV of its keys, over the query tiles of the group's query heads
     (causal: from the tile that holds its first key on)."""
@@ -259,7 +272,7 @@ def _attn_bwd_dkdv_kernel(
         for m0 in range(lo, Sq, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, k_scale, v, offs_n, m0, bh, b, h, q_ptr, qs_ptr, qt_ptr, qts_ptr, do_ptr,
                                 sdo_b, sdo_h, sdo_s, dot_ptr, dots_ptr, lse_ptr, delta_ptr, Sq, SqP, NBq,
-                                D, BLOCK_M, QBLOCK, CAUSAL, UPCAST)
+                                D, BLOCK_M, QBLOCK, CAUSAL, SCORES_BF16, UPCAST)
     out = (bhk * Sk + offs_n[:, None]) * D + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_n[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=mask_n[:, None])
@@ -268,11 +281,12 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h, sv_s,
              b, hk, bhk, Sk, SkP, NBk, D: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
-             MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+             MASK: tl.constexpr, CAUSAL: tl.constexpr, SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile of a dQ program. MASK: the tile crosses the diagonal or the last key. (Queries past Sq need no
     mask: their dO and delta are zero, so is their dS, and they are never stored.)"""
     offs_d = tl.arange(0, D)
-    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL)
+    s, offs_n = _key_tile_scores(q, q_scale, offs_m, n0, k_ptr, ks_ptr, bhk, Sk, D, BLOCK_N, MASK, CAUSAL,
+                                 SCORES_BF16, UPCAST)
     v_rows = b * sv_b + hk * sv_h + offs_n[:, None].to(tl.int64) * sv_s + offs_d[None, :]
     if MASK:
         v = tl.load(v_ptr + v_rows, mask=(offs_n < Sk)[:, None], other=0.0)
@@ -295,7 +309,7 @@ def _attn_bwd_dq_kernel(
     dq_ptr,  # [B, H, Sq, D] contiguous, in Q's dtype
     H, GROUP, Sq, Sk, SkP, NBk, qk_scale, sm_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Program (b * H + h, query tile): dQ of its queries, over the key tiles (masked as the forward's)."""
     pid = tl.program_id(1)
@@ -323,10 +337,10 @@ def _attn_bwd_dq_kernel(
         hi = Sk
     for n0 in range(0, mid, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
-                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, False, CAUSAL, UPCAST)
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, False, CAUSAL, SCORES_BF16, UPCAST)
     for n0 in range(mid, hi, BLOCK_N):
         dq = _dq_tile(dq, q, q_scale, do, lse, delta, offs_m, n0, k_ptr, ks_ptr, kt_ptr, kts_ptr, v_ptr, sv_b, sv_h,
-                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, True, CAUSAL, UPCAST)
+                      sv_s, b, hk, bhk, Sk, SkP, NBk, D, BLOCK_N, QBLOCK, True, CAUSAL, SCORES_BF16, UPCAST)
     tl.store(dq_ptr + (bh * Sq + offs_m[:, None]) * D + offs_d[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
              mask=mask_m[:, None])
 
@@ -372,8 +386,14 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
     B, H, Sq, D = q.shape
     Hk, Sk = k.shape[1], k.shape[2]
     mean = k.mean(dim=2, dtype=torch.float32).reshape(B * Hk, D)
-    q8, q_s, qt8, qt_s, _ = _quantize(q, cfg.block, rows=True)
-    k8, k_s, kt8, kt_s, _ = _quantize(k, cfg.block, mean=mean, rows=True)
+    scores_bf16 = cfg.scores == "bf16"
+    q8, q_s, qt8, qt_s, _ = _quantize(q, cfg.block, rows=not scores_bf16)
+    k8, k_s, kt8, kt_s, _ = _quantize(k, cfg.block, mean=mean, rows=not scores_bf16)
+    if scores_bf16:  # the scores' operands: BF16 Q and smoothed K per token, unit scales
+        q8 = q.reshape(B * H, Sq, D).to(torch.bfloat16).contiguous()
+        k8 = (k.float() - mean.view(B, Hk, 1, D)).to(torch.bfloat16).reshape(B * Hk, Sk, D)
+        q_s = torch.ones((B * H, Sq), dtype=torch.float32, device=q.device)
+        k_s = torch.ones((B * Hk, Sk), dtype=torch.float32, device=q.device)
     _, _, vt8, vt_s, _ = _quantize(v, cfg.block)
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
@@ -381,7 +401,7 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
                 q8, q_s, k8, k_s, vt8, vt_s, o, lse,
                 H, H // Hk, Sq, Sk, vt8.shape[2], vt_s.shape[1], sm_scale * LOG2E,
                 D=D, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                num_warps=warps_for(cfg.fwd_block_m))
+                SCORES_BF16=scores_bf16, UPCAST=_INTERPRET, num_warps=warps_for(cfg.fwd_block_m))
     return o, (q8, q_s, k8, k_s, qt8, qt_s, kt8, kt_s, lse)
 
 
@@ -401,12 +421,12 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
                      q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse, delta,
                      dk, dv, Hk, H // Hk, Sq, Sk, qt8.shape[2], qt_s.shape[1], qk_scale, sm_scale,
                      D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                     UPCAST=_INTERPRET,
+                     SCORES_BF16=cfg.scores == "bf16", UPCAST=_INTERPRET,
                      num_warps=warps_for(cfg.bwd_block_n))
     _BWD_DQ.launch((B * H, cdiv(Sq, cfg.dq_block_m)),
                    q8, q_s, k8, k_s, kt8, kt_s, v, *v.stride()[:3], do, *do.stride()[:3], lse, delta, dq,
                    H, H // Hk, Sq, Sk, kt8.shape[2], kt_s.shape[1], qk_scale, sm_scale,
                    D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                   UPCAST=_INTERPRET,
+                   SCORES_BF16=cfg.scores == "bf16", UPCAST=_INTERPRET,
                    num_warps=warps_for(cfg.dq_block_m))
     return dq, dk, dv

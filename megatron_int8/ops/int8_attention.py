@@ -27,6 +27,11 @@ seq 512, d 128, blocks of 64 tokens, tiles of 32 and 64):
 - P's fixed scale 1/127 in the forward (P = exp(s - running max) <= 1) instead of per (query, tile of 32 keys):
   O 0.4-0.8 dB lower (seq 512 and 1024), for no row maximum or division per tile. For dV's P^T it would cost
   5.3-10.3 dB (a key's column of P is far below 1 for most queries), so the backward keeps its per-tile scales.
+With `Int8AttentionConfig(scores="bf16")` the scores (Q K^T, forward and the backward's recomputation) take Q and
+smoothed K in BF16 with fp32 sums instead, as flash attention forms them, and the other five products stay INT8.
+The INT8 scores' error grows as attention sharpens over training, and at 344M it cost 0.9-1.5% of validation loss
+against the INT8 linears alone (docs/convergence.md, section 10); BF16 scores take that part out (docs/numerics.md,
+"Sharper attention") at the price of a 16-bit product.
 K is smoothed first: K - mean_s(K) per head. Softmax is invariant to it (it adds q . mean to every score of a
 row, also under the causal mask), and so is the gradient: the rows of dS sum to zero, so the gradient through
 the mean vanishes and dK is dS^T Q as without smoothing. It takes K's shared bias out of the INT8 range.
@@ -55,6 +60,9 @@ from .backend import triton_available, triton_runs_on
 __all__ = ["Int8AttentionConfig", "attention_reference", "int8_attention"]
 
 
+SCORES = ("int8", "bf16")
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8AttentionConfig:
     """Scale granularity and the kernels' tiles (which set the scale groups of P^T and dS, and the running maxima that
@@ -71,8 +79,11 @@ class Int8AttentionConfig:
     bwd_block_n: int = 128  # keys per dK/dV program
     dq_block_m: int = 128  # queries per dQ program
     dq_block_n: int = 64  # keys per step of the dQ program: dS's scales per query and such a tile
+    scores: str = "int8"  # Q K^T from per-token INT8 Q and K, or "bf16": BF16 Q and K, fp32 sums
 
     def __post_init__(self):
+        if self.scores not in SCORES:
+            raise ValueError(f"Int8AttentionConfig.scores must be one of {SCORES}, got {self.scores!r}")
         for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             tile = getattr(self, name)
             if tile < 16 or tile & (tile - 1) or self.block % tile:
@@ -128,7 +139,7 @@ def _causal_mask(Sq: int, Sk: int, device) -> torch.Tensor:
 @dataclasses.dataclass
 class _Saved:
     """What backward needs: Q and smoothed K in INT8, per token and per block, with their scales."""
-    q_int: torch.Tensor  # [B, H, Sq, D] integer values (fp32), per token
+    q_int: torch.Tensor  # [B, H, Sq, D] integer values (fp32), per token (scores="bf16": BF16 values, unit scales)
     q_scale: torch.Tensor  # [B, H, Sq]
     k_int: torch.Tensor  # [B, Hk, Sk, D]
     k_scale: torch.Tensor  # [B, Hk, Sk]
@@ -142,11 +153,19 @@ class _Saved:
 def _scores(saved: _Saved, group: int, sm_scale: float, causal: bool) -> torch.Tensor:
     """sm_scale * dequant(Q_int K_int^T) [B, H, Sq, Sk] in fp32, -inf where masked."""
     Sq, Sk = saved.q_int.shape[2], saved.k_int.shape[2]
-    acc = saved.q_int @ _expand_heads(saved.k_int, group).transpose(-1, -2)  # exact: |sum| <= 127^2 d < 2^24
+    acc = saved.q_int @ _expand_heads(saved.k_int, group).transpose(-1, -2)  # INT8: exact, |sum| <= 127^2 d < 2^24
     s = acc * (saved.q_scale[..., :, None] * _expand_heads(saved.k_scale, group)[..., None, :] * sm_scale)
     if causal:
         s = s.masked_fill(_causal_mask(Sq, Sk, s.device), float("-inf"))
     return s
+
+
+def score_operands(qf: torch.Tensor, kf: torch.Tensor, cfg: Int8AttentionConfig):
+    """((Q values, scales [..., 1]), (K values, scales)) that the scores multiply, from fp32 Q and smoothed K: per-token
+    INT8, or BF16-rounded values with unit scales (scores="bf16")."""
+    if cfg.scores == "bf16":
+        return tuple((x.bfloat16().float(), torch.ones_like(x[..., :1])) for x in (qf, kf))
+    return quantize_rows(qf), quantize_rows(kf)
 
 
 def reference_forward(q, k, v, causal: bool, sm_scale: float, cfg: Int8AttentionConfig):
@@ -154,7 +173,7 @@ def reference_forward(q, k, v, causal: bool, sm_scale: float, cfg: Int8Attention
     group = q.shape[1] // k.shape[1]
     qf = q.float()
     kf = k.float() - k.mean(dim=2, keepdim=True, dtype=torch.float32)  # the kernels' mean, bit for bit
-    (q_int, q_scale), (k_int, k_scale) = quantize_rows(qf), quantize_rows(kf)
+    (q_int, q_scale), (k_int, k_scale) = score_operands(qf, kf, cfg)
     saved = _Saved(q_int, q_scale.squeeze(-1), k_int, k_scale.squeeze(-1), *quantize_blocks(qf, cfg.block),
                    *quantize_blocks(kf, cfg.block))
     o, saved.lse = softmax_int8_pv(_scores(saved, group, sm_scale, causal), v, cfg)
