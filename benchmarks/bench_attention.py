@@ -6,6 +6,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
     python3 benchmarks/bench_attention.py --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point (the defaults)
     python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
     python3 benchmarks/bench_attention.py --seqs 4096 --kv-heads 8 --no-snr --sweep     # each kernel's tile choices
+    python3 benchmarks/bench_attention.py --bf16-scores     # also INT8 attention with BF16 scores (scores="bf16")
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -42,9 +43,12 @@ def make_inputs(batch, heads, kv_heads, seq, dim, seed=0, device="cuda", dtype=t
 
 
 def attention_fn(name, config=None):
-    """(q, k, v) -> O of an implementation: "int8", or an SDPA backend, "+repeat" where it takes GQA through k and v
-    repeated to every query head (inside the timed call, as a layer without native GQA pays it)."""
-    if name == "int8":
+    """(q, k, v) -> O of an implementation: "int8", "int8-bf16-scores" (the config with scores="bf16"), or an SDPA
+    backend, "+repeat" where it takes GQA through k and v repeated to every query head (inside the timed call, as a
+    layer without native GQA pays it)."""
+    if name.startswith("int8"):
+        if name == "int8-bf16-scores":
+            config = dataclasses.replace(config or DEFAULT_CONFIG, scores="bf16")
         return lambda q, k, v: int8_attention(q, k, v, causal=True, config=config)
     backend = SDPA_BACKENDS[name.removesuffix("+repeat")]
 
@@ -174,6 +178,9 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="also print INT8's GPU time per kernel at each shape")
     p.add_argument("--sweep", action="store_true", help="also time each kernel's tile choices (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
+    p.add_argument("--bf16-scores", action="store_true",
+                   help="also time INT8 attention with BF16 scores (Int8AttentionConfig(scores='bf16')): "
+                        "the impl int8-bf16-scores")
     opts = p.parse_args(argv)
     config = Int8AttentionConfig(*opts.tiles) if opts.tiles else DEFAULT_CONFIG
 
@@ -188,8 +195,9 @@ def main(argv=None) -> None:
             q, k, v, do = make_inputs(opts.batch, opts.heads, kv_heads, seq, opts.dim)
             fwd_flops = 4 * opts.batch * opts.heads * seq * seq * opts.dim / 2
             times = {}
-            for name in ("sdpa-flash", "sdpa-cudnn", "int8"):
-                for variant in (name, name + "+repeat") if name != "int8" and kv_heads != opts.heads else (name,):
+            for name in ("sdpa-flash", "sdpa-cudnn", "int8") + (("int8-bf16-scores",) if opts.bf16_scores else ()):
+                sdpa = not name.startswith("int8")
+                for variant in (name, name + "+repeat") if sdpa and kv_heads != opts.heads else (name,):
                     try:
                         times[variant] = time_impl(attention_fn(variant, config), q, k, v, do, opts.iters)
                         break
@@ -198,7 +206,7 @@ def main(argv=None) -> None:
                     finally:
                         torch.cuda.empty_cache()
             snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do, config)
-            bf16_best = min((t[2] for n, t in times.items() if n != "int8"), default=float("nan"))
+            bf16_best = min((t[2] for n, t in times.items() if not n.startswith("int8")), default=float("nan"))
             for name, (fwd, bwd, both) in times.items():
                 cells = snr.get(name, [float("nan")] * 4)
                 row = {"seq": seq, "kv heads": kv_heads, "impl": name, "fwd ms": f"{fwd:.3f}", "bwd ms": f"{bwd:.3f}",

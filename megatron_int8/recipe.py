@@ -10,6 +10,7 @@ import dataclasses
 
 QMAX = 127  # symmetric INT8 range [-127, 127]: -128 is never produced, so negation is exact.
 GRANULARITIES = ("tensor", "row", "block")
+ATTENTION_SCORES = ("int8", "bf16")
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
 FINITE_CHECKS = ("deferred", "immediate", "off")
@@ -31,7 +32,7 @@ def _check_bools(owner, names) -> None:
 class Int8Numerics:
     """What the INT8 layers compute: the part of a recipe that changes results (Int8Recipe's fields
     granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input,
-    int8_norm_input, int8_attention). Quantized-weight caches are keyed and recipes described by it alone."""
+    int8_norm_input, int8_attention, int8_attention_scores). Quantized-weight caches are keyed and recipes described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128
@@ -43,9 +44,14 @@ class Int8Numerics:
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
     int8_attention: bool = False
+    int8_attention_scores: str = "int8"
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
+        _check_choice("Int8Recipe", "int8_attention_scores", self.int8_attention_scores, ATTENTION_SCORES)
+        if self.int8_attention_scores != "int8" and not self.int8_attention:
+            raise ValueError(f"Int8Recipe.int8_attention_scores={self.int8_attention_scores!r} needs "
+                             "int8_attention=True (it sets the INT8 attention's scores)")
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
@@ -61,6 +67,8 @@ class Int8Numerics:
         swiglu = ",swiglu-in:int8" if self.int8_swiglu_input else ""
         norm = ",norm-in:int8" if self.int8_norm_input else ""
         attention = ",attn:int8" if self.int8_attention else ""
+        if self.int8_attention_scores != "int8":
+            attention += f"/scores:{self.int8_attention_scores}"
         return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}{attention}]"
 
 
@@ -164,6 +172,12 @@ class Int8Recipe:
         float64 on outlier-heavy inputs at seq 4096, `tests/kernels/test_int8_attention_gpu.py`). Only the
         megatron specs read it: `convert_to_int8_training` converts linears and refuses it; other models call
         `int8_attention` in their attention themselves.
+    int8_attention_scores: "int8" (the default) or "bf16": with int8_attention, its scores (Q K^T, forward and the
+        backward's recomputation) from BF16 Q and smoothed K with fp32 sums instead of per-token INT8
+        (`Int8AttentionConfig.scores`); the other five products stay INT8. The INT8 scores' error grows as
+        attention sharpens over training: at 344M INT8 attention trailed the INT8 linears alone by 0.9-1.5% in
+        validation loss (docs/convergence.md, section 10); BF16 scores gain 6-9 dB SNR on O and every gradient
+        (CPU, tests/kernels/test_int8_attention.py), for a 16-bit product in place of an INT8 one.
     shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
         at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
         the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are
@@ -184,6 +198,7 @@ class Int8Recipe:
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
     int8_attention: bool = False
+    int8_attention_scores: str = "int8"
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

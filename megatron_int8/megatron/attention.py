@@ -31,7 +31,7 @@ from megatron.core.utils import divide, is_torch_min_version
 
 from ..dispatch import resolve_backend_name
 from ..ops.backend import triton_available
-from ..ops.int8_attention import int8_attention
+from ..ops.int8_attention import Int8AttentionConfig, int8_attention
 from ..ops.rms_norm import FusedRMSNorm
 from ..recipe import Int8Recipe
 from ..reference import attach_amax
@@ -75,6 +75,8 @@ class SDPAttention(MegatronModule):
         super().__init__(config=config)
         self.int8_recipe = recipe
         self.int8_attention = self.int8_attention_built = bool(recipe is not None and recipe.int8_attention)
+        self.int8_attention_config = (Int8AttentionConfig(scores=recipe.int8_attention_scores)
+                                      if self.int8_attention else None)
         owner = "--int8-attention (SDPAttention)" if self.int8_attention else "SDPAttention"
         if config.context_parallel_size != 1:
             raise NotImplementedError(f"{owner}: context parallelism needs TEDotProductAttention")
@@ -107,7 +109,10 @@ class SDPAttention(MegatronModule):
                 raise ValueError("--int8-attention: " + "; ".join(text for _, text in problems))
 
     def extra_repr(self) -> str:
-        return f"int8_attention={self.int8_attention}" if self.int8_attention_built else ""
+        if not self.int8_attention_built:
+            return ""
+        scores = self.int8_attention_config.scores
+        return f"int8_attention={self.int8_attention}" + (f", scores={scores}" if scores != "int8" else "")
 
     def forward(
         self,
@@ -180,10 +185,11 @@ class SDPAttention(MegatronModule):
         # [s, b, n, d] -> [b, n, s, d] (views; the op takes strided inputs and GQA as they are)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         backend = resolve_backend_name(q.device, self.int8_recipe, triton_available())
-        context = int8_attention(q, k, v, causal=causal, scale=self.softmax_scale, backend=backend)
+        context = int8_attention(q, k, v, causal=causal, scale=self.softmax_scale,
+                                 config=self.int8_attention_config, backend=backend)
         probe = self.int8_probe
         if probe is not None and probe.armed and torch.is_grad_enabled():
-            probe.observe(q, k, v, context, causal, self.softmax_scale)
+            probe.observe(q, k, v, context, causal, self.softmax_scale, self.int8_attention_config)
         return context.permute(2, 0, 1, 3).reshape(sq, context.shape[0], self.hidden_size_per_partition)
 
 

@@ -22,10 +22,12 @@ def _fallback(module) -> str:
 
 def _precision_of(module) -> Tuple[str, str]:
     if isinstance(module, SDPAttention):  # a core attention built for --int8-attention: its own row
-        return ("int8" if module.int8_attention else "bf16"), "int8_attention" + _fallback(module)
+        scores = module.int8_attention_config.scores
+        return (("int8" if module.int8_attention else "bf16"),
+                "int8_attention" + (f" (scores {scores})" if scores != "int8" else "") + _fallback(module))
     if isinstance(module, Int8LinearMixin) and module.int8:
         # the linear's GEMMs: whether attention runs in INT8 is the attention row's to say
-        recipe = dataclasses.replace(module.int8_recipe, int8_attention=False)
+        recipe = dataclasses.replace(module.int8_recipe, int8_attention=False, int8_attention_scores="int8")
         return module.precision, recipe.describe() + _fallback(module)
     if getattr(module, "fp8_recipe", None) is not None:  # the FP8 peer's linears (peers/fp8.py)
         return "fp8", describe_fp8_recipe(module.fp8_recipe)

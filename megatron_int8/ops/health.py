@@ -51,7 +51,7 @@ import torch
 
 from ..recipe import QMAX, Int8Recipe
 from ..reference import QTensor, dequantize, quantize
-from .int8_attention import quantize_rows
+from .int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, score_operands
 from .smooth_swiglu import smooth_scales
 
 OPERANDS = ("x", "w", "dy")
@@ -316,8 +316,9 @@ class AttentionProbe(_Probe):
     (`ATTENTION_STATS`, module docstring)."""
 
     def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
-                scale: float) -> None:
-        """q [b, h, sq, d], k and v [b, h_kv, sk, d] as `int8_attention` took them, `out` what it returned."""
+                scale: float, config: Int8AttentionConfig = DEFAULT_CONFIG) -> None:
+        """q [b, h, sq, d], k and v [b, h_kv, sk, d] as `int8_attention` took them with `config`, `out` what it
+        returned."""
         self.armed = False
         heads = sample_heads(q.shape[1], q.device)
         kv_heads = heads // (q.shape[1] // k.shape[1])
@@ -328,7 +329,7 @@ class AttentionProbe(_Probe):
         k_smooth = k0[kv_heads, :keys].float() - k_mean[kv_heads]  # [h, keys, d]: only the sample in fp32
         q_rows = q[0].detach()[heads, rows].float()  # [h, rows, d]
         v_rows = v[0].detach()[kv_heads, :keys].float()
-        (q_int, q_scale), (k_int, k_scale) = quantize_rows(q_rows), quantize_rows(k_smooth)
+        (q_int, q_scale), (k_int, k_scale) = score_operands(q_rows, k_smooth, config)
         with _exact_fp32_matmul():
             exact = scale * q_rows @ k_smooth.transpose(-1, -2)  # [h, rows, keys]
             approx = scale * (q_int * q_scale) @ (k_int * k_scale).transpose(-1, -2)

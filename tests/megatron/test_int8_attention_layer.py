@@ -49,9 +49,10 @@ def test_layer_runs_the_op_within_its_float64_bounds(heads, groups, seq, head_di
     assert_layer_runs_the_op(_attention(heads, groups, head_dim), q, k, v, do, "reference")
 
 
-def assert_layer_runs_the_op(layer, q, k, v, do, backend):
+def assert_layer_runs_the_op(layer, q, k, v, do, backend, config=DEFAULT_CONFIG):
     """The layer's O and q, k, v gradients (on megatron's [s, b, h, d] views of [b, h, s, d] q, k, v) equal
-    `int8_attention`'s with `backend` bit for bit, and sit within the op's elementwise bounds of float64."""
+    `int8_attention`'s with `backend` and `config` bit for bit, and sit within the op's elementwise bounds of
+    float64."""
     b, heads, seq, head_dim = q.shape
     leaves = _layer_layout(q, k, v)
     out = layer(*leaves, None)
@@ -61,15 +62,29 @@ def assert_layer_runs_the_op(layer, q, k, v, do, backend):
     got += [t.grad.permute(1, 2, 0, 3) for t in leaves]
 
     op_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    op_out = int8_attention(*op_leaves, causal=True, backend=backend)
+    op_out = int8_attention(*op_leaves, causal=True, config=config, backend=backend)
     op_out.backward(do)
     for x, y in zip(got, [op_out.detach()] + [t.grad for t in op_leaves]):
         assert torch.equal(x, y)
 
     scale = 1 / math.sqrt(head_dim)
-    bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, DEFAULT_CONFIG)
+    bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, config)
     assert_within_bounds(got, grads64(q, k, v, do, True, scale), bounds, [torch.bfloat16] * 4,
-                         f"layer h={heads}/{k.shape[1]} s={seq} d={head_dim}")
+                         f"layer h={heads}/{k.shape[1]} s={seq} d={head_dim} scores={config.scores}")
+
+
+def test_layer_with_bf16_scores_runs_the_op_with_them():
+    """Int8Recipe(int8_attention_scores="bf16") reaches the op: the layer equals int8_attention with
+    Int8AttentionConfig(scores="bf16") bit for bit, within that config's bounds, and differs from the INT8 scores."""
+    import dataclasses
+
+    recipe = dataclasses.replace(INT8_ATTENTION, int8_attention_scores="bf16")
+    q, k, v, do = attention_inputs(2, 4, 2, 160, 64, 15)
+    layer = _attention(4, 2, 64, recipe=recipe)
+    assert "scores=bf16" in repr(layer)
+    assert_layer_runs_the_op(layer, q, k, v, do, "reference", dataclasses.replace(DEFAULT_CONFIG, scores="bf16"))
+    out = layer(*_layer_layout(q, k, v), None)
+    assert not torch.equal(out, _attention(4, 2, 64)(*_layer_layout(q, k, v), None))
 
 
 def test_decoding_step_attends_every_cached_key():
@@ -158,6 +173,10 @@ def test_precision_table_has_a_row_per_int8_attention_and_follows_a_fallback():
     moved.int8_attention, moved.int8_fallback_note = False, "at iteration 7: attention/rel_err 0.2 > 0.1"
     assert attention_rows() == [("2", "bf16", "int8_attention (fallback at iteration 7: attention/rel_err 0.2 > 0.1)"),
                                 ("3", "int8", "int8_attention")]
+    scored = _gpt(Int8Policy(recipe=Int8Recipe(backend="reference", int8_attention=True, int8_attention_scores="bf16")))
+    rows = precision_table_rows(scored)
+    assert {r[5] for r in rows if r[2].endswith("core_attention")} == {"int8_attention (scores bf16)"}
+    assert all("attn" not in r[5] and "scores" not in r[5] for r in rows if not r[2].endswith("core_attention"))
 
 
 def probe_against_float64(heads, groups, seq, head_dim, seed, device="cpu", recipe=INT8_ATTENTION):
@@ -168,6 +187,7 @@ def probe_against_float64(heads, groups, seq, head_dim, seed, device="cpu", reci
     from megatron_int8.ops.int8_attention import quantize_rows
 
     q, k, v, _ = attention_inputs(2, heads, groups, seq, head_dim, seed, device=device)
+    bf16_scores = recipe.int8_attention_scores == "bf16"
     layer = _attention(heads, groups, head_dim, recipe=recipe)
     layer.int8_probe = probe = AttentionProbe()
     leaves = _layer_layout(q, k, v)
@@ -188,8 +208,11 @@ def probe_against_float64(heads, groups, seq, head_dim, seed, device="cpu", reci
     o64 = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v64[:, :rows.stop]
     o = out.detach().view(seq, 2, heads, head_dim)[rows, 0].transpose(0, 1)[picked].double()
     out_err = ((o - o64).norm() / o64.norm()).item()
-    (q_int, q_s), (k_int, k_s) = quantize_rows(q64[:, rows].float()), quantize_rows(k64[:, :rows.stop].float())
-    s_int8 = scale * (q_int * q_s).double() @ (k_int * k_s).double().transpose(-1, -2)
+    if bf16_scores:  # Q and smoothed K rounded to bf16
+        s_int8 = scale * q64[:, rows].bfloat16().double() @ k64[:, :rows.stop].bfloat16().double().transpose(-1, -2)
+    else:
+        (q_int, q_s), (k_int, k_s) = quantize_rows(q64[:, rows].float()), quantize_rows(k64[:, :rows.stop].float())
+        s_int8 = scale * (q_int * q_s).double() @ (k_int * k_s).double().transpose(-1, -2)
     qk_err = ((s_int8 - s).masked_fill(mask, 0).norm() / s.masked_fill(mask, 0).norm()).item()
     return values.double().cpu(), torch.tensor([qk_err, out_err], dtype=torch.float64)
 
@@ -223,6 +246,13 @@ def test_probe_measures_the_output_and_score_errors():
     values, expected = probe_against_float64(4, 2, 300, 64, 4)
     assert 1e-3 < expected.min() and expected.max() < 0.05, expected
     torch.testing.assert_close(values, expected, rtol=1e-3, atol=0)
+    # with BF16 scores the probe measures those: their error is BF16's rounding, far below the INT8 scores'
+    import dataclasses
+
+    recipe = dataclasses.replace(INT8_ATTENTION, int8_attention_scores="bf16")
+    bf16_values, bf16_expected = probe_against_float64(4, 2, 300, 64, 4, recipe=recipe)
+    torch.testing.assert_close(bf16_values, bf16_expected, rtol=1e-2, atol=0)
+    assert bf16_expected[0] < expected[0] / 4 and bf16_expected[1] < expected[1], (bf16_expected, expected)
 
 
 def test_auto_fallback_moves_a_layers_attention_to_bf16():

@@ -107,6 +107,8 @@ def _validated(*flags, dropout=("--attention-dropout", "0")):
     (["--int8-linear", "--int8-attention", "--num-attention-heads", "4"], "--int8-attention: head dim 32"),
     (["--int8-linear", "--int8-attention", "--reset-attention-mask"],
      "--int8-attention: --reset-attention-mask: document masks are not supported"),
+    (["--int8-linear", "--int8-attention-scores", "bf16"],
+     "--int8-attention-scores bf16 sets the INT8 attention's scores: it needs --int8-attention"),
     (["--int8-linear", "--int8-stats-interval", "1", "--int8-fallback-max-attention-rel-err", "0"],
      "--int8-fallback-max-attention-rel-err must be positive, got 0.0"),
 ])
@@ -134,6 +136,11 @@ def test_the_flag_reaches_the_recipe_and_the_model():
     from megatron_int8.megatron.cli import policy_from_args
 
     assert policy_from_args(_validated("--int8-linear", "--int8-attention")).recipe.int8_attention
+    recipe = policy_from_args(_validated("--int8-linear", "--int8-attention", "--int8-attention-scores", "bf16")).recipe
+    assert recipe.int8_attention and recipe.int8_attention_scores == "bf16"
+    assert recipe.numerics.describe().endswith(",attn:int8/scores:bf16]")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _validated("--int8-linear", "--int8-attention", "--int8-attention-scores", "fp8")
     assert not policy_from_args(_validated("--int8-linear")).recipe.int8_attention
     plain = _validated()
     plain.int8_attention = True  # e.g. an INT8 checkpoint's recorded arguments, evaluated in BF16
