@@ -273,28 +273,35 @@ def _other_cases():
 
 
 def _attention_cases():
-    """The four attention kernels with Int8AttentionConfig's default tiles, causal, for head dims 128 and 64."""
+    """The four attention kernels with Int8AttentionConfig's default tiles, causal, for head dims 128 and 64, and the
+    three that take the scores' operands with scores="bf16" at 128."""
     cfg = ATTENTION_CONFIG
     quantize = dict(x_ptr="bf16", rows_ptr="i8", t_ptr="i8", o_ptr="bf16")  # scales, mean, delta: fp32
-    bwd = dict(q_ptr="i8", k_ptr="i8", v_ptr="bf16", do_ptr="bf16")
+    bwd = dict(v_ptr="bf16", do_ptr="bf16")
     cases = {
         "attention quantize K: mean, per token + per block, d128": (
             AT._quantize_kernel, quantize, dict(D=128, BLOCK=cfg.block, MEAN=True, ROWS=True, DELTA=False), 8),
         "attention quantize dO: per block + delta, d128": (
             AT._quantize_kernel, quantize, dict(D=128, BLOCK=cfg.block, MEAN=False, ROWS=False, DELTA=True), 8),
     }
-    for d in (128, 64):
-        cases[f"attention forward causal d{d}"] = (
-            AT._attn_fwd_kernel, dict(q_ptr="i8", k_ptr="i8", vt_ptr="i8", o_ptr="bf16"),
-            dict(D=d, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=True),
+    for d, scores in ((128, "int8"), (64, "int8"), (128, "bf16")):
+        bf16 = scores == "bf16"  # scores="bf16": Q and K of the scores in BF16 (the other products INT8)
+        name = f"causal d{d}" + (" bf16 scores" if bf16 else "")
+        qk = dict(q_ptr="bf16", k_ptr="bf16") if bf16 else dict(q_ptr="i8", k_ptr="i8")
+        cases[f"attention forward {name}"] = (
+            AT._attn_fwd_kernel, dict(qk, vt_ptr="i8", o_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=True,
+                 SCORES_BF16=bf16, UPCAST=False),
             AT.warps_for(cfg.fwd_block_m))
-        cases[f"attention backward dK dV causal d{d}"] = (
-            AT._attn_bwd_dkdv_kernel, dict(bwd, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16"),
-            dict(D=d, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
+        cases[f"attention backward dK dV {name}"] = (
+            AT._attn_bwd_dkdv_kernel, dict(bwd, **qk, qt_ptr="i8", dot_ptr="i8", dk_ptr="bf16", dv_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=True,
+                 SCORES_BF16=bf16, UPCAST=False),
             AT.warps_for(cfg.bwd_block_n))
-        cases[f"attention backward dQ causal d{d}"] = (
-            AT._attn_bwd_dq_kernel, dict(bwd, kt_ptr="i8", dq_ptr="bf16"),
-            dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=True, UPCAST=False),
+        cases[f"attention backward dQ {name}"] = (
+            AT._attn_bwd_dq_kernel, dict(bwd, **qk, kt_ptr="i8", dq_ptr="bf16"),
+            dict(D=d, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=True,
+                 SCORES_BF16=bf16, UPCAST=False),
             AT.warps_for(cfg.dq_block_m))
     return cases
 
@@ -317,13 +324,15 @@ def test_kernel_compiles_for_ampere(case):
 
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
 def test_attention_kernel_compiles_for_hopper_with_wgmma(case):
-    """On sm_90a every product of the attention kernels is a wgmma (INT8 ones s32.s8.s8, no mma.sync left), and a
-    program's shared memory fits one block."""
+    """On sm_90a every product of the attention kernels is a wgmma (INT8 ones s32.s8.s8, BF16 scores f32.bf16.bf16; no
+    mma.sync left), and a program's shared memory fits one block."""
     kernel, pointers, constexprs, warps = ATTENTION_CASES[case]
     compiled = compile_for(HOPPER, kernel, pointers, constexprs, warps, floats=FLOAT_ARGUMENTS)
     ptx = assert_code_for(compiled, HOPPER)
     if kernel is not AT._quantize_kernel:
         assert re.search(r"wgmma\.mma_async\S*\.s32\.s8\.s8", ptx) and "mma.sync" not in ptx
+        if constexprs.get("SCORES_BF16"):
+            assert re.search(r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", ptx)
     assert compiled.metadata.shared <= HOPPER_MAX_SHARED_PER_BLOCK, compiled.metadata.shared
 
 
