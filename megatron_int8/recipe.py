@@ -32,7 +32,8 @@ def _check_bools(owner, names) -> None:
 class Int8Numerics:
     """What the INT8 layers compute: the part of a recipe that changes results (Int8Recipe's fields
     granularity, block_size, fprop, dgrad, wgrad, grad_rounding, smooth_swiglu, int8_swiglu_input,
-    int8_norm_input, int8_attention, int8_attention_scores). Quantized-weight caches are keyed and recipes described by it alone."""
+    int8_norm_input, int8_attention, int8_attention_scores). Quantized-weight caches are keyed and recipes
+    described by it alone."""
 
     granularity: str = "row"
     block_size: int = 128

@@ -54,13 +54,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..recipe import ATTENTION_SCORES
 from ..reference import scale_from_amax
 from .backend import triton_available, triton_runs_on
 
 __all__ = ["Int8AttentionConfig", "attention_reference", "int8_attention"]
-
-
-SCORES = ("int8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +80,8 @@ class Int8AttentionConfig:
     scores: str = "int8"  # Q K^T from per-token INT8 Q and K, or "bf16": BF16 Q and K, fp32 sums
 
     def __post_init__(self):
-        if self.scores not in SCORES:
-            raise ValueError(f"Int8AttentionConfig.scores must be one of {SCORES}, got {self.scores!r}")
+        if self.scores not in ATTENTION_SCORES:
+            raise ValueError(f"Int8AttentionConfig.scores must be one of {ATTENTION_SCORES}, got {self.scores!r}")
         for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             tile = getattr(self, name)
             if tile < 16 or tile & (tile - 1) or self.block % tile:
