@@ -202,6 +202,21 @@ def test_kernels_match_reference_bf16_scores(causal):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("scores", ["int8", "bf16"])
+def test_kernels_match_reference_in_megatrons_layout(scores):
+    """Megatron hands attention [s, b, h, d] tensors viewed as [b, h, s, d]: with batch 2 their (b, h) merge into a
+    strided view, not a contiguous one, and every operand the kernels write for themselves must still be read as
+    the values it holds (the BF16 scores' K was once read in the wrong order from such a view)."""
+    def megatron_view(x):
+        return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+    q, k, v, do = (megatron_view(t) for t in attention_inputs(2, 4, 2, 70, 32, 15, dtype=torch.float32))
+    assert not k.is_contiguous() and k.reshape(-1, 70, 32).data_ptr() == k.data_ptr()  # a view, not a copy
+    assert_kernels_match(q, k, v, do, True, dataclasses.replace(SMALL, scores=scores),
+                         f"fp32 GQA batch 2 [s, b, h, d] layout, {scores} scores")
+
+
+@needs_interpreter
 def test_kernels_within_quantization_bounds():
     q, k, v, do = attention_inputs(1, 2, 2, 48, 32, 9)
     got = run_path(q, k, v, do, True, SMALL, "triton")

@@ -93,3 +93,13 @@ def test_bf16_scores_kernels_match_pytorch_path_and_gain(seq, causal):
     bf16 = [snr_db(a, r) for a, r in zip(run_path(q, k, v, do, causal, cfg, "triton"), exact)]
     print(f"\nseq {seq} causal={causal}: INT8 scores {[round(x, 1) for x in int8]}, BF16 {[round(x, 1) for x in bf16]}")
     assert all(b >= a + 4.0 for a, b in zip(int8, bf16)), (int8, bf16)
+
+
+@pytest.mark.parametrize("scores", ["int8", "bf16"])
+def test_kernels_match_pytorch_path_in_megatrons_layout(scores):
+    """[s, b, h, d] tensors viewed as [b, h, s, d], batch 2, as Megatron's core attention hands them over."""
+    q, k, v, do = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+                   for t in attention_inputs(2, 8, 2, 1024, 128, seed=21, device="cuda"))
+    assert not k.is_contiguous()
+    assert_kernels_match(q, k, v, do, True, dataclasses.replace(DEFAULT_CONFIG, scores=scores),
+                         f"[s, b, h, d] layout, {scores} scores")
