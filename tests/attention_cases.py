@@ -50,6 +50,11 @@ def grads64(q, k, v, do, causal, scale):
     return [o.detach()] + [t.grad for t in leaves]
 
 
+def megatron_layout(x):
+    """x [b, h, s, d] as Megatron's core attention hands it over: [s, b, h, d] memory viewed as [b, h, s, d]."""
+    return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+
+
 def run_path(q, k, v, do, causal, config, backend, scale=None):
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     o = int8_attention(*leaves, causal=causal, scale=scale, config=config, backend=backend)

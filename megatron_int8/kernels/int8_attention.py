@@ -389,10 +389,11 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
     scores_bf16 = cfg.scores == "bf16"
     q8, q_s, qt8, qt_s, _ = _quantize(q, cfg.block, rows=not scores_bf16)
     k8, k_s, kt8, kt_s, _ = _quantize(k, cfg.block, mean=mean, rows=not scores_bf16)
-    if scores_bf16:  # the scores' operands: BF16 Q and smoothed K per token, unit scales, contiguous (the kernels
-        # read them without strides; a [s, b, h, d] view would reshape to a strided [B * H, S, D] view)
-        q8 = q.to(torch.bfloat16).reshape(B * H, Sq, D).contiguous()
-        k8 = (k.float() - mean.view(B, Hk, 1, D)).to(torch.bfloat16).reshape(B * Hk, Sk, D).contiguous()
+    if scores_bf16:  # the scores' operands: BF16 Q and smoothed K per token, unit scales, written contiguous in the
+        # conversion itself (the kernels read them without strides; Megatron's [s, b, h, d] views are strided)
+        dense = dict(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
+        q8 = q.to(**dense).view(B * H, Sq, D)
+        k8 = (k.float() - mean.view(B, Hk, 1, D)).to(**dense).view(B * Hk, Sk, D)
         q_s = torch.ones((B * H, Sq), dtype=torch.float32, device=q.device)
         k_s = torch.ones((B * Hk, Sk), dtype=torch.float32, device=q.device)
     _, _, vt8, vt_s, _ = _quantize(v, cfg.block)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from attention_cases import (assert_kernels_match, assert_within_bounds, attention64, attention_inputs, grads64,
-                             int8_attention_bounds, run_path, snr_db)
+                             int8_attention_bounds, megatron_layout, run_path, snr_db)
 from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 
 from megatron_int8.ops.int8_attention import (Int8AttentionConfig, attention_reference, check_gpu_tiles, int8_attention,
@@ -207,10 +207,7 @@ def test_kernels_match_reference_in_megatrons_layout(scores):
     """Megatron hands attention [s, b, h, d] tensors viewed as [b, h, s, d]: with batch 2 their (b, h) merge into a
     strided view, not a contiguous one, and every operand the kernels write for themselves must still be read as
     the values it holds (the BF16 scores' K was once read in the wrong order from such a view)."""
-    def megatron_view(x):
-        return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-
-    q, k, v, do = (megatron_view(t) for t in attention_inputs(2, 4, 2, 70, 32, 15, dtype=torch.float32))
+    q, k, v, do = (megatron_layout(t) for t in attention_inputs(2, 4, 2, 70, 32, 15, dtype=torch.float32))
     assert not k.is_contiguous() and k.reshape(-1, 70, 32).data_ptr() == k.data_ptr()  # a view, not a copy
     assert_kernels_match(q, k, v, do, True, dataclasses.replace(SMALL, scores=scores),
                          f"fp32 GQA batch 2 [s, b, h, d] layout, {scores} scores")

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from attention_cases import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
-                             int8_attention_bounds, run_path, snr_db)
+                             int8_attention_bounds, megatron_layout, run_path, snr_db)
 
 from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
 
@@ -98,8 +98,7 @@ def test_bf16_scores_kernels_match_pytorch_path_and_gain(seq, causal):
 @pytest.mark.parametrize("scores", ["int8", "bf16"])
 def test_kernels_match_pytorch_path_in_megatrons_layout(scores):
     """[s, b, h, d] tensors viewed as [b, h, s, d], batch 2, as Megatron's core attention hands them over."""
-    q, k, v, do = (t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-                   for t in attention_inputs(2, 8, 2, 1024, 128, seed=21, device="cuda"))
+    q, k, v, do = (megatron_layout(t) for t in attention_inputs(2, 8, 2, 1024, 128, seed=21, device="cuda"))
     assert not k.is_contiguous()
     assert_kernels_match(q, k, v, do, True, dataclasses.replace(DEFAULT_CONFIG, scores=scores),
                          f"[s, b, h, d] layout, {scores} scores")
