@@ -390,10 +390,11 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
     q8, q_s, qt8, qt_s, _ = _quantize(q, cfg.block, rows=not scores_bf16)
     k8, k_s, kt8, kt_s, _ = _quantize(k, cfg.block, mean=mean, rows=not scores_bf16)
     if scores_bf16:  # the scores' operands: BF16 Q and smoothed K per token, unit scales, written contiguous in the
-        # conversion itself (the kernels read them without strides; Megatron's [s, b, h, d] views are strided)
-        dense = dict(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-        q8 = q.to(**dense).view(B * H, Sq, D)
-        k8 = (k.float() - mean.view(B, Hk, 1, D)).to(**dense).view(B * Hk, Sk, D)
+        # copy itself (the kernels read them without strides; Megatron's [s, b, h, d] views are strided, and
+        # `.to(memory_format=...)` returns such a view unchanged when it is BF16 already)
+        q8 = torch.empty((B, H, Sq, D), dtype=torch.bfloat16, device=q.device).copy_(q).view(B * H, Sq, D)
+        k8 = torch.empty((B, Hk, Sk, D), dtype=torch.bfloat16, device=q.device)
+        k8 = k8.copy_(k.float() - mean.view(B, Hk, 1, D)).view(B * Hk, Sk, D)
         q_s = torch.ones((B * H, Sq), dtype=torch.float32, device=q.device)
         k_s = torch.ones((B * Hk, Sk), dtype=torch.float32, device=q.device)
     _, _, vt8, vt_s, _ = _quantize(v, cfg.block)

@@ -202,15 +202,17 @@ def test_kernels_match_reference_bf16_scores(causal):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scores", ["int8", "bf16"])
-def test_kernels_match_reference_in_megatrons_layout(scores):
+def test_kernels_match_reference_in_megatrons_layout(scores, dtype):
     """Megatron hands attention [s, b, h, d] tensors viewed as [b, h, s, d]: with batch 2 their (b, h) merge into a
     strided view, not a contiguous one, and every operand the kernels write for themselves must still be read as
-    the values it holds (the BF16 scores' K was once read in the wrong order from such a view)."""
-    q, k, v, do = (megatron_layout(t) for t in attention_inputs(2, 4, 2, 70, 32, 15, dtype=torch.float32))
+    the values it holds (the BF16 scores' K, then their Q when it came in BF16, were once read in the wrong order
+    from such a view)."""
+    q, k, v, do = (megatron_layout(t) for t in attention_inputs(2, 4, 2, 70, 32, 15, dtype=dtype))
     assert not k.is_contiguous() and k.reshape(-1, 70, 32).data_ptr() == k.data_ptr()  # a view, not a copy
     assert_kernels_match(q, k, v, do, True, dataclasses.replace(SMALL, scores=scores),
-                         f"fp32 GQA batch 2 [s, b, h, d] layout, {scores} scores")
+                         f"{dtype} GQA batch 2 [s, b, h, d] layout, {scores} scores")
 
 
 @needs_interpreter
