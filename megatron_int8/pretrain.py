@@ -8,6 +8,7 @@ names as keys. Also installed as the `megatron-int8-pretrain` console script.
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -21,13 +22,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_int8.training.cpu import install_cpu_optimizer_support
 
     install_cpu_optimizer_support()
-    from megatron_int8.training.args import ArgumentError, parse_args
+    from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+
+    try:
+        args = parse_args(argv)
+        # the flags are checked before megatron and the trainer are imported, so a wrong one is named in a
+        # moment; pretrain validates them again (validate_args is idempotent)
+        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except ArgumentError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.loop import Interrupted, pretrain
     from megatron_int8.training.safe_load import UnsafeCheckpointError
 
     try:
-        pretrain(parse_args(argv))
+        pretrain(args)
     except (ArgumentError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -168,7 +168,7 @@ stopped() { [[ "$(checkpointed "$1")" -ge $STOP_AT ]]; }  # reached STOP_AT (bef
 python_path() {  # megatron-core from the carried wheels where the machine's Python lacks it (/tmp/site stays)
     if [[ -d /tmp/site/megatron ]]; then export PYTHONPATH=/tmp/site:$PWD; return; fi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-    "$PYTHON" -c "import megatron.core" 2>/dev/null && return
+    "$PYTHON" -c "import importlib.util; assert importlib.util.find_spec('megatron.core')" 2>/dev/null && return
     ls .whl/*.whl > /dev/null 2>&1 || die "megatron-core is not installed and no .whl/ was carried (carry: [\".whl\"])"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -286,6 +286,9 @@ start() {
     mkdir -p "$RUN_DIR"
     keep_flags EXTRA_FLAGS extra_flags
     keep_flags INT8_FLAGS int8_flags
+    # a recorded log is checked before anything imports torch: a wrong one is named in a moment
+    if [[ -n $RECORDED_LOG ]]; then place_recorded RECORDED_LOG "$SECOND"; fi
+    if [[ -n $RECORDED_BF16_LOG ]]; then place_recorded RECORDED_BF16_LOG bf16; fi
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
@@ -299,8 +302,6 @@ start() {
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
     echo "$REFERENCE_PAIR" > "$RUN_DIR/reference_pair"
-    if [[ -n $RECORDED_LOG ]]; then place_recorded RECORDED_LOG "$SECOND"; fi
-    if [[ -n $RECORDED_BF16_LOG ]]; then place_recorded RECORDED_BF16_LOG bf16; fi
     echo "$RECORDED_LOG" > "$RUN_DIR/recorded_log"
     echo "$RECORDED_BF16_LOG" > "$RUN_DIR/recorded_bf16_log"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from ..megatron.cli import INT8_ATTENTION_NEEDS_INT8_LINEAR
 from ..megatron.policy import int8_attention_problems
+from .data import check_tokenizer_file
 from .errors import ArgumentError
 from .flags import TOKENIZER_TYPES, build_parser
 from .health import per_gemm_limits
@@ -384,6 +385,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
     elif not os.path.exists(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    else:  # a directory, a corpus or the other family's file is named here, before megatron is imported
+        check_tokenizer_file(args.tokenizer_type, args.tokenizer_model)
     _validate_paths(args)
     if args.save is not None and args.log_jsonl is None:
         args.log_jsonl = os.path.join(args.save, "train_log.jsonl")
