@@ -108,13 +108,13 @@ def snr_columns(names, q, k, v, do, config):
     return result
 
 
-def profile_int8(q, k, v, do, config, steps=5):
-    """The INT8 fwd+bwd's GPU time per kernel (quantize passes, forward, dK/dV, dQ), per step."""
+def profile_int8(q, k, v, do, config, impl="int8", steps=5):
+    """An INT8 impl's fwd+bwd GPU time per kernel (quantize passes, forward, dK/dV, dQ), per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    fn = attention_fn("int8", config)
+    fn = attention_fn(impl, config)
     torch.autograd.grad(fn(*leaves), leaves, do)  # compiled before the profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -123,7 +123,7 @@ def profile_int8(q, k, v, do, config, steps=5):
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.device_time_total > 0]
     rows = sorted(((e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in kernels), key=lambda r: -r[1])
     total = sum(ms for _, ms, _ in rows)
-    print(f"\nINT8 fwd+bwd per step, by kernel ({total:.3f} ms of GPU time)")
+    print(f"\n{impl} fwd+bwd per step, by kernel ({total:.3f} ms of GPU time)")
     print("| kernel | ms | share | launches |\n|---|---|---|---|")
     for name, ms, count in rows:
         print(f"| {name[:70]} | {ms:.3f} | {100 * ms / total:.1f}% | {count} |")
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
     p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
                    help="Int8AttentionConfig fields in order (default: the config's defaults)")
-    p.add_argument("--profile", action="store_true", help="also print INT8's GPU time per kernel at each shape")
+    p.add_argument("--profile", action="store_true", help="also print each INT8 impl's GPU time per kernel at each shape")
     p.add_argument("--sweep", action="store_true", help="also time each kernel's tile choices (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     p.add_argument("--bf16-scores", action="store_true",
@@ -218,7 +218,8 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print("| " + " | ".join(str(row[h]) for h in header) + " |", flush=True)
             if opts.profile:
-                profile_int8(q, k, v, do, config)
+                for impl in [name for name in times if name.startswith("int8")]:
+                    profile_int8(q, k, v, do, config, impl)
             if opts.sweep:
                 sweep_tiles(q, k, v, do, config, opts.iters)
             del q, k, v, do
