@@ -25,13 +25,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_int8.training.args import ArgumentError, parse_args, validate_args
 
     try:
-        args = parse_args(argv)
-        # the flags are checked before megatron and the trainer are imported, so a wrong one is named in a
-        # moment; pretrain validates them again (validate_args is idempotent)
-        validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        # the flags are checked before megatron and the trainer are imported, so a wrong one is named in a moment
+        args = validate_args(parse_args(argv), int(os.environ.get("WORLD_SIZE", "1")))
     except ArgumentError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted before training started", file=sys.stderr, flush=True)
+        return 130
     from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.loop import Interrupted, pretrain
     from megatron_int8.training.safe_load import UnsafeCheckpointError

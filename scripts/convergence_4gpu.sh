@@ -168,7 +168,7 @@ stopped() { [[ "$(checkpointed "$1")" -ge $STOP_AT ]]; }  # reached STOP_AT (bef
 python_path() {  # megatron-core from the carried wheels where the machine's Python lacks it (/tmp/site stays)
     if [[ -d /tmp/site/megatron ]]; then export PYTHONPATH=/tmp/site:$PWD; return; fi
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-    "$PYTHON" -c "import importlib.util; assert importlib.util.find_spec('megatron.core')" 2>/dev/null && return
+    "$PYTHON" -c "import megatron.core" 2>/dev/null && return
     ls .whl/*.whl > /dev/null 2>&1 || die "megatron-core is not installed and no .whl/ was carried (carry: [\".whl\"])"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -261,25 +261,30 @@ keep_flags() {  # keep_flags VAR FILE: VAR as the first `start` gave it, kept in
     printf '%s\n' "${!var:-}" > "$file"
 }
 
-place_recorded() {  # place_recorded VAR PARTNER: the partner's log from an earlier job, where the report reads it
+check_recorded() {  # check_recorded VAR PARTNER: the partner's log from an earlier job exists and is of its precision
     local var=$1 partner=$2 log=${!1} precision expected=INT8
     [[ -f $log ]] || die "$var: no file '$log'"
     [[ ! -d "$RUN_DIR/$partner/ckpt" ]] ||
         die "$RUN_DIR holds a $partner run of its own: use another RUN_DIR for a ${LABEL[${RUNS[0]}]} run beside $var"
-    case $log in *.gz) gzip -dc ;; *) cat ;; esac < "$log" > "$RUN_DIR/$partner.jsonl" || die "$var: cannot read '$log'"
-    precision=$("$PYTHON" -c 'import json, sys
-for line in open(sys.argv[1], encoding="utf-8"):
+    precision=$("$PYTHON" -c 'import gzip, json, sys
+path = sys.argv[1]
+for line in (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8"):
     record = json.loads(line) if line.strip() else {}
     if "int8" in record:
         print("INT8" if record["int8"] else "BF16")
-        break' "$RUN_DIR/$partner.jsonl") || die "$var: '$log' is not a trainer's JSONL log"
+        break' "$log") || die "$var: '$log' is not a trainer's JSONL log"
     [[ $partner == bf16* ]] && expected=BF16
     if [[ $precision != "$expected" ]]; then
-        rm -f "$RUN_DIR/$partner.jsonl"
         local what="the log of a $precision run"
         [[ -n $precision ]] || what='no training run'"'"'s log (no "int8" record)'
         die "$var: '$log' is $what, not of $partner (RECORDED_LOG is SECOND's log, RECORDED_BF16_LOG BF16's)"
     fi
+}
+
+place_recorded() {  # place_recorded VAR PARTNER: the checked log where the report reads it
+    local var=$1 partner=$2
+    case ${!var} in *.gz) gzip -dc ;; *) cat ;; esac < "${!var}" > "$RUN_DIR/$partner.jsonl" ||
+        die "$var: cannot read '${!var}'"
 }
 
 start() {
@@ -287,8 +292,8 @@ start() {
     keep_flags EXTRA_FLAGS extra_flags
     keep_flags INT8_FLAGS int8_flags
     # a recorded log is checked before anything imports torch: a wrong one is named in a moment
-    if [[ -n $RECORDED_LOG ]]; then place_recorded RECORDED_LOG "$SECOND"; fi
-    if [[ -n $RECORDED_BF16_LOG ]]; then place_recorded RECORDED_BF16_LOG bf16; fi
+    if [[ -n $RECORDED_LOG ]]; then check_recorded RECORDED_LOG "$SECOND"; fi
+    if [[ -n $RECORDED_BF16_LOG ]]; then check_recorded RECORDED_BF16_LOG bf16; fi
     python_path
     local gpus name
     gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
@@ -302,6 +307,8 @@ start() {
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
     echo "$SECOND" > "$RUN_DIR/second"
     echo "$REFERENCE_PAIR" > "$RUN_DIR/reference_pair"
+    if [[ -n $RECORDED_LOG ]]; then place_recorded RECORDED_LOG "$SECOND"; fi
+    if [[ -n $RECORDED_BF16_LOG ]]; then place_recorded RECORDED_BF16_LOG bf16; fi
     echo "$RECORDED_LOG" > "$RUN_DIR/recorded_log"
     echo "$RECORDED_BF16_LOG" > "$RUN_DIR/recorded_bf16_log"
     rm -f "$RUN_DIR/pipeline.rc"  # the last attempt's outcomes, so that `status` does not read them as this one's

@@ -14,7 +14,7 @@ from ..megatron.cli import policy_from_args
 from ..megatron.precision_table import print_precision_table
 from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
-from .args import ArgumentError, pad_vocab_size, validate_args
+from .args import ArgumentError, pad_vocab_size
 from .checkpoint import CheckpointError, check_save_target, load_checkpoint, read_saved_arguments, save_checkpoint
 from .cpu import training_device
 from .cuda_graph import GraphedForwardBackward, use_side_stream
@@ -225,9 +225,9 @@ def _wire_megatron_config(config, model, optimizer, args) -> None:
 
 
 def pretrain(args) -> dict:
-    """Train per `args` (from `args.parse_args`); returns {"iteration", "loss", "valid_loss"}."""
+    """Train per `args` (from `args.parse_args`, then `args.validate_args`, as `megatron_int8.pretrain` does before
+    it imports this module); returns {"iteration", "loss", "valid_loss"}."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    validate_args(args, world_size)
     try:
         policy = policy_from_args(args)
     except ValueError as err:

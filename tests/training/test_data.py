@@ -113,10 +113,11 @@ def _trainer_args(dataset, *extra):
 
 
 def _pretrain_error(args) -> str:
+    """The error of the entry point's sequence: validate_args, then pretrain (which checks data and outputs)."""
     from megatron_int8.training.loop import pretrain
 
     with pytest.raises(ArgumentError) as err:
-        pretrain(args)
+        pretrain(validate_args(args, world_size=1))
     return str(err.value)
 
 
