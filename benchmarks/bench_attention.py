@@ -138,12 +138,12 @@ SWEEP_FIELDS = {"fwd": ("fwd_block_m", "fwd_block_n"), "bwd": ("bwd_block_m", "b
                 "dq": ("dq_block_m", "dq_block_n")}
 
 
-def sweep_tiles(q, k, v, do, base, iters):
-    """Forward and backward ms of each tile choice of SWEEP (the tiles also set the scale groups of P^T and dS, so
-    a new default needs the SNR columns and the GPU tests beside its speed)."""
+def sweep_tiles(q, k, v, do, base, iters, impl="int8"):
+    """Forward and backward ms of an INT8 impl at each tile choice of SWEEP (the tiles also set the scale groups of
+    P^T and dS, so a new default needs the SNR columns and the GPU tests beside its speed)."""
     from triton.runtime.errors import OutOfResources
 
-    print("\n| kernel | tiles (SWEEP_FIELDS) | fwd ms | bwd ms | fwd+bwd ms |\n|---|---|---|---|---|")
+    print(f"\n{impl}\n| kernel | tiles (SWEEP_FIELDS) | fwd ms | bwd ms | fwd+bwd ms |\n|---|---|---|---|---|")
     best = (float("inf"), base)
     for kernel, choices in SWEEP.items():
         for tiles in choices:
@@ -153,7 +153,7 @@ def sweep_tiles(q, k, v, do, base, iters):
             except ValueError:  # a combination the config refuses
                 continue
             try:
-                fwd, bwd, both = time_impl(attention_fn("int8", config), q, k, v, do, iters)
+                fwd, bwd, both = time_impl(attention_fn(impl, config), q, k, v, do, iters)
             except OutOfResources as e:  # tiles whose buffers exceed this GPU's shared memory
                 print(f"| {kernel} | {tuple(fields.values())} | {str(e).splitlines()[0][:80]} | | |", flush=True)
                 continue
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
                    help="Int8AttentionConfig fields in order (default: the config's defaults)")
     p.add_argument("--profile", action="store_true", help="also print each INT8 impl's GPU time per kernel at each shape")
-    p.add_argument("--sweep", action="store_true", help="also time each kernel's tile choices (SWEEP) at each shape")
+    p.add_argument("--sweep", action="store_true", help="also time each INT8 impl's kernels at each tile choice (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
     p.add_argument("--bf16-scores", action="store_true",
                    help="also time INT8 attention with BF16 scores (Int8AttentionConfig(scores='bf16')): "
@@ -221,7 +221,8 @@ def main(argv=None) -> None:
                 for impl in [name for name in times if name.startswith("int8")]:
                     profile_int8(q, k, v, do, config, impl)
             if opts.sweep:
-                sweep_tiles(q, k, v, do, config, opts.iters)
+                for impl in [name for name in times if name.startswith("int8")]:
+                    sweep_tiles(q, k, v, do, config, opts.iters, impl)
             del q, k, v, do
             torch.cuda.empty_cache()
     if opts.csv:
