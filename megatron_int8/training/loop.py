@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import time
 from functools import partial
@@ -227,7 +226,6 @@ def _wire_megatron_config(config, model, optimizer, args) -> None:
 def pretrain(args) -> dict:
     """Train per `args` (from `args.parse_args`, then `args.validate_args`, as `megatron_int8.pretrain` does before
     it imports this module); returns {"iteration", "loss", "valid_loss"}."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         policy = policy_from_args(args)
     except ValueError as err:
@@ -255,6 +253,7 @@ def pretrain(args) -> dict:
     if args.cuda_graph_impl != "none":
         use_side_stream()  # before any autograd node exists: see cuda_graph.py
     set_random_seed(args.seed, cuda_graph_safe=args.cuda_graph_impl != "none")
+    world_size = args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     _log(f"world size {world_size}: TP {args.tensor_model_parallel_size}, PP {args.pipeline_model_parallel_size}, "
          f"DP {args.data_parallel_size}, EP {args.expert_model_parallel_size}; global batch "
          f"{args.global_batch_size} = micro {args.micro_batch_size} x DP {args.data_parallel_size} x "
