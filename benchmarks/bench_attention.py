@@ -3,7 +3,7 @@ cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of
 
     python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
-    python3 benchmarks/bench_attention.py --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point (the defaults)
+    python3 benchmarks/bench_attention.py --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point (INT8 scores' defaults)
     python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
     python3 benchmarks/bench_attention.py --seqs 4096 --kv-heads 8 --no-snr --sweep     # each kernel's tile choices
     python3 benchmarks/bench_attention.py --bf16-scores     # also INT8 attention with BF16 scores (scores="bf16")
@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import provenance, time_ms
 
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
+from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -42,13 +42,19 @@ def make_inputs(batch, heads, kv_heads, seq, dim, seed=0, device="cuda", dtype=t
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
-def attention_fn(name, config=None):
-    """(q, k, v) -> O of an implementation: "int8", "int8-bf16-scores" (the config with scores="bf16"), or an SDPA
-    backend, "+repeat" where it takes GQA through k and v repeated to every query head (inside the timed call, as a
-    layer without native GQA pays it)."""
+def impl_config(name, tiles=None):
+    """The Int8AttentionConfig of an INT8 impl ("int8", or "int8-bf16-scores" with scores="bf16"): the fields of
+    --tiles where given, else the defaults for its scores (the forward's tile depends on them)."""
+    scores = "bf16" if name == "int8-bf16-scores" else "int8"
+    return dataclasses.replace(tiles, scores=scores) if tiles else Int8AttentionConfig(scores=scores)
+
+
+def attention_fn(name, tiles=None):
+    """(q, k, v) -> O of an implementation: an INT8 impl at impl_config(name, tiles), or an SDPA backend, "+repeat"
+    where it takes GQA through k and v repeated to every query head (inside the timed call, as a layer without
+    native GQA pays it)."""
     if name.startswith("int8"):
-        if name == "int8-bf16-scores":
-            config = dataclasses.replace(config or DEFAULT_CONFIG, scores="bf16")
+        config = impl_config(name, tiles)
         return lambda q, k, v: int8_attention(q, k, v, causal=True, config=config)
     backend = SDPA_BACKENDS[name.removesuffix("+repeat")]
 
@@ -91,7 +97,7 @@ def snr_db(x, ref):
     return 10 * math.log10(ref.pow(2).sum().item() / err) if err > 0 else float("inf")
 
 
-def snr_columns(names, q, k, v, do, config):
+def snr_columns(names, q, k, v, do, tiles):
     """{impl: [SNR of O, dQ, dK, dV]} on a slice small enough for float64 (4 query heads, their kv heads)."""
     group = q.shape[1] // k.shape[1]
     hq = min(4, q.shape[1])
@@ -100,7 +106,7 @@ def snr_columns(names, q, k, v, do, config):
     exact = outputs(attention64, q, k, v, do, torch.float64)
     result = {}
     for name in names:
-        got = outputs(attention_fn(name, config), q, k, v, do)
+        got = outputs(attention_fn(name, tiles), q, k, v, do)
         result[name] = [snr_db(a, r) for a, r in zip(got, exact)]
         del got
     del exact
@@ -108,13 +114,13 @@ def snr_columns(names, q, k, v, do, config):
     return result
 
 
-def profile_int8(q, k, v, do, config, impl="int8", steps=5):
+def profile_int8(q, k, v, do, tiles, impl="int8", steps=5):
     """An INT8 impl's fwd+bwd GPU time per kernel (quantize passes, forward, dK/dV, dQ), per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    fn = attention_fn(impl, config)
+    fn = attention_fn(impl, tiles)
     torch.autograd.grad(fn(*leaves), leaves, do)  # compiled before the profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -138,12 +144,13 @@ SWEEP_FIELDS = {"fwd": ("fwd_block_m", "fwd_block_n"), "bwd": ("bwd_block_m", "b
                 "dq": ("dq_block_m", "dq_block_n")}
 
 
-def sweep_tiles(q, k, v, do, base, iters, impl="int8"):
+def sweep_tiles(q, k, v, do, tiles, iters, impl="int8"):
     """Forward and backward ms of an INT8 impl at each tile choice of SWEEP (the tiles also set the scale groups of
     P^T and dS, so a new default needs the SNR columns and the GPU tests beside its speed)."""
     from triton.runtime.errors import OutOfResources
 
     print(f"\n{impl}\n| kernel | tiles (SWEEP_FIELDS) | fwd ms | bwd ms | fwd+bwd ms |\n|---|---|---|---|---|")
+    base = impl_config(impl, tiles)
     best = (float("inf"), base)
     for kernel, choices in SWEEP.items():
         for tiles in choices:
@@ -174,7 +181,8 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
     p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
-                   help="Int8AttentionConfig fields in order (default: the config's defaults)")
+                   help="Int8AttentionConfig fields in order, for every INT8 impl (default: the config's defaults "
+                        "for each impl's scores)")
     p.add_argument("--profile", action="store_true", help="also print each INT8 impl's GPU time per kernel at each shape")
     p.add_argument("--sweep", action="store_true", help="also time each INT8 impl's kernels at each tile choice (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
@@ -182,10 +190,11 @@ def main(argv=None) -> None:
                    help="also time INT8 attention with BF16 scores (Int8AttentionConfig(scores='bf16')): "
                         "the impl int8-bf16-scores")
     opts = p.parse_args(argv)
-    config = Int8AttentionConfig(*opts.tiles) if opts.tiles else DEFAULT_CONFIG
-
+    tiles = Int8AttentionConfig(*opts.tiles) if opts.tiles else None
+    impls = ("int8",) + (("int8-bf16-scores",) if opts.bf16_scores else ())
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, causal, batch {opts.batch}, "
-          f"{opts.heads} heads, d {opts.dim}, bf16 in/out; INT8 tiles {config}")
+          f"{opts.heads} heads, d {opts.dim}, bf16 in/out; INT8 tiles: "
+          + "; ".join(f"{name} {impl_config(name, tiles)}" for name in impls))
     header = ["seq", "kv heads", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
               "fwd+bwd TFLOP/s", "vs BF16", "SNR O", "SNR dQ", "SNR dK", "SNR dV"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header), flush=True)
@@ -195,17 +204,17 @@ def main(argv=None) -> None:
             q, k, v, do = make_inputs(opts.batch, opts.heads, kv_heads, seq, opts.dim)
             fwd_flops = 4 * opts.batch * opts.heads * seq * seq * opts.dim / 2
             times = {}
-            for name in ("sdpa-flash", "sdpa-cudnn", "int8") + (("int8-bf16-scores",) if opts.bf16_scores else ()):
+            for name in ("sdpa-flash", "sdpa-cudnn") + impls:
                 sdpa = not name.startswith("int8")
                 for variant in (name, name + "+repeat") if sdpa and kv_heads != opts.heads else (name,):
                     try:
-                        times[variant] = time_impl(attention_fn(variant, config), q, k, v, do, opts.iters)
+                        times[variant] = time_impl(attention_fn(variant, tiles), q, k, v, do, opts.iters)
                         break
                     except RuntimeError as e:  # a backend this torch/GPU does not run for these inputs
                         print(f"<!-- {variant} at seq {seq}, {kv_heads} kv heads: {str(e).splitlines()[0][:150]} -->")
                     finally:
                         torch.cuda.empty_cache()
-            snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do, config)
+            snr = {} if opts.no_snr else snr_columns(list(times), q, k, v, do, tiles)
             bf16_best = min((t[2] for n, t in times.items() if not n.startswith("int8")), default=float("nan"))
             for name, (fwd, bwd, both) in times.items():
                 cells = snr.get(name, [float("nan")] * 4)
@@ -219,10 +228,10 @@ def main(argv=None) -> None:
                 print("| " + " | ".join(str(row[h]) for h in header) + " |", flush=True)
             if opts.profile:
                 for impl in [name for name in times if name.startswith("int8")]:
-                    profile_int8(q, k, v, do, config, impl)
+                    profile_int8(q, k, v, do, tiles, impl)
             if opts.sweep:
                 for impl in [name for name in times if name.startswith("int8")]:
-                    sweep_tiles(q, k, v, do, config, opts.iters, impl)
+                    sweep_tiles(q, k, v, do, tiles, opts.iters, impl)
             del q, k, v, do
             torch.cuda.empty_cache()
     if opts.csv:

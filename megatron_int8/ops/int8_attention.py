@@ -61,6 +61,9 @@ from .backend import triton_available, triton_runs_on
 __all__ = ["Int8AttentionConfig", "attention_reference", "int8_attention"]
 
 
+FWD_BLOCK_M = {"int8": 64, "bf16": 128}  # the forward's default queries per program, by the scores' precision
+
+
 @dataclasses.dataclass(frozen=True)
 class Int8AttentionConfig:
     """Scale granularity and the kernels' tiles (which set the scale groups of P^T and dS, and the running maxima that
@@ -70,7 +73,9 @@ class Int8AttentionConfig:
     every token tile below divides it, so an operand's scale is constant along a tile of its contraction axis.
     """
     block: int = 128
-    fwd_block_m: int = 64  # queries per forward program (64 x 128 ran 21-23% faster than 128 x 64 on an H200)
+    # queries per forward program; None: FWD_BLOCK_M[scores] (on an H200, INT8 scores ran 21-23% faster at 64 x 128
+    # than 128 x 64, and BF16 scores' forward 22-27% faster at 128 x 128 than 64 x 128: docs/benchmarks.md)
+    fwd_block_m: Optional[int] = None
     fwd_block_n: int = 128  # keys per forward step (P is exp(s - the running max of the keys so far))
     bwd_block_m: int = 32  # queries per step of the dK/dV program: P^T's and dS^T's scales per key and tile
     # (32 x 128 ran the backward 7-8% faster than 64 x 128 on an H200: fewer registers spilled)
@@ -82,6 +87,8 @@ class Int8AttentionConfig:
     def __post_init__(self):
         if self.scores not in ATTENTION_SCORES:
             raise ValueError(f"Int8AttentionConfig.scores must be one of {ATTENTION_SCORES}, got {self.scores!r}")
+        if self.fwd_block_m is None:  # resolved once here, so the kernels, the reference and replace() see an int
+            object.__setattr__(self, "fwd_block_m", FWD_BLOCK_M[self.scores])
         for name in ("fwd_block_m", "fwd_block_n", "bwd_block_m", "bwd_block_n", "dq_block_m", "dq_block_n"):
             tile = getattr(self, name)
             if tile < 16 or tile & (tile - 1) or self.block % tile:

@@ -55,7 +55,8 @@ AW = importlib.import_module("megatron_int8.kernels.adamw")
 RP = importlib.import_module("megatron_int8.kernels.rope")
 CE = importlib.import_module("megatron_int8.kernels.cross_entropy")
 AT = importlib.import_module("megatron_int8.kernels.int8_attention")
-ATTENTION_CONFIG = importlib.import_module("megatron_int8.ops.int8_attention").Int8AttentionConfig()
+_ATTENTION_OP = importlib.import_module("megatron_int8.ops.int8_attention")
+ATTENTION_CONFIGS = {scores: _ATTENTION_OP.Int8AttentionConfig(scores=scores) for scores in ("int8", "bf16")}
 
 
 def compile_for(target, kernel, pointers, constexprs, num_warps, num_stages=3, floats=(), source=ASTSource,
@@ -275,7 +276,7 @@ def _other_cases():
 def _attention_cases():
     """The four attention kernels with Int8AttentionConfig's default tiles, causal, for head dims 128 and 64, and the
     three that take the scores' operands with scores="bf16" at 128."""
-    cfg = ATTENTION_CONFIG
+    cfg = ATTENTION_CONFIGS["int8"]
     quantize = dict(x_ptr="bf16", rows_ptr="i8", t_ptr="i8", o_ptr="bf16")  # scales, mean, delta: fp32
     bwd = dict(v_ptr="bf16", do_ptr="bf16")
     cases = {
@@ -286,6 +287,7 @@ def _attention_cases():
     }
     for d, scores in ((128, "int8"), (64, "int8"), (128, "bf16")):
         bf16 = scores == "bf16"  # scores="bf16": Q and K of the scores in BF16 (the other products INT8)
+        cfg = ATTENTION_CONFIGS[scores]  # the forward's default tile depends on the scores
         name = f"causal d{d}" + (" bf16 scores" if bf16 else "")
         qk = dict(q_ptr="bf16", k_ptr="bf16") if bf16 else dict(q_ptr="i8", k_ptr="i8")
         cases[f"attention forward {name}"] = (

@@ -145,6 +145,17 @@ def test_bf16_scores_gain_on_every_tensor():
         Int8AttentionConfig(scores="fp8")
 
 
+def test_forward_tile_defaults_by_scores_and_explicit_tiles_stay():
+    """The forward's queries per program default by the scores (64 INT8, 128 BF16: the faster on an H200); a tile
+    given, or carried by replace(), is kept; a bad one is refused after the default is filled in."""
+    assert Int8AttentionConfig().fwd_block_m == 64
+    assert Int8AttentionConfig(scores="bf16").fwd_block_m == 128
+    assert Int8AttentionConfig(fwd_block_m=32, scores="bf16").fwd_block_m == 32
+    assert dataclasses.replace(Int8AttentionConfig(), scores="bf16").fwd_block_m == 64
+    with pytest.raises(ValueError, match="fwd_block_m=128"):
+        Int8AttentionConfig(block=64, scores="bf16")
+
+
 @on_host
 def test_api_checks_shapes_and_picks_the_reference_on_cpu():
     q, k, v, _ = attention_inputs(1, 4, 2, 16, 32, 6)

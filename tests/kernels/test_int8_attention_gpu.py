@@ -6,7 +6,6 @@ against float64 beside BF16 SDPA's (printed with -s).
 
 Skipped without CUDA (tests/conftest.py). The helpers (data, float64 attention, bounds) are tests/attention_cases.py.
 """
-import dataclasses
 import math
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from attention_cases import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
                              int8_attention_bounds, megatron_layout, run_path, snr_db)
 
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +84,7 @@ def test_snr_against_fp64_beside_bf16_sdpa(seq):
 def test_bf16_scores_kernels_match_pytorch_path_and_gain(seq, causal):
     """scores="bf16": the kernels against the PyTorch path, and every tensor's SNR above the INT8 scores' (the
     PyTorch path on CPU gained 5.8-9.0 dB at seq 512, tests/kernels/test_int8_attention.py)."""
-    cfg = dataclasses.replace(DEFAULT_CONFIG, scores="bf16")
+    cfg = Int8AttentionConfig(scores="bf16")  # its default tiles
     q, k, v, do = attention_inputs(1, 8, 2, seq, 128, seed=seq + 7, device="cuda")
     assert_kernels_match(q, k, v, do, causal, cfg, f"bf16 scores s={seq} causal={causal}")
     exact = grads64(q, k, v, do, causal, 1 / math.sqrt(128))
@@ -100,5 +99,5 @@ def test_kernels_match_pytorch_path_in_megatrons_layout(scores):
     """[s, b, h, d] tensors viewed as [b, h, s, d], batch 2, as Megatron's core attention hands them over."""
     q, k, v, do = (megatron_layout(t) for t in attention_inputs(2, 8, 2, 1024, 128, seed=21, device="cuda"))
     assert not k.is_contiguous()
-    assert_kernels_match(q, k, v, do, True, dataclasses.replace(DEFAULT_CONFIG, scores=scores),
+    assert_kernels_match(q, k, v, do, True, Int8AttentionConfig(scores=scores),
                          f"[s, b, h, d] layout, {scores} scores")

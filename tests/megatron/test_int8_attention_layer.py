@@ -13,7 +13,7 @@ from attention_cases import assert_within_bounds, attention_inputs, grads64, int
 from mcore_helpers import single_process_megatron, tiny_config
 
 from megatron_int8.megatron.policy import Int8Policy
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
 from megatron_int8.recipe import Int8Recipe
 
 INT8_ATTENTION = Int8Recipe(backend="reference", int8_attention=True)
@@ -82,7 +82,7 @@ def test_layer_with_bf16_scores_runs_the_op_with_them():
     q, k, v, do = attention_inputs(2, 4, 2, 160, 64, 15)
     layer = _attention(4, 2, 64, recipe=recipe)
     assert "scores=bf16" in repr(layer)
-    assert_layer_runs_the_op(layer, q, k, v, do, "reference", dataclasses.replace(DEFAULT_CONFIG, scores="bf16"))
+    assert_layer_runs_the_op(layer, q, k, v, do, "reference", Int8AttentionConfig(scores="bf16"))
     out = layer(*_layer_layout(q, k, v), None)
     assert not torch.equal(out, _attention(4, 2, 64)(*_layer_layout(q, k, v), None))
 
