@@ -32,7 +32,10 @@ import torch.nn.functional as F
 
 from bench_attention import make_inputs
 from megatron_int8.ops.health import relative_error
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, _scores, quantize_rows, reference_forward, softmax_int8_pv
+from megatron_int8.ops.int8_attention import (Int8AttentionConfig, _scores, quantize_rows, reference_forward,
+                                              softmax_int8_pv)
+
+INT8_SCORES = Int8AttentionConfig(scores="int8")  # the scores this study measures (the op's default is BF16 scores)
 
 
 def error(approx, exact):
@@ -73,8 +76,8 @@ def more_score_bits(q, k_smoothed, v, sm_scale, exact):
                              + q_lo @ k_hi.transpose(-1, -2)) * sm_scale)
     bf16 = causal_mask((q.bfloat16().float() @ k_smoothed.bfloat16().float().transpose(-1, -2)) * sm_scale)
     return (error(torch.softmax(two_terms, dim=-1) @ v.double(), exact),
-            error(softmax_int8_pv(two_terms.float(), v, DEFAULT_CONFIG)[0], exact),
-            error(softmax_int8_pv(bf16, v, DEFAULT_CONFIG)[0], exact))
+            error(softmax_int8_pv(two_terms.float(), v, INT8_SCORES)[0], exact),
+            error(softmax_int8_pv(bf16, v, INT8_SCORES)[0], exact))
 
 
 def sharpness_row(q, k, v, temperature, score_groups=(), remedies=False):
@@ -84,7 +87,7 @@ def sharpness_row(q, k, v, temperature, score_groups=(), remedies=False):
     sm_scale = 1 / math.sqrt(q.shape[-1])
     p = causal_softmax((q.double() @ k.double().transpose(-1, -2)) * sm_scale)
     exact = p @ v.double()
-    o_int8, saved = reference_forward(q, k, v, True, sm_scale, DEFAULT_CONFIG)
+    o_int8, saved = reference_forward(q, k, v, True, sm_scale, INT8_SCORES)
     p_int8_scores = torch.softmax(_scores(saved, 1, sm_scale, True).double(), dim=-1)
     entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(-1).mean().item()
     bf16 = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)

@@ -11,6 +11,9 @@ import dataclasses
 QMAX = 127  # symmetric INT8 range [-127, 127]: -128 is never produced, so negation is exact.
 GRANULARITIES = ("tensor", "row", "block")
 ATTENTION_SCORES = ("int8", "bf16")
+# INT8 attention's scores (Q K^T) unless told otherwise: BF16 Q and K held the loss where INT8 scores drifted (344M,
+# docs/convergence.md section 10a)
+DEFAULT_ATTENTION_SCORES = "bf16"
 ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
 FINITE_CHECKS = ("deferred", "immediate", "off")
@@ -45,12 +48,12 @@ class Int8Numerics:
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
     int8_attention: bool = False
-    int8_attention_scores: str = "int8"
+    int8_attention_scores: str = DEFAULT_ATTENTION_SCORES
 
     def __post_init__(self):
         _check_choice("Int8Recipe", "granularity", self.granularity, GRANULARITIES)
         _check_choice("Int8Recipe", "int8_attention_scores", self.int8_attention_scores, ATTENTION_SCORES)
-        if self.int8_attention_scores != "int8" and not self.int8_attention:
+        if self.int8_attention_scores != DEFAULT_ATTENTION_SCORES and not self.int8_attention:
             raise ValueError(f"Int8Recipe.int8_attention_scores={self.int8_attention_scores!r} needs "
                              "int8_attention=True (it sets the INT8 attention's scores)")
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
@@ -67,9 +70,7 @@ class Int8Numerics:
         smooth = ",smooth" if self.smooth_swiglu else ""
         swiglu = ",swiglu-in:int8" if self.int8_swiglu_input else ""
         norm = ",norm-in:int8" if self.int8_norm_input else ""
-        attention = ",attn:int8" if self.int8_attention else ""
-        if self.int8_attention_scores != "int8":
-            attention += f"/scores:{self.int8_attention_scores}"
+        attention = f",attn:int8/scores:{self.int8_attention_scores}" if self.int8_attention else ""
         return f"int8[{gran},{gemms}{sr}{smooth}{swiglu}{norm}{attention}]"
 
 
@@ -173,12 +174,12 @@ class Int8Recipe:
         float64 on outlier-heavy inputs at seq 4096, `tests/kernels/test_int8_attention_gpu.py`). Only the
         megatron specs read it: `convert_to_int8_training` converts linears and refuses it; other models call
         `int8_attention` in their attention themselves.
-    int8_attention_scores: "int8" (the default) or "bf16": with int8_attention, its scores (Q K^T, forward and the
-        backward's recomputation) from BF16 Q and smoothed K with fp32 sums instead of per-token INT8
-        (`Int8AttentionConfig.scores`); the other five products stay INT8. The INT8 scores' error grows as
-        attention sharpens over training: at 344M INT8 attention trailed the INT8 linears alone by 0.9-1.5% in
-        validation loss (docs/convergence.md, section 10); BF16 scores gain 6-9 dB SNR on O and every gradient
-        (CPU, tests/kernels/test_int8_attention.py), for a 16-bit product in place of an INT8 one.
+    int8_attention_scores: "bf16" (the default) or "int8": with int8_attention, its scores (Q K^T, forward and the
+        backward's recomputation) from BF16 Q and smoothed K with fp32 sums, or from per-token INT8 Q and K
+        (`Int8AttentionConfig.scores`); the other five products are INT8 either way. INT8 scores run the op
+        1.07-1.23x faster on an H200, but their error grows as attention sharpens over training: at 344M they
+        trailed the INT8 linears alone by 0.9-1.5% in validation loss where BF16 scores stayed within 0.6%
+        (docs/convergence.md, sections 10 and 10a); BF16 scores gain 6-9 dB SNR on O and every gradient.
     shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
         at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
         the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are
@@ -199,7 +200,7 @@ class Int8Recipe:
     int8_swiglu_input: bool = False
     int8_norm_input: bool = False
     int8_attention: bool = False
-    int8_attention_scores: str = "int8"
+    int8_attention_scores: str = DEFAULT_ATTENTION_SCORES
     backend: str = "auto"
     check_finite: str = "deferred"
     cache_weights: bool = True

@@ -20,8 +20,8 @@
 # remainders, on the distributed optimizer they need), int8_swiglu_input, int8_norm_input (activations saved in
 # INT8), and int8_memory, the stack that bench_e2e measures (optimizer + SwiGLU input + the Q(W)-only weight
 # cache) with the health statistics and the auto fallback on, so its JSONL also shows whether a fallback fires
-# on a healthy run. int8_attention: the default recipe with --int8-attention (attention's products in INT8 too);
-# int8_attention_bf16_scores: the same with --int8-attention-scores bf16 (Q K^T from BF16 Q and K).
+# on a healthy run. int8_attention: the default recipe with --int8-attention (attention's products in INT8 too, its
+# scores Q K^T from BF16 Q and K by default); int8_attention_int8_scores: the same with --int8-attention-scores int8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CORPUS=${CORPUS:-source}
@@ -81,7 +81,7 @@ variant_flags() {
         int8_swiglu_input) echo --int8-linear --int8-swiglu-input ;;
         int8_norm_input) echo --int8-linear --int8-norm-input ;;
         int8_attention) echo --int8-linear --int8-attention ;;
-        int8_attention_bf16_scores) echo --int8-linear --int8-attention --int8-attention-scores bf16 ;;
+        int8_attention_int8_scores) echo --int8-linear --int8-attention --int8-attention-scores int8 ;;
         int8_memory) echo --int8-linear $PRECISION_AWARE --int8-swiglu-input --int8-no-dgrad-weight-cache \
             --int8-stats-interval 100 --int8-auto-fallback ;;
         *) echo "unknown variant $1" >&2; return 1 ;;

@@ -111,8 +111,7 @@ class SDPAttention(MegatronModule):
     def extra_repr(self) -> str:
         if not self.int8_attention_built:
             return ""
-        scores = self.int8_attention_config.scores
-        return f"int8_attention={self.int8_attention}" + (f", scores={scores}" if scores != "int8" else "")
+        return f"int8_attention={self.int8_attention}, scores={self.int8_attention_config.scores}"
 
     def forward(
         self,

@@ -8,6 +8,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
+from ..recipe import DEFAULT_ATTENTION_SCORES
 from .attention import SDPAttention
 from .layers import Int8LinearMixin
 from .policy import Int8Policy, describe_fp8_recipe
@@ -22,12 +23,12 @@ def _fallback(module) -> str:
 
 def _precision_of(module) -> Tuple[str, str]:
     if isinstance(module, SDPAttention):  # a core attention built for --int8-attention: its own row
-        scores = module.int8_attention_config.scores
         return (("int8" if module.int8_attention else "bf16"),
-                "int8_attention" + (f" (scores {scores})" if scores != "int8" else "") + _fallback(module))
+                f"int8_attention, scores {module.int8_attention_config.scores}" + _fallback(module))
     if isinstance(module, Int8LinearMixin) and module.int8:
         # the linear's GEMMs: whether attention runs in INT8 is the attention row's to say
-        recipe = dataclasses.replace(module.int8_recipe, int8_attention=False, int8_attention_scores="int8")
+        recipe = dataclasses.replace(module.int8_recipe, int8_attention=False,
+                                     int8_attention_scores=DEFAULT_ATTENTION_SCORES)
         return module.precision, recipe.describe() + _fallback(module)
     if getattr(module, "fp8_recipe", None) is not None:  # the FP8 peer's linears (peers/fp8.py)
         return "fp8", describe_fp8_recipe(module.fp8_recipe)

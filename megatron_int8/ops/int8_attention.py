@@ -4,17 +4,18 @@ Layout as `F.scaled_dot_product_attention`: q [b, h, s, d], k and v [b, h_kv, s_
 (query head i reads key/value head i // (h / h_kv)); the output has q's shape and dtype, the gradients their
 inputs' dtypes. `causal` masks key j > query i (top-left, as SDPA's is_causal).
 
-Which products are INT8 (SageBwd's split: six of the seven, dP = dO V^T kept 16-bit):
-    forward   S = Q K^T             INT8 x INT8 -> INT32, Q and K per token (row scales of both operands)
+Which products are INT8 (by default five of the seven: the scores S = Q K^T from BF16 Q and smoothed K with fp32
+sums, and dP = dO V^T 16-bit; with scores="int8" six, SageBwd's split):
+    forward   S = Q K^T             scores="int8": INT8 x INT8 -> INT32, Q and K per token (row scales of both)
               O = P V               INT8, P with the fixed scale 1/127, V per (head, block, channel)
-    backward  S = Q K^T             recomputed from the saved per-token INT8 Q and K
+    backward  S = Q K^T             recomputed from the saved Q and K of the scores (per-token INT8 or BF16)
               dP = dO V^T           BF16 inputs, fp32 accumulation
               dV = P^T dO           INT8, P^T per (key, tile of `bwd_block_m` queries), dO per (head, block, channel)
               dK = dS^T Q           INT8, dS^T per (key, tile of `bwd_block_m` queries), Q per (head, block, channel)
               dQ = dS K             INT8, dS per (query, tile of `dq_block_n` keys), K per (head, block, channel)
-Q and K are thus saved twice in INT8 (together the bytes of one BF16 copy): per token for the scores, whose
-error dominates, and per block and channel for dK and dQ, which contract over tokens (an operand's scales must
-be constant along the contraction axis of a tile). Measured on this PyTorch path against fp64 (CPU, 2026-12-02,
+Q and K are thus saved twice: for the scores (per token in INT8, or in BF16), whose error dominates, and in INT8 per
+block and channel for dK and dQ, which contract over tokens (an operand's scales must be constant along the
+contraction axis of a tile). INT8 scores, measured on this PyTorch path against fp64 (CPU, 2026-12-02,
 seq 512, d 128, blocks of 64 tokens, tiles of 32 and 64):
 - per-token instead of per-block (64 tokens) Q, K scales for the scores: O 29.5 -> 33.2 dB (4 query / 2 kv heads,
   a few 3x channels in q and k, k biased); 20.9 -> 30.3 dB with 0.1% outliers of 10x added;
@@ -27,11 +28,10 @@ seq 512, d 128, blocks of 64 tokens, tiles of 32 and 64):
 - P's fixed scale 1/127 in the forward (P = exp(s - running max) <= 1) instead of per (query, tile of 32 keys):
   O 0.4-0.8 dB lower (seq 512 and 1024), for no row maximum or division per tile. For dV's P^T it would cost
   5.3-10.3 dB (a key's column of P is far below 1 for most queries), so the backward keeps its per-tile scales.
-With `Int8AttentionConfig(scores="bf16")` the scores (Q K^T, forward and the backward's recomputation) take Q and
-smoothed K in BF16 with fp32 sums instead, as flash attention forms them, and the other five products stay INT8.
-The INT8 scores' error grows as attention sharpens over training, and at 344M it cost 0.9-1.5% of validation loss
-against the INT8 linears alone (docs/convergence.md, section 10); BF16 scores take that part out (docs/numerics.md,
-"Sharper attention") at the price of a 16-bit product.
+BF16 scores (`Int8AttentionConfig.scores`, the default) take Q and smoothed K in BF16 with fp32 sums, as flash
+attention forms them: the INT8 scores' error grows as attention sharpens over training, and at 344M it cost 0.9-1.5%
+of validation loss against the INT8 linears alone (docs/convergence.md, section 10); BF16 scores take that part out
+(section 10a; docs/numerics.md, "Sharper attention") for a 16-bit product (the op 1.07-1.23x slower on an H200).
 K is smoothed first: K - mean_s(K) per head. Softmax is invariant to it (it adds q . mean to every score of a
 row, also under the causal mask), and so is the gradient: the rows of dS sum to zero, so the gradient through
 the mean vanishes and dK is dS^T Q as without smoothing. It takes K's shared bias out of the INT8 range.
@@ -54,7 +54,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..recipe import ATTENTION_SCORES
+from ..recipe import ATTENTION_SCORES, DEFAULT_ATTENTION_SCORES
 from ..reference import scale_from_amax
 from .backend import triton_available, triton_runs_on
 
@@ -82,7 +82,7 @@ class Int8AttentionConfig:
     bwd_block_n: int = 128  # keys per dK/dV program
     dq_block_m: int = 128  # queries per dQ program
     dq_block_n: int = 64  # keys per step of the dQ program: dS's scales per query and such a tile
-    scores: str = "int8"  # Q K^T from per-token INT8 Q and K, or "bf16": BF16 Q and K, fp32 sums
+    scores: str = DEFAULT_ATTENTION_SCORES  # Q K^T from BF16 Q and K with fp32 sums, or "int8": per-token INT8 Q, K
 
     def __post_init__(self):
         if self.scores not in ATTENTION_SCORES:

@@ -171,8 +171,8 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
 def _validate_int8_attention(args: argparse.Namespace) -> None:
     """--int8-attention serves causal self-attention only: what it cannot serve fails here, in one line, never
     by a silent fallback to BF16 attention."""
-    scores = getattr(args, "int8_attention_scores", "int8")
-    if scores != "int8" and not args.int8_attention:
+    scores = getattr(args, "int8_attention_scores", None)
+    if scores is not None and not args.int8_attention:
         raise ArgumentError(f"--int8-attention-scores {scores} sets the INT8 attention's scores: it needs "
                             "--int8-attention")
     if not args.int8_attention:

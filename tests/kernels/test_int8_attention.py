@@ -22,10 +22,10 @@ on_host = pytest.mark.skipif(INTERPRETING, reason="runs in the parent pytest pro
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # small tiles, so that a few dozen tokens cross several scale blocks and tiles
 SMALL = Int8AttentionConfig(block=32, fwd_block_m=16, fwd_block_n=16, bwd_block_m=16, bwd_block_n=32,
-                            dq_block_m=32, dq_block_n=16)
+                            dq_block_m=32, dq_block_n=16, scores="int8")
 # the GPU tiles scaled down to the CPU's shapes (blocks of 64 tokens, tiles of 32 and 64)
 CPU = Int8AttentionConfig(block=64, fwd_block_m=64, fwd_block_n=32, bwd_block_m=32, bwd_block_n=64,
-                          dq_block_m=64, dq_block_n=32)
+                          dq_block_m=64, dq_block_n=32, scores="int8")
 
 if not INTERPRETING and HAS_TRITON:
 
@@ -146,12 +146,13 @@ def test_bf16_scores_gain_on_every_tensor():
 
 
 def test_forward_tile_defaults_by_scores_and_explicit_tiles_stay():
-    """The forward's queries per program default by the scores (64 INT8, 128 BF16: the faster on an H200); a tile
-    given, or carried by replace(), is kept; a bad one is refused after the default is filled in."""
-    assert Int8AttentionConfig().fwd_block_m == 64
-    assert Int8AttentionConfig(scores="bf16").fwd_block_m == 128
+    """BF16 scores by default; the forward's queries per program default by the scores (64 INT8, 128 BF16: the
+    faster on an H200); a tile given, or carried by replace(), is kept; a bad one is refused after the default is
+    filled in."""
+    assert Int8AttentionConfig().scores == "bf16" and Int8AttentionConfig().fwd_block_m == 128
+    assert Int8AttentionConfig(scores="int8").fwd_block_m == 64
     assert Int8AttentionConfig(fwd_block_m=32, scores="bf16").fwd_block_m == 32
-    assert dataclasses.replace(Int8AttentionConfig(), scores="bf16").fwd_block_m == 64
+    assert dataclasses.replace(Int8AttentionConfig(scores="int8"), scores="bf16").fwd_block_m == 64
     with pytest.raises(ValueError, match="fwd_block_m=128"):
         Int8AttentionConfig(block=64, scores="bf16")
 
@@ -167,7 +168,8 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
         int8_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="empty"):
         int8_attention(q, k[:, :, :0], v[:, :, :0])
-    check_gpu_tiles(Int8AttentionConfig())  # the default compiles on the GPU
+    check_gpu_tiles(Int8AttentionConfig())  # the defaults compile on the GPU
+    check_gpu_tiles(Int8AttentionConfig(scores="int8"))
     with pytest.raises(ValueError, match="fwd_block_n=16"):
         check_gpu_tiles(SMALL)  # the interpreter's tiles do not
     if not HAS_TRITON:

@@ -13,9 +13,10 @@ import torch
 from attention_cases import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
                              int8_attention_bounds, megatron_layout, run_path, snr_db)
 
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
+from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
 pytestmark = pytest.mark.gpu
+INT8_SCORES = Int8AttentionConfig(scores="int8")  # the faster, coarser scores; the BF16 default's tests follow
 
 
 @pytest.fixture(autouse=True)
@@ -29,15 +30,15 @@ def _needs_triton():
 ])
 def test_kernels_match_pytorch_path(heads, kv_heads, seq, dim, causal):
     q, k, v, do = attention_inputs(1, heads, kv_heads, seq, dim, seed=seq + dim, device="cuda")
-    assert_kernels_match(q, k, v, do, causal, DEFAULT_CONFIG, f"h={heads}/{kv_heads} s={seq} d={dim}")
+    assert_kernels_match(q, k, v, do, causal, INT8_SCORES, f"h={heads}/{kv_heads} s={seq} d={dim}")
 
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_kernels_within_quantization_bounds(dim):
     q, k, v, do = attention_inputs(2, 8, 2, 1024, dim, seed=dim, device="cuda")
     scale = 1 / math.sqrt(dim)
-    got = run_path(q, k, v, do, True, DEFAULT_CONFIG, "triton")
-    bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, DEFAULT_CONFIG)
+    got = run_path(q, k, v, do, True, INT8_SCORES, "triton")
+    bounds = int8_attention_bounds(q, k, v, do, got[0], True, scale, INT8_SCORES)
     assert_within_bounds(got, grads64(q, k, v, do, True, scale), bounds, [torch.bfloat16] * 4, f"d={dim}")
 
 
@@ -60,7 +61,7 @@ def test_int8_attention_is_differentiable_through_the_api():
 def test_snr_against_fp64_beside_bf16_sdpa(seq):
     q, k, v, do = attention_inputs(1, 16, 4, seq, 128, seed=seq, device="cuda")
     exact = grads64(q, k, v, do, True, 1 / math.sqrt(128))
-    got = run_path(q, k, v, do, True, DEFAULT_CONFIG, "triton")
+    got = run_path(q, k, v, do, True, INT8_SCORES, "triton")
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     o.backward(do)
@@ -88,7 +89,7 @@ def test_bf16_scores_kernels_match_pytorch_path_and_gain(seq, causal):
     q, k, v, do = attention_inputs(1, 8, 2, seq, 128, seed=seq + 7, device="cuda")
     assert_kernels_match(q, k, v, do, causal, cfg, f"bf16 scores s={seq} causal={causal}")
     exact = grads64(q, k, v, do, causal, 1 / math.sqrt(128))
-    int8 = [snr_db(a, r) for a, r in zip(run_path(q, k, v, do, causal, DEFAULT_CONFIG, "triton"), exact)]
+    int8 = [snr_db(a, r) for a, r in zip(run_path(q, k, v, do, causal, INT8_SCORES, "triton"), exact)]
     bf16 = [snr_db(a, r) for a, r in zip(run_path(q, k, v, do, causal, cfg, "triton"), exact)]
     print(f"\nseq {seq} causal={causal}: INT8 scores {[round(x, 1) for x in int8]}, BF16 {[round(x, 1) for x in bf16]}")
     assert all(b >= a + 4.0 for a, b in zip(int8, bf16)), (int8, bf16)

@@ -16,7 +16,10 @@ from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
 from megatron_int8.recipe import Int8Recipe
 
-INT8_ATTENTION = Int8Recipe(backend="reference", int8_attention=True)
+# INT8 scores, the coarser ones, in most tests here (their bounds are the wider test of the layer's plumbing); the
+# default recipe's BF16 scores in test_default_recipe_runs_the_op_with_bf16_scores
+INT8_ATTENTION = Int8Recipe(backend="reference", int8_attention=True, int8_attention_scores="int8")
+INT8_SCORES = Int8AttentionConfig(scores="int8")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +52,7 @@ def test_layer_runs_the_op_within_its_float64_bounds(heads, groups, seq, head_di
     assert_layer_runs_the_op(_attention(heads, groups, head_dim), q, k, v, do, "reference")
 
 
-def assert_layer_runs_the_op(layer, q, k, v, do, backend, config=DEFAULT_CONFIG):
+def assert_layer_runs_the_op(layer, q, k, v, do, backend, config=INT8_SCORES):
     """The layer's O and q, k, v gradients (on megatron's [s, b, h, d] views of [b, h, s, d] q, k, v) equal
     `int8_attention`'s with `backend` and `config` bit for bit, and sit within the op's elementwise bounds of
     float64."""
@@ -73,16 +76,15 @@ def assert_layer_runs_the_op(layer, q, k, v, do, backend, config=DEFAULT_CONFIG)
                          f"layer h={heads}/{k.shape[1]} s={seq} d={head_dim} scores={config.scores}")
 
 
-def test_layer_with_bf16_scores_runs_the_op_with_them():
-    """Int8Recipe(int8_attention_scores="bf16") reaches the op: the layer equals int8_attention with
-    Int8AttentionConfig(scores="bf16") bit for bit, within that config's bounds, and differs from the INT8 scores."""
-    import dataclasses
-
-    recipe = dataclasses.replace(INT8_ATTENTION, int8_attention_scores="bf16")
+def test_default_recipe_runs_the_op_with_bf16_scores():
+    """Int8Recipe(int8_attention=True) scores from BF16 Q and K: the layer equals int8_attention with its default
+    config (scores="bf16") bit for bit, within that config's bounds, and differs from the INT8 scores."""
+    recipe = Int8Recipe(backend="reference", int8_attention=True)
+    assert recipe.int8_attention_scores == "bf16" and DEFAULT_CONFIG.scores == "bf16"
     q, k, v, do = attention_inputs(2, 4, 2, 160, 64, 15)
     layer = _attention(4, 2, 64, recipe=recipe)
     assert "scores=bf16" in repr(layer)
-    assert_layer_runs_the_op(layer, q, k, v, do, "reference", Int8AttentionConfig(scores="bf16"))
+    assert_layer_runs_the_op(layer, q, k, v, do, "reference", DEFAULT_CONFIG)
     out = layer(*_layer_layout(q, k, v), None)
     assert not torch.equal(out, _attention(4, 2, 64)(*_layer_layout(q, k, v), None))
 
@@ -93,10 +95,10 @@ def test_decoding_step_attends_every_cached_key():
     q, k, v, do = attention_inputs(1, 4, 2, 97, 64, 3)
     layer = _attention(4, 2, 64)
     step = layer(*(t.permute(2, 0, 1, 3) for t in (q[:, :, -1:], k, v)), None)
-    want = int8_attention(q[:, :, -1:], k, v, causal=False, backend="reference")
+    want = int8_attention(q[:, :, -1:], k, v, causal=False, backend="reference", config=INT8_SCORES)
     assert torch.equal(step.view(1, 1, 4, 64).permute(1, 2, 0, 3), want)
     exact = grads64(q[:, :, -1:], k, v, do[:, :, -1:], False, 1 / 8)[0]
-    bound = int8_attention_bounds(q[:, :, -1:], k, v, do[:, :, -1:], want, False, 1 / 8, DEFAULT_CONFIG)[0]
+    bound = int8_attention_bounds(q[:, :, -1:], k, v, do[:, :, -1:], want, False, 1 / 8, INT8_SCORES)[0]
     assert ((want.double() - exact).abs() <= bound).all()
 
 
@@ -152,7 +154,7 @@ def test_spec_puts_int8_attention_in_the_int8_layers_and_keeps_state_dicts():
     baseline = _gpt(Int8Policy(enabled=False))
     shapes = lambda m: {k: getattr(v, "shape", None) for k, v in m.state_dict().items()}  # noqa: E731
     assert shapes(model) == shapes(baseline)
-    assert policy.describe().startswith("int8[row,fprop/dgrad/wgrad,attn:int8]")
+    assert policy.describe().startswith("int8[row,fprop/dgrad/wgrad,attn:int8/scores:bf16]")
 
 
 def test_precision_table_has_a_row_per_int8_attention_and_follows_a_fallback():
@@ -166,16 +168,17 @@ def test_precision_table_has_a_row_per_int8_attention_and_follows_a_fallback():
     def attention_rows():
         return [(r[1], r[4], r[5]) for r in precision_table_rows(model) if r[2].endswith("core_attention")]
 
-    assert attention_rows() == [("2", "int8", "int8_attention"), ("3", "int8", "int8_attention")]
+    assert attention_rows() == [("2", "int8", "int8_attention, scores bf16"), ("3", "int8", "int8_attention, scores bf16")]
     linears = [r for r in precision_table_rows(model) if not r[2].endswith("core_attention")]
     assert any(r[4] == "int8" for r in linears) and all("attn" not in r[5] for r in linears)
     moved = _core_attentions(model)[1]
     moved.int8_attention, moved.int8_fallback_note = False, "at iteration 7: attention/rel_err 0.2 > 0.1"
-    assert attention_rows() == [("2", "bf16", "int8_attention (fallback at iteration 7: attention/rel_err 0.2 > 0.1)"),
-                                ("3", "int8", "int8_attention")]
-    scored = _gpt(Int8Policy(recipe=Int8Recipe(backend="reference", int8_attention=True, int8_attention_scores="bf16")))
+    assert attention_rows() == [
+        ("2", "bf16", "int8_attention, scores bf16 (fallback at iteration 7: attention/rel_err 0.2 > 0.1)"),
+        ("3", "int8", "int8_attention, scores bf16")]
+    scored = _gpt(Int8Policy(recipe=INT8_ATTENTION))  # INT8 scores
     rows = precision_table_rows(scored)
-    assert {r[5] for r in rows if r[2].endswith("core_attention")} == {"int8_attention (scores bf16)"}
+    assert {r[5] for r in rows if r[2].endswith("core_attention")} == {"int8_attention, scores int8"}
     assert all("attn" not in r[5] and "scores" not in r[5] for r in rows if not r[2].endswith("core_attention"))
 
 

@@ -135,10 +135,12 @@ def test_the_flag_reaches_the_recipe_and_the_model():
     trainer's model is built with; the policy without --int8-linear stays the BF16 baseline."""
     from megatron_int8.megatron.cli import policy_from_args
 
-    assert policy_from_args(_validated("--int8-linear", "--int8-attention")).recipe.int8_attention
-    recipe = policy_from_args(_validated("--int8-linear", "--int8-attention", "--int8-attention-scores", "bf16")).recipe
-    assert recipe.int8_attention and recipe.int8_attention_scores == "bf16"
-    assert recipe.numerics.describe().endswith(",attn:int8/scores:bf16]")
+    default = policy_from_args(_validated("--int8-linear", "--int8-attention")).recipe
+    assert default.int8_attention and default.int8_attention_scores == "bf16"
+    assert default.numerics.describe().endswith(",attn:int8/scores:bf16]")
+    recipe = policy_from_args(_validated("--int8-linear", "--int8-attention", "--int8-attention-scores", "int8")).recipe
+    assert recipe.int8_attention and recipe.int8_attention_scores == "int8"
+    assert recipe.numerics.describe().endswith(",attn:int8/scores:int8]")
     with pytest.raises(SystemExit):  # argparse names the choices
         _validated("--int8-linear", "--int8-attention", "--int8-attention-scores", "fp8")
     assert not policy_from_args(_validated("--int8-linear")).recipe.int8_attention
