@@ -16,7 +16,7 @@ from mcore_helpers import adam_losses, single_process_megatron, tiny_config
 from test_int8_attention_layer import _attention, assert_layer_runs_the_op, probe_against_float64
 
 from megatron_int8.megatron.policy import Int8Policy
-from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, int8_attention
+from megatron_int8.ops.int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, int8_attention
 from megatron_int8.recipe import Int8Recipe
 
 pytestmark = pytest.mark.gpu
@@ -30,12 +30,15 @@ def megatron_world():
         yield
 
 
+@pytest.mark.parametrize("scores", ["bf16", "int8"])
 @pytest.mark.parametrize("heads,groups,seq,head_dim", [(16, 4, 2048, 128), (8, 2, 1500, 64)])
-def test_layer_runs_the_kernels_within_the_ops_bounds(heads, groups, seq, head_dim):
+def test_layer_runs_the_kernels_within_the_ops_bounds(heads, groups, seq, head_dim, scores):
     """The layer's O and gradients are the kernels' own on the same data (bit for bit: the launches take the
-    layer's strided views as they are) and within the op's float64 bounds."""
+    layer's strided views as they are) and within the op's float64 bounds, with either scores."""
     q, k, v, do = attention_inputs(1, heads, groups, seq, head_dim, seed=seq, device="cuda")
-    assert_layer_runs_the_op(_attention(heads, groups, head_dim, recipe=ON_KERNELS), q, k, v, do, "triton")
+    recipe = Int8Recipe(int8_attention=True, int8_attention_scores=scores)
+    assert_layer_runs_the_op(_attention(heads, groups, head_dim, recipe=recipe), q, k, v, do, "triton",
+                             Int8AttentionConfig(scores=scores))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
