@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 import common  # noqa: E402  (puts the repository on sys.path)
 from megatron_int8.megatron.policy import FP8_RECIPES  # noqa: E402
-from megatron_int8.recipe import DEFAULT_RECIPE, FINITE_CHECKS  # noqa: E402
+from megatron_int8.recipe import (ATTENTION_SCORES, DEFAULT_ATTENTION_SCORES, DEFAULT_RECIPE,  # noqa: E402
+                                  FINITE_CHECKS)
 
 
 def parse_args(argv=None):
@@ -83,6 +84,8 @@ def parse_args(argv=None):
                    help="add an INT8 row whose RMSNorms keep their inputs in INT8 (recipe int8_norm_input)")
     p.add_argument("--int8-attention", action="store_true",
                    help="add an INT8 row whose attention runs INT8 too, forward and backward (recipe int8_attention)")
+    p.add_argument("--int8-attention-scores", choices=ATTENTION_SCORES, default=DEFAULT_ATTENTION_SCORES,
+                   help="the scores of --int8-attention's row (recipe int8_attention_scores; default %(default)s)")
     p.add_argument("--no-stock", action="store_true", help="skip megatron's stock local spec")
     p.add_argument("--no-fused-swiglu", dest="fused_swiglu", action="store_false",
                    help="dense MLPs: megatron's SwiGLU instead of megatron_int8.ops.swiglu (as the trainer's flag)")
@@ -148,11 +151,21 @@ RECIPE_OPTIONS = {"int8_swiglu_input": "swiglu-in:int8", "int8_norm_input": "nor
 
 
 def option_rows(args) -> dict:
-    """{row name: recipe fields set}: one INT8 row per recipe option asked for, and one with all when several."""
+    """{row name: recipe fields set}: one INT8 row per recipe option asked for, and one with all when several
+    (INT8 attention's label and fields name its scores)."""
+    def label(field):
+        scores = f"/scores:{args.int8_attention_scores}" if field == "int8_attention" else ""
+        return RECIPE_OPTIONS[field] + scores
+
+    def fields(field):
+        scores = {"int8_attention_scores": args.int8_attention_scores} if field == "int8_attention" else {}
+        return {field: True, **scores}
+
     chosen = [field for field in RECIPE_OPTIONS if getattr(args, field)]
-    rows = {f"INT8 {RECIPE_OPTIONS[field]}": {field: True} for field in chosen}
+    rows = {f"INT8 {label(field)}": fields(field) for field in chosen}
     if len(chosen) > 1:
-        rows["INT8 " + ",".join(RECIPE_OPTIONS[field] for field in chosen)] = {field: True for field in chosen}
+        together = {name: value for field in chosen for name, value in fields(field).items()}
+        rows["INT8 " + ",".join(label(field) for field in chosen)] = together
     return rows
 
 

@@ -58,11 +58,12 @@ def test_int8_attention_row_runs_int8_attention_beside_the_int8_linears(monkeypa
 
     args = bench_layer.parse_args(["--device", "cpu", "--tiny", "--kv-channels", "64", "--no-stock", "--no-fp8",
                                    "--int8-attention", "--backend", "reference"])
-    row = "INT8 attention:int8"
+    row = "INT8 attention:int8/scores:bf16"
     assert list(bench_layer.option_rows(args)) == [row]
     with single_process_megatron():
         layers = bench_layer.build_layers(args, {})
         assert layers[row].self_attention.core_attention.int8_attention
+        assert layers[row].self_attention.core_attention.int8_attention_config.scores == "bf16"
         assert not layers["INT8"].self_attention.core_attention.int8_attention
         layers[row].load_state_dict(layers["INT8"].state_dict())
         x, _ = bench_layer._layer_input(args, row)
