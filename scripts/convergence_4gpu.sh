@@ -98,7 +98,8 @@
 # (benchmarks/results/convergence_350m.csv: where that pair is recorded), RECORDED_LOG (none: SECOND's log from an
 # earlier job, beside which a lone BF16 run trains; kept in RUN_DIR), RECORDED_BF16_LOG (none: BF16's log from an
 # earlier job, beside which a lone SECOND run trains; kept in RUN_DIR), TOKENS_SHA256 (none: the token stream's
-# SHA-256, or a prefix, the data build must give before a launch).
+# SHA-256, or a prefix, the data build must give before a launch), POLL_S (30: seconds between two looks of a
+# waiting `status`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${RUN_DIR:-runs/convergence}
@@ -106,6 +107,8 @@ CONFIG=${CONFIG:-configs/convergence_350m.yaml}
 PYTHON=${PYTHON:-python3}
 CORPUS_MB=${CORPUS_MB:-1024}
 VOCAB=${VOCAB:-8192}
+POLL_S=${POLL_S:-30}
+[[ $POLL_S =~ ^[1-9][0-9]*$ ]] || { echo "error: POLL_S is a whole number of seconds >= 1, got '$POLL_S'" >&2; exit 2; }
 WORKERS=${WORKERS:-$(nproc)}
 PREFIX="$RUN_DIR/data/corpus"
 DATA="${PREFIX}_text_document"
@@ -417,7 +420,7 @@ status() {
         show_progress
         collect
         [[ $done -eq ${#RUNS[@]} || $failed -eq 1 || $SECONDS -ge $deadline ]] && break
-        sleep $((deadline - SECONDS < 30 ? (deadline - SECONDS > 1 ? deadline - SECONDS : 1) : 30))
+        sleep $((deadline - SECONDS < POLL_S ? (deadline - SECONDS > 1 ? deadline - SECONDS : 1) : POLL_S))
     done
     for name in "${RUNS[@]}"; do
         if [[ "$(state_of "$name")" == failed* ]]; then echo "== the end of $RUN_DIR/$name.log:"; tail -n 25 "$RUN_DIR/$name.log"; fi

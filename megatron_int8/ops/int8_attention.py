@@ -4,8 +4,8 @@ Layout as `F.scaled_dot_product_attention`: q [b, h, s, d], k and v [b, h_kv, s_
 (query head i reads key/value head i // (h / h_kv)); the output has q's shape and dtype, the gradients their
 inputs' dtypes. `causal` masks key j > query i (top-left, as SDPA's is_causal).
 
-Which products are INT8 (by default five of the seven: the scores S = Q K^T from BF16 Q and smoothed K with fp32
-sums, and dP = dO V^T 16-bit; with scores="int8" six, SageBwd's split):
+Which products are INT8 (by default four of the seven: the scores S = Q K^T, forward and the backward's recomputation,
+from BF16 Q and smoothed K with fp32 sums, and dP = dO V^T, are 16-bit; with scores="int8" six, SageBwd's split):
     forward   S = Q K^T             scores="int8": INT8 x INT8 -> INT32, Q and K per token (row scales of both)
               O = P V               INT8, P with the fixed scale 1/127, V per (head, block, channel)
     backward  S = Q K^T             recomputed from the saved Q and K of the scores (per-token INT8 or BF16)

@@ -269,6 +269,9 @@ def test_the_script_parses_and_status_needs_a_started_run(tmp_path):
     assert result.returncode == 1 and "status takes a number of seconds" in result.stderr
     result = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 2 and "usage:" in result.stderr
+    env["POLL_S"] = "0"
+    result = subprocess.run(["bash", SCRIPT, "status", "300"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "POLL_S is a whole number of seconds >= 1, got '0'" in result.stderr
 
 
 @pytest.mark.slow
@@ -306,7 +309,7 @@ def test_start_and_status_of_a_noise_floor_pair_on_cpu(tmp_path):
     run_dir, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
-               PORT_BASE=str(free_port_pair()),
+               PORT_BASE=str(free_port_pair()), POLL_S="2",
                CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
                WORKERS="2", TRAIN_ITERS="4", SECOND="bf16_init2",
                EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 2 "
@@ -362,7 +365,7 @@ def test_one_gpu_per_run_stops_at_stop_at_and_continues(tmp_path):
     run_dir, out = tmp_path / "runs", tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
-               PORT_BASE=str(free_port_pair()),
+               PORT_BASE=str(free_port_pair()), POLL_S="2",
                CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
                WORKERS="2", TRAIN_ITERS="4", GPUS_PER_RUN="1", STOP_AT="2",
                EXTRA_FLAGS="--num-layers 1 --lr-warmup-iters 1 --eval-interval 2 --eval-iters 1 --save-interval 3 "
@@ -424,7 +427,7 @@ def test_one_run_against_a_recorded_pair(tmp_path):
     csv_path.write_text(header + "".join(f"2026-11-28,abc1234,GPU,2.11,3.6,cmd,{pair},graphed,{it},0.0,{b},{i},0\n"
                                          for it, (b, i) in recorded.items()))
     env = dict(os.environ, RUN_DIR=str(run_dir), OUT=str(out), PYTHON=sys.executable, MIN_GPUS="0",
-               PORT_BASE=str(free_port_pair()), REFERENCE_CSV=str(csv_path), REFERENCE_PAIR=pair,
+               PORT_BASE=str(free_port_pair()), POLL_S="2", REFERENCE_CSV=str(csv_path), REFERENCE_PAIR=pair,
                SECOND="int8_attention", TOKENS_SHA256="0" * 64, INT8_FLAGS="--int8-stats-interval 2",
                CONFIG=os.path.join(CONFIGS, "tiny.yaml"), GRAPHS="none", CORPUS_MB="0.5", VOCAB="400",
                WORKERS="2", TRAIN_ITERS="4", GPUS_PER_RUN="1",
