@@ -164,14 +164,13 @@ class Int8Recipe:
         dequantized values (megatron_int8.ops.rms_norm): H + 4 ceil(H/128) + 4 instead of 2H bytes per token and
         norm. Off by default until loss parity is measured on GPU.
     int8_attention: the core attention of the INT8 layers of this package's megatron specs runs
-        `ops.int8_attention.int8_attention` (six of its seven products in INT8, all but the backward's dO V^T;
-        per-token and per-block scales, K smoothed) instead of BF16 SDPA or cuDNN (megatron.attention.SDPAttention,
+        `ops.int8_attention.int8_attention` (P V, dV, dK and dQ in INT8, and Q K^T too with int8_attention_scores
+        "int8"; per-token and per-block scales, K smoothed) instead of BF16 SDPA or cuDNN (SDPAttention,
         also where Transformer Engine is installed). A numerics field: it changes results, which the execution
         options never do. It serves causal self-attention without a mask tensor, attention dropout or a sliding
         window, head dims 64 and 128, GQA; the layer refuses anything else when it is built. Layers the policy
-        keeps in BF16 keep BF16 attention. Off by default: its kernels ran at 0.4x the speed of cuDNN's BF16
-        attention on an H200 (2026-12-02, `python3 benchmarks/bench_attention.py`; O at 27.2 dB SNR against
-        float64 on outlier-heavy inputs at seq 4096, `tests/kernels/test_int8_attention_gpu.py`). Only the
+        keeps in BF16 keep BF16 attention. Off by default: its kernels run at 0.34-0.39x the speed of cuDNN's BF16
+        attention on an H200 (2026-12-04, `python3 benchmarks/bench_attention.py --bf16-scores`). Only the
         megatron specs read it: `convert_to_int8_training` converts linears and refuses it; other models call
         `int8_attention` in their attention themselves.
     int8_attention_scores: "bf16" (the default) or "int8": with int8_attention, its scores (Q K^T, forward and the

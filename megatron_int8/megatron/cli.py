@@ -65,10 +65,11 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="The layers' RMSNorms keep their input for backward in INT8 with 1x128 block scales "
                             "instead of BF16 (docs/training.md, 'Memory options').")
     group.add_argument("--int8-attention", action="store_true",
-                       help="With --int8-linear: the INT8 layers' core attention runs INT8 Q K^T, P V and "
-                            "gradients (megatron_int8.ops.int8_attention) instead of BF16 flash attention. "
+                       help="With --int8-linear: the INT8 layers' core attention runs P V and the gradient "
+                            "products dV, dK, dQ in INT8 (megatron_int8.ops.int8_attention; Q K^T too with "
+                            "--int8-attention-scores int8) instead of BF16 flash attention. "
                             "Causal self-attention only: needs --attention-dropout 0, head dim 64 or 128, no "
-                            "--reset-attention-mask. Opt-in: 0.4x the speed of cuDNN BF16 attention on an H200 "
+                            "--reset-attention-mask. Opt-in: 0.34-0.39x the speed of cuDNN BF16 attention on an H200 "
                             "(docs/training.md, 'INT8 attention').")
     group.add_argument("--int8-attention-scores", choices=ATTENTION_SCORES, default=None,
                        help=f"With --int8-attention: its scores Q K^T (forward and backward) from BF16 Q and K with "
