@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
+from ..megatron.cli import policy_from_args
 from ..megatron.optimizer import precision_aware_optimizers
 from .errors import ArgumentError
 from .model import adam_step, inner_optimizers
@@ -567,6 +568,18 @@ def _take_this_runs_lr_bounds(optimizer_state, args) -> None:
             _take_this_runs_lr_bounds(value, args)
 
 
+def precision_change(saved_args, args) -> Optional[str]:
+    """A note where this run trains in other numerics than the run that wrote the checkpoint (allowed: a resume
+    may switch precision, but says so, e.g. after a default changed); None where they agree or the checkpoint's
+    arguments predate the flags."""
+    try:
+        before = policy_from_args(saved_args).describe()
+    except (AttributeError, ValueError):
+        return None
+    now = policy_from_args(args).describe()
+    return None if before == now else f"precision: this run's {now}, not the checkpoint's {before}"
+
+
 def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, args, log) -> None:
     """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
 
@@ -637,6 +650,9 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
             follow_schedule_flags(scheduler, optimizer, loaded["opt_param_scheduler"], common.get("args"), args, log)
+    change = precision_change(common.get("args"), args)
+    if change:
+        log(change)
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones
     rng_file = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
     if not args.no_load_rng:

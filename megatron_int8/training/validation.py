@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from ..megatron.cli import INT8_ATTENTION_NEEDS_INT8_LINEAR
 from ..megatron.policy import int8_attention_problems
+from ..recipe import DEFAULT_ATTENTION_SCORES
 from .data import check_tokenizer_file
 from .errors import ArgumentError
 from .flags import TOKENIZER_TYPES, build_parser
@@ -177,6 +178,8 @@ def _validate_int8_attention(args: argparse.Namespace) -> None:
                             "--int8-attention")
     if not args.int8_attention:
         return
+    if scores is None:  # the checkpoint then records which scores ran, whatever a later default
+        args.int8_attention_scores = DEFAULT_ATTENTION_SCORES
     if not args.int8_linear:
         raise ArgumentError(INT8_ATTENTION_NEEDS_INT8_LINEAR)
     dests = {"head_dim": "kv_channels", "attention_dropout": "attention_dropout",  # the flags that set them

@@ -83,8 +83,13 @@ def test_auto_fallback_moves_attention_to_bf16_and_a_resume_keeps_it(tmp_path):
     assert f"int8 fallback at iteration 2: {ATTENTION} attention: INT8 -> BF16 attention (rel_err" in out
     resumed = train(*flags[:2], "--train-iters", "5", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
     assert f"int8 fallback restored from the checkpoint: {ATTENTION} runs BF16 attention (SDPA)" in resumed
-    again = train(*flags[:2], "--train-iters", "6", "--load", str(tmp_path / "b"), "--int8-reset-fallback")
+    assert "precision: this run's" not in resumed  # the same numerics
+    # other scores than the checkpoint's (e.g. a run of the INT8-scores default before 90965e1): trained, and said
+    again = train(*flags[:2], "--train-iters", "6", "--load", str(tmp_path / "b"), "--int8-reset-fallback",
+                  "--int8-attention-scores", "int8")
     assert "int8 fallback: --int8-reset-fallback: 2 module(s) back to their configured precision" in again
+    assert ("precision: this run's int8[row,fprop/dgrad/wgrad,attn:int8/scores:int8], not the checkpoint's "
+            "int8[row,fprop/dgrad/wgrad,attn:int8/scores:bf16]") in again
 
 
 def _validated(*flags, dropout=("--attention-dropout", "0")):
