@@ -175,7 +175,7 @@ class Int8Recipe:
         `int8_attention` in their attention themselves.
     int8_attention_scores: "bf16" (the default) or "int8": with int8_attention, its scores (Q K^T, forward and the
         backward's recomputation) from BF16 Q and smoothed K with fp32 sums, or from per-token INT8 Q and K
-        (`Int8AttentionConfig.scores`); the other five products are INT8 either way. INT8 scores run the op
+        (`Int8AttentionConfig.scores`); P V, dV, dK and dQ are INT8 either way. INT8 scores run the op
         1.07-1.23x faster on an H200, but their error grows as attention sharpens over training: at 344M they
         trailed the INT8 linears alone by 0.9-1.5% in validation loss where BF16 scores stayed within 0.6%
         (docs/convergence.md, sections 10 and 10a); BF16 scores gain 6-9 dB SNR on O and every gradient.
