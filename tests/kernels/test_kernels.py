@@ -1314,7 +1314,8 @@ def test_mlp_with_swiglu_maxima_skips_two_amax_passes(launch_log, granularity):
         assert torch.equal(got, want)
 
 
-# In the parent pytest process every test above is skipped (the driver test runs them in the subprocess).
+# In the parent pytest process every test above is skipped (the two driver tests run them in the subprocess).
+DRIVERS = {"test_kernels_under_triton_interpreter", "test_kernels_under_triton_interpreter_more_cases"}
 for _name, _fn in list(globals().items()):
-    if _name.startswith("test_") and callable(_fn) and _name != "test_kernels_under_triton_interpreter":
+    if _name.startswith("test_") and callable(_fn) and _name not in DRIVERS:
         globals()[_name] = needs_interpreter(_fn)
