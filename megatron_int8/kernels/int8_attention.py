@@ -1,21 +1,22 @@
 """Triton INT8 attention (causal or not, GQA), forward and backward; the contract is ops/int8_attention.py's.
 
 Products and scales (the module docstring of ops/int8_attention.py says why):
-    forward   S = Q K^T   INT8, Q and smoothed K per token     O = P V     INT8, P with the fixed scale 1/127, V
-                                                                           per (head, block, channel)
-    backward  S = Q K^T   INT8 as forward, dP = dO V^T BF16,   dV = P^T dO INT8, P^T per (key, query tile),
-              dS = P (dP - delta)                                          dO per (head, block, channel)
+    forward   S = Q K^T   by the scores: BF16 (default) or INT8     O = P V     INT8, P with the fixed scale
+                                                                               1/127, V per (head, block, channel)
+    backward  S = Q K^T   as forward, dP = dO V^T BF16,             dV = P^T dO INT8, P^T per (key, query tile),
+              dS = P (dP - delta)                                               dO per (head, block, channel)
               dK = dS^T Q INT8, dS^T per (key, query tile), Q per (head, block, channel)
               dQ = dS K   INT8, dS per (query, key tile), K per (head, block, channel)
+The scores multiply Q and smoothed K in the per-token layout [S, D]: BF16 values with unit scales, written by
+PyTorch, in 16-bit products with fp32 sums (scores="bf16", SCORES_BF16), or INT8 per token that the quantize
+pass writes (scores="int8").
 An INT8 operand on the contraction side of a product is stored transposed, [D, S] with S contiguous: Hopper's
-INT8 tensor-core instruction (wgmma) takes both operands K-major only. So the quantize pass writes Q and K twice
-(per token [S, D] for the scores, per block and channel [D, S] for dQ and dK) and V, dO once ([D, S], per block
-and channel).
+INT8 tensor-core instruction (wgmma) takes both operands K-major only. So the quantize pass writes Q and K per
+block and channel [D, S] for dQ and dK (and, with INT8 scores, per token [S, D] too) and V, dO once ([D, S], per
+block and channel).
 Each INT8 product accumulates in int32 over one tile and is dequantized once per tile into an fp32 accumulator:
 the tiles divide the scale block, so an operand's scale is constant along the tile's contraction axis.
 Softmax in base 2 (scores times log2(e)), online over key tiles in fp32; lse is kept in base 2 for backward.
-With scores="bf16" (SCORES_BF16) the scores, forward and backward, multiply BF16 Q and smoothed K (written by
-PyTorch in the per-token layout, with unit scales) in 16-bit products with fp32 sums; the rest is unchanged.
 
 Programs: `_quantize_kernel` (one per head and block of tokens), `_attn_fwd_kernel` (one per head and query tile),
 `_attn_bwd_dkdv_kernel` (one per key/value head and key tile: it walks the query tiles of every query head of

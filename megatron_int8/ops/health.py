@@ -36,8 +36,8 @@ batch, `SAMPLE_HEADS` query heads spread over the key/value heads and `SAMPLE_RO
 the sequence, against fp32 attention of the same inputs (`ATTENTION_STATS`):
   qk/rel_err         ||S~ - S||_F / ||S||_F over the scores the causal mask keeps: S = scale Q (K - mean K)^T, the
                      scores the op quantizes (K smoothed, softmax does not change), S~ from Q and K quantized per
-                     token as the op quantizes them (rounded to BF16 with scores="bf16"): the product whose error
-                     dominates INT8 attention's
+                     token as the op quantizes them (rounded to BF16 with scores="bf16"): with scores="int8", the
+                     product whose error dominates INT8 attention's
   attention/rel_err  ||O - O_fp32||_F / ||O_fp32||_F of the op's own output for the sampled queries: everything
                      the forward quantizes (Q, K, P, V). The backward is not measured.
 Three fp32 products of SAMPLE_HEADS x SAMPLE_ROWS queries by the keys they see (exact scores, scores from the

@@ -13,9 +13,9 @@ from BF16 Q and smoothed K with fp32 sums, and dP = dO V^T, are 16-bit; with sco
               dV = P^T dO           INT8, P^T per (key, tile of `bwd_block_m` queries), dO per (head, block, channel)
               dK = dS^T Q           INT8, dS^T per (key, tile of `bwd_block_m` queries), Q per (head, block, channel)
               dQ = dS K             INT8, dS per (query, tile of `dq_block_n` keys), K per (head, block, channel)
-Q and K are thus saved twice: for the scores (per token in INT8, or in BF16), whose error dominates, and in INT8 per
-block and channel for dK and dQ, which contract over tokens (an operand's scales must be constant along the
-contraction axis of a tile). INT8 scores, measured on this PyTorch path against fp64 (CPU, 2026-12-02,
+Q and K are thus saved twice: for the scores (in BF16, or per token in INT8, whose error then dominates the op's)
+and in INT8 per block and channel for dK and dQ, which contract over tokens (an operand's scales must be constant
+along the contraction axis of a tile). INT8 scores, measured on this PyTorch path against fp64 (CPU, 2026-12-02,
 seq 512, d 128, blocks of 64 tokens, tiles of 32 and 64):
 - per-token instead of per-block (64 tokens) Q, K scales for the scores: O 29.5 -> 33.2 dB (4 query / 2 kv heads,
   a few 3x channels in q and k, k biased); 20.9 -> 30.3 dB with 0.1% outliers of 10x added;
@@ -143,7 +143,8 @@ def _causal_mask(Sq: int, Sk: int, device) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ reference path
 @dataclasses.dataclass
 class _Saved:
-    """What backward needs: Q and smoothed K in INT8, per token and per block, with their scales."""
+    """What backward needs: Q and smoothed K for the scores (INT8 per token, or BF16 values with unit scales) and in
+    INT8 per block and channel, with their scales."""
     q_int: torch.Tensor  # [B, H, Sq, D] integer values (fp32), per token (scores="bf16": BF16 values, unit scales)
     q_scale: torch.Tensor  # [B, H, Sq]
     k_int: torch.Tensor  # [B, Hk, Sk, D]
@@ -156,9 +157,11 @@ class _Saved:
 
 
 def _scores(saved: _Saved, group: int, sm_scale: float, causal: bool) -> torch.Tensor:
-    """sm_scale * dequant(Q_int K_int^T) [B, H, Sq, Sk] in fp32, -inf where masked."""
+    """sm_scale * dequant(Q_int K_int^T) [B, H, Sq, Sk] in fp32 (BF16 scores: their product, unit scales), -inf
+    where masked."""
     Sq, Sk = saved.q_int.shape[2], saved.k_int.shape[2]
-    acc = saved.q_int @ _expand_heads(saved.k_int, group).transpose(-1, -2)  # INT8: exact, |sum| <= 127^2 d < 2^24
+    # INT8 scores: exact in fp32, |sum| <= 127^2 d < 2^24
+    acc = saved.q_int @ _expand_heads(saved.k_int, group).transpose(-1, -2)
     s = acc * (saved.q_scale[..., :, None] * _expand_heads(saved.k_scale, group)[..., None, :] * sm_scale)
     if causal:
         s = s.masked_fill(_causal_mask(Sq, Sk, s.device), float("-inf"))
