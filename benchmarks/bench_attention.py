@@ -1,12 +1,16 @@
 """INT8 attention (megatron_int8.ops.int8_attention) against BF16 `F.scaled_dot_product_attention` (flash and
 cuDNN backends), causal, forward, backward and both, on one GPU; with the SNR of O, dQ, dK, dV against float64.
 
-    python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128
+    python3 benchmarks/bench_attention.py                      # seq 4096 and 8192, batch 2, 32 heads (and 8 kv), d 128,
+                                                               # INT8 attention with either scores
     python3 benchmarks/bench_attention.py --csv $OUT/attention.csv
-    python3 benchmarks/bench_attention.py --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point (INT8 scores' defaults)
+    python3 benchmarks/bench_attention.py --scores int8 --tiles 128 64 128 32 128 128 64 --no-snr   # a tile point
     python3 benchmarks/bench_attention.py --seqs 8192 --kv-heads 8 --no-snr --profile   # INT8's time per kernel
     python3 benchmarks/bench_attention.py --seqs 4096 --kv-heads 8 --no-snr --sweep     # each kernel's tile choices
-    python3 benchmarks/bench_attention.py --bf16-scores     # also INT8 attention with BF16 scores (scores="bf16")
+    python3 benchmarks/bench_attention.py --scores bf16     # only the default scores (Int8AttentionConfig.scores)
+
+The INT8 impls are named by their scores: int8-bf16-scores (the default config) and int8-int8-scores (scores="int8";
+rows of attention.csv written before the --scores option name it plain int8).
 
 TFLOP/s count the causal half of the square: forward 2 products of 2 b h s^2 d / 2 flops each, backward 2.5x that
 (five products), as FlashAttention reports. INT8 times include the quantization passes. Backward is timed from
@@ -42,10 +46,13 @@ def make_inputs(batch, heads, kv_heads, seq, dim, seed=0, device="cuda", dtype=t
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
+INT8_IMPLS = {"bf16": "int8-bf16-scores", "int8": "int8-int8-scores"}  # the INT8 impl of each scores
+
+
 def impl_config(name, tiles=None):
-    """The Int8AttentionConfig of an INT8 impl ("int8", or "int8-bf16-scores" with scores="bf16"): the fields of
-    --tiles where given, else the defaults for its scores (the forward's tile depends on them)."""
-    scores = "bf16" if name == "int8-bf16-scores" else "int8"
+    """The Int8AttentionConfig of an INT8 impl (INT8_IMPLS): the fields of --tiles where given, else the defaults
+    for its scores (the forward's tile depends on them)."""
+    scores = next(s for s, impl in INT8_IMPLS.items() if impl == name)
     return dataclasses.replace(tiles, scores=scores) if tiles else Int8AttentionConfig(scores=scores)
 
 
@@ -114,7 +121,7 @@ def snr_columns(names, q, k, v, do, tiles):
     return result
 
 
-def profile_int8(q, k, v, do, tiles, impl="int8", steps=5):
+def profile_int8(q, k, v, do, tiles, impl, steps=5):
     """An INT8 impl's fwd+bwd GPU time per kernel (quantize passes, forward, dK/dV, dQ), per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -144,7 +151,7 @@ SWEEP_FIELDS = {"fwd": ("fwd_block_m", "fwd_block_n"), "bwd": ("bwd_block_m", "b
                 "dq": ("dq_block_m", "dq_block_n")}
 
 
-def sweep_tiles(q, k, v, do, tiles, iters, impl="int8"):
+def sweep_tiles(q, k, v, do, tiles, iters, impl):
     """Forward and backward ms of an INT8 impl at each tile choice of SWEEP (the tiles also set the scale groups of
     P^T and dS, so a new default needs the SNR columns and the GPU tests beside its speed)."""
     from triton.runtime.errors import OutOfResources
@@ -183,15 +190,17 @@ def main(argv=None) -> None:
     p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
                    help="Int8AttentionConfig fields in order, for every INT8 impl (default: the config's defaults "
                         "for each impl's scores)")
-    p.add_argument("--profile", action="store_true", help="also print each INT8 impl's GPU time per kernel at each shape")
-    p.add_argument("--sweep", action="store_true", help="also time each INT8 impl's kernels at each tile choice (SWEEP) at each shape")
+    p.add_argument("--profile", action="store_true",
+                   help="also print each INT8 impl's GPU time per kernel at each shape")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time each INT8 impl's kernels at each tile choice (SWEEP) at each shape")
     p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
-    p.add_argument("--bf16-scores", action="store_true",
-                   help="also time INT8 attention with BF16 scores (Int8AttentionConfig(scores='bf16')): "
-                        "the impl int8-bf16-scores")
+    p.add_argument("--scores", choices=("both", "bf16", "int8"), default="both",
+                   help="INT8 attention's scores product to time (Int8AttentionConfig.scores; default both: "
+                        "int8-bf16-scores, the default config, and int8-int8-scores)")
     opts = p.parse_args(argv)
     tiles = Int8AttentionConfig(*opts.tiles) if opts.tiles else None
-    impls = ("int8",) + (("int8-bf16-scores",) if opts.bf16_scores else ())
+    impls = tuple(impl for scores, impl in INT8_IMPLS.items() if opts.scores in ("both", scores))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, causal, batch {opts.batch}, "
           f"{opts.heads} heads, d {opts.dim}, bf16 in/out; INT8 tiles: "
           + "; ".join(f"{name} {impl_config(name, tiles)}" for name in impls))
