@@ -204,12 +204,10 @@ def _row_weights(probs: Optional[torch.Tensor], x: torch.Tensor) -> Optional[tor
     return probs.reshape(-1).contiguous()
 
 
-def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None,
-                          probs: Optional[torch.Tensor] = None):
+def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, probs: Optional[torch.Tensor] = None):
     """(y, row maxima [R] or None, column maxima [F] or None) of x [..., 2F]; y [..., F] contiguous,
-    R = rows of y. `probs` [...]: each row's weight (the weighted SwiGLU). `tile`: (TR, TC) instead of the
-    default register tile (for tuning)."""
-    return _forward(x, maxima, tile, probs, None)[:3]
+    R = rows of y. `probs` [...]: each row's weight (the weighted SwiGLU)."""
+    return _forward(x, maxima, None, probs, None)[:3]
 
 
 def triton_swiglu_forward_int8_copy(x: torch.Tensor, block: int, maxima: bool = False):
@@ -264,10 +262,10 @@ def _backward(dy, x, maxima, tile, probs, copy_scales=None):
     return dx, rows, cols, dp
 
 
-def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = False, tile: Optional[tuple] = None):
+def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = False):
     """(dx, row maxima [R] or None, column maxima [2F] or None) for dy [..., F] and x [..., 2F]; dx of x's
     shape, contiguous."""
-    return _backward(dy, x, maxima, tile, None)[:3]
+    return _backward(dy, x, maxima, None, None)[:3]
 
 
 def triton_swiglu_backward_int8_copy(dy: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
@@ -284,9 +282,8 @@ def triton_swiglu_backward_int8_copy(dy: torch.Tensor, q: torch.Tensor, scales: 
     return _backward(dy, q, maxima, (_TILE[0], block), None, scales)[:3]
 
 
-def triton_weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor,
-                                    tile: Optional[tuple] = None):
+def triton_weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor):
     """(dx, dprobs) of the weighted SwiGLU y = silu(a) b probs: dx as x, contiguous; dprobs as probs (the row
     sums in fp32, rounded once to probs' dtype)."""
-    dx, _, _, dp = _backward(dy, x, False, tile, probs)
+    dx, _, _, dp = _backward(dy, x, False, None, probs)
     return dx, dp

@@ -52,7 +52,7 @@ import torch
 
 from ..recipe import QMAX, Int8Recipe
 from ..reference import QTensor, dequantize, quantize
-from .int8_attention import DEFAULT_CONFIG, Int8AttentionConfig, score_operands
+from .int8_attention import Int8AttentionConfig, score_operands
 from .smooth_swiglu import smooth_scales
 
 OPERANDS = ("x", "w", "dy")
@@ -96,12 +96,10 @@ def _fractions(x2d: torch.Tensor, q: QTensor) -> torch.Tensor:
     return torch.stack([underflow, saturation]).float()
 
 
-def quantization_fractions(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool,
-                           amax: Optional[torch.Tensor] = None) -> torch.Tensor:
+def quantization_fractions(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool) -> torch.Tensor:
     """[underflow, saturation] of x2d [rows, K] quantized as the recipe quantizes a GEMM operand along its
-    rows (scales over the last axis; BxB tiles for a weight under block granularity), rounding to nearest;
-    `amax` as for `gemm_relative_error`."""
-    return _fractions(x2d, _quantize(x2d, recipe, weight=weight, amax=amax))
+    rows (scales over the last axis; BxB tiles for a weight under block granularity), rounding to nearest."""
+    return _fractions(x2d, _quantize(x2d, recipe, weight=weight))
 
 
 def _quantize(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool, amax: Optional[torch.Tensor] = None):
@@ -152,18 +150,12 @@ def _product_error(a: torch.Tensor, qa: QTensor, b: torch.Tensor, qb: QTensor) -
     return relative_error(approx, exact)
 
 
-def gemm_relative_error(a_rows: torch.Tensor, b: torch.Tensor, recipe: Int8Recipe, *,
-                        a_amax: Optional[torch.Tensor] = None, b_amax: Optional[torch.Tensor] = None,
+def gemm_relative_error(a: torch.Tensor, b: torch.Tensor, recipe: Int8Recipe, *,
                         b_is_weight: bool = False) -> torch.Tensor:
-    """Relative error of Q(a_rows) Q(b)^T against a_rows b^T (both [., K], K the contraction axis).
-
-    a_rows may be part of a larger operand: `a_amax` then carries the amax the larger operand's quantization
-    gives a_rows (tensorwise: one scalar; row-wise: one per row, when a row of a_rows is part of a longer
-    one, as wgrad's sampled tokens are; see `_sample_amax`); likewise `b_amax` for b. `b_is_weight`: b is a
-    weight, quantized in BxB tiles under block granularity."""
-    qa = _quantize(a_rows, recipe, weight=False, amax=a_amax)
-    qb = _quantize(b, recipe, weight=b_is_weight, amax=b_amax)
-    return _product_error(a_rows, qa, b, qb)
+    """Relative error of Q(a) Q(b)^T against a b^T (both [., K], K the contraction axis), each operand quantized
+    whole (the probes quantize their samples with the whole operand's amax: `_sample_amax`). `b_is_weight`: b is
+    a weight, quantized in BxB tiles under block granularity."""
+    return _product_error(a, _quantize(a, recipe, weight=False), b, _quantize(b, recipe, weight=b_is_weight))
 
 
 def sample_rows(rows: int, block_size: int) -> slice:
@@ -317,7 +309,7 @@ class AttentionProbe(_Probe):
     (`ATTENTION_STATS`, module docstring)."""
 
     def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
-                scale: float, config: Int8AttentionConfig = DEFAULT_CONFIG) -> None:
+                scale: float, config: Int8AttentionConfig) -> None:
         """q [b, h, sq, d], k and v [b, h_kv, sk, d] as `int8_attention` took them with `config`, `out` what it
         returned."""
         self.armed = False

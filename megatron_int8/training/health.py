@@ -394,7 +394,7 @@ def _gather_over_pipeline(local: dict) -> dict:
     return merged
 
 
-def summarize(checks, top: int = 1) -> str:
+def summarize(checks) -> str:
     """The log line's part: per GEMM the worst relative error and underflow of the last check, with the
     linear that has it."""
     if not checks:
@@ -404,9 +404,10 @@ def summarize(checks, top: int = 1) -> str:
     for gemm in GEMMS + (ATTENTION,):  # an attention's key appears where --int8-attention runs
         for stat, fmt in (("rel_err", ".2e"), ("underflow", ".3f")):
             key = f"{gemm}/{stat}"
-            ranked = sorted(((v[key], name) for name, v in by_linear.items() if key in v), reverse=True)[:top]
+            ranked = [(v[key], name) for name, v in by_linear.items() if key in v]
             if ranked:
-                parts.append(f"{gemm} {stat} " + ", ".join(f"{v:{fmt}} ({name})" for v, name in ranked))
+                worst, name = max(ranked)
+                parts.append(f"{gemm} {stat} {worst:{fmt}} ({name})")
     return f"int8 health (it {iteration}, worst): " + "; ".join(parts)
 
 
