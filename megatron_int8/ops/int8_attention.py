@@ -54,7 +54,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..recipe import ATTENTION_SCORES, DEFAULT_ATTENTION_SCORES
+from ..dispatch import resolve_backend_name
+from ..recipe import ATTENTION_SCORES, DEFAULT_ATTENTION_SCORES, Int8Recipe
 from ..reference import scale_from_amax
 from .backend import triton_available, triton_runs_on
 
@@ -329,14 +330,17 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """Attention softmax(scale * q k^T) v with INT8 products (see the module docstring), differentiable.
 
     q [b, h, s, d], k and v [b, h_kv, s_kv, d] (GQA: h % h_kv == 0); scale defaults to 1/sqrt(d).
-    backend: "auto" (Triton kernels where they run and import, else the PyTorch path), "triton" or "reference".
+    backend: "auto" (Triton kernels on a GPU where they import, else the PyTorch path; MEGATRON_INT8_BACKEND
+    overrides it, as it does a recipe's), "triton" or "reference".
     The Triton kernels take head dims 32..256 that are powers of two (64 and 128 are tested on the GPU).
     """
     _check(q, k, v)
     cfg = config or DEFAULT_CONFIG
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"int8_attention: backend {backend!r}: expected auto, triton or reference")
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and triton_available())
+    if backend == "auto":
+        backend = resolve_backend_name(q.device, Int8Recipe(), triton_available())
+    use_triton = backend == "triton"
     if use_triton and not (triton_runs_on(q.device) and triton_available()):
         raise RuntimeError("int8_attention: the Triton kernels need CUDA (or TRITON_INTERPRET=1) and triton")
     d = q.shape[-1]

@@ -178,6 +178,18 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
                                attention_reference(q, k, v, config=SMALL), rtol=0, atol=0)
 
 
+@on_host
+def test_auto_backend_follows_the_environment_as_a_recipe_does(monkeypatch):
+    """MEGATRON_INT8_BACKEND overrides the op's "auto" as it overrides a recipe's (a CPU tensor cannot take
+    "triton", so the override shows as that refusal); an explicit backend stays."""
+    q, k, v, _ = attention_inputs(1, 4, 2, 16, 32, 7)
+    monkeypatch.setenv("MEGATRON_INT8_BACKEND", "triton")
+    with pytest.raises((ValueError, ImportError), match="INT8 backend 'triton'"):
+        int8_attention(q, k, v, config=SMALL)
+    torch.testing.assert_close(int8_attention(q, k, v, config=SMALL, backend="reference"),
+                               attention_reference(q, k, v, config=SMALL), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------ Triton kernels
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
