@@ -28,17 +28,15 @@ the scale products), which can move a quantized P or dS by one step.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, cdiv
+from .launch import INTERPRETING, LaunchCache, cdiv
 from .quantize import _round_clamp, _round_to_int8, _scale_from_amax
 
 LOG2E = 1.4426950408889634
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
 
 
@@ -405,7 +403,7 @@ def triton_attention_forward(q, k, v, causal: bool, sm_scale: float, cfg):
                 q8, q_s, k8, k_s, vt8, vt_s, o, lse,
                 H, H // Hk, Sq, Sk, vt8.shape[2], vt_s.shape[1], sm_scale * LOG2E,
                 D=D, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                SCORES_BF16=scores_bf16, UPCAST=_INTERPRET, num_warps=warps_for(cfg.fwd_block_m))
+                SCORES_BF16=scores_bf16, UPCAST=INTERPRETING, num_warps=warps_for(cfg.fwd_block_m))
     return o, (q8, q_s, k8, k_s, qt8, qt_s, kt8, kt_s, lse)
 
 
@@ -425,12 +423,12 @@ def triton_attention_backward(do, o, v, saved, causal: bool, sm_scale: float, cf
                      q8, q_s, k8, k_s, qt8, qt_s, v, *v.stride()[:3], do, *do.stride()[:3], dot8, dot_s, lse, delta,
                      dk, dv, Hk, H // Hk, Sq, Sk, qt8.shape[2], qt_s.shape[1], qk_scale, sm_scale,
                      D=D, BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                     SCORES_BF16=cfg.scores == "bf16", UPCAST=_INTERPRET,
+                     SCORES_BF16=cfg.scores == "bf16", UPCAST=INTERPRETING,
                      num_warps=warps_for(cfg.bwd_block_n))
     _BWD_DQ.launch((B * H, cdiv(Sq, cfg.dq_block_m)),
                    q8, q_s, k8, k_s, kt8, kt_s, v, *v.stride()[:3], do, *do.stride()[:3], lse, delta, dq,
                    H, H // Hk, Sq, Sk, kt8.shape[2], kt_s.shape[1], qk_scale, sm_scale,
                    D=D, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, QBLOCK=cfg.block, CAUSAL=bool(causal),
-                   SCORES_BF16=cfg.scores == "bf16", UPCAST=_INTERPRET,
+                   SCORES_BF16=cfg.scores == "bf16", UPCAST=INTERPRETING,
                    num_warps=warps_for(cfg.dq_block_m))
     return dq, dk, dv

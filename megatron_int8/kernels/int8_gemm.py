@@ -46,7 +46,6 @@ while a bucket is tuned once (the best tile moves little within 2x of M or K).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -57,11 +56,10 @@ import triton.testing
 from .. import reference as ref
 from ..dispatch import ENV_GEMM_AUTOTUNE, ENV_GEMM_KERNEL, env_choice, env_flag
 from . import int8_gemm_ws, sm90_gemm
-from .launch import ARG, LaunchCache, PlanCache, capability, cdiv, next_pow2, num_sms
+from .launch import ARG, INTERPRETING, LaunchCache, PlanCache, capability, cdiv, next_pow2, num_sms
 from ._tl import SEGMENT_ALIGN
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCALE_TENSOR, _SCALE_ROW, _SCALE_BLOCK = 0, 1, 2
 
 
@@ -166,7 +164,7 @@ def _int8_gemm_kernel(
 
 
 # Triton's interpreter has no TMA reduce (create_descriptor_reduce); there the epilogue adds through a load
-_TMA_REDUCE = tl.constexpr(not _INTERPRET)
+_TMA_REDUCE = tl.constexpr(not INTERPRETING)
 
 
 @triton.jit
@@ -310,7 +308,7 @@ def _block_ws_eligible(ad, bd, c, block_size: int, sb_rows: int, K: int) -> bool
     route for the block recipe (MEGATRON_INT8_GEMM_KERNEL=portable keeps the plain kernel). Its operands as TMA
     loads need them; c as the TMA kernels need it too, which its pointer stores do not, but those are the outputs
     its GPU tests cover."""
-    return (not _INTERPRET and env_choice(ENV_GEMM_KERNEL) != "portable" and _tma_operands(ad, bd, c)
+    return (not INTERPRETING and env_choice(ENV_GEMM_KERNEL) != "portable" and _tma_operands(ad, bd, c)
             and int8_gemm_ws.supports_block(c, block_size, sb_rows, K))
 
 
@@ -439,7 +437,7 @@ def triton_gemm(
     shape, strides, dtype and 16-byte alignment, the options); later calls with that key allocate the
     output and call the bound launch (launch.BoundLaunch)."""
     ad, bd, sa, sb = a.data, b.data, a.scale, b.scale
-    tuned = autotune and not _INTERPRET and env_flag(ENV_GEMM_AUTOTUNE)
+    tuned = autotune and not INTERPRETING and env_flag(ENV_GEMM_AUTOTUNE)
     key = (ad.device, ad.shape, ad.stride(), ad.dtype, ad.data_ptr() % 16, bd.shape, bd.stride(), bd.dtype,
            bd.data_ptr() % 16, a.granularity, a.block_size, a.tile2d, b.granularity, b.block_size, b.tile2d,
            sa.shape, sa.stride(), sa.dtype, sa.data_ptr() % 16, sb.shape, sb.stride(), sb.dtype, sb.data_ptr() % 16,
@@ -489,7 +487,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
 def _use_cuda(which: str, supported: Callable[[], bool]) -> bool:
     """Whether a GEMM goes to the CUDA kernel: MEGATRON_INT8_GEMM_KERNEL `which` is "auto" or "hopper" and the
     kernel takes the operands (`supported()`) and is available (else the Hopper route is Triton's TMA pair)."""
-    return which in ("auto", "hopper") and not _INTERPRET and supported() and sm90_gemm.available()
+    return which in ("auto", "hopper") and not INTERPRETING and supported() and sm90_gemm.available()
 
 
 def _no_hopper_kernel(tma_ok: bool) -> None:
@@ -562,7 +560,7 @@ def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
         s_strides = (sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
     else:
         raise ValueError(f"unknown granularity {a.granularity!r}")
-    if _INTERPRET:
+    if INTERPRETING:
         block_k = min(block_k, 32)
         if mode == _SCALE_BLOCK:
             block_k = 32 if a.block_size % 32 == 0 else 16
@@ -622,7 +620,7 @@ def _untuned_launch(args, meta, tma_ok: bool, nb: int):
     persistent TMA kernel where the operands allow it (MEGATRON_INT8_GEMM_KERNEL=portable: never), else the
     plain kernel; 16 x 16 tiles in the interpreter. `nb`: the rows of b (E * N for grouped GEMMs)."""
     M, N = args[6], args[7]
-    if _INTERPRET:
+    if INTERPRETING:
         return _GEMM_PLAIN, (cdiv(M, 16) * cdiv(N, 16),), args, dict(meta, BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
     which = env_choice(ENV_GEMM_KERNEL)
     if which == "hopper":
@@ -723,7 +721,7 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
         return sm90_gemm.sm90_grouped_gemm(a, b, segments, out_dtype=out_dtype)
     c = torch.empty((R, N), dtype=out_dtype, device=a.data.device)
     ad, bd, sb = a.data, b.data.reshape(E * N, K), b.scale.reshape(E * N)
-    block_k = 32 if _INTERPRET else 128
+    block_k = 32 if INTERPRETING else 128
     split = K > ref.MAX_EXACT_K
     args = _plain_args(ad, bd, c, a.scale, sb, c, R, N, K, (a.scale.stride(0), 0, sb.stride(0), 0),
                        max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))

@@ -35,7 +35,7 @@ from ..dispatch import ENV_DIRECT_LAUNCH, env_flag
 from ..reference import cdiv  # noqa: F401  (the kernels' grids take it from here)
 
 DIRECT = env_flag(ENV_DIRECT_LAUNCH)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read once: triton decides at import too
 # a safety net: integers are keyed by class, not value, so signatures are few, but nothing else bounds them
 MAX_SIGNATURES = 4096
 
@@ -103,7 +103,7 @@ class LaunchCache:
         self._compiled: Dict[tuple, Tuple[Any, tuple]] = {}
 
     def launch(self, grid: tuple, *args, **kwargs) -> None:
-        if not DIRECT or _INTERPRET:
+        if not DIRECT or INTERPRETING:
             self.kernel[grid](*args, **kwargs)
             return
         (compiled, trailing), launched = self._entry(grid, args, kwargs)
@@ -170,7 +170,7 @@ class BoundLaunch:
         if bound:
             run(*args)
             return
-        if not DIRECT or _INTERPRET:  # switched off (also at runtime, for A/B timing) or interpreted
+        if not DIRECT or INTERPRETING:  # switched off (also at runtime, for A/B timing) or interpreted
             self._cache.launch(self._grid, *args, **self._kwargs)
             return
         (compiled, trailing), launched = self._cache._entry(self._grid, args, self._kwargs)

@@ -45,7 +45,6 @@ Tiles narrower than 4 columns (only tiny block-granularity tensors) fall back to
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -54,11 +53,10 @@ import triton.language as tl
 
 from .. import reference as ref
 from ._tl import SEGMENT_ALIGN, atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
-from .launch import ARG, LaunchCache, PlanCache, cdiv, next_pow2
+from .launch import ARG, INTERPRETING, LaunchCache, PlanCache, cdiv, next_pow2
 
 
 QMAX = float(ref.QMAX)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # modes of _quantize_block_kernel
 _MODE_TILE2D, _MODE_1XB = 2, 3
@@ -367,7 +365,7 @@ _AMAX, _QUANTIZE, _QUANTIZE_BLOCK = map(LaunchCache, (_amax_kernel, _quantize_ke
 
 # Tile shapes. The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise
 # multi-tile reductions, multi-step amax strips and ragged edges on tiny inputs.
-if _INTERPRET:
+if INTERPRETING:
     _AMAX_TILE, _Q_TILE, _Q_TILE_T = (8, 16), (16, 32), (16, 16)
     _MAX_STRIPS, _WARPS, _BLOCK_ROWS, _SCALE_BLOCK = 3, 4, 4, 16
     _AMAX_WARPS = _Q_T_WARPS = _WARPS
@@ -561,7 +559,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
                                     TC=ATC, TILE_MAX=True, ROW_MAX=False, COL_MAX=False, SEG=False,
                                     num_warps=_AMAX_WARPS)
     flag, slot = _finite_slot(check_finite, dev, name, True)
-    BP = 2 if _INTERPRET else min(next_pow2(n_p), _MAX_TILE_PARTIALS)  # the interpreter loops over them
+    BP = 2 if INTERPRETING else min(next_pow2(n_p), _MAX_TILE_PARTIALS)  # the interpreter loops over them
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
 
@@ -686,7 +684,7 @@ def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finit
         grid, (ARG, R, C, x.stride(0), x.stride(1), ARG, ARG, RP, ARG, ARG, sd_shape[1], 1, std_shape[1], 1, GR,
                GC, ARG, ARG, slot),
         TR=TR, TC=TC, MODE=mode, ROW=rowwise, COL=columnwise, STOCHASTIC=stochastic,
-        FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or _INTERPRET else 16)
+        FOUR=_four(TC, GC, grid[1]), FLAG=flag, num_warps=_WARPS if TR * TC < 16384 or INTERPRETING else 16)
 
     def run(x, amax, columnwise_amax, segments, rowwise_amax, out):  # out: row-wise only (never given here)
         q, qt, q_arg, qt_arg = _int8_outputs(R, C, RP, rowwise, columnwise, dev)

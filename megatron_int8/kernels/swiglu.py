@@ -30,14 +30,13 @@ column maxima accumulate in registers and are folded in once per strip, as the a
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .launch import LaunchCache, cdiv
+from .launch import INTERPRETING, LaunchCache, cdiv
 from ._tl import atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
 from .quantize import _round_clamp, _scale_from_amax
 
@@ -141,7 +140,7 @@ _BWD = LaunchCache(_swiglu_bwd_kernel)
 # maxima at F = 9728, 11008 and 14336 (Qwen3-4B fwd + bwd 358 us for 8192 rows, against 402 us for the
 # 32 x 256 tile on 8 warps chosen on an H100 on 2026-11-22), and level with it without maxima.
 # The interpreter runs numpy per program: small tiles keep CPU tests quick and exercise multi-step strips.
-if os.environ.get("TRITON_INTERPRET") == "1":
+if INTERPRETING:
     _TILE, _WARPS, _STAGES, _MAX_STRIPS = (4, 16), 4, 1, 3
 else:
     _TILE, _WARPS, _STAGES, _MAX_STRIPS = (16, 128), 4, 3, 32

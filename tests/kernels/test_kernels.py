@@ -716,7 +716,7 @@ def test_gemm_dispatch_cache(K, monkeypatch, launch_log):
             return run
 
     monkeypatch.setattr(G, "_int8_gemm_tuned", FakeTuner())
-    monkeypatch.setattr(G, "_INTERPRET", False)
+    monkeypatch.setattr(G, "INTERPRETING", False)
     monkeypatch.setattr(G, "_fast", {})
     monkeypatch.setenv("MEGATRON_INT8_GEMM_AUTOTUNE", "1")
     for granularity in ("tensor", "row", "block"):

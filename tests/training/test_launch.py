@@ -76,7 +76,7 @@ class _FakeKernel:
 @pytest.fixture
 def direct(monkeypatch):
     monkeypatch.setattr(launch, "DIRECT", True)
-    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "INTERPRETING", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
@@ -124,7 +124,7 @@ def test_switched_off_or_interpreted_every_launch_goes_through_jit(direct, monke
     cache.launch((1,), x, 32, BLOCK=16)
     cache.launch((1,), x, 32, BLOCK=16)
     monkeypatch.setattr(launch, "DIRECT", True)
-    monkeypatch.setattr(launch, "_INTERPRET", True)
+    monkeypatch.setattr(launch, "INTERPRETING", True)
     cache.launch((1,), x, 32, BLOCK=16)
     assert [c[0] for c in kernel.calls] == ["jit"] * 3 and len(cache) == 0
 
@@ -170,7 +170,7 @@ def test_bound_launch_switched_off_or_interpreted_goes_through_jit(direct, monke
     bound(x)
     monkeypatch.setattr(launch, "DIRECT", True)
     bound(x)
-    monkeypatch.setattr(launch, "_INTERPRET", True)
+    monkeypatch.setattr(launch, "INTERPRETING", True)
     fresh = launch.LaunchCache(kernel).prepare((2,), (launch.ARG, 32), BLOCK=16)
     fresh(x)
     fresh(x)
