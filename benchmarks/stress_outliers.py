@@ -43,10 +43,10 @@ import common  # noqa: F401  (first: the repository on sys.path)
 import torch
 import torch.nn.functional as F
 
-from megatron_int8.ops.health import GEMMS, LinearProbe, values_by_name
+from megatron_int8.ops.health import LinearProbe, values_by_name
 from megatron_int8.ops.linear import int8_linear
 from megatron_int8.ops.swiglu import swiglu
-from megatron_int8.recipe import Int8Recipe
+from megatron_int8.recipe import GEMMS, Int8Recipe
 from megatron_int8.training.health import AutoFallback, FallbackThresholds, recipe_mode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))

@@ -10,6 +10,7 @@ import dataclasses
 
 QMAX = 127  # symmetric INT8 range [-127, 127]: -128 is never produced, so negation is exact.
 GRANULARITIES = ("tensor", "row", "block")
+GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three products, each a recipe field (True: INT8)
 ATTENTION_SCORES = ("int8", "bf16")
 # INT8 attention's scores (Q K^T) unless told otherwise: BF16 Q and K held the loss where INT8 scores drifted (344M,
 # docs/convergence.md section 10a)
@@ -59,12 +60,11 @@ class Int8Numerics:
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
         if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
-        _check_bools(self, ("fprop", "dgrad", "wgrad", "smooth_swiglu", "int8_swiglu_input", "int8_norm_input",
-                            "int8_attention"))
+        _check_bools(self, GEMMS + ("smooth_swiglu", "int8_swiglu_input", "int8_norm_input", "int8_attention"))
 
     def describe(self) -> str:
         """Short human-readable form for precision tables and logs."""
-        gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in ("fprop", "dgrad", "wgrad"))
+        gemms = "/".join(g if getattr(self, g) else f"{g}:hp" for g in GEMMS)
         gran = self.granularity if self.granularity != "block" else f"block{self.block_size}"
         sr = ",sr" if self.grad_rounding == "stochastic" else ""
         smooth = ",smooth" if self.smooth_swiglu else ""

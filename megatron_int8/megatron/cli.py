@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from ..recipe import (ATTENTION_SCORES, BACKENDS, DEFAULT_ATTENTION_SCORES, FINITE_CHECKS, GRANULARITIES, ROUNDINGS,
-                      Int8Recipe)
-from .policy import BF16_MODULE_NAMES, GEMMS, Int8Policy
+from ..recipe import (ATTENTION_SCORES, BACKENDS, DEFAULT_ATTENTION_SCORES, FINITE_CHECKS, GEMMS, GRANULARITIES,
+                      ROUNDINGS, Int8Recipe)
+from .policy import BF16_MODULE_NAMES, Int8Policy
 
 INT8_ATTENTION_NEEDS_INT8_LINEAR = "--int8-attention runs in the INT8 layers: it needs --int8-linear"
 

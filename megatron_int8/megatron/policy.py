@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
-from ..recipe import Int8Recipe
+from ..recipe import GEMMS, Int8Recipe
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 FP8_RECIPES = ("tensorwise", "rowwise")  # torchao float8 recipes of the FP8 peer (peers/fp8.py)
 LINEAR_SUBMODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 EXPERT_GROUPS = ("experts", "shared_experts")  # every linear of the routed / shared experts

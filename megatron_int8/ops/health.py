@@ -50,14 +50,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..recipe import QMAX, Int8Recipe
+from ..recipe import GEMMS, QMAX, Int8Recipe
 from ..reference import QTensor, dequantize, quantize
 from .int8_attention import Int8AttentionConfig, score_operands
 from .smooth_swiglu import smooth_scales
 
 OPERANDS = ("x", "w", "dy")
 OPERAND_STATS = ("amax", "crest", "kurtosis", "underflow", "saturation")
-GEMMS = ("fprop", "dgrad", "wgrad")
 GEMM_STATS = ("rel_err", "underflow")
 # the flat order of a probe's values: int8_health/<layer>/<operand or GEMM>/<stat>
 STAT_NAMES: Tuple[str, ...] = tuple(f"{op}/{s}" for op in OPERANDS for s in OPERAND_STATS) + tuple(

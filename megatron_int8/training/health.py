@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from ..ops.health import ATTENTION_STATS, GEMMS, STAT_NAMES, AttentionProbe, LinearProbe
-from ..recipe import Int8Recipe
+from ..ops.health import ATTENTION_STATS, STAT_NAMES, AttentionProbe, LinearProbe
+from ..recipe import GEMMS, Int8Recipe
 from .cpu import training_device
 
 if TYPE_CHECKING:
