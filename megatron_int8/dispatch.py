@@ -19,7 +19,8 @@ What a user needs each one for:
 - MEGATRON_INT8_DIRECT_LAUNCH: "0" sends every Triton launch through triton's own JITFunction.run, the escape
   hatch should a Triton version change the compiled-kernel interface that kernels/launch.py calls directly.
 - MEGATRON_INT8_NORM_KERNEL: "torch" keeps torch's RMSNorm kernels where the fused Triton one would run (the
-  same escape hatch, for the norm; ops/rms_norm.py).
+  same escape hatch, for the norm); "triton" runs the Triton one at every width, to time one against the other
+  (ops/rms_norm.py).
 - MEGATRON_INT8_DISTOPT_FORMAT: the distributed optimizer's checkpoint format; "dp_reshardable" writes what an
   older reader, or one that must not reshard, expects (training/checkpoint.py).
 - MEGATRON_INT8_SHAPE_POLICY: which linears run in INT8, overriding the recipe from a launch script.
