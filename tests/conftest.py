@@ -1,12 +1,5 @@
-import os
-
-# One intra-op thread per process (set before torch loads): the suite runs in two xdist workers on a 2-core machine,
-# and its trainer subprocesses beside them, so a pool of one thread per core in each process only oversubscribes the
-# cores (23% longer for the single-process trainer tests). OMP_NUM_THREADS set by the caller stays.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def pytest_collection_modifyitems(config, items):
