@@ -206,14 +206,14 @@ def _row_weights(probs: Optional[torch.Tensor], x: torch.Tensor) -> Optional[tor
 def triton_swiglu_forward(x: torch.Tensor, maxima: bool = False, probs: Optional[torch.Tensor] = None):
     """(y, row maxima [R] or None, column maxima [F] or None) of x [..., 2F]; y [..., F] contiguous,
     R = rows of y. `probs` [...]: each row's weight (the weighted SwiGLU)."""
-    return _forward(x, maxima, None, probs, None)[:3]
+    return _forward(x, maxima, probs, None)[:3]
 
 
 def triton_swiglu_forward_int8_copy(x: torch.Tensor, block: int, maxima: bool = False):
     """(y, row maxima or None, column maxima or None, q, scales): triton_swiglu_forward's results plus x's INT8
     copy for backward, q (x's shape, int8, contiguous) with each half's 1 x `block` scales [R, 2 ceil(F/block)]
     (reference.quantize's block quantization of a = x[..., :F] and of b = x[..., F:], side by side)."""
-    return _forward(x, maxima, None, None, _check_block(block))
+    return _forward(x, maxima, None, _check_block(block))
 
 
 def _check_block(block: int) -> int:
@@ -222,7 +222,13 @@ def _check_block(block: int) -> int:
     return block
 
 
-def _forward(x, maxima, tile, probs, block):
+def _block_tile(block: Optional[int]) -> Optional[tuple]:
+    """The register tile of a launch that writes or reads the INT8 copy: one column block of the program = one
+    quantization block of each half (None: the default tile)."""
+    return None if block is None else (_TILE[0], block)
+
+
+def _forward(x, maxima, probs, block):
     F = _check(x)
     p = _row_weights(probs, x)
     x2 = _rows(x)
@@ -230,19 +236,19 @@ def _forward(x, maxima, tile, probs, block):
     y = torch.empty((*x.shape[:-1], F), dtype=x.dtype, device=x.device)
     copy = ()
     if block is not None:
-        tile = (_TILE[0], block)  # one column block of the program = one quantization block of each half
         copy = (torch.empty(x.shape, dtype=torch.int8, device=x.device),
                 torch.empty((R, 2 * cdiv(F, block)), dtype=torch.float32, device=x.device))
     if y.numel() == 0:
         return (y, *_zeroed_maxima(R, F, x.device, maxima), *copy)
-    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device, tile,
-                         copy)
+    rows, cols = _launch(_FWD, (x2, x2.stride(0), y), () if p is None else (p,), R, F, F, maxima, x.device,
+                         _block_tile(block), copy)
     return (y, rows, cols, *copy)
 
 
-def _backward(dy, x, maxima, tile, probs, copy_scales=None):
+def _backward(dy, x, maxima, probs, block=None, copy_scales=None):
     """(dx, row maxima, column maxima, dprobs) for the backward entry points; None where not asked for. With
-    `copy_scales`, x is the INT8 copy (forward's q) and these its block scales."""
+    `copy_scales`, x is the INT8 copy (forward's q) and these its scales per `block` columns."""
+    tile = _block_tile(block)
     F = _check(x)
     if dy.shape != (*x.shape[:-1], F):
         raise ValueError(f"swiglu backward: dy {tuple(dy.shape)} does not match x {tuple(x.shape)}")
@@ -264,7 +270,7 @@ def _backward(dy, x, maxima, tile, probs, copy_scales=None):
 def triton_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, maxima: bool = False):
     """(dx, row maxima [R] or None, column maxima [2F] or None) for dy [..., F] and x [..., 2F]; dx of x's
     shape, contiguous."""
-    return _backward(dy, x, maxima, None, None)[:3]
+    return _backward(dy, x, maxima, None)[:3]
 
 
 def triton_swiglu_backward_int8_copy(dy: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
@@ -278,11 +284,11 @@ def triton_swiglu_backward_int8_copy(dy: torch.Tensor, q: torch.Tensor, scales: 
         raise ValueError(f"swiglu backward: q must be a contiguous int8 tensor [..., 2F] with fp32 scales "
                          f"[{R}, {2 * cdiv(F, block)}], got {q.dtype} {tuple(q.shape)} and {scales.dtype} "
                          f"{tuple(scales.shape)}")
-    return _backward(dy, q, maxima, (_TILE[0], block), None, scales)[:3]
+    return _backward(dy, q, maxima, None, block, scales)[:3]
 
 
 def triton_weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: torch.Tensor):
     """(dx, dprobs) of the weighted SwiGLU y = silu(a) b probs: dx as x, contiguous; dprobs as probs (the row
     sums in fp32, rounded once to probs' dtype)."""
-    dx, _, _, dp = _backward(dy, x, False, None, probs)
+    dx, _, _, dp = _backward(dy, x, False, probs)
     return dx, dp
