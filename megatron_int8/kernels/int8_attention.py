@@ -28,7 +28,6 @@ the scale products), which can move a quantized P or dS by one step.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -55,7 +55,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..dispatch import resolve_backend_name
-from ..recipe import ATTENTION_SCORES, DEFAULT_ATTENTION_SCORES, Int8Recipe
+from ..recipe import ATTENTION_SCORES, BACKENDS, DEFAULT_ATTENTION_SCORES, DEFAULT_RECIPE
 from ..reference import scale_from_amax
 from .backend import triton_available, triton_runs_on
 
@@ -336,10 +336,10 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     """
     _check(q, k, v)
     cfg = config or DEFAULT_CONFIG
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"int8_attention: backend {backend!r}: expected auto, triton or reference")
-    if backend == "auto":
-        backend = resolve_backend_name(q.device, Int8Recipe(), triton_available())
+    if backend not in BACKENDS:
+        raise ValueError(f"int8_attention: backend {backend!r}: expected one of {BACKENDS}")
+    if backend == "auto":  # the default recipe's backend is "auto": resolved as any recipe's
+        backend = resolve_backend_name(q.device, DEFAULT_RECIPE, triton_available())
     use_triton = backend == "triton"
     if use_triton and not (triton_runs_on(q.device) and triton_available()):
         raise RuntimeError("int8_attention: the Triton kernels need CUDA (or TRITON_INTERPRET=1) and triton")
