@@ -193,11 +193,11 @@ def _int8_gemm_tma_kernel(
     NB,  # rows of b: N, or E * N when GROUPED
     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, GROUPED: tl.constexpr = False, EPI_SPLIT: tl.constexpr = 1,
+    NUM_SMS: tl.constexpr, GROUPED: tl.constexpr = False, EPI_SPLIT: tl.constexpr = 1,
 ):
     """Persistent variant (tensor and row scales, operands with unit last stride): TMA tensor-descriptor
-    loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, so one
-    tile's epilogue overlaps the next tile's loads.
+    loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, the tile loop
+    flattened into the k loop, so one tile's epilogue overlaps the next tile's loads.
     C_TMA: the output tile leaves through TMA (clipped at the edges), in EPI_SPLIT column sub-tiles so that
     the shared-memory staging buffer fits beside the pipeline (an fp32 128 x 256 tile is 128 KB). With
     ACCUMULATE (fp32 `accumulate_into`, the wgrad into main_grad) it is a TMA reduce-add: L2 adds the tile
@@ -220,7 +220,7 @@ def _int8_gemm_tma_kernel(
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // EPI_SPLIT])
     group = GROUP_M * num_pid_n
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=FLATTEN):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         first_m = (tile_id // group) * GROUP_M
         size_m = min(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + ((tile_id % group) % size_m)
@@ -322,7 +322,6 @@ class TmaVariant(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    flatten: bool
     epi_split: int
     programs_per_sm: int = 1
     gluon_min_k: Optional[int] = None
@@ -330,7 +329,7 @@ class TmaVariant(NamedTuple):
     def launch_options(self, n_sms: int) -> dict:
         """The kernel's tile keywords and launch options on a GPU of n_sms SMs."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=8,
-                    NUM_SMS=n_sms * self.programs_per_sm, FLATTEN=self.flatten, EPI_SPLIT=self.epi_split,
+                    NUM_SMS=n_sms * self.programs_per_sm, EPI_SPLIT=self.epi_split,
                     num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -345,7 +344,7 @@ class TmaVariant(NamedTuple):
 # its wgmmas asynchronously and is the faster of the two exactly there (its epilogue is not overlapped, so short
 # k loops lose). On an H100 (72c340d, that commit's benchmarks/bench_triton_gemm.py) this pair ran the 42 GEMMs at
 # a median 0.915x the CUDA kernel; the other configurations measured then are in docs/history.md.
-TMA_TILE = TmaVariant(128, 128, 128, 4, 3, True, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K)
+TMA_TILE = TmaVariant(128, 128, 128, 4, 3, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K)
 # a grouped GEMM's tile must not span two experts' row segments
 assert ref.SEGMENT_ALIGN % TMA_TILE.block_m == 0, "TMA_TILE's rows must divide SEGMENT_ALIGN"
 

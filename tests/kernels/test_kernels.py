@@ -506,7 +506,7 @@ def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=T
                                   qa.data.stride(0), bd.stride(0), strips if strips is not None else sb, bd.shape[0],
                                   SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=bias is not None,
                                   ACCUMULATE=ACCUMULATE, C_TMA=C_TMA, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
-                                  NUM_SMS=3, FLATTEN=True, GROUPED=strips is not None, EPI_SPLIT=EPI_SPLIT)
+                                  NUM_SMS=3, GROUPED=strips is not None, EPI_SPLIT=EPI_SPLIT)
 
 
 @pytest.mark.parametrize("granularity,weight", WEIGHT_VARIANTS_SLOW)
