@@ -2,7 +2,8 @@
 override them, and the result records which values the YAML set, so that an error about one names the file.
 
 YAML keys are the flags' names (dashes or underscores); unknown keys fail with the closest names, and values
-are converted and checked as argparse would the flag's.
+are converted and checked as argparse would the flag's (a boolean or a fraction for an integer flag fails). An
+on/off flag takes true (the flag given) or false (the opposite setting, whatever the built-in default).
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def _yaml_value(key: str, value, action: argparse.Action):
     if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):  # on/off flags
         if not isinstance(value, bool):
             raise ArgumentError(f"config key '{key}': expected true or false, got {value!r}")
-        # `disable_bias_linear: true` means the flag is given, which stores its `const`.
-        return action.const if value else action.default
+        # `key: true` gives the flag (its `const`), `key: false` the opposite setting: `fused_adam: false` turns
+        # the fused Adam off (not back to its automatic default), `disable_bias_linear: false` keeps the biases.
+        return action.const if value else not action.const
     if value is None:
         return None
     if action.nargs in ("*", "+"):
@@ -46,6 +48,10 @@ def _yaml_value(key: str, value, action: argparse.Action):
 
 
 def _convert(key: str, value, action: argparse.Action):
+    if action.type in (int, float) and isinstance(value, bool):
+        raise ArgumentError(f"config key '{key}': expected a number, got {value!r}")
+    if action.type is int and isinstance(value, float) and not value.is_integer():
+        raise ArgumentError(f"config key '{key}': expected an integer, got {value!r}")
     if action.type is not None:
         try:
             value = action.type(value)

@@ -214,3 +214,32 @@ def test_a_second_signal_interrupts_at_once(save_first):
             os.kill(os.getpid(), signal.SIGINT)
             sum(range(1000))  # the handler runs between bytecodes
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_yaml_false_is_the_opposite_of_the_flag(tmp_path):
+    """`key: false` sets the opposite of what the flag sets, also where the built-in default is automatic (None)
+    or the flag is a --no-X form; integer flags refuse booleans and fractions instead of truncating them."""
+    parser = build_parser()
+    config = tmp_path / "switch.yaml"
+    checked = 0
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
+            key = action.option_strings[0][2:]
+            for value in (True, False):
+                config.write_text(yaml.safe_dump({key: value}))
+                got = getattr(parse_args(["--config", str(config)]), action.dest)
+                assert got is (action.const if value else not action.const), (key, value, got)
+            checked += 1
+    assert checked > 40
+    for key, dest, want in (("fused_adam", "fused_adam", False), ("cross_entropy_loss_fusion",
+                            "cross_entropy_loss_fusion", False), ("no_overlap_grad_reduce", "overlap_grad_reduce",
+                            True), ("disable_bias_linear", "add_bias_linear", True)):
+        config.write_text(yaml.safe_dump({key: False}))
+        assert getattr(parse_args(["--config", str(config)]), dest) is want, key
+    for value, message in ((True, "expected a number"), (2048.9, "expected an integer")):
+        config.write_text(yaml.safe_dump({"seq_length": value}))
+        with pytest.raises(ArgumentError, match=f"config key 'seq_length': {message}"):
+            parse_args(["--config", str(config)])
+    config.write_text(yaml.safe_dump({"seq_length": 2048.0, "lr": 3}))
+    args = parse_args(["--config", str(config)])
+    assert args.seq_length == 2048 and args.lr == 3.0
