@@ -35,7 +35,7 @@ import re
 import sys
 import time
 
-from common import KILL_AFTER_S, record_tables, add_data_arguments, describe_data, full_depth, global_batch, run_trainer  # noqa: E402
+from common import KILL_AFTER_S, record_tables, add_data_arguments, describe_data, full_depth, global_batch, model_config, run_trainer  # noqa: E402
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
@@ -51,8 +51,9 @@ SP_VARIANTS = ("bf16", "int8", "int8-int8ag", "int8-tensor", "int8-tensor-int8ag
 ALL_GATHER_PAIRS = {"int8-int8ag": ("int8", "row-wise"), "int8-tensor-int8ag": ("int8-tensor", "tensorwise + SR")}
 # Tiny widths for --smoke (CPU): every model keeps its structure (GQA, MoE, untied, SwiGLU) at width 64.
 SMOKE_MODEL = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-               "--num-query-groups", "2", "--kv-channels", "16", "--moe-ffn-hidden-size", "128",
-               "--max-position-embeddings", "64", "--num-workers", "0"]
+               "--kv-channels", "16", "--moe-ffn-hidden-size", "128", "--max-position-embeddings", "64",
+               "--num-workers", "0"]
+SMOKE_GQA = ["--num-query-groups", "2"]  # for the models with grouped-query attention
 SMOKE_MOCK_VOCAB = ["--vocab-size", "512"]  # a corpus brings its tokenizer's vocabulary
 SMOKE_LAYERS, SMOKE_SEQ = 2, 64
 
@@ -155,7 +156,8 @@ def run_options(layout: Layout, variant: str, opts, timeout: float) -> argparse.
     """The options bench_e2e.run_trainer reads, for one run."""
     extra = list(VARIANTS[variant][2]) + list(opts.extra)
     if opts.smoke:
-        extra = SMOKE_MODEL + (SMOKE_MOCK_VOCAB if opts.data_path is None else []) + extra
+        gqa = SMOKE_GQA if model_config(layout.model).get("group_query_attention") else []
+        extra = SMOKE_MODEL + gqa + (SMOKE_MOCK_VOCAB if opts.data_path is None else []) + extra
     return argparse.Namespace(
         layers=SMOKE_LAYERS if opts.smoke else full_depth(layout.model), nproc=2 if opts.smoke else layout.nproc, layout=layout.smoke_flags if opts.smoke else layout.flags,
         iters=opts.iters, warmup=opts.warmup, seq_length=SMOKE_SEQ if opts.smoke else opts.seq_length,

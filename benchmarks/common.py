@@ -254,6 +254,11 @@ def run_trainer(model: str, layers: int, int8: bool, opts, env=None, fp8: str = 
     return result
 
 
-def full_depth(model: str) -> int:
+def model_config(model: str) -> dict:
+    """configs/{model}.yaml as a dict."""
     with open(os.path.join(ROOT, "configs", f"{model}.yaml"), encoding="utf-8") as f:
-        return int(yaml.safe_load(f)["num_layers"])
+        return yaml.safe_load(f)
+
+
+def full_depth(model: str) -> int:
+    return int(model_config(model)["num_layers"])

@@ -255,6 +255,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                 f"{args.num_attention_heads}; set --kv-channels (the head dim) explicitly")
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
+        if args.num_query_groups != 1:
+            print(f"note: --num-query-groups {args.num_query_groups} has no effect without --group-query-attention "
+                  f"(every one of the {args.num_attention_heads} heads gets its own keys and values)", flush=True)
         args.num_query_groups = args.num_attention_heads
     if args.num_attention_heads % args.num_query_groups:
         raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "

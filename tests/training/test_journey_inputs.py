@@ -155,6 +155,15 @@ def test_silent_choices_are_noted(dataset, capsys):
         assert capsys.readouterr().out == ""
 
 
+def test_query_groups_without_grouped_query_attention_are_noted(dataset, capsys):
+    args = validate_args(_trainer_args(dataset, "--no-group-query-attention", "--num-query-groups", "2"), 1)
+    assert args.num_query_groups == args.num_attention_heads
+    assert ("note: --num-query-groups 2 has no effect without --group-query-attention (every one of the "
+            f"{args.num_attention_heads} heads gets its own keys and values)") in capsys.readouterr().out
+    args = validate_args(_trainer_args(dataset, "--num-query-groups", "2"), 1)  # tiny.yaml: grouped
+    assert args.num_query_groups == 2 and capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--skip-train"], "--skip-train evaluates a checkpoint: give --load DIR"),
     (["--skip-train", "--load", "x", "--eval-iters", "0"], "give --eval-iters > 0"),
