@@ -120,7 +120,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser, common) -> None:
     common.add_argument("--train-iters", type=int, default=None,
                    help="Optimizer steps to train for (on resume: the total, counting those done).")
     g.add_argument("--exit-interval", type=int, default=None,
-                   help="Save a checkpoint and exit after an iteration divisible by this.")
+                   help="Exit after an iteration divisible by this, saving a checkpoint first (to --save; "
+                        "without it nothing is saved).")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="On SIGTERM or SIGINT (Ctrl-C): finish the current iteration, save a checkpoint to --save "
                         "and exit with a one-line summary (all ranks stop at the same iteration).")

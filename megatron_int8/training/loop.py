@@ -242,8 +242,6 @@ def pretrain(args) -> dict:
     check_save_target(args)
     if args.skip_train:
         check_evaluation_data(args)
-    if args.exit_signal_handler and not args.save:
-        raise ArgumentError("--exit-signal-handler saves a checkpoint before it exits: give --save DIR")
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args)
     if not args.mock_data:

@@ -104,7 +104,8 @@ def _settle_skip_train(args: argparse.Namespace) -> None:
     if args.eval_iters <= 0:
         raise ArgumentError("--skip-train evaluates --eval-iters batches per split: give --eval-iters > 0")
     args.no_load_optim = True
-    args.save = None  # nothing is trained, so nothing is saved
+    args.save = None  # nothing is trained, so nothing is saved (nor on a signal)
+    args.exit_signal_handler = False
     args.train_iters = args.train_iters if args.train_iters is not None else 0
     args.lr = args.lr if args.lr is not None else 0.0
 
@@ -232,7 +233,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "expert_model_parallel_size"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) <= 0 and not (name == "train_iters" and args.skip_train):
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
@@ -366,6 +367,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"--save-interval {args.save_interval} (only saved iterations can be retained)")
     if args.most_recent_k == 0 or args.most_recent_k < -1:
         raise ArgumentError(f"--most-recent-k must be >= 1, or -1 to keep every checkpoint; got {args.most_recent_k}")
+    if args.ckpt_step is not None and not args.load:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} picks a checkpoint of --load: give --load DIR")
+    if args.exit_signal_handler and not args.save:
+        raise ArgumentError("--exit-signal-handler saves a checkpoint before it exits: give --save DIR")
+    if args.exit_interval is not None and not args.save and not args.skip_train:
+        print(f"note: --exit-interval {args.exit_interval} without --save: the run stops at an iteration divisible "
+              "by it without saving a checkpoint", flush=True)
     _warn_silent_choices(args)
     if args.profile:
         if not 1 <= args.profile_step_start < args.profile_step_end <= args.train_iters + 1:

@@ -169,6 +169,8 @@ def test_query_groups_without_grouped_query_attention_are_noted(dataset, capsys)
     (["--skip-train", "--load", "x", "--eval-iters", "0"], "give --eval-iters > 0"),
     (["--save-interval", "4", "--save-retain-interval", "6"], "--save-retain-interval 6 must be a multiple of"),
     (["--most-recent-k", "0"], "--most-recent-k must be >= 1, or -1"),
+    (["--ckpt-step", "6"], "--ckpt-step 6 picks a checkpoint of --load: give --load DIR"),
+    (["--exit-signal-handler"], "--exit-signal-handler saves a checkpoint before it exits: give --save DIR"),
 ])
 def test_journey_arguments_are_checked(dataset, extra, message):
     with pytest.raises(ArgumentError) as err:
@@ -176,10 +178,27 @@ def test_journey_arguments_are_checked(dataset, extra, message):
     assert message in str(err.value)
 
 
-def test_skip_train_needs_no_schedule(dataset):
+def test_skip_train_needs_no_schedule(dataset, tmp_path):
+    """Nor --train-iters (a config without it), and run_tiny.sh's --exit-signal-handler does not stop it."""
     args = validate_args(_trainer_args(dataset, "--skip-train", "--load", "x", "--lr-warmup-iters", "100",
-                                       "--min-lr", "1"), world_size=1)
-    assert args.no_load_optim and args.save is None
+                                       "--min-lr", "1", "--exit-signal-handler"), world_size=1)
+    assert args.no_load_optim and args.save is None and not args.exit_signal_handler
+    with open(os.path.join(ROOT, "configs", "tiny.yaml")) as f:
+        config = {k: v for k, v in yaml.safe_load(f).items() if k != "train_iters"}
+    (tmp_path / "no_iters.yaml").write_text(yaml.safe_dump(config))
+    argv = ["--config", str(tmp_path / "no_iters.yaml"), "--data-path", dataset["prefix"], "--tokenizer-model",
+            dataset["tokenizer"], "--load", "x"]
+    assert validate_args(parse_args(argv + ["--skip-train"]), world_size=1).train_iters == 0
+    with pytest.raises(ArgumentError, match="--train-iters"):
+        validate_args(parse_args(argv), world_size=1)
+
+
+def test_exit_interval_without_save_is_noted(dataset, capsys):
+    validate_args(_trainer_args(dataset, "--exit-interval", "2"), world_size=1)
+    assert ("note: --exit-interval 2 without --save: the run stops at an iteration divisible by it without saving "
+            "a checkpoint") in capsys.readouterr().out
+    validate_args(_trainer_args(dataset, "--exit-interval", "2", "--save", "s"), world_size=1)
+    assert capsys.readouterr().out == ""
 
 
 def test_export_without_protobuf_copies_the_sentencepiece_model(dataset, tmp_path, monkeypatch):
