@@ -154,7 +154,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser, common) -> None:
                    help="Eager training steps (and validation passes) before the graph is captured: Triton "
                         "autotuning and compilation must happen outside it.")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                   help="Without APEX's fused_weight_gradient_mlp_cuda it is disabled automatically.")
+                   help="Each weight gradient written to .grad and then added into main_grad, instead of the wgrad "
+                        "GEMM adding into main_grad itself (this package does that without APEX).")
     g = parser.add_argument_group("optimizer and learning rate")
     g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
                    help="The optimizer (adam is AdamW: decoupled weight decay).")
@@ -261,7 +262,8 @@ def _add_logging_checkpoint_arguments(parser: argparse.ArgumentParser, common) -
                         "--save-retain-interval, a checkpoint either keeps stays.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Load the checkpoint of this iteration from --load instead of the latest (e.g. the one "
-                        "before a damaged checkpoint); resuming into the same --save replaces the later ones.")
+                        "before a damaged checkpoint). Resuming into the same --save leaves the later ones there "
+                        "until this run saves those iterations again.")
     g.add_argument("--no-load-optim", action="store_true", help="Load only the model weights.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states from the checkpoint.")
 
@@ -309,14 +311,23 @@ def _add_fp8_peer_arguments(parser: argparse.ArgumentParser) -> None:
                         "expert linears stay eager).")
 
 
+def _is_switch(action: argparse.Action) -> bool:
+    return isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool)
+
+
 class _HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help ends with its default, unless the help already states it."""
+    """Each flag's help ends with its default, unless the help already states it: an on/off flag says whether what
+    it sets is the default (nothing where the setting is automatic, which its partner's help explains)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         if action.default is argparse.SUPPRESS or not action.option_strings or "default" in text.lower():
             return text
-        return f"{text} (default: {action.default})"
+        if _is_switch(action):
+            if action.default is None:
+                return text
+            return f"{text} ({'the default' if action.default == action.const else 'off by default'})"
+        return f"{text} (default: {action.default if action.default != '' else 'none'})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,7 +351,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_int8_health_arguments(parser)
     _add_fp8_peer_arguments(parser)
     _add_negations(parser)
+    _share_switch_defaults(parser)
     return parser
+
+
+def _share_switch_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag of a setting carries the setting's default (argparse takes the first flag's; a store_false
+    flag's own is True), so that --help can say whether each flag is in effect by default."""
+    first = {}
+    for action in parser._actions:
+        first.setdefault(action.dest, action.default)
+    for action in parser._actions:
+        if _is_switch(action):
+            action.default = first[action.dest]
 
 
 def _move_to_group(parser: argparse.ArgumentParser, option: str, group) -> None:
@@ -367,8 +390,7 @@ def _add_negations(parser: argparse.ArgumentParser) -> None:
     taken = {option for action in parser._actions for option in action.option_strings}
     covered = {}  # dest -> whether a flag of each value exists
     for action in parser._actions:
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) or (
-                isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool)):
+        if _is_switch(action):
             covered.setdefault(action.dest, set()).add(action.const)
     for action in list(parser._actions):
         if not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):

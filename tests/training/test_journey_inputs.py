@@ -110,36 +110,41 @@ def test_hf_tokenizer_without_eos_asks_for_it_and_takes_it_from_config_or_flag(d
 
 
 def _switches():
-    """(dest, the flag that sets it away from the default, the default) of every on/off flag."""
+    """(dest, the flag that sets it away from the default, what that flag sets, the default) of every on/off flag;
+    for an automatic setting (default None) every flag of it."""
     parser = build_parser()
     switches = []
     for action in parser._actions:
         if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
             if action.const != parser.get_default(action.dest):
-                switches.append((action.dest, action.option_strings[0], parser.get_default(action.dest)))
+                switches.append((action.dest, action.option_strings[0], action.const, parser.get_default(action.dest)))
     return switches
 
 
 def test_every_yaml_switch_can_be_undone_on_the_command_line(tmp_path):
+    """A switch set in a YAML file goes back to the built-in default from the command line; an automatic one
+    (e.g. --fused-adam) to the opposite setting."""
     switches = _switches()
-    assert {flag for _, flag, _ in switches} >= {"--sequence-parallel", "--swiglu", "--disable-bias-linear",
-                                                 "--int8-linear", "--bf16", "--untie-embeddings-and-output-weights"}
+    assert {flag for _, flag, _, _ in switches} >= {"--sequence-parallel", "--swiglu", "--disable-bias-linear",
+                                                    "--int8-linear", "--bf16", "--untie-embeddings-and-output-weights",
+                                                    "--fused-adam", "--no-fused-adam"}
     parser = build_parser()
-    undo = {}
+    flags = {}  # (dest, what the flag sets) -> the first flag that sets it
     for action in parser._actions:
         if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
-            if action.const == parser.get_default(action.dest) or parser.get_default(action.dest) is None:
-                undo.setdefault(action.dest, action.option_strings[0])
-    for dest, flag, default in switches:
-        config = tmp_path / "switch.yaml"
+            flags.setdefault((action.dest, action.const), action.option_strings[0])
+    config = tmp_path / "switch.yaml"
+    for dest, flag, sets, default in switches:
         config.write_text(yaml.safe_dump({flag[2:]: True}))
-        assert getattr(parse_args(["--config", str(config)]), dest) != default, flag
-        assert dest in undo, f"{flag} set in a YAML file cannot be undone on the command line"
-        assert getattr(parse_args(["--config", str(config), undo[dest]]), dest) == default, (flag, undo[dest])
-    assert undo["sequence_parallel"] == "--no-sequence-parallel"
-    assert undo["add_bias_linear"] == "--enable-bias-linear"
-    assert undo["int8_no_weight_cache"] == "--int8-weight-cache"
-    assert undo["apply_rope_fusion"] == "--rope-fusion"
+        assert getattr(parse_args(["--config", str(config)]), dest) is sets, flag
+        back = not sets if default is None else default
+        assert (dest, back) in flags, f"{flag} set in a YAML file cannot be undone on the command line"
+        assert getattr(parse_args(["--config", str(config), flags[dest, back]]), dest) is back, (flag, back)
+    assert flags["sequence_parallel", False] == "--no-sequence-parallel"
+    assert flags["add_bias_linear", True] == "--enable-bias-linear"
+    assert flags["int8_no_weight_cache", False] == "--int8-weight-cache"
+    assert flags["apply_rope_fusion", True] == "--rope-fusion"
+    assert flags["fused_adam", False] == "--no-fused-adam"
 
 
 def test_silent_choices_are_noted(dataset, capsys):

@@ -205,4 +205,13 @@ def test_help_is_grouped_with_common_flags_first_and_every_default_shown(capsys)
     text = capsys.readouterr().out
     assert text.index("--train-iters") < text.index("--num-layers") < text.index("--no-swiglu")
     assert "(default: 1234)" in text and "(default: linear)" in text
+    # on/off flags say whether what they set is the default (the setting's, not the flag's own store default)
+    flat = " ".join(text.split())
+    for flag, said in (("--disable-bias-linear", "No biases in the linear layers. (off by default)"),
+                       ("--enable-bias-linear", "Undo --disable-bias-linear. (the default)"),
+                       ("--load-optim", "Undo --no-load-optim. (the default)"),
+                       ("--no-overlap-grad-reduce", "set in the YAML. (the default)"),
+                       ("--no-fused-adam", "(megatron's fallback as it stands). --")):  # automatic: nothing added
+        assert f"{flag} " in flat and said in flat[flat.index(f"{flag} "):][:300], (flag, said)
+    assert "(default: )" not in text and "(default: True)" not in text and "(default: False)" not in text
     assert len(text.splitlines()[0]) < 100  # the usage line names the shape, not all the flags
