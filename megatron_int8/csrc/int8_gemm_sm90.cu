@@ -3,7 +3,7 @@
 // out[M, N] = (acc * sa) * sb, acc = a[M, K] @ b[N, K]^T in int32 (both operands K-major, row strides
 // in bytes), sa a scalar or per-row vector, sb a scalar or per-column vector; bf16 output, or added into
 // an fp32 buffer (Megatron's main_grad). The fp32 operations are the reference's
-// (megatron_int8.quantize.gemm), so results are bit-identical to it.
+// (megatron_int8.reference.gemm), so results are bit-identical to it.
 //
 // Why CUDA and not Triton: Triton 3.6's software-pipelined INT8 kernel tops out at 60-64% of Hopper's INT8
 // peak, and its warp specialization miscomputes at 4 warps (docs/history.md, 2026-11-21). This

@@ -8,7 +8,7 @@ Epilogues, in the reference's (megatron_int8.reference.gemm) order of fp32 opera
 - tensor: (acc * sa) * sb; row: (acc * sa[m]) * sb[n]; then + bias, then cast or add into the buffer.
 - block: the loop walks K in blocks of `block_size`; each block's exact int32 partial is promoted to fp32
   and added as partial * sa[m, kb] * sb[n, kb] (BxB weight tiles index sb[n // B, kb]).
-INT32 overflow: |acc| <= 127 * 127 * K, so for K > quantize.MAX_EXACT_K the kernel accumulates int32 over
+INT32 overflow: |acc| <= 127 * 127 * K, so for K > reference.MAX_EXACT_K the kernel accumulates int32 over
 chunks of MAX_EXACT_K and sums the chunks in fp32, exactly like the reference.
 
 Tiles: group-M swizzled output tiles; M/N edges read wrapped rows (in bounds, never stored) and K edges
@@ -702,7 +702,7 @@ def _selected_config(tma: bool, meta, N):
 
 def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Same contract as quantize.grouped_gemm: rows of segment e of the output = dequant(a_e @ b[e]^T), [R, N].
+    """Same contract as reference.grouped_gemm: rows of segment e of the output = dequant(a_e @ b[e]^T), [R, N].
 
     One launch for all experts (MoE fprop/dgrad): b's stacked [E, N, K] is read as [E * N, K], and each
     BLOCK_M-row tile (BLOCK_M divides SEGMENT_ALIGN) looks up its expert in Segments.strip_experts and

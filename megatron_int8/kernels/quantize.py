@@ -436,7 +436,7 @@ def triton_quantize(
     rows, in the same launches and passes over x: each amax program (one SEGMENT_ALIGN strip of rows)
     folds its column maxima into its segment's row of [E, C] maxima, and each quantize tile (inside one
     strip) takes its segment's maxima.
-    `out` (row-wise only): destinations for Q(x) / Q(x^T) and their scales (quantize.check_quantize_out).
+    `out` (row-wise only): destinations for Q(x) / Q(x^T) and their scales (reference.check_quantize_out).
 
     Host cost: the arguments are checked, and the grids, buffer sizes and launches worked out, once per
     plan key (x's shape, strides, dtype and 16-byte alignment, the options, the given amaxes' shapes, the

@@ -2,7 +2,7 @@
 
 Same contract as `triton_gemm` for what it covers: tensorwise or row-wise scales, no bias, a bf16 output
 (or `out`) or an fp32 `accumulate_into`; results bit-identical to the reference backend. `sm90_grouped_gemm`:
-the same kernel over all MoE experts at once (quantize.grouped_gemm's contract, bf16 output). It exists because
+the same kernel over all MoE experts at once (reference.grouped_gemm's contract, bf16 output). It exists because
 Triton 3.6 leaves Hopper's INT8 GEMMs at 60-64% of peak (docs/kernels.md). The source is compiled with the
 machine's `nvcc` (sm_90a) into a per-user cache, keyed by the source's hash, and loaded with ctypes, so it
 does not depend on torch's C++ ABI. Where there is no nvcc, no sm_90 GPU or the build fails, `available()`
@@ -126,7 +126,7 @@ def supports(a: ref.QTensor, b: ref.QTensor, bias, out_dtype: torch.dtype, accum
 
 
 def supports_grouped(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype) -> bool:
-    """Whether `sm90_grouped_gemm` takes operands that passed quantize.check_grouped_operands."""
+    """Whether `sm90_grouped_gemm` takes operands that passed reference.check_grouped_operands."""
     E, N, K = b.data.shape
     return (out_dtype == torch.bfloat16 and ref.SEGMENT_ALIGN % TILE_M == 0 and N % 8 == 0
             and b.data.is_contiguous() and _operands_ok(a, b.data.view(E * N, K), (b.scale,))
@@ -136,7 +136,7 @@ def supports_grouped(a: ref.QTensor, b: ref.QTensor, out_dtype: torch.dtype) -> 
 
 def sm90_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, *,
                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """quantize.grouped_gemm in one launch: rows of segment e = dequant(a_e @ b[e]^T), [R, N] bf16. Every
+    """reference.grouped_gemm in one launch: rows of segment e = dequant(a_e @ b[e]^T), [R, N] bf16. Every
     row of a belongs to a segment, so every output row is written (alignment rows: a's zero rows give 0)."""
     ref.check_grouped_operands(a, b, segments)
     if not supports_grouped(a, b, out_dtype):

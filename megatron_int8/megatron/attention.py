@@ -252,7 +252,7 @@ class _SplitQKVNormed(torch.autograd.Function):
     the norms' input gradients (their kernels take a strided destination) and the value gradient into one
     QKV-shaped gradient, where megatron's split backward concatenates separate dq, dk and dv: 96 MB of copies
     per layer and micro-batch for Qwen3-4B (49 us on an H200, in both precisions). `emit_amax`: the gradient
-    also carries its max |.| (quantize.attach_amax), folded by the norm kernels and one reduction of dv, for
+    also carries its max |.| (reference.attach_amax), folded by the norm kernels and one reduction of dv, for
     an INT8 QKV linear that quantizes it tensorwise."""
 
     @staticmethod

@@ -87,7 +87,7 @@ class Int8LinearMixin:
     @property
     def takes_grad_output_amax(self) -> bool:
         """Whether this layer quantizes its output gradient tensorwise, so that an amax attached to that
-        gradient (quantize.attach_amax, e.g. by attention._SplitQKVNormed) spares it an amax pass."""
+        gradient (reference.attach_amax, e.g. by attention._SplitQKVNormed) spares it an amax pass."""
         recipe = self._linear_recipe
         return recipe.granularity == "tensor" and (recipe.dgrad or recipe.wgrad)
 

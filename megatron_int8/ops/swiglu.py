@@ -4,7 +4,7 @@ In a Qwen3-4B layer the two largest tensors the INT8 linears quantize are SwiGLU
 input, 8192 x 9728 per micro-batch) and its input gradient (fc1's output gradient, 8192 x 19456). Row-wise
 quantization reads such a tensor twice, once for its row and column maxima and once to round it. Here the
 kernel that writes the tensor also writes its maxima (`emit_maxima`), attached to it with
-`quantize.attach_maxima`; the INT8 linear finds them (`quantize.known_maxima`) and reads the tensor once.
+`reference.attach_maxima`; the INT8 linear finds them (`reference.known_maxima`) and reads the tensor once.
 
 megatron's MLP calls the module in `MLPSubmodules.activation_func` when `config.use_te_activation_func` is
 set (a name from Transformer Engine, whose modules fill that slot otherwise); the INT8 spec puts `SwiGLU`
@@ -121,7 +121,7 @@ class _ReferenceSwiGLU(torch.autograd.Function):
 
 def swiglu(x: torch.Tensor, emit_maxima: bool = False, int8_copy: bool = False) -> torch.Tensor:
     """silu(a) * b for x = [a | b] (halves of the last dimension); the Triton kernels where they run.
-    `emit_maxima`: attach the output's and the input gradient's row/column maxima (quantize.known_maxima).
+    `emit_maxima`: attach the output's and the input gradient's row/column maxima (reference.known_maxima).
     `int8_copy`: keep x's INT8 copy (1 x 128 blocks) for backward instead of x (the module docstring)."""
     if _kernels_run_on(x):
         # the kernels check x's shape, as the reference does
