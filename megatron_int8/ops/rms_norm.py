@@ -13,7 +13,8 @@ is torch's own forward.
 `int8_copy` (the recipe's int8_norm_input, for the layers' hidden-size norms): backward keeps x's INT8 copy in
 1 x 128 blocks (reference.quantize's block granularity) and forward's fp32 rstd instead of x: W + 4 ceil(W/128)
 + 4 instead of 2W bytes per row. On CUDA the Triton kernels then run at every width: the forward writes the
-copy while it reads x, the backward dequantizes it while it reads it. Elsewhere a PyTorch reference does the same.
+copy while it reads x, the backward dequantizes it while it reads it. Elsewhere, and with
+MEGATRON_INT8_NORM_KERNEL=torch, a PyTorch reference does the same.
 
 MEGATRON_INT8_NORM_KERNEL (read at construction): `auto` (the default, as above), `torch` (torch's kernels
 everywhere), `triton` (the Triton kernel at every width; for A/B timing).
@@ -26,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch import ENV_NORM_KERNEL, env_choice
+from ..recipe import INT8_COPY_BLOCK
 from ..reference import QTensor, dequantize, quantize
 from .backend import triton_available, triton_runs_on
 
 TRITON_MAX_WIDTH = 512
-INT8_COPY_BLOCK = 128
 
 
 class _TritonRMSNorm(torch.autograd.Function):
@@ -85,7 +86,8 @@ def norm_kernel_choice() -> str:
 
 class FusedRMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm over the last dimension whose CUDA forward and backward are one Triton kernel each
-    where torch's are slow (`use_triton`: rows of at most TRITON_MAX_WIDTH, per MEGATRON_INT8_NORM_KERNEL).
+    where torch's are slow (`use_triton`: rows of at most TRITON_MAX_WIDTH, or every width with `int8_copy`, per
+    MEGATRON_INT8_NORM_KERNEL).
     `int8_copy`: keep x's INT8 copy for backward instead of x (the module docstring)."""
 
     def __init__(self, *args, int8_copy: bool = False, **kwargs):
@@ -94,12 +96,13 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         if len(self.normalized_shape) != 1:
             raise ValueError(f"FusedRMSNorm normalizes the last dimension only, got {self.normalized_shape}")
         choice = norm_kernel_choice()
-        self.use_triton = choice == "triton" or (choice == "auto" and self.normalized_shape[0] <= TRITON_MAX_WIDTH)
+        self.use_triton = choice == "triton" or (
+            choice == "auto" and (self.normalized_shape[0] <= TRITON_MAX_WIDTH or self.int8_copy))
 
     def runs_triton(self, x: torch.Tensor) -> bool:
         """Whether the forward of input x runs the Triton kernels (see the class docstring)."""
         weight = self.weight
-        return ((self.use_triton or self.int8_copy) and weight is not None and x.dtype == weight.dtype
+        return (self.use_triton and weight is not None and x.dtype == weight.dtype
                 and triton_runs_on(x.device) and triton_available())
 
     def eps_for(self, x: torch.Tensor) -> float:

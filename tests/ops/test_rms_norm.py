@@ -41,12 +41,14 @@ def test_state_dict_is_torchs():
 
 
 def test_kernel_choice_from_the_environment(monkeypatch):
-    """auto (the default): Triton for head-sized rows, torch's kernels over a hidden size."""
+    """auto (the default): Triton for head-sized rows and INT8-copy norms, torch's kernels over a hidden size;
+    torch: no Triton kernel (the INT8 copy made by the PyTorch reference)."""
     monkeypatch.delenv(ENV_NORM_KERNEL, raising=False)
     assert FusedRMSNorm(128).use_triton and FusedRMSNorm(TRITON_MAX_WIDTH).use_triton
     assert not FusedRMSNorm(TRITON_MAX_WIDTH + 1).use_triton and not FusedRMSNorm(4096).use_triton
+    assert FusedRMSNorm(4096, int8_copy=True).use_triton  # the INT8 copy is made by the kernel at every width
     monkeypatch.setenv(ENV_NORM_KERNEL, "torch")
-    assert not FusedRMSNorm(128).use_triton
+    assert not FusedRMSNorm(128).use_triton and not FusedRMSNorm(4096, int8_copy=True).use_triton
     monkeypatch.setenv(ENV_NORM_KERNEL, "triton")
     assert FusedRMSNorm(4096).use_triton
     monkeypatch.setenv(ENV_NORM_KERNEL, "apex")
