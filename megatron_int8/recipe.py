@@ -19,6 +19,9 @@ ROUNDINGS = ("nearest", "stochastic")
 BACKENDS = ("auto", "reference", "triton")
 FINITE_CHECKS = ("deferred", "immediate", "off")
 SHAPE_POLICIES = ("int8", "auto")
+# the block of the INT8 copies that int8_swiglu_input / int8_norm_input keep for backward (1 x 128 scales, as
+# the block GEMMs; one column tile of the SwiGLU and RMSNorm kernels)
+INT8_COPY_BLOCK = 128
 
 
 def _check_choice(owner: str, name: str, value, choices) -> None:

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from .backend import triton_available, triton_runs_on
+from ..recipe import INT8_COPY_BLOCK
 from ..reference import QTensor, attach_maxima, dequantize, quantize
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INT8_COPY_BLOCK = 128  # the INT8 copy's block: one column tile of the Triton kernels (1 x 128, as block GEMMs)
 
 
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
