@@ -551,21 +551,33 @@ SCHEDULE_ARGS = ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_
                  "weight_decay", "train_iters")
 
 
-def _take_this_runs_lr_bounds(optimizer_state, args) -> None:
-    """The saved param groups' max_lr/min_lr set to this run's --lr/--min-lr before they are loaded.
+# The optimizer's own flags: a resume takes the values given now too (loaded param groups would keep the saved ones)
+OPTIMIZER_ARGS = ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum")
 
-    Loaded param groups replace the optimizer's, and what they carry overrides the scheduler's values; megatron-core
-    0.19 also finds each saved group by its (max_lr, min_lr, ...) and refuses a checkpoint where they differ."""
+
+def _this_runs_group_settings(args) -> dict:
+    """Param-group keys that this run's flags set: the LR bounds (--lr, --min-lr) and the optimizer's constants."""
+    return {"max_lr": args.lr, "min_lr": args.min_lr, "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_eps, "momentum": args.sgd_momentum}
+
+
+def _take_this_runs_group_settings(optimizer_state, args) -> None:
+    """The saved param groups' max_lr / min_lr, betas, eps and momentum set to this run's flags before they are
+    loaded (each where the group has it).
+
+    Loaded param groups replace the optimizer's, and what they carry overrides the scheduler's values and the
+    optimizer's construction; megatron-core 0.19 also finds each saved group by its (max_lr, min_lr, ...) and
+    refuses a checkpoint where they differ. Betas, eps and momentum are no part of that match."""
     if isinstance(optimizer_state, dict):
         for key, value in optimizer_state.items():
             if key == "param_groups" and isinstance(value, list):
                 for group in value:
-                    group.update({k: v for k, v in (("max_lr", args.lr), ("min_lr", args.min_lr)) if k in group})
+                    group.update({k: v for k, v in _this_runs_group_settings(args).items() if k in group})
             else:
-                _take_this_runs_lr_bounds(value, args)
+                _take_this_runs_group_settings(value, args)
     elif isinstance(optimizer_state, (list, tuple)):
         for value in optimizer_state:
-            _take_this_runs_lr_bounds(value, args)
+            _take_this_runs_group_settings(value, args)
 
 
 def precision_change(saved_args, args) -> Optional[str]:
@@ -584,9 +596,9 @@ def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, a
     """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
 
     megatron's OptimizerParamScheduler.load_state_dict keeps the checkpoint's max/min LR, warm-up, decay length
-    and style (and the loaded param groups the checkpoint's max_lr/min_lr, unless _take_this_runs_lr_bounds set
-    them): a run resumed with a longer --train-iters (or a new --lr) would silently follow the old schedule. Only
-    the position is taken."""
+    and style (and the loaded param groups the checkpoint's max_lr/min_lr, unless _take_this_runs_group_settings
+    set them): a run resumed with a longer --train-iters (or a new --lr) would silently follow the old schedule. Only
+    the position is taken. The optimizer's betas, eps or momentum, where given anew, are said too."""
     scheduler.num_steps = 0
     scheduler.step(increment=saved_state["num_steps"])
     saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
@@ -595,6 +607,14 @@ def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, a
     if changed:
         log(f"LR schedule: this run's flags, not the checkpoint's ({'; '.join(changed)}); learning rate now "
             f"{optimizer.param_groups[0]['lr']:.4E}")
+    in_use = [name for name in OPTIMIZER_ARGS if name.startswith(args.optimizer)]
+    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in in_use
+               if name in saved and saved[name] != getattr(args, name)]
+    if changed:
+        group = optimizer.param_groups[0]
+        now = {k: group[k] for k in ("betas", "eps", "momentum") if k in group}
+        log(f"optimizer: this run's flags, not the checkpoint's ({'; '.join(changed)}); now "
+            + ", ".join(f"{k} {v}" for k, v in now.items()))
 
 
 def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None) -> Tuple[int, int]:
@@ -644,8 +664,12 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
             optimizer.reload_model_params()
             for inner in precision_aware_optimizers(optimizer):
                 inner.reload_masters()
+            if scheduler is not None:  # a fresh optimizer state, but the run goes on at the checkpoint's iteration:
+                # so does its LR schedule (megatron-LM restarts the warm-up there, then decays past --train-iters)
+                saved_schedule = common.get("opt_param_scheduler") or {"num_steps": common["consumed_samples"]}
+                follow_schedule_flags(scheduler, optimizer, saved_schedule, common.get("args"), args, log)
         if with_optimizer:
-            _take_this_runs_lr_bounds(loaded["optimizer"], args)
+            _take_this_runs_group_settings(loaded["optimizer"], args)
             with _steps_set_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))

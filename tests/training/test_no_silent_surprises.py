@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from repo_paths import ROOT, SCRIPTS
 from test_training import SMALL_MODEL, data  # noqa: F401  (`data`: fixture)
 
@@ -58,12 +59,14 @@ def _warnings(stderr: str) -> list:
 @pytest.fixture(scope="module")
 def interrupted(data, tmp_path_factory):
     """The docs' interrupt-and-extend workflow: --save and --load the same (new) folder, --train-iters 20 stopped
-    by --exit-interval at 6, then resumed with a longer --train-iters and a new peak and final LR."""
+    by --exit-interval at 6, then resumed with a longer --train-iters, a new peak and final LR and a new Adam
+    beta2."""
     save = tmp_path_factory.mktemp("extend") / "ckpt"
     common = ["--save", str(save), "--load", str(save), "--lr-warmup-iters", "2", "--eval-interval", "3",
               "--log-interval", "1"]
     first = _train(data, *common, "--train-iters", "20", "--exit-interval", "6")
-    second = _train(data, *common, "--train-iters", "40", "--lr", "1e-3", "--min-lr", "1e-4", "--exit-interval", "12")
+    second = _train(data, *common, "--train-iters", "40", "--lr", "1e-3", "--min-lr", "1e-4", "--exit-interval", "12",
+                    "--adam-beta2", "0.98")
     return {"save": save, "first": first, "second": second}
 
 
@@ -73,6 +76,8 @@ def test_resume_follows_the_schedule_flags_given_now(interrupted):
     out = interrupted["second"].stdout
     assert "LR schedule: this run's flags, not the checkpoint's (--lr 0.002 -> 0.001; --min-lr 0.0002 -> 0.0001" in out
     assert "--train-iters 20 -> 40" in out
+    # the loaded param groups carried the checkpoint's betas; they take this run's
+    assert "optimizer: this run's flags, not the checkpoint's (--adam-beta2 0.95 -> 0.98); now betas (0.9, 0.98)" in out
     lr = _log(interrupted["save"] / "train_log.jsonl", "lr")
     for iteration in (7, 12):  # the new cosine: warm-up 2, decay over 40 iterations, 1e-3 -> 1e-4
         expected = 1e-4 + 0.5 * (1 + math.cos(math.pi * (iteration - 2) / (40 - 2))) * (1e-3 - 1e-4)
@@ -80,15 +85,20 @@ def test_resume_follows_the_schedule_flags_given_now(interrupted):
 
 
 @pytest.mark.slow
-def test_validation_loss_in_the_log_equals_skip_train_and_another_split_is_refused(data, interrupted, capsys):
+def test_validation_loss_in_the_log_equals_skip_train_and_another_split_is_refused(data, interrupted, capsys,
+                                                                                   tmp_path):
     """Training evaluated at iterations 3 and 6 (and 9, 12 after the resume): each evaluation scores the same
-    batches, so --skip-train on the checkpoint of iteration 6 (--ckpt-step) and of 12 gives the logged losses."""
+    batches, so --skip-train on the checkpoint of iteration 6 (--ckpt-step) and of 12 gives the logged losses,
+    the latter from a config without train_iters (an evaluation has no schedule)."""
     save = str(interrupted["save"])
     logged = _log(interrupted["save"] / "train_log.jsonl", "valid_lm_loss")
     assert sorted(logged) == [3, 6, 9, 12]
-    for step in (["--ckpt-step", "6"], []):
+    with open(TINY) as f:
+        config = {k: v for k, v in yaml.safe_load(f).items() if k != "train_iters"}
+    (tmp_path / "no_iters.yaml").write_text(yaml.safe_dump(config))
+    for step in (["--ckpt-step", "6"], ["--config", str(tmp_path / "no_iters.yaml")]):
         out = _train(data, "--skip-train", "--load", save, "--eval-iters", "2", *step).stdout
-        iteration = 6 if step else 12
+        iteration = 6 if step[0] == "--ckpt-step" else 12
         line = next(x for x in out.splitlines() if x.startswith(f" validation loss at iteration {iteration} "))
         assert f"lm loss: {logged[iteration]:.6E}" in line
     message = _refused(capsys, _argv(data, "--skip-train", "--load", save, "--split", "90,5,5"))

@@ -32,3 +32,6 @@ def test_weights_only_load_continues_from_the_loaded_weights(data, tmp_path, opt
     # iteration 1's (measured without the reload, 2026-11-27: iterations 5 and 6 at 6.229 and 6.055 after 6.032)
     assert got[4] == expected[4], (got, expected)
     assert got[5] < got[4] and got[6] < got[5], (got, expected)
+    # the schedule goes on from the checkpoint's iteration (a fresh scheduler would warm up again from 0)
+    lr, lr_whole = losses(weights / "train_log.jsonl", "lr"), losses(whole / "train_log.jsonl", "lr")
+    assert [lr[i] for i in (4, 5, 6)] == [lr_whole[i] for i in (4, 5, 6)], (lr, lr_whole)
