@@ -193,13 +193,13 @@ def _int8_gemm_tma_kernel(
     NB,  # rows of b: N, or E * N when GROUPED
     SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, GROUPED: tl.constexpr = False, EPI_SPLIT: tl.constexpr = 1,
+    NUM_SMS: tl.constexpr, GROUPED: tl.constexpr = False,
 ):
     """Persistent variant (tensor and row scales, operands with unit last stride): TMA tensor-descriptor
     loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, the tile loop
     flattened into the k loop, so one tile's epilogue overlaps the next tile's loads.
-    C_TMA: the output tile leaves through TMA (clipped at the edges), in EPI_SPLIT column sub-tiles so that
-    the shared-memory staging buffer fits beside the pipeline (an fp32 128 x 256 tile is 128 KB). With
+    C_TMA: the output tile leaves through TMA (clipped at the edges), in 4 column sub-tiles so that the
+    shared-memory staging buffer fits beside the pipeline and a second program on the SM. With
     ACCUMULATE (fp32 `accumulate_into`, the wgrad into main_grad) it is a TMA reduce-add: L2 adds the tile
     into main_grad asynchronously, so the old values never pass through registers and the next tile's
     mainloop does not wait for them. (The add is IEEE fp32 round-to-nearest; like every PTX fp32 reduction
@@ -218,7 +218,7 @@ def _int8_gemm_tma_kernel(
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NB, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N // EPI_SPLIT])
+                                           block_shape=[BLOCK_M, BLOCK_N // 4])
     group = GROUP_M * num_pid_n
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         first_m = (tile_id // group) * GROUP_M
@@ -247,21 +247,14 @@ def _int8_gemm_tma_kernel(
             out = (out * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if C_TMA:
-            if EPI_SPLIT == 1:
-                _tma_write(c_desc, om, on, out, ACCUMULATE)
-            else:
-                left, right = _column_halves(out, BLOCK_M, BLOCK_N)
-                if EPI_SPLIT == 2:
-                    _tma_write(c_desc, om, on, left, ACCUMULATE)
-                    _tma_write(c_desc, om, on + BLOCK_N // 2, right, ACCUMULATE)
-                else:  # 4 quarters
-                    q0, q1 = _column_halves(left, BLOCK_M, BLOCK_N // 2)
-                    q2, q3 = _column_halves(right, BLOCK_M, BLOCK_N // 2)
-                    _tma_write(c_desc, om, on, q0, ACCUMULATE)
-                    _tma_write(c_desc, om, on + BLOCK_N // 4, q1, ACCUMULATE)
-                    _tma_write(c_desc, om, on + BLOCK_N // 2, q2, ACCUMULATE)
-                    _tma_write(c_desc, om, on + 3 * BLOCK_N // 4, q3, ACCUMULATE)
+        if C_TMA:  # 4 column quarters
+            left, right = _column_halves(out, BLOCK_M, BLOCK_N)
+            q0, q1 = _column_halves(left, BLOCK_M, BLOCK_N // 2)
+            q2, q3 = _column_halves(right, BLOCK_M, BLOCK_N // 2)
+            _tma_write(c_desc, om, on, q0, ACCUMULATE)
+            _tma_write(c_desc, om, on + BLOCK_N // 4, q1, ACCUMULATE)
+            _tma_write(c_desc, om, on + BLOCK_N // 2, q2, ACCUMULATE)
+            _tma_write(c_desc, om, on + 3 * BLOCK_N // 4, q3, ACCUMULATE)
         else:
             c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
             c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -280,7 +273,7 @@ def _ensure_allocator():
     triton.set_allocator(_scratch_alloc)
 
 
-def _tma_eligible(ad, bd, c, bias, mode, split, scales=()) -> bool:
+def _tma_eligible(ad, bd, c, mode, split, scales=()) -> bool:
     """Hopper, tensor or row scales, no split contraction, and what TMA descriptors need: 16-byte aligned
     base pointers and row strides, unit last strides. The int8 operands may be strided views (an MoE
     expert's wgrad operands are column slices of Q(x^T)); the output c is contiguous. The TMA kernel
@@ -313,24 +306,22 @@ def _block_ws_eligible(ad, bd, c, block_size: int, sb_rows: int, K: int) -> bool
 
 
 class TmaVariant(NamedTuple):
-    """The persistent TMA kernel's fixed configuration. `epi_split`: the TMA epilogue's column sub-tiles (1, 2 or
-    4); `programs_per_sm` > 1 runs that many persistent programs per SM (they must fit its shared memory and
-    registers together). `gluon_min_k` not None: GEMMs with K above it go to the warp-specialized Gluon kernel
-    (kernels/int8_gemm_ws.py) where it applies (int8_gemm_ws.supports); the rest run this configuration."""
+    """The persistent TMA kernel's fixed configuration. `programs_per_sm` persistent programs run on each SM (they
+    must fit its shared memory and registers together). GEMMs with K above `gluon_min_k` go to the
+    warp-specialized Gluon kernel (kernels/int8_gemm_ws.py) where it applies (int8_gemm_ws.supports); the rest run
+    this configuration."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    epi_split: int
-    programs_per_sm: int = 1
-    gluon_min_k: Optional[int] = None
+    programs_per_sm: int
+    gluon_min_k: int
 
     def launch_options(self, n_sms: int) -> dict:
         """The kernel's tile keywords and launch options on a GPU of n_sms SMs."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k, GROUP_M=8,
-                    NUM_SMS=n_sms * self.programs_per_sm, EPI_SPLIT=self.epi_split,
-                    num_warps=self.num_warps, num_stages=self.num_stages)
+                    NUM_SMS=n_sms * self.programs_per_sm, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 # The TMA kernel's one configuration, wherever it runs (untuned calls, the Hopper route, and the TMA candidate
@@ -344,7 +335,7 @@ class TmaVariant(NamedTuple):
 # its wgmmas asynchronously and is the faster of the two exactly there (its epilogue is not overlapped, so short
 # k loops lose). On an H100 (72c340d, that commit's benchmarks/bench_triton_gemm.py) this pair ran the 42 GEMMs at
 # a median 0.915x the CUDA kernel; the other configurations measured then are in docs/history.md.
-TMA_TILE = TmaVariant(128, 128, 128, 4, 3, 4, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K)
+TMA_TILE = TmaVariant(128, 128, 128, 4, 3, programs_per_sm=2, gluon_min_k=int8_gemm_ws.MIN_K)
 # a grouped GEMM's tile must not span two experts' row segments
 assert ref.SEGMENT_ALIGN % TMA_TILE.block_m == 0, "TMA_TILE's rows must divide SEGMENT_ALIGN"
 
@@ -570,7 +561,7 @@ def _triton_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     args = _plain_args(ad, bd, c, sa, sb, bias if bias is not None else c, M, N, K, s_strides, k_chunk, sb_rows, sa)
     meta = dict(SCALE_MODE=mode, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
                 SPLIT_K_EXACT=split, EVEN_K=K % (block_k * sub_k) == 0, BLOCK_K=block_k, SUB_K=sub_k)
-    tma_ok = _tma_eligible(ad, bd, c, bias, mode, split, (sa, sb))
+    tma_ok = _tma_eligible(ad, bd, c, mode, split, (sa, sb))
     if mode == _SCALE_BLOCK and _block_ws_eligible(ad, bd, c, a.block_size, sb_rows, K):
         # one configuration, not tuned: at block size 128 it ran each of Llama2-7B's GEMMs 1.05-1.42x faster than the
         # tuned plain kernel (H200, docs/benchmarks.md)
@@ -643,8 +634,7 @@ def _tma_tile_launch(args, meta, nb: int):
     _ensure_allocator()
     grouped = meta.get("GROUPED", False)
     M, N, K, c = args[6], args[7], args[8], args[2]
-    if (TMA_TILE.gluon_min_k is not None and K > TMA_TILE.gluon_min_k
-            and int8_gemm_ws.supports(c, meta["HAS_BIAS"], meta["ACCUMULATE"], grouped)):
+    if (K > TMA_TILE.gluon_min_k and int8_gemm_ws.supports(c, meta["HAS_BIAS"], meta["ACCUMULATE"], grouped)):
         opts = int8_gemm_ws.launch_options(meta["SCALE_MODE"])
         tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
         return _GEMM_WS, (min(num_sms(args[0].device), tiles),), _tma_args(args, nb), opts
@@ -726,7 +716,7 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
                        max(block_k, ref.MAX_EXACT_K // block_k * block_k), 1, segments.strip_experts(ad.device))
     meta = dict(SCALE_MODE=_SCALE_ROW, HAS_BIAS=False, ACCUMULATE=False, SPLIT_K_EXACT=split,
                 EVEN_K=K % block_k == 0, BLOCK_K=block_k, SUB_K=1, GROUPED=True)
-    tma_ok = _tma_eligible(ad, bd, c, None, _SCALE_ROW, split, (a.scale, sb))
+    tma_ok = _tma_eligible(ad, bd, c, _SCALE_ROW, split, (a.scale, sb))
     cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, E * N)
     cache.launch(grid, *launch_args, **kw)
     return c
@@ -740,8 +730,6 @@ def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, accumula
     M, K = a.data.shape
     N = b.data.shape[0]
     opts = TMA_TILE.launch_options(num_sms(c.device))
-    if not c_tma:
-        opts["EPI_SPLIT"] = 1
     _ensure_allocator()
     _int8_gemm_tma_kernel[(min(opts["NUM_SMS"], cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])),)](
         a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,

@@ -56,8 +56,6 @@ from ._tl import SEGMENT_ALIGN, atomic_max_of, max_keep_nan, max_to_inf, strip_p
 from .launch import ARG, INTERPRETING, LaunchCache, PlanCache, cdiv, next_pow2
 
 
-QMAX = float(ref.QMAX)
-
 # modes of _quantize_block_kernel
 _MODE_TILE2D, _MODE_1XB = 2, 3
 
@@ -87,8 +85,8 @@ def _flag_nonfinite(flag_ptr, flag_idx, scales):
 
 
 @triton.jit
-def _uniform_tile(seed, offs_r, lin, col0, C4, TR: tl.constexpr, TC: tl.constexpr, FOUR: tl.constexpr):
-    """U[0, 1) for a [TR, TC] tile whose first column is col0 (a multiple of 4 when FOUR).
+def _uniform_tile(seed, offs_r, lin, col0, C4, TC: tl.constexpr, FOUR: tl.constexpr):
+    """U[0, 1) for a tile of TC columns whose first column is col0 (a multiple of 4 when FOUR).
 
     FOUR: one Philox call per 4 columns (counter r * C4 + c // 4, draw c % 4), the 4 draws interleaved
     back into columns; else one call per element (counter = lin, the element index)."""
@@ -142,7 +140,7 @@ def _tile_uniforms(seed, offs_r, offs_c, col0, C, TR: tl.constexpr, TC: tl.const
     """The tile's random draws (a dummy scalar when rounding to nearest)."""
     if STOCHASTIC:
         lin = offs_r[:, None] * C + offs_c[None, :]
-        return _uniform_tile(seed, offs_r, lin, col0, (C + 3) // 4, TR, TC, FOUR)
+        return _uniform_tile(seed, offs_r, lin, col0, (C + 3) // 4, TC, FOUR)
     else:
         return 0.0
 
@@ -230,9 +228,8 @@ def _quantize_kernel(
             if COL:
                 _store_scales(j, n_a, at_ptr, st_ptr, flag_ptr, flag_idx, SB, FLAG)
     else:
-        _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a,
-                       seed, strip_ptr, flag_ptr, flag_idx, n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR,
-                       SEG, FLAG)
+        _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, a_ptr, at_ptr, n_a, seed, strip_ptr,
+                       n_ct, TR, TC, BP, TENSOR, ROW, COL, STOCHASTIC, FOUR, SEG)
 
 
 @triton.jit
@@ -257,10 +254,9 @@ def _store_scales(j, n, a_ptr, s_ptr, flag_ptr, flag_idx, SB: tl.constexpr, FLAG
 
 
 @triton.jit
-def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, s_ptr, a_ptr, at_ptr, st_ptr, n_a, seed,
-                   strip_ptr, flag_ptr, flag_idx, n_ct, TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr,
-                   TENSOR: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, STOCHASTIC: tl.constexpr,
-                   FOUR: tl.constexpr, SEG: tl.constexpr, FLAG: tl.constexpr):
+def _quantize_tile(x_ptr, R, C, stride_xr, stride_xc, q_ptr, qt_ptr, RP, a_ptr, at_ptr, n_a, seed, strip_ptr, n_ct,
+                   TR: tl.constexpr, TC: tl.constexpr, BP: tl.constexpr, TENSOR: tl.constexpr, ROW: tl.constexpr,
+                   COL: tl.constexpr, STOCHASTIC: tl.constexpr, FOUR: tl.constexpr, SEG: tl.constexpr):
     """_quantize_kernel's tile program."""
     rt = tl.program_id(0) // n_ct
     ct = tl.program_id(0) % n_ct
@@ -503,12 +499,12 @@ def _plan(x, granularity, block_size, weight, rowwise, columnwise, stochastic, n
                      given_row)
 
 
-def _finite_slot(check_finite: str, device, name: str, in_kernel: bool) -> Tuple[bool, int]:
+def _finite_slot(check_finite: str, device, name: str) -> Tuple[bool, int]:
     """(FLAG, slot index) of a quantize launch. With check_finite="deferred" the kernel records a NaN
-    scale itself (FLAG) when its scales cover every element (`in_kernel`): no launches of its own.
-    Otherwise the caller calls ref.handle_nonfinite. The slot tensor itself is fetched per call
-    (`_slots`): it is reallocated when a new name needs a slot."""
-    if check_finite == "deferred" and in_kernel:
+    scale itself (FLAG): its scales cover every element, so it needs no launches of its own. Otherwise the
+    caller calls ref.handle_nonfinite. The slot tensor itself is fetched per call (`_slots`): it is
+    reallocated when a new name needs a slot."""
+    if check_finite == "deferred":
         return True, ref.nonfinite_slot(device, name)[1]
     return False, 0
 
@@ -558,7 +554,7 @@ def _tensor_plan(x, block_size, rowwise, columnwise, stochastic, name, check_fin
         amax_launch = _AMAX.prepare((cdiv(R, RB), n_ct), (ARG, R, C, sx_r, sx_c, ARG, ARG, ARG, ARG, RB), TR=ATR,
                                     TC=ATC, TILE_MAX=True, ROW_MAX=False, COL_MAX=False, SEG=False,
                                     num_warps=_AMAX_WARPS)
-    flag, slot = _finite_slot(check_finite, dev, name, True)
+    flag, slot = _finite_slot(check_finite, dev, name)
     BP = 2 if INTERPRETING else min(next_pow2(n_p), _MAX_TILE_PARTIALS)  # the interpreter loops over them
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_p, ARG, ARG,
                                           ARG, slot), BP=BP, SEG=False, FLAG=flag, **common)
@@ -608,7 +604,7 @@ def _row_plan(x, block_size, rowwise, columnwise, stochastic, name, check_finite
                                     SEG=segs, num_warps=_AMAX_WARPS)
     # the kernel flags every scale array it stores: a given amax may hold an Inf/NaN that x does not (another
     # rank's rows), so the row scales alone would not tell
-    flag, slot = _finite_slot(check_finite, dev, name, True)
+    flag, slot = _finite_slot(check_finite, dev, name)
     quantize = _QUANTIZE.prepare(grid_q, (ARG, R, C, sx_r, sx_c, ARG, ARG, RP, ARG, ARG, ARG, ARG, n_seg * C, ARG,
                                           ARG, ARG, slot), BP=1, SEG=segs, FLAG=flag, **common)
 
@@ -679,7 +675,7 @@ def _block_plan(x, B, weight, rowwise, columnwise, stochastic, name, check_finit
     std_shape = st_shape if columnwise else s_shape
     grid = (cdiv(RP, GR), cdiv(C, GC))
     TR, TC = next_pow2(GR), next_pow2(GC)
-    flag, slot = _finite_slot(check_finite, dev, name, True)
+    flag, slot = _finite_slot(check_finite, dev, name)
     quantize = _QUANTIZE_BLOCK.prepare(
         grid, (ARG, R, C, x.stride(0), x.stride(1), ARG, ARG, RP, ARG, ARG, sd_shape[1], 1, std_shape[1], 1, GR,
                GC, ARG, ARG, slot),

@@ -475,24 +475,23 @@ def test_int8_linear_triton_matches_reference(K, granularity):
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("c_tma,epi_split", [(True, 1), pytest.param(True, 2, marks=SLOW),
-                                             pytest.param(False, 1, marks=SLOW)])
-def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma, epi_split):
+@pytest.mark.parametrize("c_tma", [True, pytest.param(False, marks=SLOW)])
+def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma):
     """The persistent TMA-descriptor variant (Hopper's path): ragged M and N, bias, accumulate, through the
-    TMA epilogue (a store, or a reduce-add into the fp32 buffer; whole tile or two column halves, as fp32
-    outputs on 128 x 256 tiles) and through the pointer epilogue."""
+    TMA epilogue (a store, or a reduce-add into the fp32 buffer, in 4 column quarters) and through the pointer
+    epilogue."""
     M, N, Kd = 37, 36, 96  # more tiles than programs: the persistent loop visits several
     qa = _q(outliers(M, Kd), granularity, False)
     qb = _q(outliers(N, Kd), granularity, True)
     bias = torch.randn(N)
     main = torch.randn(M, N)
     out = main.clone() if accumulate else torch.full((M, N), float("nan"))
-    tma_kernel(qa, qb, out, bias, ACCUMULATE=accumulate, C_TMA=c_tma, EPI_SPLIT=epi_split)
+    tma_kernel(qa, qb, out, bias, ACCUMULATE=accumulate, C_TMA=c_tma)
     want = REF.gemm(qa, qb, out_dtype=torch.float32, bias=bias, accumulate_into=main.clone() if accumulate else None)
     assert_close_fp32(out, want, f"tma {granularity}")
 
 
-def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=True, EPI_SPLIT=1):
+def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=True):
     """One launch of the persistent TMA kernel with interpreter-sized tiles on 3 programs (each walks several
     tiles). `strips`: grouped, qb stacked [E, N, K] and read as [E * N, K]."""
     from megatron_int8.kernels import int8_gemm as G
@@ -506,7 +505,7 @@ def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=T
                                   qa.data.stride(0), bd.stride(0), strips if strips is not None else sb, bd.shape[0],
                                   SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=bias is not None,
                                   ACCUMULATE=ACCUMULATE, C_TMA=C_TMA, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
-                                  NUM_SMS=3, GROUPED=strips is not None, EPI_SPLIT=EPI_SPLIT)
+                                  NUM_SMS=3, GROUPED=strips is not None)
 
 
 @pytest.mark.parametrize("granularity,weight", WEIGHT_VARIANTS_SLOW)

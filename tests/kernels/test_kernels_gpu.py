@@ -284,7 +284,7 @@ def test_gemm_untuned_expert_shapes(K, REF, kernel, granularity, M, N, Kd, monke
     mag = _mag(qa, qb, REF)
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     mode = G._SCALE_TENSOR if granularity == "tensor" else G._SCALE_ROW
-    assert G._tma_eligible(qa.data, qb.data, out, None, mode, False), "these shapes must reach the TMA kernel"
+    assert G._tma_eligible(qa.data, qb.data, out, mode, False), "these shapes must reach the TMA kernel"
     n = len(G._fast)
     bias = torch.randn(N, device="cuda").bfloat16()
     want = ref_gemm(REF, qa, qb, out_dtype=torch.bfloat16, bias=bias)
@@ -604,7 +604,7 @@ def test_grouped_gemm_mixtral_shapes(K, REF, kernel, N, Kd, monkeypatch):
     del x
     qb = stacked_weights(REF, 8, N, Kd)
     out = torch.empty(seg.rows, N, device="cuda", dtype=torch.bfloat16)
-    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, None, G._SCALE_ROW, False)
+    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, G._SCALE_ROW, False)
     check_grouped_gemm(K, REF, qa, qb, seg, f"{kernel} N={N} K={Kd}")
 
 
@@ -618,7 +618,7 @@ def test_grouped_gemm_ragged_and_empty_experts(K, REF, N, Kd, tma, monkeypatch):
     qa, _ = REF.quantize(x, **_kw("row", False, rowwise=True, columnwise=False))
     qb = stacked_weights(REF, 8, N, Kd)
     out = torch.empty(seg.rows, N, device="cuda", dtype=torch.bfloat16)
-    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, None, G._SCALE_ROW, False) == tma
+    assert G._tma_eligible(qa.data, qb.data.reshape(8 * N, Kd), out, G._SCALE_ROW, False) == tma
     check_grouped_gemm(K, REF, qa, qb, seg, f"N={N} K={Kd}")
     empty = qref.Segments((0,) * 9)
     qa0 = qref.QTensor(qa.data[:0], qa.scale[:0], "row")
@@ -650,7 +650,7 @@ def test_wgrad_on_column_slices(K, REF, autotune, monkeypatch):
         ga, xa = qref.segment_operand(qg, seg, e), qref.segment_operand(qx, seg, e)
         assert not xa.data.is_contiguous() and ga.data.stride() == (seg.rows, 1)
         main = torch.randn(n_out, n_in, device="cuda")
-        assert G._tma_eligible(ga.data, xa.data, main, None, G._SCALE_ROW, False)
+        assert G._tma_eligible(ga.data, xa.data, main, G._SCALE_ROW, False)
         buf = main.clone()
         got = K.triton_gemm(ga, xa, out_dtype=torch.float32, accumulate_into=buf, autotune=autotune)
         assert got is buf

@@ -73,7 +73,7 @@ def test_tma_tile_is_the_measured_pair():
     """128 x 128 x 128 tiles on 4 warps, 3 stages, 4 epilogue sub-tiles, two programs per SM, and the Gluon kernel
     for K > MIN_K (kernels/int8_gemm.py says why); its rows divide SEGMENT_ALIGN, so a grouped tile reads one
     expert's rows."""
-    assert G.TMA_TILE == G.TmaVariant(128, 128, 128, 4, 3, 4, programs_per_sm=2,
+    assert G.TMA_TILE == G.TmaVariant(128, 128, 128, 4, 3, programs_per_sm=2,
                                       gluon_min_k=G.int8_gemm_ws.MIN_K)
     assert G.TMA_TILE.launch_options(132)["NUM_SMS"] == 264
     assert importlib.import_module("megatron_int8.reference").SEGMENT_ALIGN % G.TMA_TILE.block_m == 0
