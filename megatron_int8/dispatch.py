@@ -145,7 +145,8 @@ def resolve_backend_name(device: torch.device, recipe: Int8Recipe, triton_usable
         return "triton" if device.type == "cuda" and usable else "reference"
     if choice == "triton":
         if not usable:
-            raise ImportError("INT8 backend 'triton' requested but triton is not importable")
+            raise ImportError("INT8 backend 'triton' requested but " + (
+                "triton is not installed" if triton_usable is None else "this package's Triton kernels do not import"))
         if not triton_runs_on(device):
             raise ValueError(f"INT8 backend 'triton' needs a CUDA tensor (or TRITON_INTERPRET=1), got {device}")
     return choice

@@ -2,26 +2,38 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
-from ..dispatch import resolve_backend_name, triton_installed, triton_runs_on
+from ..dispatch import ENV_BACKEND, resolve_backend_name, triton_installed, triton_runs_on
 from ..recipe import Int8Recipe
 from ..reference import ReferenceBackend
 
-__all__ = ["backend_instance", "get_backend", "quantize_kwargs", "triton_available", "triton_runs_on"]
+__all__ = ["backend_instance", "get_backend", "kernels_import_problem", "quantize_kwargs", "triton_available",
+           "triton_runs_on"]
 
 
 @functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """triton is installed and this package's kernels import with it."""
+def kernels_import_problem() -> Optional[str]:
+    """None where triton is installed and this package's kernels import with it, else what stops them."""
     if not triton_installed():
-        return False
+        return "triton is not installed"
     try:
         from .. import kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as error:
+        import triton
+
+        return f"megatron_int8.kernels does not import with triton {triton.__version__}: {error}"
+    return None
+
+
+def triton_available() -> bool:
+    """triton is installed and this package's kernels import with it."""
+    return kernels_import_problem() is None
+
+
+_USE_REFERENCE = f"; {ENV_BACKEND}=reference (or Int8Recipe(backend='reference')) runs the PyTorch reference"
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,7 +42,7 @@ def backend_instance(name: str):
     if name == "reference":
         return ReferenceBackend()
     if not triton_available():
-        raise ImportError("INT8 backend 'triton' requested but megatron_int8.kernels does not import")
+        raise ImportError(f"INT8 backend 'triton': {kernels_import_problem()}{_USE_REFERENCE}")
     from ..kernels import TritonBackend
 
     return TritonBackend()
@@ -38,7 +50,11 @@ def backend_instance(name: str):
 
 def get_backend(device: torch.device, recipe: Int8Recipe):
     """The backend `recipe` runs with on `device` (under torch.compile: library.traced_backend)."""
-    return backend_instance(resolve_backend_name(device, recipe, triton_available()))
+    try:
+        name = resolve_backend_name(device, recipe, triton_available())
+    except ImportError:  # 'triton' asked for where the kernels cannot run: say why
+        raise ImportError(f"INT8 backend 'triton' requested: {kernels_import_problem()}{_USE_REFERENCE}") from None
+    return backend_instance(name)
 
 
 @functools.lru_cache(maxsize=None)  # recipes are frozen and few: one dict each, shared (callers never mutate it)

@@ -49,7 +49,9 @@ warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functoo
 
 
 def traced_backend(device: torch.device, recipe: Int8Recipe) -> "TracedBackend":
-    """What int8_linear runs with while Dynamo traces it: get_backend's backend, behind the custom ops."""
+    """What int8_linear runs with while Dynamo traces it, behind the custom ops: get_backend's choice, except that
+    "auto" takes triton being installed for the kernels importing (Dynamo reads that module constant; where they
+    do not import, the Triton backend's construction says why)."""
     return TracedBackend(resolve_backend_name(device, recipe))
 
 

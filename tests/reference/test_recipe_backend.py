@@ -85,3 +85,19 @@ def test_weight_cache_is_shared_by_recipes_that_differ_only_in_execution():
     other, _ = quantized_weight(w, backend, dataclasses.replace(tuned, granularity="tensor"),
                                 rowwise=True, columnwise=False)
     assert other is not row and other.granularity == "tensor"
+
+
+def test_triton_requested_where_the_kernels_do_not_import_says_why(monkeypatch):
+    """The kernels' import error (e.g. a triton too old for them) and the way to the reference, not 'triton is not
+    importable' where triton itself imports."""
+    import megatron_int8.ops.backend as backend
+
+    problem = "megatron_int8.kernels does not import with triton 0.0: cannot import name 'x'"
+    monkeypatch.setattr(backend, "kernels_import_problem", lambda: problem)
+    monkeypatch.setenv(ENV_BACKEND, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ImportError) as err:
+        get_backend(torch.device("cpu"), Int8Recipe())
+    assert problem in str(err.value) and f"{ENV_BACKEND}=reference" in str(err.value)
+    monkeypatch.setenv(ENV_BACKEND, "auto")  # auto takes the reference on a GPU where the kernels do not import
+    assert isinstance(get_backend(torch.device("cuda"), Int8Recipe()), ReferenceBackend)
