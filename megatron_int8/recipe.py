@@ -137,7 +137,8 @@ class Int8Recipe:
         and quantizes Q(W)^T for each dgrad: 1 byte per linear parameter less, one quantize pass over W per
         micro-batch more (dense linears; grouped MoE experts keep both). See docs/training.md, "Memory options".
     autotune: tune the Triton GEMM's tiles once per shape bucket (first call); False launches one
-        fixed tile with no tuning (the persistent TMA kernel's, where the operands allow it). The INT8
+        fixed kernel with no tuning (on Hopper the CUDA sm_90a kernel where it builds, else the persistent TMA
+        kernel where the operands allow it, else the plain kernel's fixed tile). The INT8
         layers turn it off for MoE experts, whose token count (M of fprop/dgrad, K of wgrad) changes
         with every routing: tuning kept a Mixtral run in its first iterations for minutes
         (docs/scaling.md).

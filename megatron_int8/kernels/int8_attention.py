@@ -155,14 +155,16 @@ def _fwd_tile(acc, l_i, m_i, q, q_scale, offs_m, n0, k_ptr, ks_ptr, vt_ptr, vs_p
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per-token INT8 [BH, Sq, D], [BHk, Sk, D] and their scales [BH, Sq], [BHk, Sk]
+    q_ptr, qs_ptr, k_ptr, ks_ptr,  # per token [BH, Sq, D], [BHk, Sk, D] (INT8, or BF16 with SCORES_BF16) and
+                                   # their scales [BH, Sq], [BHk, Sk] (ones with BF16)
     vt_ptr, vs_ptr,  # V^T INT8 [BHk, D, SkP], scales [BHk, NBk, D]
     o_ptr, lse_ptr,  # O [B, H, Sq, D] contiguous (output dtype), lse2 [BH, Sq] fp32
     H, GROUP, Sq, Sk, SkP, NBk, qk_scale,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, CAUSAL: tl.constexpr,
     SCORES_BF16: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Program (b * H + h, query tile): online softmax over the key tiles, S and P V in INT8. Causal programs
+    """Program (b * H + h, query tile): online softmax over the key tiles, S by the scores (SCORES_BF16: BF16,
+    else INT8) and P V in INT8. Causal programs
     start with the last query tiles (the longest rows), and only tiles that cross the diagonal or the last key
     are masked."""
     pid = tl.program_id(1)

@@ -344,7 +344,7 @@ _GEMM_PLAIN, _GEMM_TMA = LaunchCache(_int8_gemm_kernel), LaunchCache(_int8_gemm_
 _GEMM_WS = LaunchCache(int8_gemm_ws.KERNEL) if int8_gemm_ws.KERNEL is not None else None
 _GEMM_WS_BLOCK = LaunchCache(int8_gemm_ws.BLOCK_KERNEL) if int8_gemm_ws.BLOCK_KERNEL is not None else None
 _fast = {}  # dispatch key -> select(args) of the kernel and config chosen for it (see module doc)
-_PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into); see triton_gemm
+_PLANS = PlanCache(1024)  # call signature -> run(a, b, bias, accumulate_into, out); see _gemm_plan
 CHOSEN = {}  # (M, N, K) -> "cuda" or "triton": the kernel the latest plan for that shape took (benchmarks)
 
 

@@ -9,7 +9,7 @@ returned for one launch signature, and later launches with the same signature ca
 The signature is everything compilation depends on, or finer: the current device; what Triton
 specializes each runtime argument on (`_arg_signature`: a tensor's dtype and 16-byte alignment, an
 integer's being 1, its divisibility by 16 and its width); the keyword arguments (constexprs and launch
-options) with their values. tests/test_launch.py checks `_arg_signature` against Triton's own
+options) with their values. tests/training/test_launch.py checks `_arg_signature` against Triton's own
 specialization on the installed version. A launch whose signature was not seen yet goes through
 `JITFunction.run`, which compiles or finds the kernel as usual.
 

@@ -398,7 +398,7 @@ def _four(TC: int, GC: int, n_ct: int) -> bool:
     return TC % 4 == 0 and (GC % 4 == 0 or n_ct == 1)
 
 
-_PLANS = PlanCache(1024)  # call signature -> run(x, amax, columnwise_amax, segments); see triton_quantize
+_PLANS = PlanCache(1024)  # call signature -> run(x, amax, columnwise_amax, segments, rowwise_amax, out); see _plan
 
 
 def triton_quantize(

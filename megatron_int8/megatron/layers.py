@@ -59,7 +59,8 @@ class Int8LinearMixin:
                           tp_comm_buffer_name: Optional[str] = None) -> None:
         if config.defer_embedding_wgrad_compute:
             raise NotImplementedError(
-                f"{type(self).__name__}: defer_embedding_wgrad_compute (grad_output_buffer) is not supported")
+                f"{type(self).__name__}: defer_embedding_wgrad_compute (grad_output_buffer) is not supported; drop "
+                "--defer-embedding-wgrad-compute")
         if recipe is not None and not isinstance(recipe, Int8Recipe):
             raise TypeError(f"{type(self).__name__}: recipe must be an Int8Recipe, got {type(recipe).__name__}")
         self.config = config
@@ -167,7 +168,8 @@ class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
         if not self.tp_comm_overlap or self.explicit_expert_comm:
             return super().forward(input_)
         if self.config._cpu_offloading_context is not None:
-            raise NotImplementedError("Int8RowParallelLinear: tp_comm_overlap with CPU offloading is not supported")
+            raise NotImplementedError("Int8RowParallelLinear: tp_comm_overlap with CPU offloading is not supported; "
+                                      "drop --tp-comm-overlap or the CPU offloading")
         tp = TPOptions(group=self.tp_group, scatter_output=True,
                        gradient_accumulation_fusion=self.gradient_accumulation_fusion and self.weight.requires_grad,
                        overlap_ag=self.config.tp_comm_overlap_ag, overlap_rs=self.config.tp_comm_overlap_rs)

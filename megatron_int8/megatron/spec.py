@@ -102,7 +102,9 @@ class Int8SpecProvider(LocalSpecProvider):
         if not (self.fp8_recipe is None and self.int8 and self.recipe.any_int8 and self.recipe.int8_norm_input):
             return norm
         if norm is not SequenceParallelNorm:
-            raise ValueError("--int8-norm-input needs this package's RMSNorm (not Transformer Engine's TENorm)")
+            raise ValueError("--int8-norm-input needs this package's RMSNorm, not Transformer Engine's TENorm (which "
+                             "the spec takes where Transformer Engine is installed): drop --int8-norm-input, or run "
+                             "where Transformer Engine is not installed")
         return ModuleSpec(module=SequenceParallelNorm, params={"int8_copy": True})
 
     def core_attention(self):
