@@ -102,7 +102,7 @@ def null_tokenizer_metadata() -> dict:
 
 
 def build_layer_mlp(spec, config):
-    """A layer spec's `mlp` built as TransformerLayer builds it (tests and benchmarks build MLPs alone): 0.19's
+    """A layer spec's `mlp` built as TransformerLayer builds it (the tests build MLPs alone): 0.19's
     builders (`MLP.as_mlp_submodule`, MoELayer) take the layer's process groups and MTP flag; a ModuleSpec'd MLP
     takes the TP group, a MoE layer the process groups."""
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -84,11 +84,6 @@ class Int8Policy:
                 return False
         return True
 
-    def linear_in_int8(self, layer_index: int, num_layers: int, submodule: str, expert_group: Optional[str] = None) -> bool:
-        """Whether linear `submodule` (e.g. linear_fc1) of a layer, optionally inside `experts` /
-        `shared_experts`, runs in INT8."""
-        return self.layer_in_int8(layer_index, num_layers) and not self.keeps_in_bf16(submodule, expert_group)
-
     def keeps_in_bf16(self, submodule: str, expert_group: Optional[str] = None) -> bool:
         """Whether `bf16_modules` names this linear (or its expert group)."""
         return submodule in self.bf16_modules or expert_group in self.bf16_modules

@@ -73,10 +73,10 @@ def test_layer_semantics_match_megatron_first_last_bf16(first_last, start, end):
 
 def test_linear_decision_honours_bf16_modules_and_expert_groups():
     policy = Int8Policy(bf16_modules=("linear_fc2", "shared_experts"))
-    assert policy.linear_in_int8(0, 4, "linear_qkv")
-    assert not policy.linear_in_int8(0, 4, "linear_fc2")
-    assert policy.linear_in_int8(0, 4, "linear_fc1", expert_group="experts")
-    assert not policy.linear_in_int8(0, 4, "linear_fc1", expert_group="shared_experts")
+    assert not policy.keeps_in_bf16("linear_qkv")
+    assert policy.keeps_in_bf16("linear_fc2")
+    assert not policy.keeps_in_bf16("linear_fc1", expert_group="experts")
+    assert policy.keeps_in_bf16("linear_fc1", expert_group="shared_experts")
 
 
 def test_table_is_sorted_and_deduplicated():
