@@ -205,11 +205,11 @@ def check_evaluation_data(args) -> None:
 
 
 def _shares(split: str) -> list:
-    """'98,2,0' and '98, 2' and '49,1,0' alike: the normalized train/validation/test proportions."""
-    values = [float(v) for v in split.replace("/", ",").split(",") if v.strip()]
-    values += [0.0] * (3 - len(values))
-    total = sum(values) or 1.0
-    return [round(v / total, 9) for v in values]
+    """'98,2,0' and '98, 2' and '49,1,0' alike: megatron's normalized train/validation/test proportions, rounded
+    so that equal proportions compare equal."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    return [round(v, 9) for v in parse_and_normalize_split(split)]
 
 
 def _wire_megatron_config(config, model, optimizer, args) -> None:
@@ -225,7 +225,8 @@ def _wire_megatron_config(config, model, optimizer, args) -> None:
 
 def pretrain(args) -> dict:
     """Train per `args` (from `args.parse_args`, then `args.validate_args`, as `megatron_int8.pretrain` does before
-    it imports this module); returns {"iteration", "loss", "valid_loss"}."""
+    it imports this module); returns {"iteration", "loss", "valid_loss"} ({"iteration", "valid_loss",
+    "test_loss"} with --skip-train)."""
     try:
         policy = policy_from_args(args)
     except ValueError as err:

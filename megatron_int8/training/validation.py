@@ -224,7 +224,8 @@ def _validate_optimizer_precision(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Fill derived defaults (as Megatron-LM does) and reject inconsistent settings; returns args.
 
-    Checks that need no files or tokenizer: data files and vocab are checked in `data.py`.
+    Checks of the flags themselves, the tokenizer file's presence and the output paths; the data files and the
+    vocabulary are checked in `data.py`.
     """
     if args.skip_train:
         _settle_skip_train(args)
