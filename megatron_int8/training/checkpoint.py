@@ -89,7 +89,7 @@ def read_tracker(root: str) -> Optional[int]:
     try:
         return int(text)
     except ValueError:
-        raise RuntimeError(f"{path}: expected an iteration number, found {text!r}") from None
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
 
 
 class CheckpointError(RuntimeError):
@@ -179,7 +179,7 @@ def read_saved_arguments(root: str, step: Optional[int] = None) -> argparse.Name
     directory = latest_checkpoint_dir(root, step)
     saved = _load_common(directory).get("args")
     if not isinstance(saved, argparse.Namespace):
-        raise RuntimeError(f"{directory} records only the model shape, not the run's arguments (it was written "
+        raise CheckpointError(f"{directory} records only the model shape, not the run's arguments (it was written "
                            "before they were saved): resume it once with this version (--load, --save, one more "
                            "iteration) to write a checkpoint that records them")
     return saved
@@ -317,7 +317,7 @@ def saved_distopt_format(common: dict) -> Optional[str]:
 
     types = set(recorded(common.get("optimizer")))
     if len(types) > 1:
-        raise RuntimeError(f"checkpoint records several distributed optimizer formats: {sorted(types)}")
+        raise CheckpointError(f"checkpoint records several distributed optimizer formats: {sorted(types)}")
     return types.pop() if types else None
 
 
@@ -339,16 +339,16 @@ def check_optimizer_loadable(saved: Optional[str], common: dict, *, distributed:
     weights_only = "pass --no-load-optim to load the model weights only (fresh optimizer state)"
     if distributed != (saved is not None):
         was, now = ("with", "without") if saved is not None else ("without", "with")
-        raise RuntimeError(f"{directory} was saved {was} --use-distributed-optimizer and this run is {now} it: "
+        raise CheckpointError(f"{directory} was saved {was} --use-distributed-optimizer and this run is {now} it: "
                            f"its optimizer state cannot be loaded; resume {was} it, or {weights_only}")
     if saved is None:
         return
     if saved not in DISTOPT_FORMATS:
-        raise RuntimeError(f"{directory}: distributed optimizer format {saved!r} is not one this trainer reads "
+        raise CheckpointError(f"{directory}: distributed optimizer format {saved!r} is not one this trainer reads "
                            f"({', '.join(DISTOPT_FORMATS)}); {weights_only}")
     count = _saved_optimizer_count(common)
     if count is not None and count != optimizers:
-        raise RuntimeError(f"{directory}: its optimizer state is split over {count} optimizer(s) and this run has "
+        raise CheckpointError(f"{directory}: its optimizer state is split over {count} optimizer(s) and this run has "
                            f"{optimizers} (megatron gives expert parameters their own optimizer when the expert-"
                            f"parallel size is above 1): resume with expert parallelism on (EP > 1) or off as saved, "
                            f"or {weights_only}")
@@ -357,7 +357,7 @@ def check_optimizer_loadable(saved: Optional[str], common: dict, *, distributed:
         diffs = [f"{k} {saved_layout[k]} -> {layout[k]}" for k in layout
                  if k != "dp" and k in saved_layout and saved_layout[k] != layout[k]]
         if diffs:
-            raise RuntimeError(_dp_reshardable_message(directory, ", ".join(diffs)))
+            raise CheckpointError(_dp_reshardable_message(directory, ", ".join(diffs)))
 
 
 def _dp_reshardable_message(directory: str, what: str) -> str:
@@ -540,10 +540,22 @@ def check_save_target(args) -> None:
 
 def _check_architecture(saved, args) -> None:
     saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
+    names = ARCHITECTURE_ARGS
+    if getattr(args, "position_embedding_type", None) == "learned_absolute":
+        names += ("max_position_embeddings",)  # the rows of the learned position table
     diffs = [f"{name}: checkpoint {saved[name]!r}, now {getattr(args, name, None)!r}"
-             for name in ARCHITECTURE_ARGS if name in saved and saved[name] != getattr(args, name, None)]
+             for name in names if name in saved and saved[name] != getattr(args, name, None)]
     if diffs:
         raise ArgumentError("checkpoint does not match the model arguments: " + "; ".join(diffs))
+
+
+def check_architecture_before_build(args) -> None:
+    """The model flags against the checkpoint --load will resume (where one exists), before anything is built:
+    a mismatch is one line naming each flag, not a failed load after the model and optimizer were built."""
+    step = getattr(args, "ckpt_step", None)
+    if not args.load or (step is None and read_tracker(args.load) is None):
+        return
+    _check_architecture(_load_common(latest_checkpoint_dir(args.load, step)).get("args", {}), args)
 
 
 # The LR/WD schedule's flags: a resume follows the values given now (Megatron-LM's --override-opt_param-scheduler)
@@ -654,7 +666,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
         except (CheckpointingException, CheckpointException) as error:
             # dp_reshardable, saved before `parallel_layout` was recorded: megatron finds buckets of another size
             if with_optimizer and saved_format == "dp_reshardable" and "optimizer.distributed" in str(error):
-                raise RuntimeError(_dp_reshardable_message(
+                raise CheckpointError(_dp_reshardable_message(
                     directory, "its optimizer buckets do not match this run's: the error above")) from error
             raise
         unwrap(model_chunks)[0].load_state_dict(loaded["model"], strict=True)

@@ -14,7 +14,8 @@ from ..megatron.precision_table import print_precision_table
 from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size
-from .checkpoint import CheckpointError, check_save_target, load_checkpoint, read_saved_arguments, save_checkpoint
+from .checkpoint import (CheckpointError, check_architecture_before_build, check_save_target, load_checkpoint,
+                         read_saved_arguments, save_checkpoint)
 from .cpu import training_device
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
@@ -245,6 +246,10 @@ def pretrain(args) -> dict:
         check_evaluation_data(args)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args)
+    try:
+        check_architecture_before_build(args)
+    except CheckpointError as error:
+        raise ArgumentError(str(error)) from None
     if not args.mock_data:
         check_data(args, tokenizer, dataset_sizes(args))
 

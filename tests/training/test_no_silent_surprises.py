@@ -176,6 +176,14 @@ def test_bad_values_fail_before_the_model_in_one_line(data, tmp_path, capsys):
     assert "give --lr-warmup-iters below 20" in message
 
 
+@pytest.mark.slow
+def test_a_resume_with_other_model_flags_fails_before_the_model(data, interrupted, capsys):
+    """The checkpoint's shape against the flags given now, before anything is built: one line naming the flag."""
+    save = str(interrupted["save"])
+    message = _refused(capsys, _argv(data, "--load", save, "--train-iters", "40", "--ffn-hidden-size", "192"))
+    assert "checkpoint does not match the model arguments: ffn_hidden_size: checkpoint 128, now 192" in message
+
+
 def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
     generate, export = _load_script("generate"), _load_script("export_hf")
     for argv, expected in ((["--prompt", "x"], "the following arguments are required: --load"),
