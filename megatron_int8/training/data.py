@@ -276,7 +276,9 @@ class PretrainingSampler:
     """Micro-batch indices for one data-parallel rank, starting after `consumed_samples`.
 
     Each global step takes the next micro x DP samples in order and gives this rank its slice, so a
-    run resumed at `consumed_samples` sees exactly the samples the uninterrupted run would have.
+    run resumed at `consumed_samples` with the same --train-iters sees exactly the samples the uninterrupted
+    run would have. (A resume with another --train-iters requests another train-split size, and where that
+    changes how many times megatron's GPTDataset repeats the corpus, its shuffle changes: docs/training.md.)
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
