@@ -47,9 +47,9 @@ MCORE_VERSION = _installed_version()
 def check_supported(version: tuple = MCORE_VERSION) -> None:
     """Refuse a megatron-core outside the tested range with one line naming it and the range."""
     if not OLDEST_SUPPORTED <= tuple(version) < FIRST_UNSUPPORTED:
-        found = ".".join(map(str, version))
-        raise ImportError(f"megatron-int8 supports megatron-core >=0.16.1,<0.20; found {found}: "
-                          f"pip install 'megatron-core>=0.16.1,<0.20'")
+        found, oldest = ".".join(map(str, version)), ".".join(map(str, OLDEST_SUPPORTED))
+        pin = f">={oldest},<{FIRST_UNSUPPORTED[0]}.{FIRST_UNSUPPORTED[1]}"
+        raise ImportError(f"megatron-int8 supports megatron-core {pin}; found {found}: pip install 'megatron-core{pin}'")
 
 
 check_supported()
