@@ -5,6 +5,8 @@ import triton.language as tl
 from .. import reference as ref
 
 SEGMENT_ALIGN = tl.constexpr(ref.SEGMENT_ALIGN)  # MoE segments' row alignment, for the kernels
+# 1.5 * 2^23: for |x| < 2^22, x + M rounds x to the nearest integer (ties to even) in the sum's low mantissa bits
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

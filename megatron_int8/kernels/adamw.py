@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._tl import ROUND_MAGIC
 from .launch import LaunchCache, cdiv
 
 QBLOCK = 128
@@ -27,7 +28,6 @@ BLOCKS_PER_PROGRAM = 8
 # kinds of a moment's storage and of the master weight (constexprs)
 FP32, BF16, INT8 = 0, 1, 2
 PARAM_IS_MASTER, MASTER_FP32, MASTER_REMAINDER = 0, 1, 2
-ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + M) - M rounds |x| < 2^22 to nearest even
 
 
 @triton.jit
