@@ -21,7 +21,12 @@ import time
 
 import numpy as np
 
-HF_EOD_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+MIN_SENTENCEPIECE_VOCAB = 256 + 3 + 2  # byte fallback's 256, <unk> <s> </s>, "\n" "\t"; the corpus's characters more
+
+
+class InputError(Exception):
+    """Bad input, reported in one line. (An Exception, not SystemExit: raised inside a worker pool's task
+    thread, SystemExit would end that thread silently and leave the pool waiting.)"""
 
 
 def read_documents(paths, json_keys):
@@ -35,10 +40,10 @@ def read_documents(paths, json_keys):
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as err:
-                        raise SystemExit(f"error: {path}:{line_number}: not JSON: {err}")
+                        raise InputError(f"{path}:{line_number}: not JSON: {err}") from None
                     for key in json_keys:
                         if key not in record:
-                            raise SystemExit(f"error: {path}:{line_number}: no key {key!r} (--json-keys)")
+                            raise InputError(f"{path}:{line_number}: no key {key!r} (--json-keys)")
                         yield key, record[key]
         else:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -80,15 +85,22 @@ def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, samp
     print(f"training a SentencePiece BPE tokenizer ({vocab_size} tokens) on {', '.join(paths)} ...", flush=True)
     chosen = sample_lines(lines(), sample)
     print(f"  on {len(chosen)} lines (a seeded sample of at most {sample})", flush=True)
+    try:
+        _train_bpe(spm, chosen, prefix, vocab_size)
+    except RuntimeError as err:  # e.g. a vocabulary smaller than the corpus's characters need
+        raise InputError(f"--train-sentencepiece {vocab_size}: {str(err).strip().splitlines()[-1]}") from None
+    if prefix + ".model" != model_path:
+        os.replace(prefix + ".model", model_path)
+    print(f"wrote {model_path} in {time.time() - started:.1f} s", flush=True)
+
+
+def _train_bpe(spm, chosen, prefix, vocab_size):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(chosen), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_by_whitespace=True,
         allow_whitespace_only_pieces=True, byte_fallback=True, split_digits=True, character_coverage=0.9999,
         user_defined_symbols=["\n", "\t"], input_sentence_size=0, shuffle_input_sentence=False,
         max_sentence_length=16384, num_threads=os.cpu_count() or 1, minloglevel=2)
-    if prefix + ".model" != model_path:
-        os.replace(prefix + ".model", model_path)
-    print(f"wrote {model_path} in {time.time() - started:.1f} s", flush=True)
 
 
 class Encoder:
@@ -111,13 +123,13 @@ class Encoder:
             self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
             from megatron_int8.training.data import hf_eod_token
 
-            configured = hf_eod_token(os.path.dirname(path), self.eod_token)  # --eod-token, else the config's EOS
-            names = [configured] if configured else list(HF_EOD_CANDIDATES)
-            ids = [tokenizer.token_to_id(n) for n in names]
-            found = [(n, i) for n, i in zip(names, ids) if i is not None]
-            if not found:
-                raise SystemExit(f"error: none of {names} is a token of {path}; name the EOD token with --eod-token")
-            self.eod_name, self.eod = found[0]
+            name = hf_eod_token(os.path.dirname(path), self.eod_token)  # the trainer's rule
+            if name is None:
+                raise InputError(f"{path}: the tokenizer names no end-of-document (EOS) token: pass --eod-token TOKEN "
+                                 "(e.g. '<|endoftext|>'), or add \"eos_token\" to its tokenizer_config.json")
+            if tokenizer.token_to_id(name) is None:
+                raise InputError(f"end-of-document token {name!r} is not a token of {path}")
+            self.eod_name, self.eod = name, tokenizer.token_to_id(name)
             self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
         else:
             import sentencepiece as spm
@@ -161,16 +173,35 @@ def main(argv=None) -> int:
     parser.add_argument("--sentencepiece-sample", type=int, metavar="LINES", default=2_000_000,
                         help="--train-sentencepiece trains on a seeded sample of this many of the input's non-empty "
                              "lines (default: %(default)s)")
-    parser.add_argument("--eod-token", default=None, help="Hugging Face EOD token (default: tokenizer_config.json's "
-                        f"eos_token, else the first of {HF_EOD_CANDIDATES} in the vocabulary)")
+    parser.add_argument("--eod-token", default=None, help="Hugging Face EOD token (default: the eos_token of "
+                        "tokenizer_config.json, else of special_tokens_map.json, as the trainer takes it)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval-s", type=float, default=2.0, help="seconds between progress lines")
+    parser.add_argument("--force", action="store_true",
+                        help="write over an existing PREFIX_<key>_document.bin/.idx (delete the index caches built "
+                             "from it too: megatron-core names them by path, not content)")
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
+
+def _run(parser, args) -> int:
     for path in args.input:
         if not os.path.isfile(path):
             parser.error(f"--input {path}: no such file")
+    existing = [f"{args.output_prefix}_{key}_document{ext}" for key in args.json_keys for ext in (".bin", ".idx")]
+    existing = [path for path in existing if os.path.exists(path)]
+    if existing and not args.force:
+        parser.error(f"{existing[0]} exists: pass --force to write over it (and delete the index caches built from "
+                     "it, e.g. --data-cache-path: megatron-core finds them by path and would reuse them), or choose "
+                     "another --output-prefix")
     if args.train_sentencepiece is not None:
+        if args.train_sentencepiece < MIN_SENTENCEPIECE_VOCAB:
+            parser.error(f"--train-sentencepiece {args.train_sentencepiece}: at least {MIN_SENTENCEPIECE_VOCAB} "
+                         "(byte fallback alone takes 256 entries), more for a corpus of many characters")
         if args.tokenizer_type == "HuggingFaceTokenizer":
             parser.error("--train-sentencepiece makes a SentencePiece model: use a SentencePiece --tokenizer-type")
         if args.sentencepiece_sample < 1:
@@ -206,13 +237,21 @@ def main(argv=None) -> int:
         encoded = pool.imap(_encode_in_worker, documents, chunksize=16)
     else:
         pool, encoded = None, map(local.encode, documents)
-    for key, ids, size in encoded:
-        builders[key].add_document(ids, [len(ids)])
-        docs, tokens, nbytes = docs + 1, tokens + len(ids), nbytes + size
-        if time.time() - last >= args.log_interval_s:
-            last = time.time()
-            print(f"  {docs} documents, {tokens} tokens, {nbytes / 2**20:.1f} MB "
-                  f"({nbytes / 2**20 / (last - started):.2f} MB/s)", flush=True)
+    try:
+        for key, ids, size in encoded:
+            builders[key].add_document(ids, [len(ids)])
+            docs, tokens, nbytes = docs + 1, tokens + len(ids), nbytes + size
+            if time.time() - last >= args.log_interval_s:
+                last = time.time()
+                print(f"  {docs} documents, {tokens} tokens, {nbytes / 2**20:.1f} MB "
+                      f"({nbytes / 2**20 / (last - started):.2f} MB/s)", flush=True)
+    except BaseException:  # bad input or Ctrl-C: no worker left running, no partial file left behind
+        if pool is not None:
+            pool.terminate()
+        for path in outputs.values():
+            if os.path.exists(path + ".bin.tmp"):
+                os.remove(path + ".bin.tmp")
+        raise
     if pool is not None:
         pool.close()
         pool.join()

@@ -74,16 +74,20 @@ def check_tokenizer_file(kind: str, path: str) -> str:
 
 
 def hf_eod_token(directory: str, eod_token: Optional[str]) -> Optional[str]:
-    """The end-of-document token of a Hugging Face tokenizer directory: --eod-token, else
-    tokenizer_config.json's eos_token (a string, or a dict with "content"); None if neither names one."""
+    """The end-of-document token of a Hugging Face tokenizer directory: --eod-token, else the eos_token of its
+    tokenizer_config.json, else of its special_tokens_map.json (where transformers looks too; a string, or a
+    dict with "content"); None if none names one. The trainer, scripts/preprocess_data.py and the export agree
+    through it."""
     if eod_token:
         return eod_token
-    config = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.isfile(config):
-        return None
-    with open(config, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
-    return eos.get("content") if isinstance(eos, dict) else eos
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+            if eos:
+                return eos.get("content") if isinstance(eos, dict) else eos
+    return None
 
 
 def build_tokenizer(args):

@@ -58,8 +58,29 @@ def test_preprocess_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     wrong_key = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
                       str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
-                      "--tokenizer-model", str(tmp_path / "m.model"), "--train-sentencepiece", "100"])
+                      "--tokenizer-model", str(tmp_path / "m.model"), "--train-sentencepiece", "300"])
     assert wrong_key.returncode != 0 and "no key 'text'" in wrong_key.stderr
+    small = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / "bad.jsonl"), "--output-prefix",
+                  str(tmp_path / "x"), "--tokenizer-type", "SentencePieceTokenizer",
+                  "--tokenizer-model", str(tmp_path / "m.model"), "--train-sentencepiece", "100"])
+    assert small.returncode == 2 and "--train-sentencepiece 100: at least 261" in small.stderr
+
+
+def test_preprocess_stops_on_bad_input_with_workers_and_keeps_what_exists(dataset, tmp_path):
+    """A bad line with worker processes is one error line, not a hang; nothing partial is left; an existing
+    dataset is written over only with --force."""
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) for i in range(200)]
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines[:100] + ["{not json"] + lines[100:]) + "\n")
+    (tmp_path / "good.jsonl").write_text("\n".join(lines) + "\n")
+    common = ["scripts/preprocess_data.py", "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+              "SentencePieceTokenizer", "--tokenizer-model", dataset["tokenizer"], "--workers", "2"]
+    bad = _run(common + ["--input", str(tmp_path / "bad.jsonl")])
+    assert bad.returncode == 1 and f"error: {tmp_path / 'bad.jsonl'}:101: not JSON" in bad.stderr
+    assert "Traceback" not in bad.stderr and not list(tmp_path.glob("out_*"))
+    assert _run(common + ["--input", str(tmp_path / "good.jsonl")]).returncode == 0
+    again = _run(common + ["--input", str(tmp_path / "good.jsonl")])
+    assert again.returncode == 2 and "out_text_document.bin exists: pass --force" in again.stderr
+    assert _run(common + ["--input", str(tmp_path / "good.jsonl"), "--force"]).returncode == 0
 
 
 def test_sample_lines_is_seeded_uniform_and_keeps_input_order():
@@ -225,8 +246,14 @@ def test_hf_tokenizer_json_preprocess(dataset, tmp_path):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([CODE] * 10, trainer)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    result = _run(["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
-                   str(tmp_path / "hf"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)])
+    argv = ["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
+            str(tmp_path / "hf"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path)]
+    # a bare tokenizer.json names no EOS: the trainer asks for --eod-token, and so does the preprocessing (it
+    # guessed one from a list, which the trainer could disagree with)
+    bare = _run(argv)
+    assert bare.returncode == 1 and "names no end-of-document (EOS) token: pass --eod-token TOKEN" in bare.stderr
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    result = _run(argv)  # where transformers finds the EOS, both find it
     assert result.returncode == 0, result.stderr[-3000:]
     eod = tokenizer.token_to_id("<|endoftext|>")
     documents = IndexedDataset(str(tmp_path / "hf_text_document"))
