@@ -7,7 +7,7 @@
 #   NNODES [1] NODE_RANK [0] MASTER_ADDR [localhost] MASTER_PORT [6000] GPUS_PER_NODE [all visible GPUs]
 #   DATA_PATH        indexed-dataset prefix(es), 'W1 P1 W2 P2' for a blend  [unset: --mock-data]
 #   TOKENIZER_MODEL  SentencePiece .model or HF tokenizer.json directory    [needed with DATA_PATH]
-#   RUN_DIR          checkpoints, logs, TensorBoard                         [./runs/<config name>]
+#   RUN_DIR          checkpoints, logs, TensorBoard   [./runs/<config name>, ./runs/<config name>_bf16 for bf16]
 #   PRECISION        int8 (adds --int8-linear) or bf16 (the baseline)        [int8]
 #   MEGATRON_LM      a Megatron-LM checkout (core_v0.16.1 ... core_v0.19.0, unpatched): run its pretrain_gpt.py
 #                    through `python -m megatron_int8.megatron_lm run` (docs/megatron-lm.md)
@@ -22,8 +22,9 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 GPUS_PER_NODE=${GPUS_PER_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
 [[ "$GPUS_PER_NODE" -gt 0 ]] || GPUS_PER_NODE=1
-RUN_DIR=${RUN_DIR:-runs/$NAME}
 PRECISION=${PRECISION:-int8}
+# each precision its own run (a BF16 baseline must not resume the INT8 run's checkpoints, nor append to its log)
+RUN_DIR=${RUN_DIR:-runs/$NAME$([[ "$PRECISION" == bf16 ]] && echo _bf16 || true)}
 PYTHON=${PYTHON:-python3}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}  # TP/SP communication overlap ordering
 
@@ -47,7 +48,8 @@ LAUNCH=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$
 
 if [[ -n "${MEGATRON_LM:-}" ]]; then
     [[ -f "$MEGATRON_LM/pretrain_gpt.py" ]] || { echo "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py" >&2; exit 2; }
-    mapfile -t YAML_ARGS < <("$PYTHON" -m megatron_int8.megatron_lm "$CONFIG")
+    YAML_TEXT=$("$PYTHON" -m megatron_int8.megatron_lm "$CONFIG") || exit 2  # a bad CONFIG stops here
+    mapfile -t YAML_ARGS <<< "$YAML_TEXT"
     set -x
     exec "${LAUNCH[@]}" -m megatron_int8.megatron_lm run "$MEGATRON_LM/pretrain_gpt.py" "${YAML_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
         "${PRECISION_ARGS[@]}" "$@"

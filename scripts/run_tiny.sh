@@ -22,6 +22,8 @@ PYTHON=${PYTHON:-python3}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 mkdir -p "$RUN_DIR"
 started=$(date +%s)
+# Ctrl-C: the trainer saves and exits 0 (--exit-signal-handler), so stop here rather than go on to the next step
+trap 'echo "interrupted: checkpoints kept under $RUN_DIR; run again to resume" >&2; exit 130' INT
 
 if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
     echo "== 1/4 corpus from the Python standard library"
@@ -33,12 +35,21 @@ fi
 DATA_PREFIX="$RUN_DIR/data/stdlib"
 if [[ ! -f "$RUN_DIR/tokenizer/spm.model" ]]; then
     echo "== 2/4 SentencePiece tokenizer (4096 tokens) + 3/4 indexed dataset"
-    rm -f "${DATA_PREFIX}_text_document.bin"  # a new tokenizer invalidates old token ids
+    for ckpt in "$RUN_DIR/checkpoints" "$RUN_DIR/bf16/checkpoints"; do
+        if [[ -f "$ckpt/latest_checkpointed_iteration.txt" ]]; then
+            echo "error: $RUN_DIR/tokenizer/spm.model is missing but $ckpt holds checkpoints trained on its token ids:" \
+                 "restore the tokenizer, or start over in another RUN_DIR (or delete $RUN_DIR)" >&2
+            exit 2
+        fi
+    done
+    # a new tokenizer invalidates the old token ids and the index caches built on them
+    rm -rf "${DATA_PREFIX}_text_document.bin" "${DATA_PREFIX}_text_document.idx" "$RUN_DIR/data/cache"
     "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text \
         --output-prefix "$DATA_PREFIX" --tokenizer-type SentencePieceTokenizer \
         --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece 4096 --workers 2
 elif [[ ! -f "${DATA_PREFIX}_text_document.bin" ]]; then
     echo "== 2/4 tokenizer: reusing $RUN_DIR/tokenizer/spm.model; 3/4 indexed dataset"
+    rm -rf "${DATA_PREFIX}_text_document.idx" "$RUN_DIR/data/cache"  # an index without its .bin: an interrupted build
     "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text \
         --output-prefix "$DATA_PREFIX" --tokenizer-type SentencePieceTokenizer \
         --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --workers 2
