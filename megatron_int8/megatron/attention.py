@@ -35,6 +35,7 @@ from ..ops.int8_attention import Int8AttentionConfig, int8_attention
 from ..ops.rms_norm import FusedRMSNorm
 from ..recipe import Int8Recipe
 from ..reference import attach_amax
+from .layers import run_forward_pre_hooks
 from .policy import int8_attention_problems
 
 _SDPA_HAS_GQA = is_torch_min_version("2.5.0a0")  # the enable_gqa keyword
@@ -206,8 +207,8 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
     unsplit QKV, fewer query groups than tensor-parallel ranks, test mode), this is megatron's own method.
 
     When both norms are this package's `FusedRMSNorm` on its Triton kernels, the split and the two norms run
-    as one autograd node (`_SplitQKVNormed`, same kernels and results); the norm modules' forward hooks are
-    then not called. When the QKV linear quantizes its output gradient tensorwise, that node also hands it the
+    as one autograd node (`_SplitQKVNormed`, same kernels and results); the norm modules' forward pre-hooks
+    run (megatron's parameter all-gather waits there), their forward hooks do not. When the QKV linear quantizes its output gradient tensorwise, that node also hands it the
     gradient's amax, so the linear reads the gradient once.
     """
 
@@ -222,6 +223,8 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
         norms = (self.q_layernorm, self.k_layernorm)
         if all(isinstance(n, FusedRMSNorm) and n.runs_triton(mixed_qkv) and n.weight.shape == (head,) for n in norms):
             emit_amax = getattr(self.linear_qkv, "takes_grad_output_amax", False)  # this package's linears only
+            for norm in norms:
+                run_forward_pre_hooks(norm, mixed_qkv)
             return _SplitQKVNormed.apply(mixed_qkv, self.q_layernorm.weight, self.k_layernorm.weight,
                                          self.q_layernorm.eps_for(mixed_qkv), self.k_layernorm.eps_for(mixed_qkv),
                                          groups, head, emit_amax)

@@ -32,7 +32,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ..ops.grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
-from .layers import Int8LinearMixin
+from .layers import Int8LinearMixin, run_forward_pre_hooks
 from ..reference import SEGMENT_ALIGN, Segments, device_tensor, padded_length
 from ..ops.swiglu import weighted_swiglu
 
@@ -47,6 +47,8 @@ class _ExpertLinears(torch.nn.Module):
         self.segments = segments
 
     def forward(self, x: torch.Tensor):
+        for lin in self.linears:
+            run_forward_pre_hooks(lin, x)
         weights = [lin.weight for lin in self.linears]
         first = self.linears[0]
         fuse = bool(first.gradient_accumulation_fusion)

@@ -43,6 +43,19 @@ def config_without_apex_check(config):
     return config
 
 
+def run_forward_pre_hooks(module: torch.nn.Module, x: torch.Tensor) -> None:
+    """The forward pre-hooks of a module whose parameters a fused op reads without calling it (the grouped
+    experts' linears, the q/k norms of attention's fused split): megatron's DDP waits there for the parameter
+    all-gather of the module's bucket (--overlap-param-gather), so without them the op would read weights that
+    other ranks updated but this one never gathered. (Their return values, a replaced input, do not apply: the
+    fused op takes its input whole.)"""
+    for hook_id, hook in module._forward_pre_hooks.items():
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            hook(module, (x,), {})
+        else:
+            hook(module, (x,))
+
+
 class Int8LinearMixin:
     """INT8 `_forward_impl` shared by the column- and row-parallel layers.
 

@@ -267,6 +267,29 @@ def test_grouped_moe_layer_equals_sequential_experts():
         assert_layers_bit_identical(seq, grp, x0, g0)
 
 
+def test_grouped_moe_runs_each_expert_linears_forward_pre_hooks():
+    """megatron's DDP waits for a bucket's parameter all-gather (--overlap-param-gather) in the forward pre-hook
+    of the module that owns the parameters: the grouped op reads the expert linears' weights without calling
+    them, so it runs their hooks itself, once per forward, as SequentialMLP's calls do."""
+    from megatron_int8.megatron.experts import Int8GroupedMLP
+
+    x = outlier_tensor(24, 2, 32, generator=torch.Generator().manual_seed(3))
+    with single_process_megatron():
+        counts = {}
+        for grouped in (False, True):
+            layer = _moe_mlp(grouped)
+            assert isinstance(layer.experts, Int8GroupedMLP) == grouped
+            owners = [name for name, m in layer.experts.named_modules() if list(m.parameters(recurse=False))]
+            calls = dict.fromkeys(owners, 0)
+            for name, module in layer.experts.named_modules():
+                if name in calls:
+                    module.register_forward_pre_hook(lambda m, args, name=name: calls.__setitem__(name, calls[name] + 1))
+            layer(x)
+            counts[grouped] = calls
+        assert counts[True] == counts[False] and len(counts[True]) == 8, counts  # fc1 and fc2 of 4 experts
+        assert set(counts[True].values()) == {1}, counts
+
+
 def test_grouped_moe_falls_back_with_a_reason():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
