@@ -6,8 +6,9 @@ recipe's numerics) times forward + backward of the INT8 linear and of the high-p
 tensors of that shape (`cuda_event_timer`: CUDA events, warm-up included), and every later call at that shape
 runs the faster. The INT8 timing quantizes the weight in every call (as a step without gradient accumulation;
 with several micro-batches per step the cache makes INT8 a little faster than timed), so the choice leans
-to high precision when the two are close. Tensor-parallel communication is the same in both and is not
-timed: the shapes are the local GEMM's.
+to high precision when the two are close. Tensor-parallel communication is not timed (the shapes are the local
+GEMM's), but the ranks of a tensor-parallel group take one decision, each time the group's slowest: the two
+paths issue different collectives (the INT8 all-gather, the amax all-reduces), so a split decision would hang.
 
 Where no timing can run, the call runs INT8 and nothing is cached: on a device the timer cannot time (the
 default one times CUDA only), during CUDA-graph capture, and while torch.compile traces (a compiled graph
@@ -171,11 +172,24 @@ def recipe_for_shape(recipe: Int8Recipe, input: torch.Tensor, weight: torch.Tens
     if decision is None:
         if tokens == 0 or is_dynamo_compiling() or (input.is_cuda and torch.cuda.is_current_stream_capturing()):
             return recipe
-        decision = _measure(recipe, input, weight, bias, tokens, int8_linear)
+        decision = _agreed(_measure(recipe, input, weight, bias, tokens, int8_linear), tp.group, input.device)
         if decision is None:
             return recipe
         _decisions[key] = decision
     return recipe if decision.int8 else HIGH_PRECISION
+
+
+def _agreed(decision: Optional[ShapeDecision], group, device) -> Optional[ShapeDecision]:
+    """One decision for every rank of a tensor-parallel group: the INT8 and high-precision paths issue different
+    collectives (INT8 all-gather, the amax all-reduces), so ranks that timed differently would wait on each other
+    forever. Each time is the group's slowest; no decision where any rank has none."""
+    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return decision
+    times = torch.tensor([1.0, 0.0, 0.0] if decision is None else [0.0, decision.int8_ms, decision.hp_ms],
+                         dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX, group=group)
+    missing, int8_ms, hp_ms = times.tolist()
+    return None if missing else dataclasses.replace(decision, int8_ms=int8_ms, hp_ms=hp_ms)
 
 
 def _measure(recipe, input, weight, bias, tokens, int8_linear) -> Optional[ShapeDecision]:

@@ -195,3 +195,39 @@ def test_launch_free_timer_drops_the_launches_only():
     assert shape_policy.launch_free_timer(launches, "hp") < 0.5 * shape_policy.cuda_event_timer(launches, "hp")
     free, synchronous = shape_policy.launch_free_timer(gemm, "hp"), shape_policy.cuda_event_timer(gemm, "hp")
     assert free == pytest.approx(synchronous, rel=0.15)
+
+
+def _disagreeing_ranks_worker(rank, world, port, result_path):
+    """Rank 0's timer finds INT8 faster, rank 1's high precision (timing noise): the group must take one path."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_int8 import TPOptions
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        favour = "int8" if rank == 0 else "hp"
+        shape_policy.set_timer(lambda fn, path: 1.0 if path == favour else 2.0)
+        recipe = Int8Recipe(granularity="tensor", int8_all_gather=True, shape_policy="auto")
+        tp = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
+        x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        w = torch.randn(16, 32, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        int8_linear(x, w, None, recipe, tp=tp).sum().backward()  # a disagreement hangs here (different collectives)
+        made = shape_policy.decisions()
+        torch.save([(d.precision, d.int8_ms, d.hp_ms) for d in made], f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # multi-process
+@pytest.mark.timeout(120)
+def test_tensor_parallel_ranks_agree_on_the_decision(tmp_path):
+    import torch.multiprocessing as mp
+    from free_ports import free_port
+
+    mp.spawn(_disagreeing_ranks_worker, args=(2, free_port(), str(tmp_path / "r")), nprocs=2, join=True)
+    made = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
+    assert made[0] == made[1], made
+    assert len(made[0]) == 1 and made[0][0][1:] == (2.0, 2.0), made  # each time the group's slowest
