@@ -208,8 +208,9 @@ class QueryNormInPlaceSelfAttention(SelfAttention):
 
     When both norms are this package's `FusedRMSNorm` on its Triton kernels, the split and the two norms run
     as one autograd node (`_SplitQKVNormed`, same kernels and results); the norm modules' forward pre-hooks
-    run (megatron's parameter all-gather waits there), their forward hooks do not. When the QKV linear quantizes its output gradient tensorwise, that node also hands it the
-    gradient's amax, so the linear reads the gradient once.
+    run (megatron's parameter all-gather waits there), their forward hooks do not. When the QKV linear quantizes
+    its output gradient tensorwise, that node also hands it the gradient's amax, so the linear reads the
+    gradient once.
     """
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):

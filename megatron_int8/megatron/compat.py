@@ -49,7 +49,8 @@ def check_supported(version: tuple = MCORE_VERSION) -> None:
     if not OLDEST_SUPPORTED <= tuple(version) < FIRST_UNSUPPORTED:
         found, oldest = ".".join(map(str, version)), ".".join(map(str, OLDEST_SUPPORTED))
         pin = f">={oldest},<{FIRST_UNSUPPORTED[0]}.{FIRST_UNSUPPORTED[1]}"
-        raise ImportError(f"megatron-int8 supports megatron-core {pin}; found {found}: pip install 'megatron-core{pin}'")
+        raise ImportError(f"megatron-int8 supports megatron-core {pin}; found {found}: "
+                          f"pip install 'megatron-core{pin}'")
 
 
 check_supported()

@@ -82,8 +82,10 @@ class Int8LinearMixin:
         recipe = recipe or DEFAULT_RECIPE
         if getattr(self, "is_expert", False) and recipe.autotune:
             recipe = dataclasses.replace(recipe, autotune=False)  # token counts change with every routing
-        if recipe.smooth_swiglu and tp_comm_buffer_name != "fc2":
-            recipe = dataclasses.replace(recipe, smooth_swiglu=False)  # the guard is for SwiGLU's output only
+        if recipe.smooth_swiglu and (tp_comm_buffer_name != "fc2" or getattr(self, "is_expert", False)):
+            # the guard is for a dense MLP's SwiGLU output only (experts' fc2 also names its buffer "fc2"; with the
+            # guard there alone, fc1 and fc2 would differ and the experts could not run grouped)
+            recipe = dataclasses.replace(recipe, smooth_swiglu=False)
         self.int8_recipe = self.int8_built_recipe = recipe
         disabled = {"qkv": config.tp_comm_overlap_disable_qkv, "fc1": config.tp_comm_overlap_disable_fc1}
         self.tp_comm_overlap = (config.tp_comm_overlap and config.sequence_parallel

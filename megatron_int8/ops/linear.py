@@ -286,7 +286,8 @@ def int8_linear(
         if input.dim() < 2 or input.shape[0] % world:
             raise ValueError(f"int8_linear: scatter_output needs dim 0 of input {tuple(input.shape)} divisible by "
                              f"the tensor-parallel size {world}")
-    if recipe.smooth_swiglu and recipe.fprop and (tp.sequence_parallel or tp.overlap_ag):
+    if recipe.smooth_swiglu and recipe.fprop and (tp.sequence_parallel or (tp.overlap_ag and not tp.scatter_output)):
+        # (a row-parallel scatter's overlap_ag gathers the output gradient, in backward: its input stays whole)
         raise ValueError("int8_linear: smooth_swiglu is for fc2, a row-parallel linear whose input is not "
                          "sequence-parallel; this call gathers its input")
     if auto_shapes(recipe):  # shape_policy "auto": high precision at the shapes where it was measured faster

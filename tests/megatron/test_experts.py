@@ -283,11 +283,27 @@ def test_grouped_moe_runs_each_expert_linears_forward_pre_hooks():
             calls = dict.fromkeys(owners, 0)
             for name, module in layer.experts.named_modules():
                 if name in calls:
-                    module.register_forward_pre_hook(lambda m, args, name=name: calls.__setitem__(name, calls[name] + 1))
+                    module.register_forward_pre_hook(
+                        lambda m, args, name=name: calls.__setitem__(name, calls[name] + 1))
             layer(x)
             counts[grouped] = calls
         assert counts[True] == counts[False] and len(counts[True]) == 8, counts  # fc1 and fc2 of 4 experts
         assert set(counts[True].values()) == {1}, counts
+
+
+def test_smooth_swiglu_stays_on_dense_fc2_and_experts_still_run_grouped():
+    """The recipe's smooth_swiglu guards a dense MLP's fc2; the experts' fc2 (whose buffer megatron also names
+    "fc2") keeps the experts' one recipe, so they run grouped."""
+    smooth = dataclasses.replace(ROW, smooth_swiglu=True)
+    with single_process_megatron():
+        layer = _moe_mlp(True, recipe=smooth)
+        assert layer.experts.grouped_problem is None
+        assert not any(e.linear_fc2.int8_recipe.smooth_swiglu for e in layer.experts.local_experts)
+        from megatron_int8.megatron.compat import build_layer_mlp
+        from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
+
+        dense = build_layer_mlp(get_gpt_int8_layer_spec(recipe=smooth).submodules.mlp, tiny_config())
+        assert dense.linear_fc2.int8_recipe.smooth_swiglu and not dense.linear_fc1.int8_recipe.smooth_swiglu
 
 
 def test_grouped_moe_falls_back_with_a_reason():

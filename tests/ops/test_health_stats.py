@@ -306,6 +306,30 @@ def test_smooth_swiglu_linear_keeps_gradients_and_cuts_fprop_error():
         int8_linear(x, w, recipe=Int8Recipe(smooth_swiglu=True), tp=TPOptions(sequence_parallel=True))
 
 
+def test_smooth_swiglu_runs_in_a_row_parallel_scatter_with_the_gradient_all_gather_overlapped():
+    """fc2 under sequence parallelism with --tp-comm-overlap: scatter_output and overlap_ag (which gathers the
+    output gradient in backward, not the input) take the guard as without the overlap."""
+    import torch.distributed as dist
+    from mcore_helpers import single_process_megatron
+
+    from megatron_int8 import TPOptions, int8_linear
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = heavy_tailed(16, 64, generator=gen), heavy_tailed(32, 64, generator=gen)
+    dy = heavy_tailed(16, 32, generator=gen)
+    recipe = Int8Recipe(smooth_swiglu=True)
+    with single_process_megatron():
+        results = []
+        for overlap in (False, True):
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            out = int8_linear(xg, wg, recipe=recipe, tp=TPOptions(group=dist.group.WORLD, scatter_output=True,
+                                                                  overlap_ag=overlap))
+            out.backward(dy)
+            results.append((out.detach(), xg.grad, wg.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert torch.equal(results[0][0], int8_linear(x, w, recipe=recipe))
+
+
 @pytest.mark.gpu
 def test_probe_and_guard_on_cuda_with_the_triton_backend():
     """On a GPU (Triton kernels, bf16): a probe through int8_linear records the values a CPU probe computes on
