@@ -310,8 +310,10 @@ def _smoothed_fprop_operands(x2d, weight, backend, recipe: Int8Recipe, known: Op
 
 
 def _hp_linear_with_tp(input, weight, bias, tp: TPOptions):
-    """All three GEMMs in high precision: exactly F.linear, plus the TP communication when asked for."""
+    """All three GEMMs in high precision: exactly F.linear, plus the TP communication when asked for. A weight
+    or bias of another dtype is cast to the input's, as the INT8 paths do (so that a fallback to high precision
+    takes the same inputs)."""
     if tp.group is None and not (tp.sequence_parallel or tp.scatter_output or tp.allreduce_dgrad
                                  or tp.gradient_accumulation_fusion):
-        return F.linear(input, weight, bias)
+        return F.linear(input, weight.to(input.dtype), None if bias is None else bias.to(input.dtype))
     return _Int8LinearFunction.apply(input, weight, bias, HIGH_PRECISION, tp)

@@ -250,6 +250,23 @@ def test_high_precision_recipe_needs_no_int8_backend(monkeypatch):
     assert torch.allclose(w.main_grad, gy.t() @ x.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gemms", [dict(), dict(fprop=False), dict(fprop=False, dgrad=False, wgrad=False)],
+                         ids=["int8", "fprop high", "all high"])
+def test_a_weight_of_another_dtype_is_cast_to_the_inputs_on_every_path(gemms):
+    """A bf16 input with fp32 weight and bias: the output is bf16 whichever GEMMs are INT8, so a fallback of all
+    three to high precision (the auto fallback, the shape policy) takes what the INT8 recipe took."""
+    gen = torch.Generator().manual_seed(4)
+    x = heavy_tailed(6, 32, generator=gen).bfloat16().requires_grad_()
+    w = heavy_tailed(16, 32, generator=gen).requires_grad_()
+    b = torch.randn(16, generator=gen).requires_grad_()
+    y = int8_linear(x, w, b, Int8Recipe(**gemms))
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    if not any(gemms.get(g, True) for g in ("fprop", "dgrad", "wgrad")):
+        assert torch.equal(y, F.linear(x, w.bfloat16(), b.bfloat16()))
+
+
 def test_hp_wgrad_into_accumulates_the_bf16_product_in_fp32():
     """The BF16 linears' fused wgrad (gradient-accumulation fusion without APEX): main_grad += g^T x with no
     bf16 rounding of the product, on top of what main_grad already holds (a second micro-batch)."""
