@@ -10,12 +10,11 @@ how to read them.
         --output health.png
 """
 import argparse
-import json
 import math
 import re
 import sys
 
-from plot_loss import open_log
+from plot_loss import log_records
 
 DEFAULT_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                  "wgrad/underflow", "x/crest", "w/crest", "dy/crest")
@@ -26,16 +25,12 @@ def read_health(path):
     """({linear: {stat: [(iteration, value)]}}, [fallback events]); later lines win (a resumed run rewrites
     the iterations after its checkpoint)."""
     by_iteration, events = {}, {}
-    with open_log(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "int8_health" in record:
-                by_iteration[record["iteration"]] = record["int8_health"]
-            if "int8_fallback" in record:
-                event = record["int8_fallback"]
-                events[(event["iteration"], event["linear"], event["gemm"])] = event
+    for record in log_records(path):
+        if "int8_health" in record:
+            by_iteration[record["iteration"]] = record["int8_health"]
+        if "int8_fallback" in record:
+            event = record["int8_fallback"]
+            events[(event["iteration"], event["linear"], event["gemm"])] = event
     series = {}
     for iteration in sorted(by_iteration):
         for name, value in by_iteration[iteration].items():

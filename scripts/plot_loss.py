@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Plot training (and validation) loss from one or more trainer JSONL logs into a PNG.
 
-    python3 scripts/plot_loss.py runs/tiny/checkpoints/train_log.jsonl --output runs/tiny/loss.png
-    python3 scripts/plot_loss.py bf16/train_log.jsonl int8/train_log.jsonl --labels BF16 INT8 --output cmp.png \
+    python3 scripts/plot_loss.py runs/tiny/train_log.jsonl --output runs/tiny/loss.png
+    python3 scripts/plot_loss.py bf16/train_log.jsonl int8/train_log.jsonl --labels BF16 INT8 --output cmp.png \\
         --summary cmp.md     # + markdown tables: last-100 mean training loss, final validation loss, gaps;
                              #   and each run's training-loss gap per tenth of the run
 """
@@ -18,18 +18,29 @@ def open_log(path):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
+def log_records(path):
+    """The records of a trainer JSONL log, without a last line cut short (a run killed while writing it, or a
+    log read while it is written); any other line that is not JSON is an error naming it."""
+    with open_log(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as err:
+                if not line.endswith("\n") and not f.read(1):  # the last line, cut short
+                    return
+                raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+
+
 def read_series(path, *keys):
     """[{iteration: value}] for each per-step key of a trainer JSONL log, in one pass (None values dropped;
     later lines win: resumed runs)."""
     series = [{} for _ in keys]
-    with open_log(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            for key, values in zip(keys, series):
-                if record.get(key) is not None and "iteration" in record:
-                    values[record["iteration"]] = record[key]
+    for record in log_records(path):
+        for key, values in zip(keys, series):
+            if record.get(key) is not None and "iteration" in record:
+                values[record["iteration"]] = record[key]
     return series
 
 
@@ -94,6 +105,8 @@ def main(argv=None) -> int:
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) or p for p in args.logs]
     if len(labels) != len(args.logs):
         parser.error("--labels needs one label per log")
+    if args.smooth < 1:
+        parser.error(f"--smooth must be at least 1 (iterations), got {args.smooth}")
     try:
         import matplotlib
 
@@ -106,7 +119,11 @@ def main(argv=None) -> int:
     figure, axis = plt.subplots(figsize=(8, 5))
     runs = []
     for path, label in zip(args.logs, labels):
-        train, valid = read_series(path, "lm_loss", "valid_lm_loss")
+        try:
+            train, valid = read_series(path, "lm_loss", "valid_lm_loss")
+        except (OSError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         if not train:
             print(f"error: {path} has no training loss records", file=sys.stderr)
             return 1

@@ -151,13 +151,21 @@ class TrainingLogger:
 
     def _open_jsonl(self, path: str, start_iteration: int) -> None:
         """Append to the log. Resuming, the lines of iterations after the checkpoint's (the interrupted run's,
-        about to be redone) move to PATH.after-<iteration>; from scratch, an earlier log moves to PATH.previous."""
+        about to be redone) move to PATH.after-<iteration>, and so does a last line that a kill cut short; from
+        scratch, an earlier log moves to PATH.previous."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 lines = [line for line in f if line.strip()]
-            earlier = [start_iteration > 0 and json.loads(line).get("iteration", 0) <= start_iteration
-                       for line in lines]
+            cut = None
+            if lines and not lines[-1].endswith("\n"):  # a kill mid-write: complete it, or set it aside if cut short
+                lines[-1] += "\n"
+                try:
+                    json.loads(lines[-1])
+                except json.JSONDecodeError:
+                    cut = len(lines) - 1
+            earlier = [start_iteration > 0 and i != cut and json.loads(line).get("iteration", 0) <= start_iteration
+                       for i, line in enumerate(lines)]
             kept = [line for line, keep in zip(lines, earlier) if keep]
             if len(kept) < len(lines):
                 aside = f"{path}.after-{start_iteration}" if start_iteration > 0 else f"{path}.previous"

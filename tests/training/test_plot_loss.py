@@ -48,3 +48,31 @@ def test_summary_shows_each_tenth_gap(tmp_path):
     assert f"| int8 | 200 | {sum(other[-100:]) / 100:.4f} | {100 * last:+.2f}% | 2.5500 | +2.00% |" in text
     assert "| run | 1-20 | 21-40 | 41-60 | 61-80 | 81-100 | 101-120 | 121-140 | 141-160 | 161-180 | 181-200 |" in text
     assert "| int8 | " + " | ".join(["+1.00%"] * 5 + ["+3.00%"] * 5) + " |" in text
+
+
+def test_a_log_cut_short_reads_up_to_its_last_whole_line_and_resumes(tmp_path):
+    """A kill in the middle of writing a record (a health record spans many KB) leaves a last line without its
+    end: the plots read up to it, a resumed run sets it aside with the iterations it redoes, and a bad line
+    elsewhere is an error naming it."""
+    from types import SimpleNamespace
+
+    from megatron_int8.training.metrics import TrainingLogger
+
+    plot_loss = _plot_loss()
+    path = tmp_path / "train_log.jsonl"
+    _write_log(path, [3.0, 2.5, 2.0, 1.5], {})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"iteration": 5, "lm_loss": 1.25, "int8_health": {"x": 1.0}})[:30])
+    assert plot_loss.read_series(str(path), "lm_loss")[0] == {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.5}
+    printed = []
+    logger = SimpleNamespace(print=printed.append)
+    TrainingLogger._open_jsonl(logger, str(path), 3)
+    logger.jsonl.close()
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    aside = (tmp_path / "train_log.jsonl.after-3").read_text().splitlines()
+    assert json.loads(aside[0])["iteration"] == 4 and aside[1].startswith('{"iteration": 5') and len(aside) == 2
+    assert printed == [f"note: 2 line(s) of {path} after iteration 3 moved to {path}.after-3"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"iteration": 1, "lm_loss": 2.0}\n{oops\n{"iteration": 2, "lm_loss": 1.0}\n')
+    with pytest.raises(ValueError, match=f"{bad}:2: not JSON"):
+        plot_loss.read_series(str(bad), "lm_loss")
