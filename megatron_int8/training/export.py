@@ -172,26 +172,39 @@ def _save_tokenizer(args, output: str, log):
 def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokenizer_model=None,
               ckpt_step=None) -> dict:
     """Write the checkpoint of iteration `ckpt_step` (default: the latest) under `load` to `output` as a
-    transformers checkpoint; returns its config."""
-    from safetensors.torch import save_file
-
-    from .inference import load_for_inference
+    transformers checkpoint; returns its config. What the export needs (the packages, an architecture
+    transformers has) is checked before the weights are loaded; the files are written into a staging folder
+    beside `output` and moved in when all are complete, so an interrupted export leaves no truncated file."""
+    from .inference import inference_arguments, load_for_inference
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
+    try:
+        from safetensors.torch import save_file
+        import transformers  # noqa: F401  (the tokenizer's conversion)
+    except ImportError as err:
+        raise ExportError(f"the export needs safetensors and transformers ({err}): pip install -e \".[hf]\"") from None
+    recorded = inference_arguments(load, int8=False, bf16=False, tokenizer_model=tokenizer_model, ckpt_step=ckpt_step)
+    hf_architecture(recorded)  # an ExportError before the load where transformers has no such model
     model, args, _ = load_for_inference(load, log=log, int8=False, bf16=False, tokenizer_model=tokenizer_model,
                                         ckpt_step=ckpt_step)
     architecture = hf_architecture(args)
     megatron = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(megatron, args, architecture).items()}
-    os.makedirs(output, exist_ok=True)
-    eos, bos = _save_tokenizer(args, output, log)
+    staging = os.path.abspath(output).rstrip(os.sep) + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    eos, bos = _save_tokenizer(args, staging, log)
     config = hf_config(args, architecture, eos, bos, dtype)
-    save_file(tensors, os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    with open(os.path.join(output, "generation_config.json"), "w") as f:
+    save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(staging, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.makedirs(output, exist_ok=True)
+    for name in sorted(os.listdir(staging), key=lambda n: n == "config.json"):  # config.json last
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
+    os.rmdir(staging)
     log(f"exported {config['architectures'][0]} ({sum(t.numel() for t in tensors.values()) / 1e6:.2f} M parameters, "
         f"{dtype}) from {load} (iteration {args.iteration}) to {output}")
     return config

@@ -333,6 +333,7 @@ def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(d
 
     out = run_python(EXPORT_CHECK, str(trained["save"]), str(tmp_path))
     _check_export(json.loads(out.split("RESULT ")[1]), "LlamaForCausalLM")
+    assert not list(tmp_path.glob("*.partial"))  # the staging folders moved in whole
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bfloat16")
     text = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
