@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
                                                                  "whose probabilities reach this (default: 1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="with --temperature > 0: the sampling seed (default: 0)")
     linears = parser.add_mutually_exclusive_group()
     linears.add_argument("--int8", dest="int8", action="store_true", default=None, help="INT8 linears")
     linears.add_argument("--bf16-linears", dest="int8", action="store_false", help="BF16 (high-precision) linears")
@@ -37,6 +37,8 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.temperature == 0 and (args.top_p != 1.0 or args.seed is not None):
+        parser.error("--top-p and --seed apply to sampling: give --temperature > 0 (0 decodes greedily)")
 
     from megatron_int8.training.known_warnings import filter_known_warnings
 
@@ -53,7 +55,11 @@ def main(argv=None) -> int:
     overrides = dict(int8=args.int8, bf16=args.bf16, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step)
     try:
         recorded = inference_arguments(args.load, **overrides)  # before the model: the checks need no weights
-        prompt = build_tokenizer(recorded).tokenize(args.prompt)
+        try:
+            prompt = build_tokenizer(recorded).tokenize(args.prompt)
+        except ValueError:  # megatron's NullTokenizer reads space-separated ids
+            raise ArgumentError(f"--prompt {args.prompt!r}: the checkpoint was trained on mock data (NullTokenizer), "
+                                "whose prompt is space-separated token ids, e.g. --prompt '1 2 3'") from None
         context = recorded.max_position_embeddings
         room = context - len(prompt)
         if room <= 0:
@@ -70,7 +76,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                   eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, seed=args.seed)
+                   eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, seed=args.seed or 0)
     print(tokenizer.detokenize(prompt + [t for t in new if t != tokenizer.eod]))
     linears = "INT8" if margs.int8_linear else "BF16"
     print(f"[{len(new)} tokens, iteration {margs.iteration}, {linears} linears, "

@@ -189,7 +189,11 @@ def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
     for argv, expected in ((["--prompt", "x"], "the following arguments are required: --load"),
                            (["--load", str(tmp_path), "--prompt", ""], "--prompt is empty"),
                            (["--load", str(tmp_path), "--prompt", "x", "--temperature", "-1"],
-                            "--temperature must be >= 0")):
+                            "--temperature must be >= 0"),
+                           (["--load", str(tmp_path), "--prompt", "x", "--top-p", "0.9"],
+                            "--top-p and --seed apply to sampling: give --temperature > 0"),
+                           (["--load", str(tmp_path), "--prompt", "x", "--seed", "3"],
+                            "--top-p and --seed apply to sampling")):
         with pytest.raises(SystemExit) as exit_info:
             generate(argv)
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err
