@@ -178,6 +178,12 @@ python_path() {  # megatron-core from the carried wheels where the machine's Pyt
 }
 
 build_data() {  # each step ends the function on failure (errexit does not hold in `build_data || ...`)
+    local settings="CORPUS_MB=$CORPUS_MB VOCAB=$VOCAB"
+    if [[ -f "$RUN_DIR/data.settings" && "$(cat "$RUN_DIR/data.settings")" != "$settings" ]]; then
+        echo "error: $RUN_DIR holds data built with $(cat "$RUN_DIR/data.settings"), not $settings: give another" \
+            "RUN_DIR (or those settings)" >&2
+        return 1
+    fi
     if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
         echo "== corpus: .py sources and .rst/.md docs of the standard library and site-packages (up to $CORPUS_MB MB)"
         "$PYTHON" scripts/prepare_tiny_corpus.py --source all --docs --output "$RUN_DIR/corpus.jsonl" \
@@ -194,6 +200,7 @@ build_data() {  # each step ends the function on failure (errexit does not hold 
             --tokenizer-type SentencePieceTokenizer --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
             "${train[@]}" --workers "$WORKERS" --log-interval-s 15 || return 1
     fi
+    [[ -f "$RUN_DIR/data.settings" ]] || echo "$settings" > "$RUN_DIR/data.settings"
     if [[ -n "${TOKENS_SHA256:-}" ]]; then  # the reference's token stream, or nothing is launched
         local built
         built=$(sha256sum "$DATA.bin" | cut -d' ' -f1)

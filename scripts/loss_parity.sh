@@ -7,7 +7,7 @@
 # loss, final validation loss, relative gap) to RUN_DIR (default runs/parity; $OUT too when set).
 #
 #     bash scripts/loss_parity.sh [extra trainer flags for every run, e.g. --exit-interval 800]
-#     INT8_FLAGS="--int8-granularity row" bash scripts/loss_parity.sh     # another recipe for the INT8 run
+#     INT8_FLAGS="--int8-granularity block" bash scripts/loss_parity.sh   # another recipe for the INT8 run
 #     VARIANTS="bf16 int8_row int8_block int8_wgrad_bf16 int8_sr" bash scripts/loss_parity.sh   # ablation
 #     PARALLEL=1 VARIANTS="bf16 int8 int8_row_sr" bash scripts/loss_parity.sh   # all variants at once, one GPU
 #     CORPUS=docstrings VARIANTS="bf16 bf16_seed2 int8" bash scripts/loss_parity.sh  # on English prose
@@ -55,6 +55,13 @@ if [[ ! -f "$RUN_DIR/corpus.jsonl" ]]; then
     fi
     echo "$CORPUS" > "$RUN_DIR/corpus.kind"
 fi
+# the data's settings: a RUN_DIR built with others is refused, not silently reused
+SETTINGS="CORPUS_MB=$CORPUS_MB VOCAB=$VOCAB"
+if [[ -f "$RUN_DIR/data.settings" && "$(cat "$RUN_DIR/data.settings")" != "$SETTINGS" ]]; then
+    echo "$RUN_DIR holds data built with $(cat "$RUN_DIR/data.settings"), not $SETTINGS: give another RUN_DIR" \
+        "(or those settings)" >&2
+    exit 2
+fi
 PREFIX="$RUN_DIR/data/corpus"
 if [[ ! -f "${PREFIX}_text_document.bin" ]]; then
     echo "== SentencePiece ($VOCAB tokens) + indexed dataset"
@@ -62,6 +69,7 @@ if [[ ! -f "${PREFIX}_text_document.bin" ]]; then
         --output-prefix "$PREFIX" --tokenizer-type SentencePieceTokenizer \
         --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece "$VOCAB" --workers "$WORKERS"
 fi
+[[ -f "$RUN_DIR/data.settings" ]] || echo "$SETTINGS" > "$RUN_DIR/data.settings"
 
 PRECISION_AWARE="--use-distributed-optimizer --use-precision-aware-optimizer --exp-avg-dtype int8 --exp-avg-sq-dtype int8 --store-param-remainders"
 variant_flags() {

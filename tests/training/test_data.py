@@ -343,3 +343,10 @@ if os.sep:
     refused = subprocess.run(["bash", os.path.join(SCRIPTS, "loss_parity.sh")], cwd=ROOT, capture_output=True,
                              text=True, timeout=60, env=dict(os.environ, CORPUS="docstrings", RUN_DIR=str(run_dir)))
     assert refused.returncode == 2 and "not 'docstrings'" in refused.stderr
+    (run_dir / "corpus.kind").write_text("docstrings\n")
+    (run_dir / "data.settings").write_text("CORPUS_MB=80 VOCAB=8192\n")
+    refused = subprocess.run(["bash", os.path.join(SCRIPTS, "loss_parity.sh")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, env=dict(os.environ, CORPUS="docstrings", RUN_DIR=str(run_dir),
+                                                             VOCAB="16384"))
+    assert refused.returncode == 2 and "holds data built with CORPUS_MB=80 VOCAB=8192, not CORPUS_MB=80 VOCAB=16384" \
+        in refused.stderr
