@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 
 SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     files = (found for root in roots for found in python_sources(root, int(args.max_file_kb * 1024), suffixes))
     budget, written, docs = int(args.max_mb * 2**20), 0, 0
     tmp = args.output + ".tmp"
+    started = last = time.time()
     with open(tmp, "w", encoding="utf-8") as out:
         for root, path in files:
             try:
@@ -109,7 +111,12 @@ def main(argv=None) -> int:
             docs += 1
             if written >= budget:
                 break
+            if time.time() - last >= 5:
+                last = time.time()
+                print(f"  {docs} documents, {written / 2**20:.1f} of {args.max_mb:g} MB "
+                      f"({written / 2**20 / (last - started):.1f} MB/s)", flush=True)
     if docs == 0:
+        os.remove(tmp)
         print(f"error: no Python sources found under {' or '.join(roots)}", file=sys.stderr)
         return 1
     os.replace(tmp, args.output)  # a partial corpus never looks complete
