@@ -81,15 +81,14 @@ def _next_token(logits: torch.Tensor, temperature: float, top_p: float, generato
 
 @torch.no_grad()
 def generate(model, prompt_ids: List[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-             eod: Optional[int] = None, vocab_size: Optional[int] = None, seed: int = 0,
-             max_sequence_length: Optional[int] = None) -> List[int]:
+             eod: Optional[int] = None, vocab_size: Optional[int] = None, seed: int = 0) -> List[int]:
     """Token ids after `prompt_ids` (stopping at `eod`), with megatron-core's static KV cache: each new token
     costs one forward pass over that token alone. Padded vocabulary entries are never drawn."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
-    limit = max_sequence_length or model.max_sequence_length
+    limit = model.max_sequence_length
     total = min(len(prompt_ids) + max_new_tokens, limit)
     if len(prompt_ids) >= total:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's sequence limit is {limit}")
