@@ -312,6 +312,13 @@ start() {
         die "this needs $needed GPUs ($(for name in "${RUNS[@]}"; do printf '%s on %s; ' "$name" "${GPUS[$name]}"; done)" \
             "torch sees $gpus) (GPUS_PER_RUN=1 runs each precision on one GPU of a 2-GPU machine)"
     if alive "$RUN_DIR/pipeline.pid"; then echo "the data build is running: see $RUN_DIR/pipeline.log"; return; fi
+    if [[ -f "$RUN_DIR/train_iters" && "$TRAIN_ITERS" != "$(cat "$RUN_DIR/train_iters")" ]]; then
+        for name in "${RUNS[@]}"; do
+            [[ -f "$RUN_DIR/$name.jsonl" ]] && die "TRAIN_ITERS=$TRAIN_ITERS differs from $(cat "$RUN_DIR/train_iters")," \
+                "which the runs of $RUN_DIR started with: a run launched now would follow another schedule than its" \
+                "partner; leave TRAIN_ITERS unset to keep it, or use another RUN_DIR"
+        done
+    fi
     echo "$TRAIN_ITERS" > "$RUN_DIR/train_iters"  # what every later call compares the runs with
     echo "$STOP_AT" > "$RUN_DIR/stop_at"
     echo "$GPUS_PER_RUN" > "$RUN_DIR/gpus_per_run"
