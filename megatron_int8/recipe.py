@@ -61,7 +61,7 @@ class Int8Numerics:
             raise ValueError(f"Int8Recipe.int8_attention_scores={self.int8_attention_scores!r} needs "
                              "int8_attention=True (it sets the INT8 attention's scores)")
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
-        if self.granularity == "block" and (self.block_size < 16 or self.block_size % 16):
+        if self.block_size < 16 or self.block_size % 16:  # also the health probes' sampling alignment
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
         _check_bools(self, GEMMS + ("smooth_swiglu", "int8_swiglu_input", "int8_norm_input", "int8_attention"))
 

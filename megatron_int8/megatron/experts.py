@@ -104,6 +104,9 @@ class Int8GroupedMLP(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
+        # asked again each call: a fallback move restored from a checkpoint (or made since) can give one expert
+        # linear another recipe, which the grouped op (one recipe for all) cannot run
+        self.grouped_problem = self._grouped_problem()
         if self.grouped_problem is not None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         hidden, probs = permuted_local_hidden_states, permuted_probs

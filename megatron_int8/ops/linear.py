@@ -295,7 +295,7 @@ def int8_linear(
     if not recipe.any_int8:
         return _hp_linear_with_tp(input, weight, bias, tp)
     health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop)
-              if probe is not None and probe.armed and torch.is_grad_enabled() else None)
+              if probe is not None and probe.armed and torch.is_grad_enabled() and input.numel() else None)
     return _Int8LinearFunction.apply(input, weight, bias, recipe, tp, health)
 
 

@@ -247,6 +247,17 @@ def _fallback_note(entry: Optional[dict]) -> Optional[str]:
     return "; ".join(f"it {e['iteration']}: {e['gemm']} {e['change']}" for e in entry["events"]) if entry else None
 
 
+def on_built_mode(built: dict, moved: dict) -> dict:
+    """A move applied to the mode a linear was built with: each GEMM INT8 only where both are, and the move's
+    finer scales only where they are the one step finer than the built ones. So a move saved by a run with other
+    settings (a resume with --int8-granularity block or --int8-bf16-gemms wgrad) never brings back what this
+    run's flags turned off; on the mode it was made from, it is the move itself."""
+    mode = {gemm: built[gemm] and moved[gemm] for gemm in GEMMS}
+    finer = moved["granularity"] == FINER_GRANULARITY.get(built["granularity"])
+    mode["granularity"] = moved["granularity"] if finer else built["granularity"]
+    return mode
+
+
 def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback,
                    attentions: Optional[Dict[str, "SDPAttention"]] = None) -> List[str]:
     """Give every local linear (and INT8 attention) that moved its fallback mode, and the note the precision table
@@ -254,7 +265,8 @@ def apply_fallback(linears: Dict[str, "Int8LinearMixin"], fallback: AutoFallback
     changed = []
     for name, module in linears.items():
         entry = fallback.moved.get(name)
-        mode = entry["mode"] if entry else recipe_mode(module.int8_built_recipe)
+        built = recipe_mode(module.int8_built_recipe)
+        mode = on_built_mode(built, entry["mode"]) if entry else built
         recipe = dataclasses.replace(module.int8_built_recipe, **mode)
         module.int8_fallback_note = _fallback_note(entry)
         if recipe != module.int8_recipe:
@@ -434,17 +446,20 @@ class RunHealth:
                         if args.int8_stats_interval else None)
 
     def after_load(self, log) -> bool:
-        """Apply the loaded moves (or drop them: --int8-reset-fallback); True when a linear's recipe changed."""
+        """Apply the loaded moves (or drop them: --int8-reset-fallback); True, on every rank alike, where there
+        were moves to apply or to drop."""
         if self.reset_on_load:
             dropped = self.fallback.reset()
             log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} module(s) back to their configured "
                                                             f"precision: {', '.join(dropped)}" if dropped else
                                                             "no fallback moves to drop"))
-        changed = apply_fallback(self.linears, self.fallback, self.attentions)
+        apply_fallback(self.linears, self.fallback, self.attentions)
         for name in sorted(self.fallback.moved) if self.linears or self.attentions else ():  # BF16: kept, unused
-            log(f"int8 fallback restored from the checkpoint: {name} runs "
+            log(f"int8 fallback restored from the checkpoint: {name} moved to "
                 f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
-        return bool(changed)
+        # the same answer on every rank (the moves are the checkpoint's, not this pipeline stage's): the caller
+        # prints the precision table, a collective over the stages
+        return bool(self.fallback.moved) or self.reset_on_load
 
     def before_step(self, iteration: int) -> bool:
         """Arm the probes for a statistics step; returns whether `iteration` is one."""

@@ -306,6 +306,24 @@ def test_smooth_swiglu_stays_on_dense_fc2_and_experts_still_run_grouped():
         assert dense.linear_fc2.int8_recipe.smooth_swiglu and not dense.linear_fc1.int8_recipe.smooth_swiglu
 
 
+def test_grouped_experts_with_a_moved_expert_run_one_by_one_as_sequential_experts_would():
+    """A fallback move restored from a checkpoint (or made during the run) gives one expert linear its own
+    recipe: the grouped op, one recipe for all, would run it with the first expert's (or refuse a GEMM in high
+    precision), so the layer runs its experts one by one, each with its recipe, as SequentialMLP does."""
+    gen = torch.Generator().manual_seed(13)
+    x0 = outlier_tensor(24, 2, 32, generator=gen)
+    g0 = outlier_tensor(24, 2, 32, generator=gen)
+    moved = dataclasses.replace(ROW, wgrad=False)
+    with single_process_megatron():
+        seq, grp = _moe_mlp(False), _moe_mlp(True)
+        grp.load_state_dict(seq.state_dict())
+        assert grp.experts.grouped_problem is None
+        for layer in (seq, grp):
+            layer.experts.local_experts[1].linear_fc2.int8_recipe = moved
+        assert_layers_bit_identical(seq, grp, x0, g0)
+        assert grp.experts.grouped_problem == "the expert linears use different recipes"
+
+
 def test_grouped_moe_falls_back_with_a_reason():
     from megatron.core.transformer.moe.experts import SequentialMLP
 

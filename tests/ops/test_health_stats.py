@@ -306,6 +306,20 @@ def test_smooth_swiglu_linear_keeps_gradients_and_cuts_fprop_error():
         int8_linear(x, w, recipe=Int8Recipe(smooth_swiglu=True), tp=TPOptions(sequence_parallel=True))
 
 
+def test_an_armed_probe_passes_over_a_linear_without_tokens():
+    """An MoE expert that the router gave no token (megatron's SequentialMLP still calls it) is not measured,
+    rather than failing on the empty tensor's maximum; the probe waits for a forward with tokens."""
+    from megatron_int8 import int8_linear
+
+    w = heavy_tailed(48, 96).requires_grad_(True)
+    probe = LinearProbe()
+    probe.arm()
+    x = torch.zeros(0, 96, requires_grad=True)
+    out = int8_linear(x, w, recipe=Int8Recipe(), probe=probe)
+    out.sum().backward()
+    assert out.shape == (0, 48) and torch.equal(w.grad, torch.zeros_like(w)) and probe.armed and probe.take() == []
+
+
 def test_smooth_swiglu_runs_in_a_row_parallel_scatter_with_the_gradient_all_gather_overlapped():
     """fc2 under sequence parallelism with --tp-comm-overlap: scatter_output and overlap_ag (which gathers the
     output gradient in backward, not the input) take the guard as without the overlap."""

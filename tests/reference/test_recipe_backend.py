@@ -17,6 +17,7 @@ from megatron_int8.reference import ReferenceBackend
         (dict(backend="cuda"), "backend"),
         (dict(granularity="block", block_size=100), "block_size"),
         (dict(granularity="block", block_size=0), "block_size"),
+        (dict(granularity="row", block_size=0), "block_size"),  # the health probes sample in blocks of it
         (dict(check_finite=True), "check_finite"),  # a mode name, not a bool
     ],
 )

@@ -204,3 +204,40 @@ def test_plot_health_reads_the_log_as_written(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plot_health.main([str(attention), "--output", str(tmp_path / "a.png")]) == 0
+
+
+def test_a_restored_move_never_brings_back_what_this_runs_flags_turned_off():
+    """A move saved by a tensorwise run (tensor -> row scales, then wgrad -> high precision) resumed under other
+    flags: on the mode it was made from it is the move; on a block-scale run with BF16 dgrad it keeps the block
+    scales and dgrad in high precision, and takes the move's wgrad."""
+    from megatron_int8.training.health import on_built_mode
+
+    tensor = {"granularity": "tensor", "fprop": True, "dgrad": True, "wgrad": True}
+    moved = {"granularity": "row", "fprop": True, "dgrad": True, "wgrad": False}
+    assert on_built_mode(tensor, moved) == moved
+    assert on_built_mode(ROW, moved) == {**ROW, "wgrad": False}
+    block_bf16_dgrad = {"granularity": "block", "fprop": True, "dgrad": False, "wgrad": True}
+    assert on_built_mode(block_bf16_dgrad, moved) == {"granularity": "block", "fprop": True, "dgrad": False,
+                                                      "wgrad": False}
+
+
+def test_after_load_answers_alike_on_every_pipeline_stage():
+    """The caller prints the precision table after a load, a collective over the pipeline stages: whether it does
+    must not depend on which linears a stage holds (a stage without a moved linear skipped it and the others
+    waited forever)."""
+    from types import SimpleNamespace
+
+    from megatron_int8.recipe import Int8Recipe
+    from megatron_int8.training.health import RunHealth
+
+    fallback = AutoFallback(FallbackThresholds(patience=1))
+    run(fallback, [with_(dgrad__rel_err=0.4)], name="layer2.mlp.linear_fc2")
+    assert "layer2.mlp.linear_fc2" in fallback.moved
+    answers = []
+    for local in ("layer1.mlp.linear_fc2", "layer2.mlp.linear_fc2"):  # stage 0, stage 1
+        linear = SimpleNamespace(int8_built_recipe=Int8Recipe(), int8_recipe=Int8Recipe())
+        health = RunHealth.__new__(RunHealth)
+        health.fallback, health.linears, health.attentions, health.reset_on_load = fallback, {local: linear}, {}, False
+        answers.append(health.after_load(lambda message: None))
+        assert (linear.int8_recipe != Int8Recipe()) == (local == "layer2.mlp.linear_fc2")
+    assert answers == [True, True]
