@@ -79,7 +79,10 @@ class GraphedForwardBackward:
                 return self.forward_backward(**kwargs)
             self._capture(forward_only, kwargs)
         self.graphs[forward_only].replay()
-        return self.results[forward_only]
+        # copies: the next replay writes into the same tensors, and a caller that keeps several calls' results
+        # (evaluation averages --eval-iters of them) would read the last one in each
+        return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
+                for item in self.results[forward_only]]
 
     def _capture(self, forward_only: bool, kwargs: dict) -> None:
         from megatron.core.tensor_parallel.random import get_all_rng_states
