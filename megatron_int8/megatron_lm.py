@@ -37,6 +37,10 @@ UNSUPPORTED_FLAGS = (("--multi-latent-attention", "multi_latent_attention"),
                      ("--experimental-attention-variant", "experimental_attention_variant"),
                      ("--heterogeneous-layers-config-path", "heterogeneous_layers_config_path"))
 
+# Upstream's other low-precision linears (Transformer Engine FP8 / FP4, kitchen): the INT8 spec builds none of them,
+# so the run would silently train INT8 or BF16 instead.
+LOW_PRECISION_FLAGS = (("--fp8-format", "fp8"), ("--fp4-format", "fp4"), ("--use-kitchen", "use_kitchen"))
+
 _run_args: Optional[argparse.Namespace] = None  # the --int8-* flags that `run` took off the command line
 
 
@@ -90,8 +94,16 @@ def _check_upstream_flags(args, policy: Int8Policy, config) -> None:
     if args is None:
         return
     given = [flag for flag, name in UNSUPPORTED_FLAGS if getattr(args, name, None)]
+    given += [flag for flag, name in LOW_PRECISION_FLAGS if getattr(args, name, None)]
     if given:
         raise ValueError(f"megatron-int8's layer spec does not build the layers of {', '.join(given)}")
+    graphs = getattr(args, "cuda_graph_impl", None) or "none"
+    if graphs != "none" and policy.enabled:
+        raise ValueError(f"--cuda-graph-impl {graphs} with INT8 linears: upstream's graphs are captured without this "
+                         "package's knowledge, and whether an INT8 linear reuses its cached Q(W), and its stochastic "
+                         "rounding seed, are decided on the host, so replays would keep the weights of the capture; "
+                         "run without CUDA graphs here (this package's trainer graphs INT8 steps: "
+                         "python -m megatron_int8.pretrain --cuda-graph-impl local)")
     if not policy.recipe.int8_attention:
         return
     problems = int8_attention_problems(config.kv_channels, config.attention_dropout,

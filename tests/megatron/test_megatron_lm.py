@@ -167,6 +167,23 @@ def test_int8_attention_through_the_spec_hook(megatron_world, monkeypatch):
         megatron_lm.get_gpt_int8_spec_from_args(upstream, config)
 
 
+def test_upstream_graphs_and_other_low_precision_linears_are_refused(megatron_world):
+    """Upstream's CUDA graphs would replay the weights an INT8 linear cached at capture (the cache is decided on the
+    host); its FP8 / FP4 / kitchen flags ask for linears the INT8 spec never builds: both refused when the spec is
+    built, naming the flag. BF16 linears (no INT8) take upstream's graphs."""
+    from mcore_helpers import tiny_config
+
+    config = tiny_config(num_layers=2)
+    for name, value, flag in (("cuda_graph_impl", "full_iteration", "--cuda-graph-impl full_iteration"),
+                              ("cuda_graph_impl", "local", "--cuda-graph-impl local"),
+                              ("fp8", "hybrid", "--fp8-format"), ("fp4", "nvfp4", "--fp4-format"),
+                              ("use_kitchen", True, "--use-kitchen")):
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(**{name: value}), config)
+    megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="none"), config)
+    megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="local", int8_linear=False), config)
+
+
 def test_run_takes_the_int8_flags_and_names_the_spec(tmp_path, monkeypatch):
     """`run` hands upstream's script its own flags plus --spec, keeps the --int8-* ones, and puts the script's
     folder first on sys.path; bad --int8-* values and a user's own --spec are refused before the script runs."""
