@@ -173,7 +173,8 @@ def run(argv: List[str]) -> None:
 
 
 def yaml_to_argv(path: str) -> List[str]:
-    """A config YAML as command-line flags: `true` -> bare flag, `false`/null -> omitted, lists -> values.
+    """A config YAML as command-line flags: `true` -> the flag, `false` -> the flag that sets the opposite (none
+    where that is the default, as the trainer reads it), null -> omitted, lists -> values.
 
     Keys are checked against this trainer's flags first (typos fail with suggestions); keys that only
     this trainer has are dropped.
@@ -181,16 +182,26 @@ def yaml_to_argv(path: str) -> List[str]:
     import yaml
 
     from .training.args import build_parser, load_yaml_defaults
+    from .training.parsing import _option_actions
 
-    load_yaml_defaults(path, build_parser())  # validates every key and value
+    parser = build_parser()
+    load_yaml_defaults(path, parser)  # validates every key and value
+    actions = _option_actions(parser)
     with open(path, encoding="utf-8") as f:
         content = yaml.safe_load(f) or {}
     argv: List[str] = []
     for key, value in content.items():
         name = str(key).lstrip("-").replace("_", "-")
-        if name.replace("-", "_") in TRAINER_ONLY_KEYS or value is None or value is False:
+        if name.replace("-", "_") in TRAINER_ONLY_KEYS or value is None:
             continue
-        if value is True:
+        if value is False:
+            action = actions[name.replace("-", "_")]
+            wanted = not action.const
+            if wanted == parser.get_default(action.dest):
+                continue
+            argv.append(next(option for a in parser._actions if a.dest == action.dest and a.const is wanted
+                             for option in a.option_strings))
+        elif value is True:
             argv.append(f"--{name}")
         elif isinstance(value, list):
             argv += [f"--{name}"] + [str(v) for v in value]

@@ -14,7 +14,7 @@ import torch
 from free_ports import free_port
 
 from megatron_int8 import megatron_lm
-from megatron_int8.training.args import ArgumentError, parse_args
+from megatron_int8.training.args import ArgumentError, build_parser, parse_args
 from repo_paths import ROOT
 
 MODEL_YAMLS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -91,6 +91,18 @@ def test_yaml_to_argv_values_and_errors(tmp_path):
     config.write_text("hiden_size: 4\n")
     with pytest.raises(ArgumentError, match="did you mean hidden_size"):
         megatron_lm.yaml_to_argv(str(config))
+    # `false` where it is not the default: the flag that sets it, for every on/off setting, as the trainer reads it
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool):
+            key = action.option_strings[0][2:]
+            config.write_text(f"{key}: false\n")
+            argv = megatron_lm.yaml_to_argv(str(config))
+            got, want = getattr(parse_args(argv), action.dest), getattr(parse_args(["--config", str(config)]),
+                                                                         action.dest)
+            assert got is want, (key, argv, got, want)
+    config.write_text("load_optim: false\nint8_weight_cache: false\n")
+    assert megatron_lm.yaml_to_argv(str(config)) == ["--no-load-optim", "--int8-no-weight-cache"]
 
 
 def test_cli_prints_flags_with_environment_flags(capsys):
