@@ -330,11 +330,11 @@ def pretrain(args) -> dict:
                           "saves on Ctrl-C or SIGTERM before exiting)") from None
     finally:
         health.close()
+        logger.close()  # also on a divergence or an interrupt: TensorBoard's queued events are written
         if args.manual_gc:
             gc.unfreeze()
             gc.enable()
             gc.collect()
-    logger.close()
     if parallel_state.model_parallel_is_initialized():
         torch.distributed.barrier()
     return {"iteration": iteration, "loss": loss, "valid_loss": valid_loss}
@@ -364,12 +364,15 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         phases.mark("final_sync")
+        signal_name = exit_signals.check()
+        exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
+        last = exiting or iteration == args.train_iters  # the run's last iteration: its log line and checks too
         health_summary = moved = None
-        if health.monitor is not None and (iteration % args.log_interval == 0 or iteration == args.train_iters):
+        if health.monitor is not None and (iteration % args.log_interval == 0 or last):
             health_summary, moved = health.at_log_line(logger)
             phases.mark("int8_health")
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, skipped, time.time() - start, phases, health_summary or "")
+                             grad_norm, skipped, time.time() - start, phases, health_summary or "", last=last)
         if moved:
             print_precision_table(unwrap(model), print_fn=_log, full=args.int8_precision_table)
             if isinstance(forward_backward, GraphedForwardBackward):
@@ -381,8 +384,6 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, validation_batches(valid_ds, args), model, args)
             logger.validation(iteration, valid_loss)
-        signal_name = exit_signals.check()
-        exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
         if args.save and (iteration == args.train_iters or exiting
                           or (args.save_interval and iteration % args.save_interval == 0)):
             save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log, health.fallback)

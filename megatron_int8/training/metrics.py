@@ -186,7 +186,9 @@ class TrainingLogger:
 
     def training_step(self, iteration: int, consumed_samples: int, loss: float, lr: float,
                       grad_norm: Optional[float], skipped: bool, step_seconds: float,
-                      phases: Optional[StepPhases] = None, health_summary: str = "") -> None:
+                      phases: Optional[StepPhases] = None, health_summary: str = "", last: bool = False) -> None:
+        """One step's JSONL record (and TensorBoard scalars); the console line every --log-interval iterations and
+        at the run's `last` iteration (--train-iters, --exit-interval, a signal)."""
         args = self.args
         self.interval_iterations += 1
         if not self.is_writer:
@@ -209,7 +211,7 @@ class TrainingLogger:
             if grad_norm is not None:
                 self.tensorboard.add_scalar("grad-norm", grad_norm, iteration)
             self.tensorboard.add_scalar("tokens-per-second", tokens_per_s, iteration)
-        if iteration % args.log_interval and iteration != args.train_iters:
+        if iteration % args.log_interval and iteration != args.train_iters and not last:
             return
         elapsed = time.time() - self.interval_start
         per_iteration = elapsed / max(self.interval_iterations, 1)

@@ -177,6 +177,18 @@ def test_bad_values_fail_before_the_model_in_one_line(data, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_an_exit_between_log_lines_prints_its_iteration_and_checks_its_health(data, tmp_path):
+    """--exit-interval 3 with --log-interval 10: the run's last iteration gets its console line and its INT8
+    health check, as --train-iters' last does (they were skipped)."""
+    out = _train(data, "--train-iters", "8", "--exit-interval", "3", "--log-interval", "10", "--int8-stats-interval",
+                 "1", "--save", str(tmp_path / "ckpt"), "--lr-warmup-iters", "1", "--log-jsonl",
+                 str(tmp_path / "log.jsonl")).stdout
+    assert " iteration        3/       8 |" in out and "exiting at iteration 3 (--exit-interval 3)" in out
+    assert "int8 health (it 3, worst)" in out
+    assert sorted(_log(tmp_path / "log.jsonl", "int8_health")) == [1, 2, 3]
+
+
+@pytest.mark.slow
 def test_a_resume_with_other_model_flags_fails_before_the_model(data, interrupted, capsys):
     """The checkpoint's shape against the flags given now, before anything is built: one line naming the flag."""
     save = str(interrupted["save"])
