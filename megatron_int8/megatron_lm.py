@@ -149,6 +149,20 @@ def get_gpt_int8_spec_from_args(args, config, vp_stage: Optional[int] = None):
                                    normalization=args.normalization, qk_l2_norm=getattr(args, "qk_l2_norm", False))
 
 
+def check_nonfinite_before_each_step(policy: Int8Policy) -> Optional[object]:
+    """With INT8 linears and check_finite "deferred" (the default), the quantize kernels only mark a tensor that
+    held Inf/NaN; this package's trainer reads the marks once per step. Upstream's loop does not know them, so a
+    hook before every optimizer step reads them, raising NonFiniteError naming the tensors (upstream would only
+    see a NaN loss or gradient norm). Returns the hook's handle (None where there is nothing to check)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from .reference import raise_if_nonfinite
+
+    if not (policy.enabled and policy.recipe.check_finite == "deferred"):
+        return None
+    return register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: raise_if_nonfinite())
+
+
 def run(argv: List[str]) -> None:
     """Run upstream's pretrain_gpt.py (argv[0]) with the rest of argv, the --int8-* flags taken out (see above)."""
     global _run_args
@@ -158,9 +172,10 @@ def run(argv: List[str]) -> None:
     script = os.path.abspath(argv[0])
     flags, upstream_argv = _int8_parser().parse_known_args(argv[1:])
     try:
-        int8_policy(flags)
+        policy = int8_policy(flags)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    check_nonfinite_before_each_step(policy)
     if flags.int8_linear:
         if "--spec" in upstream_argv:
             raise SystemExit("error: --int8-linear sets upstream's --spec to megatron-int8's layer spec; "

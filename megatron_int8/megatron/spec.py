@@ -253,8 +253,17 @@ def get_gpt_int8_layer_specs(
     qk_layernorm: Optional[bool] = None,
     qk_l2_norm: bool = False,
 ):
-    """One layer spec per global layer (index 0 .. num_layers-1), precision per `policy`."""
+    """One layer spec per global layer (index 0 .. num_layers-1), precision per `policy`. The norms follow
+    `config.normalization`: a `normalization` that differs is an error, not ignored."""
     policy.check_num_layers(config.num_layers)
+    if normalization is not None and normalization != config.normalization:
+        raise ValueError(f"normalization={normalization!r}: the layers' norms follow config.normalization "
+                         f"({config.normalization!r}); set it there")
+    if policy.enabled and policy.recipe.int8_swiglu_input and not (
+            config.use_te_activation_func and config.gated_linear_unit and not config.num_moe_experts):
+        raise ValueError("--int8-swiglu-input keeps the input of megatron_int8's SwiGLU module, which megatron runs "
+                         "only in dense SwiGLU MLPs with config.use_te_activation_func (the trainer sets it unless "
+                         "--no-fused-swiglu; upstream Megatron-LM: --use-te-activation-func); this model has none")
     normalization = normalization or config.normalization
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
     specs = []
@@ -293,11 +302,6 @@ def get_gpt_int8_block_spec(
     the BF16 baseline (same attention and norms); with `policy.fp8_peer` set, the FP8 peer
     (`Int8Policy(enabled=False, fp8_peer="tensorwise")`).
     """
-    if policy.enabled and policy.recipe.int8_swiglu_input and not (
-            config.use_te_activation_func and config.gated_linear_unit and not config.num_moe_experts):
-        raise ValueError("--int8-swiglu-input keeps the input of megatron_int8's SwiGLU module, which megatron runs "
-                         "only in dense SwiGLU MLPs with config.use_te_activation_func (the trainer sets it unless "
-                         "--no-fused-swiglu); this model has none")
     layer_specs = get_gpt_int8_layer_specs(config, policy, normalization=normalization,
                                            qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm)
     if config.pipeline_model_parallel_layout is not None:

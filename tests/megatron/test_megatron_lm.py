@@ -196,6 +196,32 @@ def test_upstream_graphs_and_other_low_precision_linears_are_refused(megatron_wo
     megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="local", int8_linear=False), config)
 
 
+def test_deferred_nonfinite_marks_are_read_before_each_upstream_optimizer_step():
+    """Upstream's loop never reads the marks that check_finite="deferred" leaves: the hook `run` installs reads
+    them before every optimizer step and names the tensor; none is installed without INT8 or with "immediate"."""
+    from megatron_int8 import NonFiniteError, int8_linear
+
+    parse = megatron_lm._int8_parser().parse_args
+    assert megatron_lm.check_nonfinite_before_each_step(megatron_lm.int8_policy(parse([]))) is None
+    assert megatron_lm.check_nonfinite_before_each_step(megatron_lm.int8_policy(
+        parse(["--int8-linear", "--int8-check-finite", "immediate"]))) is None
+    handle = megatron_lm.check_nonfinite_before_each_step(megatron_lm.int8_policy(parse(["--int8-linear"])))
+    try:
+        w = torch.nn.Parameter(torch.randn(8, 32))
+        optimizer = torch.optim.SGD([w], lr=0.1)
+        x = torch.randn(6, 32)
+        int8_linear(x, w).sum().backward()
+        optimizer.step()  # finite: the step runs
+        x[2, 3] = float("inf")
+        int8_linear(x, w).sum().backward()
+        before = w.detach().clone()
+        with pytest.raises(NonFiniteError, match="fprop input"):
+            optimizer.step()
+        assert torch.equal(w.detach(), before)  # stopped before the update
+    finally:
+        handle.remove()
+
+
 def test_run_takes_the_int8_flags_and_names_the_spec(tmp_path, monkeypatch):
     """`run` hands upstream's script its own flags plus --spec, keeps the --int8-* ones, and puts the script's
     folder first on sys.path; bad --int8-* values and a user's own --spec are refused before the script runs."""

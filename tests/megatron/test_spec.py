@@ -252,3 +252,18 @@ def test_bench_layer_cpu_smoke(tmp_path, moe):
         assert name in table
     assert "| n/a | n/a |" in table  # memory columns: CUDA only
     assert ("| INT8 per-expert |" in table) == moe
+
+
+def test_layer_specs_refuse_what_they_would_ignore():
+    """The per-layer specs (upstream Megatron-LM's route builds only those) refuse --int8-swiglu-input where
+    megatron never runs this package's SwiGLU module, and a normalization other than the config's."""
+    from megatron_int8.megatron.spec import get_gpt_int8_layer_specs
+
+    swiglu_input = Int8Policy(recipe=Int8Recipe(int8_swiglu_input=True))
+    config = tiny_config(num_layers=2, gated_linear_unit=True, use_te_activation_func=False)
+    with pytest.raises(ValueError, match="--int8-swiglu-input keeps the input .*--use-te-activation-func"):
+        get_gpt_int8_layer_specs(config, swiglu_input)
+    assert len(get_gpt_int8_layer_specs(tiny_config(num_layers=2, gated_linear_unit=True,
+                                                    use_te_activation_func=True), swiglu_input)) == 2
+    with pytest.raises(ValueError, match="normalization='LayerNorm': the layers' norms follow config.normalization"):
+        get_gpt_int8_layer_specs(tiny_config(num_layers=2), Int8Policy(), normalization="LayerNorm")
