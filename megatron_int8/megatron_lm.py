@@ -97,6 +97,10 @@ def _check_upstream_flags(args, policy: Int8Policy, config) -> None:
     given += [flag for flag, name in LOW_PRECISION_FLAGS if getattr(args, name, None)]
     if given:
         raise ValueError(f"megatron-int8's layer spec does not build the layers of {', '.join(given)}")
+    if getattr(args, "fp16", False) and policy.enabled and policy.recipe.check_finite == "deferred":
+        raise ValueError("--fp16 with --int8-check-finite deferred: a step the loss scaler skips for an overflow "
+                         "leaves the quantize kernels' Inf/NaN marks unread, and the next step would stop on them; "
+                         "give --int8-check-finite off (the loss scaler handles overflows), or --bf16")
     graphs = getattr(args, "cuda_graph_impl", None) or "none"
     if graphs != "none" and policy.enabled:
         raise ValueError(f"--cuda-graph-impl {graphs} with INT8 linears: upstream's graphs are captured without this "

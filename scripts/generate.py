@@ -55,9 +55,12 @@ def main(argv=None) -> int:
     overrides = dict(int8=args.int8, bf16=args.bf16, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step)
     try:
         recorded = inference_arguments(args.load, **overrides)  # before the model: the checks need no weights
+        tokenizer = build_tokenizer(recorded)
         try:
-            prompt = build_tokenizer(recorded).tokenize(args.prompt)
+            prompt = tokenizer.tokenize(args.prompt)
         except ValueError:  # megatron's NullTokenizer reads space-separated ids
+            if recorded.tokenizer_type != "NullTokenizer":
+                raise
             raise ArgumentError(f"--prompt {args.prompt!r}: the checkpoint was trained on mock data (NullTokenizer), "
                                 "whose prompt is space-separated token ids, e.g. --prompt '1 2 3'") from None
         context = recorded.max_position_embeddings

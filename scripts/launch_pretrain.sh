@@ -49,7 +49,8 @@ LAUNCH=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$
 if [[ -n "${MEGATRON_LM:-}" ]]; then
     [[ -f "$MEGATRON_LM/pretrain_gpt.py" ]] || { echo "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py" >&2; exit 2; }
     YAML_TEXT=$("$PYTHON" -m megatron_int8.megatron_lm "$CONFIG") || exit 2  # a bad CONFIG stops here
-    mapfile -t YAML_ARGS <<< "$YAML_TEXT"
+    YAML_ARGS=()
+    [[ -z "$YAML_TEXT" ]] || mapfile -t YAML_ARGS <<< "$YAML_TEXT"
     set -x
     exec "${LAUNCH[@]}" -m megatron_int8.megatron_lm run "$MEGATRON_LM/pretrain_gpt.py" "${YAML_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
         "${PRECISION_ARGS[@]}" "$@"

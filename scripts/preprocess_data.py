@@ -192,7 +192,8 @@ def _run(parser, args) -> int:
     for path in args.input:
         if not os.path.isfile(path):
             parser.error(f"--input {path}: no such file")
-    existing = [f"{args.output_prefix}_{key}_document{ext}" for key in args.json_keys for ext in (".bin", ".idx")]
+    # the .bin is renamed into place last: an .idx without it is an interrupted build, written over freely
+    existing = [f"{args.output_prefix}_{key}_document.bin" for key in args.json_keys]
     existing = [path for path in existing if os.path.exists(path)]
     if existing and not args.force:
         parser.error(f"{existing[0]} exists: pass --force to write over it (and delete the index caches built from "

@@ -447,7 +447,7 @@ class RunHealth:
 
     def after_load(self, log) -> bool:
         """Apply the loaded moves (or drop them: --int8-reset-fallback); True, on every rank alike, where there
-        were moves to apply or to drop."""
+        are moves or --int8-reset-fallback was given (the caller then prints the precision table)."""
         if self.reset_on_load:
             dropped = self.fallback.reset()
             log("int8 fallback: --int8-reset-fallback: " + (f"{len(dropped)} module(s) back to their configured "

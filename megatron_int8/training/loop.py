@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import signal
 import time
 from functools import partial
@@ -210,7 +211,14 @@ def _shares(split: str) -> list:
     so that equal proportions compare equal."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    return [round(v, 9) for v in parse_and_normalize_split(split)]
+    try:
+        shares = parse_and_normalize_split(split)
+    except (ValueError, AssertionError):
+        shares = []
+    if len(shares) != 3 or not all(math.isfinite(v) for v in shares):
+        raise ArgumentError(f"--split {split!r}: expected up to three non-negative weights with a positive sum "
+                            "(train, validation, test), e.g. '98,2,0'")
+    return [round(v, 9) for v in shares]
 
 
 def _wire_megatron_config(config, model, optimizer, args) -> None:

@@ -20,14 +20,17 @@ STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QBLOCK}
 
 def weight_cache_bytes(modules) -> int:
     """Bytes the INT8 weight cache holds for these modules' INT8 linears (Q(W) for fprop, Q(W)^T for dgrad unless
-    cache_dgrad_weight is off, which grouped MoE experts do not honour: they keep both)."""
+    cache_dgrad_weight is off, which experts that run grouped do not honour: they keep both)."""
     from ..megatron.layers import Int8LinearMixin
+    from ..ops.grouped_linear import grouped_recipe_problem
 
     total = 0
     for module in modules:
         if isinstance(module, Int8LinearMixin) and module.int8 and module.int8_recipe.cache_weights:
             recipe = module.int8_recipe
-            dgrad_cached = recipe.cache_dgrad_weight or getattr(module, "is_expert", False)
+            grouped = (getattr(module, "is_expert", False) and module.config.moe_grouped_gemm
+                       and grouped_recipe_problem(recipe) is None)  # grouped experts keep Q(W)^T regardless
+            dgrad_cached = recipe.cache_dgrad_weight or grouped
             per_element = int(recipe.fprop) + int(recipe.dgrad and dgrad_cached)
             total += sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2) * per_element
     return total

@@ -189,7 +189,8 @@ def test_upstream_graphs_and_other_low_precision_linears_are_refused(megatron_wo
     for name, value, flag in (("cuda_graph_impl", "full_iteration", "--cuda-graph-impl full_iteration"),
                               ("cuda_graph_impl", "local", "--cuda-graph-impl local"),
                               ("fp8", "hybrid", "--fp8-format"), ("fp4", "nvfp4", "--fp4-format"),
-                              ("use_kitchen", True, "--use-kitchen")):
+                              ("use_kitchen", True, "--use-kitchen"),
+                              ("fp16", True, "--fp16 with --int8-check-finite deferred")):
         with pytest.raises(ValueError, match=re.escape(flag)):
             megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(**{name: value}), config)
     megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="none"), config)

@@ -276,3 +276,14 @@ def test_yaml_false_is_the_opposite_of_the_flag(tmp_path):
     config.write_text(yaml.safe_dump({"seq_length": 2048.0, "lr": 3}))
     args = parse_args(["--config", str(config)])
     assert args.seq_length == 2048 and args.lr == 3.0
+
+
+def test_split_shares_for_skip_train_name_a_bad_split():
+    """--skip-train compares --split with the checkpoint's before the data are checked: a bad one is one error
+    naming it (four weights failed inside megatron's parser, all zeros compared unequal to everything)."""
+    from megatron_int8.training.loop import _shares
+
+    assert _shares("98,2,0") == _shares("49, 1") == [0.98, 0.02, 0.0]
+    for bad in ("1,2,3,4", "0,0,0"):
+        with pytest.raises(ArgumentError, match=f"--split '{bad}': expected up to three non-negative weights"):
+            _shares(bad)
