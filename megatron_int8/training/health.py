@@ -455,7 +455,7 @@ class RunHealth:
                                                             "no fallback moves to drop"))
         apply_fallback(self.linears, self.fallback, self.attentions)
         for name in sorted(self.fallback.moved) if self.linears or self.attentions else ():  # BF16: kept, unused
-            log(f"int8 fallback restored from the checkpoint: {name} moved to "
+            log(f"int8 fallback restored from the checkpoint: {name} runs "
                 f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
         # the same answer on every rank (the moves are the checkpoint's, not this pipeline stage's): the caller
         # prints the precision table, a collective over the stages
