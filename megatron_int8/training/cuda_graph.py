@@ -79,8 +79,10 @@ class GraphedForwardBackward:
                 return self.forward_backward(**kwargs)
             self._capture(forward_only, kwargs)
         self.graphs[forward_only].replay()
-        # copies: the next replay writes into the same tensors, and a caller that keeps several calls' results
-        # (evaluation averages --eval-iters of them) would read the last one in each
+        if not forward_only:  # the training step reduces its losses before the next replay: no copies there
+            return self.results[forward_only]
+        # evaluation keeps --eval-iters calls' results and averages them: copies, since the next replay writes
+        # into the same tensors
         return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in item.items()}
                 for item in self.results[forward_only]]
 
