@@ -130,8 +130,13 @@ def test_dispatch(S, REF, monkeypatch):
     got = triton_gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
     want = REF.gemm(qa, qb, out_dtype=torch.bfloat16, bias=bias)
     assert not calls and ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-3).all()
-    qa, qb = operands(REF, "block", 256, 512, 1024)  # block scales: no Hopper kernel
-    with pytest.raises(ValueError, match="no Hopper kernel"):
+    qa, qb = operands(REF, "block", 256, 512, 1024)  # block scales of 128: the Gluon block-scale kernel, not CUDA
+    got = triton_gemm(qa, qb, out_dtype=torch.bfloat16)
+    want = REF.gemm(qa, qb, out_dtype=torch.bfloat16)
+    assert not calls and ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-3).all()
+    qa, _ = REF.quantize(outliers(256, 1024), **_kw("block", False, block_size=64, rowwise=True, columnwise=False))
+    qb, _ = REF.quantize(outliers(512, 1024), **_kw("block", True, block_size=64, rowwise=True, columnwise=False))
+    with pytest.raises(ValueError, match="no Hopper kernel"):  # block size 64: no Hopper kernel takes it
         triton_gemm(qa, qb, out_dtype=torch.bfloat16)
 
 
