@@ -5,8 +5,8 @@ main_grad (the DDP grad buffer, grad_reduce_in_fp32), the master weight (megatro
 precision-aware optimizer's fp32 master or its int16 remainder; none for fp32 training, whose parameter
 is the master), Adam's two moments (fp32 4, bf16 2, int8 1 + a 4-byte scale per 128), and the INT8
 weight cache (Q(W) and Q(W)^T, one byte each per INT8-linear parameter, averaged over all parameters).
-The distributed optimizer shards the master weight and the moments over the data-parallel ranks (expert
-parameters over the expert-data-parallel ranks; the table uses the dense DP size for all).
+The distributed optimizer shards the master weight and the moments over the data-parallel ranks, expert
+parameters under expert parallelism over the expert-data-parallel ranks (DP / EP); the rows average the two.
 Activations and temporaries come on top; the logs' peak memory measures them.
 """
 from __future__ import annotations
@@ -36,10 +36,26 @@ def weight_cache_bytes(modules) -> int:
     return total
 
 
+def optimizer_shards(args, models) -> Tuple[int, int, float]:
+    """(dense shards, expert shards, mean shards per parameter) of the optimizer's state on this rank: with the
+    distributed optimizer, DP for dense parameters and DP / EP for expert ones (megatron marks those
+    allreduce=False under expert parallelism; they are reduced and sharded over the expert-data-parallel group)."""
+    if not args.use_distributed_optimizer:
+        return 1, 1, 1.0
+    dense, expert = args.data_parallel_size, max(args.data_parallel_size // args.expert_model_parallel_size, 1)
+    counts = [0, 0]
+    for model in models:
+        for p in model.parameters():
+            counts[not getattr(p, "allreduce", True)] += p.numel()
+    if not sum(counts):
+        return dense, expert, float(dense)
+    return dense, expert, sum(counts) / (counts[0] / dense + counts[1] / expert)
+
+
 def bytes_per_parameter(args, models) -> Tuple[int, List[Tuple[str, float]]]:
     """(parameters on this rank, [(state, bytes per parameter)...]) for `models` (unwrapped chunks)."""
     numel = sum(p.numel() for model in models for p in model.parameters())
-    shards = args.data_parallel_size if args.use_distributed_optimizer else 1
+    shards = optimizer_shards(args, models)[2]
     precise = getattr(args, "use_precision_aware_optimizer", False)
     rows = [("bf16 weight" if args.bf16 else "fp32 weight", 2.0 if args.bf16 else 4.0), ("main_grad (fp32)", 4.0)]
     if args.bf16:
@@ -62,8 +78,11 @@ def bytes_per_parameter(args, models) -> Tuple[int, List[Tuple[str, float]]]:
 def format_bytes_per_parameter(args, models) -> str:
     numel, rows = bytes_per_parameter(args, models)
     total = sum(value for _, value in rows)
-    shards = args.data_parallel_size if args.use_distributed_optimizer else 1
-    where = f", optimizer states sharded over {shards} data-parallel ranks" if shards > 1 else ""
+    dense, expert, _ = optimizer_shards(args, models)
+    experts = any(not getattr(p, "allreduce", True) for model in models for p in model.parameters())
+    where = f", optimizer states sharded over {dense} data-parallel ranks" if dense > 1 else ""
+    if experts and expert != dense:
+        where += f" (expert parameters over {expert})"
     body = " | ".join(f"{name} {value:.2f}" for name, value in rows)
     return (f"memory per parameter (bytes, {numel / 1e6:.2f} M parameters on this rank{where}): {body} | "
             f"total {total:.2f} = {total * numel / 2**30:.2f} GiB between steps, before activations")

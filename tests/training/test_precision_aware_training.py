@@ -155,6 +155,24 @@ def test_memory_per_parameter_counts_each_state():
         "exp_avg_sq (fp32)": 4.0}
 
 
+def test_memory_per_parameter_shards_expert_states_over_expert_data_parallel_ranks():
+    """Under expert parallelism the distributed optimizer shards expert parameters (allreduce=False) over DP / EP
+    ranks, not DP: with DP 2, EP 2 an expert parameter's Adam state is whole on each rank."""
+    from megatron_int8.training.memory import bytes_per_parameter, format_bytes_per_parameter
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 128, bias=False))
+    model[1].weight.allreduce = False  # what megatron sets on an expert weight under expert parallelism
+    args = _args(["--bf16", "--use-distributed-optimizer"])
+    args.expert_model_parallel_size = 2
+    rows = dict(bytes_per_parameter(args, [model])[1])
+    # half the parameters sharded over 2 ranks, half over 1: 4 bytes x (1/2 x 1/2 + 1/2 x 1) = 3 per parameter
+    assert rows["master weight (fp32)"] == rows["exp_avg (fp32)"] == rows["exp_avg_sq (fp32)"] == 3.0
+    assert "sharded over 2 data-parallel ranks (expert parameters over 1)" in format_bytes_per_parameter(args, [model])
+    args.expert_model_parallel_size = 1  # EP 1: megatron leaves experts allreduce=True; all over DP
+    del model[1].weight.allreduce
+    assert dict(bytes_per_parameter(args, [model])[1])["exp_avg (fp32)"] == 2.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dp_reshardable_format_resumes_exactly(data, tmp_path, monkeypatch):  # noqa: F811
