@@ -53,11 +53,12 @@ def _given_maxima(known: Optional[KnownMaxima], recipe: Int8Recipe, rowwise: boo
 
 class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions, health=None):
+    def forward(ctx, input, weight, bias, recipe: Int8Recipe, tp: TPOptions, health=None, grad_enabled=True):
         backend = ((traced_backend if is_dynamo_compiling() else get_backend)(input.device, recipe)
                    if recipe.any_int8 else None)
         smooth = recipe.smooth_swiglu and recipe.fprop
-        wgrad_int8 = recipe.wgrad and weight.requires_grad
+        # Q(X)^T only where a backward will take it: not in evaluation, generation or a recompute's first forward
+        wgrad_int8 = recipe.wgrad and weight.requires_grad and grad_enabled
         qx_row = qx_col = qx_local = out2d = None
         world = torch.distributed.get_world_size(tp.group) if tp.sequence_parallel or tp.scatter_output else 1
         total_shape = (input.shape[0] * world,) + tuple(input.shape[1:]) if tp.sequence_parallel else tuple(input.shape)
@@ -243,7 +244,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         grad_bias = g2d.sum(dim=0).to(ctx.input_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _hp_gemm_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -296,7 +297,7 @@ def int8_linear(
         return _hp_linear_with_tp(input, weight, bias, tp)
     health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop)
               if probe is not None and probe.armed and torch.is_grad_enabled() and input.numel() else None)
-    return _Int8LinearFunction.apply(input, weight, bias, recipe, tp, health)
+    return _Int8LinearFunction.apply(input, weight, bias, recipe, tp, health, torch.is_grad_enabled())
 
 
 def _smoothed_fprop_operands(x2d, weight, backend, recipe: Int8Recipe, known: Optional[KnownMaxima]):

@@ -122,6 +122,31 @@ def test_wgrad_contracts_over_tokens_padded_to_16(monkeypatch, granularity):
     assert torch.equal(wl.grad, unpadded.gemm(qg0, qx0, out_dtype=torch.float32))
 
 
+class _ColumnwiseSpy(ReferenceBackend):
+    def __init__(self):
+        self.columnwise_inputs = 0
+
+    def quantize(self, x, **kw):
+        self.columnwise_inputs += bool(kw.get("columnwise")) and not kw["weight"]
+        return super().quantize(x, **kw)
+
+
+def test_forward_without_grad_skips_the_wgrad_operand(monkeypatch):
+    """Under no_grad (evaluation, generation, a recompute's first forward) no backward takes Q(X)^T: the forward
+    quantizes X row-wise only, and its output is the one with gradients on, bit for bit."""
+    spy = _ColumnwiseSpy()
+    monkeypatch.setattr("megatron_int8.ops.linear.get_backend", lambda device, recipe: spy)
+    x, w = heavy_tailed(9, 2, 64), heavy_tailed(24, 64)
+    xl, wl = _leaf(x, torch.float32), _leaf(w, torch.float32)
+    for recipe in (Int8Recipe(), Int8Recipe(granularity="row"), Int8Recipe(granularity="block", block_size=32)):
+        with_grad = int8_linear(xl, wl, None, recipe)
+        assert spy.columnwise_inputs == 1
+        with torch.no_grad():
+            without = int8_linear(xl, wl, None, recipe)
+        assert spy.columnwise_inputs == 1 and torch.equal(without, with_grad.detach())
+        spy.columnwise_inputs = 0
+
+
 class _CountingBackend(ReferenceBackend):
     def __init__(self):
         self.weight_quantizations = 0
