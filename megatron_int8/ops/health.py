@@ -54,6 +54,7 @@ from ..recipe import GEMMS, QMAX, Int8Recipe
 from ..reference import QTensor, dequantize, quantize
 from .int8_attention import Int8AttentionConfig, score_operands
 from .smooth_swiglu import smooth_scales
+from .tp_comm import group_amax
 
 OPERANDS = ("x", "w", "dy")
 OPERAND_STATS = ("amax", "crest", "kurtosis", "underflow", "saturation")
@@ -111,6 +112,14 @@ def _amax(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
     """max |t| (over `dim`, or all elements) in t's dtype: one min/max pass, no copy of t (NaN propagates)."""
     low, high = torch.aminmax(t.detach()) if dim is None else torch.aminmax(t.detach(), dim=dim)
     return torch.maximum(-low, high)
+
+
+def _whole_amax(t: torch.Tensor, recipe: Int8Recipe, group) -> torch.Tensor:
+    """max |t| of the tensor a GEMM quantizes: under sequence parallelism (`group`) with tensorwise scales, of
+    the gathered shards (a collective over the group: every rank probes the same step); else of t."""
+    if group is None or recipe.granularity != "tensor":
+        return _amax(t)
+    return group_amax(t, None, group).reshape(())
 
 
 def _sample_amax(recipe: Int8Recipe, whole: torch.Tensor, channels: Optional[torch.Tensor] = None):
@@ -190,8 +199,8 @@ class ForwardRecord:
 
     def __init__(self, values: torch.Tensor, recipe: Int8Recipe, tokens: int, x_rows: torch.Tensor,
                  x_col_amax: Optional[torch.Tensor], out_channels: Optional[torch.Tensor],
-                 w_amax: torch.Tensor, w_col_amax: Optional[torch.Tensor]):
-        self.values, self.recipe, self.tokens = values, recipe, tokens
+                 w_amax: torch.Tensor, w_col_amax: Optional[torch.Tensor], grad_group=None):
+        self.values, self.recipe, self.tokens, self.grad_group = values, recipe, tokens, grad_group
         self.x_rows, self.x_col_amax = x_rows, x_col_amax
         self.out_channels, self.w_amax, self.w_col_amax = out_channels, w_amax, w_col_amax
 
@@ -201,7 +210,7 @@ class ForwardRecord:
         recipe, values = self.recipe, self.values
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
         w = weight.detach()
-        dy_amax = _amax(dy)
+        dy_amax = _whole_amax(dy, recipe, self.grad_group)
         dy_rows = dy[sample_rows(dy.shape[0], recipe.block_size)]  # X's sampled tokens (same token count)
         q_dy = _quantize(dy_rows, recipe, weight=False, amax=_sample_amax(recipe, dy_amax))
         i = _index("dy/amax")
@@ -260,9 +269,11 @@ class LinearProbe(_Probe):
     [len(STAT_NAMES)] fp32 tensor per armed step."""
 
     def observe_forward(self, input: torch.Tensor, weight: torch.Tensor, recipe: Int8Recipe,
-                        smooth: bool = False) -> ForwardRecord:
+                        smooth: bool = False, input_group=None, grad_group=None) -> ForwardRecord:
         """X's and W's statistics and fprop's error (device ops); returns the record for the backward.
-        `smooth`: fprop runs on the smoothed operands (ops.smooth_swiglu), as the recipe's guard does."""
+        `smooth`: fprop runs on the smoothed operands (ops.smooth_swiglu), as the recipe's guard does.
+        `input_group` / `grad_group`: the tensor-parallel group whose shards of X / of dY the GEMMs gather
+        (sequence parallelism): tensorwise scales then come from the gathered tensor's amax, as in the GEMMs."""
         self.armed = False
         x = input.detach().reshape(-1, input.shape[-1])
         w = weight.detach()
@@ -270,7 +281,7 @@ class LinearProbe(_Probe):
         rows = sample_rows(x.shape[0], recipe.block_size)
         out_channels = sample_channels(w.shape[0], recipe.block_size, w.device)
         x_rows, w_rows = x[rows], _pick(w, out_channels)
-        x_amax, w_amax = _amax(x), _amax(w)
+        x_amax, w_amax = _whole_amax(x, recipe, input_group), _amax(w)
         need_col_amax = recipe.granularity == "row" or smooth
         x_col_amax = _amax(x, dim=0) if need_col_amax else None
         w_col_amax = _amax(w, dim=0) if need_col_amax else None
@@ -294,7 +305,7 @@ class LinearProbe(_Probe):
         self._pending.append(values)
         x_t_amax = _sample_amax(recipe, x_amax, x_col_amax)
         return ForwardRecord(values, recipe, x.shape[0], x[rows].clone(), x_t_amax, out_channels, w_amax,
-                             w_col_amax)
+                             w_col_amax, grad_group)
 
 
 def sample_heads(heads: int, device) -> torch.Tensor:

@@ -295,7 +295,9 @@ def int8_linear(
         recipe = recipe_for_shape(recipe, input, weight, bias, tp, int8_linear)
     if not recipe.any_int8:
         return _hp_linear_with_tp(input, weight, bias, tp)
-    health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop)
+    health = (probe.observe_forward(input, weight, recipe, smooth=recipe.smooth_swiglu and recipe.fprop,
+                                    input_group=tp.group if tp.sequence_parallel else None,
+                                    grad_group=tp.group if tp.scatter_output else None)
               if probe is not None and probe.armed and torch.is_grad_enabled() and input.numel() else None)
     return _Int8LinearFunction.apply(input, weight, bias, recipe, tp, health, torch.is_grad_enabled())
 

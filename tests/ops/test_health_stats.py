@@ -201,6 +201,66 @@ def test_probe_against_float64(granularity, monkeypatch):
     assert got["wgrad/underflow"] > 0.01 and got["dgrad/rel_err"] > 1e-4  # the statistics see something
 
 
+def _sequence_parallel_probe_worker(rank, world, init_file):
+    import torch.distributed as dist
+    from mcore_helpers import init_megatron
+
+    from megatron_int8 import TPOptions, int8_linear
+
+    init_megatron(world, rank, init_file)  # gloo
+    torch.manual_seed(rank)
+    recipe = Int8Recipe(granularity="tensor")
+    T, K, N = 128, 64, 32  # tokens per rank (all of them sampled), input and output channels
+
+    def gathered(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts)
+
+    def fractions(t, amax):  # underflow: nonzero values that quantize to 0 with the tensorwise scale amax / 127
+        _, q = q64(t, "tensor", amax=amax)
+        return ((q == 0) & (t != 0)).sum().item() / (t != 0).sum().item()
+
+    # column-parallel: X's token shards are gathered, so its tensorwise scale is the gathered tensor's
+    x, w = heavy_tailed(T, 1, K), heavy_tailed(N, K) * 0.05
+    if rank == 1:
+        x[3, 0, 5] = 3e4  # an outlier on one rank: the other rank's shard is quantized with its scale too
+    probe = LinearProbe()
+    probe.arm()
+    sequence_parallel = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
+    out = int8_linear(x.requires_grad_(), w, recipe=recipe, tp=sequence_parallel, probe=probe)
+    out.backward(heavy_tailed(*out.shape))
+    got = values_by_name(probe.take()[0])
+    whole = gathered(x.detach()).abs().max()
+    assert got["x/amax"] == pytest.approx(whole.item(), rel=1e-6), rank
+    x2d = x.detach().reshape(T, K)
+    assert got["x/underflow"] == pytest.approx(fractions(x2d, whole), abs=2e-4), rank
+    if rank == 0:  # what the shard's own amax would have read: far fewer values lost than the GEMM loses
+        assert got["x/underflow"] > fractions(x2d, x2d.abs().max()) + 0.5
+    # row-parallel with the output scattered: dY's token shards are gathered for dgrad
+    x, dy = heavy_tailed(world * T, 1, K), heavy_tailed(T, 1, N)
+    if rank == 1:
+        dy[7, 0, 2] = 3e4
+    probe.arm()
+    out = int8_linear(x.requires_grad_(), w, recipe=recipe, tp=TPOptions(group=dist.group.WORLD, scatter_output=True),
+                      probe=probe)
+    out.backward(dy)
+    got = values_by_name(probe.take()[0])
+    whole = gathered(dy).abs().max()
+    assert got["dy/amax"] == pytest.approx(whole.item(), rel=1e-6), rank
+    assert got["dy/underflow"] == pytest.approx(fractions(dy.reshape(T, N), whole), abs=2e-4), rank
+
+
+@pytest.mark.slow  # multi-process
+def test_tensorwise_probe_under_sequence_parallelism_uses_the_gathered_amax():
+    """Under sequence parallelism the GEMMs quantize gathered X (column-parallel) and gathered dY (row-parallel,
+    output scattered) with the gathered tensor's tensorwise scale; the probe measures with that scale too, so a
+    rank whose shard lacks the outlier reports the underflow its GEMM has (two ranks over gloo)."""
+    from mcore_helpers import run_distributed
+
+    run_distributed(_sequence_parallel_probe_worker, 2)
+
+
 def test_probe_skips_wgrad_when_tokens_differ():
     """A sequence-parallel shard in forward, all tokens in backward: dgrad is still measured, wgrad not."""
     x, w = heavy_tailed(64, 32), heavy_tailed(16, 32)
