@@ -193,25 +193,52 @@ def _pick(t: torch.Tensor, index: Optional[torch.Tensor], dim: int = 0) -> torch
     return t if index is None else t.index_select(dim, index)
 
 
-class ForwardRecord:
-    """What a probed forward leaves for its backward: the values tensor, the number of input rows (tokens),
-    the sampled tokens and channels, X^T's sampled tokens with their per-channel amax, and W's amax."""
+def _sampled_tokens(tokens: int, recipe: Int8Recipe, input_group, grad_group) -> Tuple[slice, Optional[slice], int]:
+    """(X's sampled rows, the rows of dY that hold the same tokens, dY's row count) for an X of `tokens` rows.
+    Under sequence parallelism wgrad contracts over the gathered tokens: a column-parallel linear's dY holds all
+    of them (this rank's X shard is its rows rank x tokens onwards); a row-parallel one's dY holds this rank's
+    share, so X is sampled there. None where those rows would not start on a block of the block recipe (wgrad's
+    1 x B tiles along the tokens would differ from the GEMM's)."""
+    if input_group is None and grad_group is None:
+        rows = sample_rows(tokens, recipe.block_size)
+        return rows, rows, tokens
+    group = grad_group if grad_group is not None else input_group
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if grad_group is not None:  # row-parallel, output scattered
+        shard = tokens // world
+        dy_rows, dy_tokens = sample_rows(shard, recipe.block_size), shard
+        offset = rank * shard
+        rows = slice(offset + dy_rows.start, offset + dy_rows.stop)
+    else:  # column-parallel, input gathered
+        rows, dy_tokens, offset = sample_rows(tokens, recipe.block_size), tokens * world, rank * tokens
+        dy_rows = slice(offset + rows.start, offset + rows.stop)
+    if recipe.granularity == "block" and offset % recipe.block_size:
+        dy_rows = None
+    return rows, dy_rows, dy_tokens
 
-    def __init__(self, values: torch.Tensor, recipe: Int8Recipe, tokens: int, x_rows: torch.Tensor,
-                 x_col_amax: Optional[torch.Tensor], out_channels: Optional[torch.Tensor],
+
+class ForwardRecord:
+    """What a probed forward leaves for its backward: the values tensor, the rows of dY that hold the sampled
+    tokens (`_sampled_tokens`) and dY's row count, the sampled tokens and channels, X^T's sampled tokens with
+    their per-channel amax, W's amax, and the group that gathers dY (sequence parallelism, row-parallel)."""
+
+    def __init__(self, values: torch.Tensor, recipe: Int8Recipe, dy_rows: Optional[slice], dy_tokens: int,
+                 x_rows: torch.Tensor, x_col_amax: Optional[torch.Tensor], out_channels: Optional[torch.Tensor],
                  w_amax: torch.Tensor, w_col_amax: Optional[torch.Tensor], grad_group=None):
-        self.values, self.recipe, self.tokens, self.grad_group = values, recipe, tokens, grad_group
+        self.values, self.recipe, self.grad_group = values, recipe, grad_group
+        self.dy_rows, self.dy_tokens = dy_rows, dy_tokens
         self.x_rows, self.x_col_amax = x_rows, x_col_amax
         self.out_channels, self.w_amax, self.w_col_amax = out_channels, w_amax, w_col_amax
 
     def observe_backward(self, grad_output: torch.Tensor, weight: torch.Tensor) -> None:
         """dY's statistics, and dgrad's and wgrad's errors and underflows (device ops, no sync). wgrad's are
-        left out (NaN) where dY has other tokens than the probed X (a sequence-parallel shard of them)."""
+        left out (NaN) where dY's rows do not match the probed X's tokens as the forward expected."""
         recipe, values = self.recipe, self.values
         dy = grad_output.detach().reshape(-1, grad_output.shape[-1])
         w = weight.detach()
         dy_amax = _whole_amax(dy, recipe, self.grad_group)
-        dy_rows = dy[sample_rows(dy.shape[0], recipe.block_size)]  # X's sampled tokens (same token count)
+        matched = self.dy_rows is not None and dy.shape[0] == self.dy_tokens
+        dy_rows = dy[self.dy_rows if matched else sample_rows(dy.shape[0], recipe.block_size)]  # X's tokens
         q_dy = _quantize(dy_rows, recipe, weight=False, amax=_sample_amax(recipe, dy_amax))
         i = _index("dy/amax")
         values[i:i + 3] = distribution_stats(dy_rows, dy_amax)
@@ -223,13 +250,15 @@ class ForwardRecord:
         q_wt = _quantize(w_t, recipe, weight=True, amax=_sample_amax(recipe, self.w_amax, w_t_amax))
         values[_index("dgrad/rel_err")] = _product_error(dy_rows, q_dy, w_t, q_wt)
         values[_index("dgrad/underflow")] = torch.maximum(values[_index("dy/underflow")], _fractions(w_t, q_wt)[0])
-        if dy.shape[0] != self.tokens:
+        if not matched:
             values[_index("wgrad/underflow")] = float("nan")
             return
         # wgrad: dW = dY^T X over the sampled tokens, each operand [channels, tokens] with the whole tensor's
         # scales: per channel over all tokens (row), tensorwise (tensor), 1 x B tiles of the sampled tokens (block)
         dy_t = dy_rows.t()
-        dy_col_amax = _amax(dy, dim=0) if recipe.granularity == "row" else None
+        dy_col_amax = None
+        if recipe.granularity == "row":  # per channel over all tokens: the gathered dY's under sequence parallelism
+            dy_col_amax = _amax(dy, dim=0) if self.grad_group is None else group_amax(dy, 0, self.grad_group)
         q_dyt = _quantize(dy_t, recipe, weight=False, amax=_sample_amax(recipe, dy_amax, dy_col_amax))
         x_t = self.x_rows.t()
         q_xt = _quantize(x_t, recipe, weight=False, amax=self.x_col_amax)
@@ -273,17 +302,20 @@ class LinearProbe(_Probe):
         """X's and W's statistics and fprop's error (device ops); returns the record for the backward.
         `smooth`: fprop runs on the smoothed operands (ops.smooth_swiglu), as the recipe's guard does.
         `input_group` / `grad_group`: the tensor-parallel group whose shards of X / of dY the GEMMs gather
-        (sequence parallelism): tensorwise scales then come from the gathered tensor's amax, as in the GEMMs."""
+        (sequence parallelism): tensorwise scales, and wgrad's per-channel ones, then come from the gathered
+        tensor, as in the GEMMs."""
         self.armed = False
         x = input.detach().reshape(-1, input.shape[-1])
         w = weight.detach()
         values = torch.full((len(STAT_NAMES),), float("nan"), dtype=torch.float32, device=x.device)
-        rows = sample_rows(x.shape[0], recipe.block_size)
+        rows, dy_rows, dy_tokens = _sampled_tokens(x.shape[0], recipe, input_group, grad_group)
         out_channels = sample_channels(w.shape[0], recipe.block_size, w.device)
         x_rows, w_rows = x[rows], _pick(w, out_channels)
         x_amax, w_amax = _whole_amax(x, recipe, input_group), _amax(w)
         need_col_amax = recipe.granularity == "row" or smooth
         x_col_amax = _amax(x, dim=0) if need_col_amax else None
+        if input_group is not None and recipe.granularity == "row":  # wgrad's X^T scales: over all gathered tokens
+            x_col_amax = group_amax(x, 0, input_group)
         w_col_amax = _amax(w, dim=0) if need_col_amax else None
         q_x = _quantize(x_rows, recipe, weight=False, amax=_sample_amax(recipe, x_amax))
         q_w = _quantize(w_rows, recipe, weight=True, amax=_sample_amax(recipe, w_amax))
@@ -304,7 +336,7 @@ class LinearProbe(_Probe):
         values[_index("fprop/underflow")] = fprop_underflow
         self._pending.append(values)
         x_t_amax = _sample_amax(recipe, x_amax, x_col_amax)
-        return ForwardRecord(values, recipe, x.shape[0], x[rows].clone(), x_t_amax, out_channels, w_amax,
+        return ForwardRecord(values, recipe, dy_rows, dy_tokens, x[rows].clone(), x_t_amax, out_channels, w_amax,
                              w_col_amax, grad_group)
 
 

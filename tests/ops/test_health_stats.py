@@ -209,53 +209,75 @@ def _sequence_parallel_probe_worker(rank, world, init_file):
 
     init_megatron(world, rank, init_file)  # gloo
     torch.manual_seed(rank)
-    recipe = Int8Recipe(granularity="tensor")
-    T, K, N = 128, 64, 32  # tokens per rank (all of them sampled), input and output channels
+    T, K, N, B = 128, 64, 32, 32  # tokens per rank (all of them sampled), input and output channels, block size
+    group = dist.group.WORLD
 
     def gathered(t):
         parts = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(parts, t)
         return torch.cat(parts)
 
-    def fractions(t, amax):  # underflow: nonzero values that quantize to 0 with the tensorwise scale amax / 127
-        _, q = q64(t, "tensor", amax=amax)
+    def fractions(t, granularity, amax):  # underflow: nonzero values that quantize to 0
+        _, q = q64(t, granularity, block=B, amax=amax)
         return ((q == 0) & (t != 0)).sum().item() / (t != 0).sum().item()
 
-    # column-parallel: X's token shards are gathered, so its tensorwise scale is the gathered tensor's
-    x, w = heavy_tailed(T, 1, K), heavy_tailed(N, K) * 0.05
-    if rank == 1:
-        x[3, 0, 5] = 3e4  # an outlier on one rank: the other rank's shard is quantized with its scale too
-    probe = LinearProbe()
-    probe.arm()
-    sequence_parallel = TPOptions(group=dist.group.WORLD, sequence_parallel=True)
-    out = int8_linear(x.requires_grad_(), w, recipe=recipe, tp=sequence_parallel, probe=probe)
-    out.backward(heavy_tailed(*out.shape))
-    got = values_by_name(probe.take()[0])
-    whole = gathered(x.detach()).abs().max()
-    assert got["x/amax"] == pytest.approx(whole.item(), rel=1e-6), rank
-    x2d = x.detach().reshape(T, K)
-    assert got["x/underflow"] == pytest.approx(fractions(x2d, whole), abs=2e-4), rank
-    if rank == 0:  # what the shard's own amax would have read: far fewer values lost than the GEMM loses
-        assert got["x/underflow"] > fractions(x2d, x2d.abs().max()) + 0.5
-    # row-parallel with the output scattered: dY's token shards are gathered for dgrad
-    x, dy = heavy_tailed(world * T, 1, K), heavy_tailed(T, 1, N)
-    if rank == 1:
-        dy[7, 0, 2] = 3e4
-    probe.arm()
-    out = int8_linear(x.requires_grad_(), w, recipe=recipe, tp=TPOptions(group=dist.group.WORLD, scatter_output=True),
-                      probe=probe)
-    out.backward(dy)
-    got = values_by_name(probe.take()[0])
-    whole = gathered(dy).abs().max()
-    assert got["dy/amax"] == pytest.approx(whole.item(), rel=1e-6), rank
-    assert got["dy/underflow"] == pytest.approx(fractions(dy.reshape(T, N), whole), abs=2e-4), rank
+    def probed(x, w, dy, recipe, tp):
+        probe = LinearProbe()
+        probe.arm()
+        int8_linear(x.clone().requires_grad_(), w, recipe=recipe, tp=tp, probe=probe).backward(dy)
+        return values_by_name(probe.take()[0])
+
+    def check_wgrad(got, dy_s, x_s, dy_all, x_all, granularity, what):
+        """wgrad over the sampled tokens, each operand with the scales of the tensor the GEMM quantizes."""
+        col_amax = {"tensor": lambda t: t.abs().max(), "row": lambda t: t.abs().amax(0), "block": lambda t: None}
+        gq, _ = q64(dy_s.t(), granularity, block=B, amax=col_amax[granularity](dy_all))
+        xq, _ = q64(x_s.t(), granularity, block=B, amax=col_amax[granularity](x_all))
+        exact = dy_s.double().t() @ x_s.double()
+        assert got["wgrad/rel_err"] == pytest.approx(rel64(gq @ xq.t(), exact), rel=2e-3), what
+        under = max(fractions(dy_s.t(), granularity, col_amax[granularity](dy_all)),
+                    fractions(x_s.t(), granularity, col_amax[granularity](x_all)))
+        assert got["wgrad/underflow"] == pytest.approx(under, abs=2e-4), what
+        assert got["wgrad/rel_err"] > 1e-4, what  # the statistic sees something
+
+    w = heavy_tailed(N, K) * 0.05
+    for granularity in ("tensor", "row", "block"):
+        recipe = Int8Recipe(granularity=granularity, block_size=B)
+        # column-parallel: X's token shards are gathered for fprop and wgrad; dY holds all tokens
+        x, dy = heavy_tailed(T, 1, K), heavy_tailed(world * T, 1, N)
+        if rank == 1:
+            x[3, 0, 5] = 3e4  # an outlier on one rank: the other rank's shard is quantized with its scale too
+        got = probed(x, w, dy, recipe, TPOptions(group=group, sequence_parallel=True))
+        x2d, x_all = x.reshape(T, K), gathered(x).reshape(world * T, K)
+        what = f"rank {rank}, {granularity}, column-parallel"
+        if granularity == "tensor":
+            whole = x_all.abs().max()
+            assert got["x/amax"] == pytest.approx(whole.item(), rel=1e-6), what
+            assert got["x/underflow"] == pytest.approx(fractions(x2d, "tensor", whole), abs=2e-4), what
+            if rank == 0:  # what the shard's own amax would have read: far fewer values lost than the GEMM loses
+                assert got["x/underflow"] > fractions(x2d, "tensor", x2d.abs().max()) + 0.5, what
+        dy2d = dy.reshape(world * T, N)
+        check_wgrad(got, dy2d[rank * T:(rank + 1) * T], x2d, dy2d, x_all, granularity, what)
+        # row-parallel with the output scattered: dY's token shards are gathered for dgrad and wgrad
+        x, dy = heavy_tailed(world * T, 1, K), heavy_tailed(T, 1, N)
+        if rank == 1:
+            dy[7, 0, 2] = 3e4
+        got = probed(x, w, dy, recipe, TPOptions(group=group, scatter_output=True))
+        dy2d, dy_all = dy.reshape(T, N), gathered(dy).reshape(world * T, N)
+        what = f"rank {rank}, {granularity}, row-parallel"
+        if granularity == "tensor":
+            whole = dy_all.abs().max()
+            assert got["dy/amax"] == pytest.approx(whole.item(), rel=1e-6), what
+            assert got["dy/underflow"] == pytest.approx(fractions(dy2d, "tensor", whole), abs=2e-4), what
+        x2d = x.reshape(world * T, K)
+        check_wgrad(got, dy2d, x2d[rank * T:(rank + 1) * T], dy_all, x2d, granularity, what)
 
 
 @pytest.mark.slow  # multi-process
-def test_tensorwise_probe_under_sequence_parallelism_uses_the_gathered_amax():
+def test_probe_under_sequence_parallelism_measures_what_the_gemms_quantize():
     """Under sequence parallelism the GEMMs quantize gathered X (column-parallel) and gathered dY (row-parallel,
-    output scattered) with the gathered tensor's tensorwise scale; the probe measures with that scale too, so a
-    rank whose shard lacks the outlier reports the underflow its GEMM has (two ranks over gloo)."""
+    output scattered): tensorwise scales, and wgrad's per-channel ones, come from the gathered tensor, and wgrad
+    contracts over the gathered tokens. The probe measures the same (fprop, dgrad, wgrad, against float64, every
+    granularity), so a rank whose shard lacks the outlier reports the underflow its GEMM has (two ranks, gloo)."""
     from mcore_helpers import run_distributed
 
     run_distributed(_sequence_parallel_probe_worker, 2)

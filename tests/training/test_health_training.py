@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+from free_ports import free_port
 from repo_paths import CONFIGS
 from test_training import SMALL_MODEL, _run
 
@@ -14,9 +15,11 @@ MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512
         "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "3"]
 
 
-def train(*flags):
-    return _run([sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
-                 *SMALL_MODEL, *MOCK, *flags])
+def train(*flags, nproc=1):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                 str(free_port())] if nproc > 1 else [sys.executable])
+    return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+                            *SMALL_MODEL, *MOCK, *flags])
 
 
 def records(path, key):
@@ -81,3 +84,23 @@ def test_health_arguments_are_checked(flags, message):
                        "--vocab-size", "128", "--int8-linear", *flags])
     with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_args(args, 1)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_statistics_under_sequence_parallelism_measure_every_gemm(tmp_path, granularity):
+    """TP 2 + SP: every linear's three GEMMs are measured, wgrad's too (the probe pairs this rank's shard of the
+    tokens with the same tokens' rows of the other operand), and statistics steps train exactly like plain ones."""
+    flags = ["--int8-linear", "--int8-granularity", granularity, "--train-iters", "3", "--tensor-model-parallel-size",
+             "2", "--sequence-parallel"]
+    train(*flags, "--log-jsonl", str(tmp_path / "plain.jsonl"), nproc=2)
+    train(*flags, "--log-jsonl", str(tmp_path / "stats.jsonl"), "--int8-stats-interval", "1", nproc=2)
+    assert [r["lm_loss"] for r in records(tmp_path / "stats.jsonl", "lm_loss")] == [
+        r["lm_loss"] for r in records(tmp_path / "plain.jsonl", "lm_loss")]
+    health = records(tmp_path / "stats.jsonl", "int8_health")
+    assert [r["iteration"] for r in health] == [1, 2, 3]
+    for layer in (1, 2):
+        for linear in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+            for stat in ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "wgrad/underflow"):
+                value = health[0]["int8_health"][f"int8_health/layer{layer}.{linear}/{stat}"]
+                assert value >= 0 and value == value, (layer, linear, stat)
+            assert health[0]["int8_health"][f"int8_health/layer{layer}.{linear}/wgrad/rel_err"] < 0.2
