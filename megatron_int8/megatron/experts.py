@@ -32,6 +32,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ..ops.grouped_linear import grouped_hp_linear, grouped_int8_linear, grouped_recipe_problem
+from . import layers
 from .layers import Int8LinearMixin, run_forward_pre_hooks
 from ..reference import SEGMENT_ALIGN, Segments, device_tensor, padded_length
 from ..ops.swiglu import weighted_swiglu
@@ -78,6 +79,7 @@ class Int8GroupedMLP(SequentialMLP):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **newer_options)
         self._padded_layouts: Dict[int, "_PaddedLayout"] = {}  # by capacity; few: one per micro-batch shape
         self.grouped_problem = self._grouped_problem()
+        self._recipes_seen = layers.RECIPE_CHANGES
         if self.grouped_problem is not None:
             warnings.warn(f"megatron-int8: experts run one by one (SequentialMLP): {self.grouped_problem}")
         # where megatron fuses the weighted SwiGLU; the trainer's --no-fused-swiglu turns it off
@@ -104,9 +106,10 @@ class Int8GroupedMLP(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
-        # asked again each call: a fallback move restored from a checkpoint (or made since) can give one expert
-        # linear another recipe, which the grouped op (one recipe for all) cannot run
-        self.grouped_problem = self._grouped_problem()
+        # asked again after any recipe change: a fallback move restored from a checkpoint (or made since) can give one
+        # expert linear another recipe, which the grouped op (one recipe for all) cannot run
+        if self._recipes_seen != layers.RECIPE_CHANGES:
+            self.grouped_problem, self._recipes_seen = self._grouped_problem(), layers.RECIPE_CHANGES
         if self.grouped_problem is not None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         hidden, probs = permuted_local_hidden_states, permuted_probs

@@ -34,6 +34,10 @@ from ..ops.shape_policy import describe_precision
 from ..recipe import DEFAULT_RECIPE, HIGH_PRECISION, Int8Recipe
 from .compat import check_linear_gemm_options
 
+# How many times any INT8 linear's recipe was set: what derives from its linears' recipes (the grouped experts'
+# grouped_problem) is worked out again only when this moved, not on every forward.
+RECIPE_CHANGES = 0
+
 
 def config_without_apex_check(config):
     """A shallow config copy that passes megatron's apex check for gradient_accumulation_fusion."""
@@ -64,7 +68,6 @@ class Int8LinearMixin:
     """
 
     int8: bool
-    int8_recipe: Int8Recipe  # the trainer's auto fallback may replace it (training/health.py)
     int8_built_recipe: Int8Recipe  # as built, before any fallback
     int8_probe = None  # an ops.health.LinearProbe while the trainer collects statistics
 
@@ -90,6 +93,17 @@ class Int8LinearMixin:
         disabled = {"qkv": config.tp_comm_overlap_disable_qkv, "fc1": config.tp_comm_overlap_disable_fc1}
         self.tp_comm_overlap = (config.tp_comm_overlap and config.sequence_parallel
                                 and not disabled.get(tp_comm_buffer_name, False))
+
+    @property
+    def int8_recipe(self) -> Int8Recipe:
+        """The recipe the layer runs; the trainer's auto fallback may replace it (training/health.py)."""
+        return self._int8_recipe
+
+    @int8_recipe.setter
+    def int8_recipe(self, recipe: Int8Recipe) -> None:
+        global RECIPE_CHANGES
+        self._int8_recipe = recipe
+        RECIPE_CHANGES += 1
 
     @property
     def precision(self) -> str:
