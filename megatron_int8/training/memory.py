@@ -11,7 +11,7 @@ Activations and temporaries come on top; the logs' peak memory measures them.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..ops.adamw import QBLOCK
 
@@ -36,19 +36,19 @@ def weight_cache_bytes(modules) -> int:
     return total
 
 
-def optimizer_shards(args, models) -> Tuple[int, int, float]:
-    """(dense shards, expert shards, mean shards per parameter) of the optimizer's state on this rank: with the
-    distributed optimizer, DP for dense parameters and DP / EP for expert ones (megatron marks those
-    allreduce=False under expert parallelism; they are reduced and sharded over the expert-data-parallel group)."""
-    if not args.use_distributed_optimizer:
-        return 1, 1, 1.0
-    dense, expert = args.data_parallel_size, max(args.data_parallel_size // args.expert_model_parallel_size, 1)
+def optimizer_shards(args, models) -> Tuple[int, Optional[int], float]:
+    """(dense shards, expert shards or None without expert-parallel parameters, mean shards per parameter) of the
+    optimizer's state on this rank: with the distributed optimizer, DP for dense parameters and DP / EP for expert
+    ones (megatron marks those allreduce=False under expert parallelism; they are reduced and sharded over the
+    expert-data-parallel group)."""
     counts = [0, 0]
     for model in models:
         for p in model.parameters():
             counts[not getattr(p, "allreduce", True)] += p.numel()
-    if not sum(counts):
-        return dense, expert, float(dense)
+    dense = args.data_parallel_size if args.use_distributed_optimizer else 1
+    if not counts[1]:
+        return dense, None, float(dense)
+    expert = max(dense // args.expert_model_parallel_size, 1)
     return dense, expert, sum(counts) / (counts[0] / dense + counts[1] / expert)
 
 
@@ -79,9 +79,8 @@ def format_bytes_per_parameter(args, models) -> str:
     numel, rows = bytes_per_parameter(args, models)
     total = sum(value for _, value in rows)
     dense, expert, _ = optimizer_shards(args, models)
-    experts = any(not getattr(p, "allreduce", True) for model in models for p in model.parameters())
     where = f", optimizer states sharded over {dense} data-parallel ranks" if dense > 1 else ""
-    if experts and expert != dense:
+    if expert is not None and expert != dense:
         where += f" (expert parameters over {expert})"
     body = " | ".join(f"{name} {value:.2f}" for name, value in rows)
     return (f"memory per parameter (bytes, {numel / 1e6:.2f} M parameters on this rank{where}): {body} | "
