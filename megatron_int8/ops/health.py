@@ -313,9 +313,9 @@ class LinearProbe(_Probe):
         x_rows, w_rows = x[rows], _pick(w, out_channels)
         x_amax, w_amax = _whole_amax(x, recipe, input_group), _amax(w)
         need_col_amax = recipe.granularity == "row" or smooth
-        x_col_amax = _amax(x, dim=0) if need_col_amax else None
-        if input_group is not None and recipe.granularity == "row":  # wgrad's X^T scales: over all gathered tokens
-            x_col_amax = group_amax(x, 0, input_group)
+        x_col_amax = None
+        if need_col_amax:  # wgrad's X^T scales per channel over all tokens: the gathered X's under sequence parallelism
+            x_col_amax = _amax(x, dim=0) if input_group is None else group_amax(x, 0, input_group)
         w_col_amax = _amax(w, dim=0) if need_col_amax else None
         q_x = _quantize(x_rows, recipe, weight=False, amax=_sample_amax(recipe, x_amax))
         q_w = _quantize(w_rows, recipe, weight=True, amax=_sample_amax(recipe, w_amax))
