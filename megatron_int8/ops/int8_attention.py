@@ -102,8 +102,10 @@ ROW_AMAX_FLOOR = 2.0 ** -100  # the least amax of a row of P^T or dS: a row belo
 
 # ------------------------------------------------------------------------------------------ quantization
 def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """clamp(round_half_even(x * (1 / scale)), -127, 127) as float values (exact small integers)."""
-    return torch.round(x * (1.0 / scale)).clamp_(-127, 127)
+    """clamp(round_half_even(x * (1 / scale)), -127, 127) as float values (exact small integers). A group whose
+    amax is below about 3.7e-37 has 1 / scale = inf: its zeros give 0 * inf = NaN, which becomes 0 as in the
+    kernels' _round_clamp (a non-finite input still shows: its scale is NaN)."""
+    return torch.round((x * (1.0 / scale)).nan_to_num_(nan=0.0)).clamp_(-127, 127)
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -304,11 +306,11 @@ def _check(q, k, v) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"int8_attention: q [b, h, s, d] and k, v [b, h_kv, s_kv, d] expected, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if 0 in q.shape or 0 in k.shape:  # before h % h_kv, which h_kv = 0 would divide by
+        raise ValueError(f"int8_attention: empty inputs, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(f"int8_attention: batch and head dim must match and h % h_kv == 0, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
-    if 0 in q.shape or 0 in k.shape:
-        raise ValueError(f"int8_attention: empty inputs, got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
 # The tiles that an INT8 product contracts over (P V over keys, dV and dK over queries, dQ over keys): the GPU's INT8

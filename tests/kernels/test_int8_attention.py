@@ -157,6 +157,27 @@ def test_forward_tile_defaults_by_scores_and_explicit_tiles_stay():
         Int8AttentionConfig(block=64, scores="bf16")
 
 
+def tiny_channel_inputs(seed):
+    """V's channel 0 and dO's channel 3 all zero but one value of 1e-38: their blocks' scale amax / 127 is subnormal
+    and its inverse overflows to inf, so the zeros beside that value give 0 * inf."""
+    q, k, v, do = attention_inputs(1, 2, 1, 64, 32, seed, dtype=torch.float32)
+    v[..., 0] = 0.0
+    v[:, :, 5, 0] = 1e-38
+    do[..., 3] = 0.0
+    do[:, :, 7, 3] = 1e-38
+    return q, k, v, do
+
+
+@on_host
+def test_reference_path_channel_of_tiny_amax_stays_within_bounds():
+    """Once NaN on the PyTorch path (O, dQ, dK from V's channel, dV from dO's); the kernels gave zeros there."""
+    q, k, v, do = tiny_channel_inputs(16)
+    got = run_path(q, k, v, do, True, SMALL, "reference")
+    exact = grads64(q, k, v, do, True, 1 / math.sqrt(32))
+    bounds = int8_attention_bounds(q, k, v, do, got[0], True, 1 / math.sqrt(32), SMALL)
+    assert_within_bounds(got, exact, bounds, [torch.float32] * 4, "a channel of amax 1e-38")
+
+
 @on_host
 def test_api_checks_shapes_and_picks_the_reference_on_cpu():
     q, k, v, _ = attention_inputs(1, 4, 2, 16, 32, 6)
@@ -168,6 +189,8 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
         int8_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="empty"):
         int8_attention(q, k[:, :, :0], v[:, :, :0])
+    with pytest.raises(ValueError, match="empty"):  # no key/value heads: named, not a ZeroDivisionError
+        int8_attention(q, k[:, :0], v[:, :0])
     check_gpu_tiles(Int8AttentionConfig())  # the defaults compile on the GPU
     check_gpu_tiles(Int8AttentionConfig(scores="int8"))
     with pytest.raises(ValueError, match="fwd_block_n=16"):
@@ -208,6 +231,11 @@ def test_kernels_match_reference_queries_and_keys_of_other_lengths(seq_q, seq_k,
     q, do = q[:, :, :seq_q].contiguous(), do[:, :, :seq_q].contiguous()
     k, v = k[:, :, :seq_k].contiguous(), v[:, :, :seq_k].contiguous()
     assert_kernels_match(q, k, v, do, causal, SMALL, f"fp32 {seq_q} queries, {seq_k} keys, causal={causal}")
+
+
+@needs_interpreter
+def test_kernels_match_reference_channel_of_tiny_amax():
+    assert_kernels_match(*tiny_channel_inputs(17), True, SMALL, "a channel of amax 1e-38")
 
 
 @needs_interpreter
