@@ -342,8 +342,9 @@ class LinearProbe(_Probe):
 
 def sample_heads(heads: int, device) -> torch.Tensor:
     """`SAMPLE_HEADS` query heads evenly spaced over `heads` (all of fewer), so that under GQA the sample meets as
-    many key/value heads as it can."""
-    return torch.arange(0, heads, max(1, heads // SAMPLE_HEADS), device=device)[:SAMPLE_HEADS]
+    many key/value heads as it can: head i * heads // n of n = min(SAMPLE_HEADS, heads)."""
+    n = min(SAMPLE_HEADS, heads)
+    return torch.arange(n, device=device) * heads // n
 
 
 class AttentionProbe(_Probe):

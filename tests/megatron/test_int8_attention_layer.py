@@ -246,6 +246,10 @@ def test_probe_measures_the_output_and_score_errors():
     assert sample_rows(300, 1) == slice(44, 44 + SAMPLE_ROWS)
     assert sample_heads(4, "cpu").tolist() == [0, 1, 2, 3]
     assert sample_heads(32, "cpu").tolist() == list(range(0, 32, 4))  # Llama2-7B: 8 of 32, one per 4
+    # 12 heads over 4 key/value heads (groups of 3): the sample meets every key/value head (it once took heads 0-7,
+    # of key/value heads 0-2 only)
+    assert sample_heads(12, "cpu").tolist() == [0, 1, 3, 4, 6, 7, 9, 10]
+    assert {h // 3 for h in sample_heads(12, "cpu").tolist()} == {0, 1, 2, 3}
     values, expected = probe_against_float64(4, 2, 300, 64, 4)
     assert 1e-3 < expected.min() and expected.max() < 0.05, expected
     torch.testing.assert_close(values, expected, rtol=1e-3, atol=0)
