@@ -502,8 +502,8 @@ def apply_retention(root: str, latest: int, retain_interval: Optional[int], most
         return []
     keep_latest = most_recent_k if most_recent_k >= 0 else 1
     older = [i for i in saved_iterations(root) if i < latest]
-    kept = set(older[len(older) - (keep_latest - 1):]) if keep_latest > 1 else set()
-    removed = [i for i in older if i not in kept and not (retain_interval and i % retain_interval == 0)]
+    kept = set(older[max(0, len(older) - (keep_latest - 1)):]) if keep_latest > 1 else set()
+    removed = [i for i in older if i not in kept and not (retain_interval is not None and i % retain_interval == 0)]
     for iteration in removed:
         shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
     return removed

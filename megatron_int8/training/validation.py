@@ -363,6 +363,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.eval_iters < 0:
         raise ArgumentError(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.save_retain_interval is not None and args.save_retain_interval <= 0:
+        raise ArgumentError(f"--save-retain-interval must be positive, got {args.save_retain_interval}")
     if args.save_retain_interval is not None and args.save_interval and args.save_retain_interval % args.save_interval:
         raise ArgumentError(f"--save-retain-interval {args.save_retain_interval} must be a multiple of "
                             f"--save-interval {args.save_interval} (only saved iterations can be retained)")

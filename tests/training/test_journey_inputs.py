@@ -174,6 +174,7 @@ def test_query_groups_without_grouped_query_attention_are_noted(dataset, capsys)
     (["--skip-train", "--load", "x", "--eval-iters", "0"], "give --eval-iters > 0"),
     (["--save-interval", "4", "--save-retain-interval", "6"], "--save-retain-interval 6 must be a multiple of"),
     (["--most-recent-k", "0"], "--most-recent-k must be >= 1, or -1"),
+    (["--save-retain-interval", "0"], "--save-retain-interval must be positive, got 0"),  # once kept the latest only
     (["--ckpt-step", "6"], "--ckpt-step 6 picks a checkpoint of --load: give --load DIR"),
     (["--exit-signal-handler"], "--exit-signal-handler saves a checkpoint before it exits: give --save DIR"),
 ])
@@ -287,3 +288,18 @@ def test_split_shares_for_skip_train_name_a_bad_split():
     for bad in ("1,2,3,4", "0,0,0"):
         with pytest.raises(ArgumentError, match=f"--split '{bad}': expected up to three non-negative weights"):
             _shares(bad)
+
+
+@pytest.mark.parametrize("most_recent_k, retain, kept", [
+    (2, None, [9, 10]), (4, None, [7, 8, 9, 10]), (5, None, [6, 7, 8, 9, 10]), (8, None, list(range(3, 11))),
+    (12, None, list(range(1, 11))), (-1, 4, [4, 8, 10]), (3, 4, [4, 8, 9, 10]), (1, None, [10]),
+])
+def test_retention_keeps_the_k_latest_and_the_multiples(tmp_path, most_recent_k, retain, kept):
+    """Ten checkpoints saved one by one, retention applied after each save as the trainer does: what survives.
+    (With fewer saved than k - 1 before the latest, a negative slice once kept too few: k = 4 and 5 kept [9, 10].)"""
+    from megatron_int8.training.checkpoint import apply_retention, checkpoint_dir, saved_iterations
+
+    for iteration in range(1, 11):
+        os.makedirs(checkpoint_dir(str(tmp_path), iteration))
+        apply_retention(str(tmp_path), iteration, retain, most_recent_k)
+    assert saved_iterations(str(tmp_path)) == kept
