@@ -42,6 +42,7 @@ stops with KeyError 'step'; `_steps_set_aside` hides the steps for that copy.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -157,10 +158,42 @@ def check_checkpoint_files(directory: str) -> None:
             raise CheckpointError(f"{path} {what}: the checkpoint is damaged; {_previous_hint(directory)}")
 
 
+def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optional[dict]:
+    """This rank's RNG states from the checkpoint, read before the weights so that a damaged file fails first; None
+    (with a note) where the checkpoint was written by another world size or parallel layout: rank r's states then
+    belong to another place in the model (upstream Megatron-LM skips them too when TP or PP change)."""
+    world, saved_layout = torch.distributed.get_world_size(), common.get("parallel_layout")
+    other = None
+    if common.get("world_size") != world:
+        other = f"world size {common.get('world_size')} (this run: {world})"
+    elif saved_layout is not None and saved_layout != layout:
+        other = "parallel layout: " + ", ".join(f"{key} {saved_layout.get(key)} (this run: {value})"
+                                                for key, value in layout.items() if saved_layout.get(key) != value)
+    if other is not None:
+        log(f"note: checkpoint written with another {other}: RNG states not restored")
+        return None
+    path = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
+    way_out = f"--no-load-rng resumes without them, or {_previous_hint(directory)}"
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing (this rank's RNG states): the checkpoint is damaged; {way_out}")
+    try:
+        return load_tensors_file(path, allow_numpy_arrays=True)
+    except (EOFError, RuntimeError, OSError) as error:
+        raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the checkpoint is damaged; "
+                              f"{way_out}") from None
+
+
 def _load_common(directory: str) -> dict:
     """The checkpoint's common state (weights_only), or a CheckpointError naming where it is stored."""
     from megatron.core import dist_checkpointing
 
+    record = os.path.join(directory, "metadata.json")  # megatron's record of the format, read first
+    try:
+        with open(record, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as error:
+        what = "is missing" if not os.path.isfile(record) else f"cannot be read ({_first_line(error)})"
+        raise CheckpointError(f"{record} {what}: the checkpoint is damaged; {_previous_hint(directory)}") from None
     with weights_only_loading(directory):
         try:
             return dist_checkpointing.load_common_state_dict(directory)
@@ -169,8 +202,14 @@ def _load_common(directory: str) -> dict:
                 raise
             legacy = os.path.join(directory, "common.pt")  # megatron-core 0.19 keeps it inside the shards instead
             where = legacy if os.path.isfile(legacy) else f"the common state in {directory}"
-            raise CheckpointError(f"{where} cannot be read ({error}): the checkpoint is damaged; "
+            raise CheckpointError(f"{where} cannot be read ({_first_line(error)}): the checkpoint is damaged; "
                                   f"{_previous_hint(directory)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception as `Type: its first sentence` (torch's reader errors run on for lines)."""
+    text = str(error).split(". ")[0].splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def read_saved_arguments(root: str, step: Optional[int] = None) -> argparse.Namespace:
@@ -649,6 +688,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     iteration = int(common["iteration"])
     _check_architecture(common.get("args", {}), args)
     check_checkpoint_files(directory)
+    rng_state = None if args.no_load_rng else _saved_rng_state(directory, common, _parallel_layout(model_chunks), log)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
     with_optimizer = not args.no_load_optim
@@ -690,12 +730,8 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     if change:
         log(change)
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones
-    rng_file = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
-    if not args.no_load_rng:
-        if common.get("world_size") == torch.distributed.get_world_size() and os.path.isfile(rng_file):
-            _set_rng_state(load_tensors_file(rng_file, allow_numpy_arrays=True))
-        else:
-            log("note: checkpoint written with another world size: RNG states not restored")
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     if with_optimizer and saved_format is not None:
         log(f"optimizer state: distributed optimizer, {saved_format} format, Adam steps {_adam_steps(optimizer)}")
     log(f"loaded checkpoint {directory} (iteration {iteration}, consumed samples {common['consumed_samples']})")

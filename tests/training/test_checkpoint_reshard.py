@@ -130,3 +130,36 @@ def test_a_load_that_cannot_take_the_optimizer_state_fails_naming_the_way_out():
         _check("fully_reshardable", chained, ep=1)
     with pytest.raises(RuntimeError, match="'fully_sharded_model_space' is not one this trainer reads"):
         _check("fully_sharded_model_space", {})
+
+
+def test_rng_states_follow_the_rank_only_in_the_same_layout(tmp_path, monkeypatch):
+    """Rank r's RNG file belongs to rank r's place in the model: restored only where the world size and the parallel
+    layout are the checkpoint's (TP 1 x DP 2 -> TP 2 x DP 1 once gave both TP ranks one model-parallel RNG state,
+    silently); a missing or unreadable file of that rank is named with the way out."""
+    from megatron_int8.training import checkpoint as ckpt
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ckpt, "_rank", lambda: 1)
+    directory = tmp_path / "iter_0000004"
+    (directory / "rng").mkdir(parents=True)
+    notes = []
+    saved = {**LAYOUT, "tp": 1, "dp": 2}
+    assert ckpt._saved_rng_state(str(directory), {"world_size": 2, "parallel_layout": saved}, LAYOUT,
+                                 notes.append) is None
+    assert ckpt._saved_rng_state(str(directory), {"world_size": 4, "parallel_layout": LAYOUT}, LAYOUT,
+                                 notes.append) is None
+    assert notes == ["note: checkpoint written with another parallel layout: tp 1 (this run: 2), dp 2 (this run: 1): "
+                     "RNG states not restored",
+                     "note: checkpoint written with another world size 4 (this run: 2): RNG states not restored"]
+    same = {"world_size": 2, "parallel_layout": LAYOUT}
+    with pytest.raises(ckpt.CheckpointError, match=r"rank_00001.pt is missing .*--no-load-rng"):
+        ckpt._saved_rng_state(str(directory), same, LAYOUT, notes.append)
+    state = {"torch": torch.get_rng_state(), "seed": 7}
+    torch.save(state, directory / "rng" / "rank_00001.pt")
+    loaded = ckpt._saved_rng_state(str(directory), same, LAYOUT, notes.append)
+    assert torch.equal(loaded["torch"], state["torch"]) and loaded["seed"] == 7
+    os.truncate(directory / "rng" / "rank_00001.pt", 100)
+    with pytest.raises(ckpt.CheckpointError, match=r"rank_00001.pt cannot be read \(RuntimeError: .*--no-load-rng"):
+        ckpt._saved_rng_state(str(directory), same, LAYOUT, notes.append)
+    # a checkpoint from before the layout was recorded: the world size decides, as it did
+    assert ckpt._saved_rng_state(str(directory), {"world_size": 3}, LAYOUT, notes.append) is None
