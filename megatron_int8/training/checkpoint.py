@@ -225,12 +225,31 @@ def read_saved_arguments(root: str, step: Optional[int] = None) -> argparse.Name
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """`path` holds `text` or what it held, whatever stops the write, and is durable once this returns."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(os.path.dirname(os.path.abspath(path)))  # the rename itself
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's data, or a folder's entries (its renames and new names), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: str) -> None:
+    """_fsync every file and folder under `directory`, the files of each folder before the folder."""
+    for folder, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            _fsync(os.path.join(folder, name))
+        _fsync(folder)
 
 
 def _rng_state() -> dict:
@@ -497,14 +516,20 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
     state["int8_fallback"] = fallback.state_dict() if fallback is not None else None
     dist_checkpointing.save(state, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    rng_file = os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt")
+    torch.save(_rng_state(), rng_file)
+    _fsync(rng_file)  # each rank its own file (on a shared file system, the node that wrote it)
     _barrier()
     if _rank() == 0:
+        # durable before the tracker names it and retention deletes older ones: megatron fsyncs the shards and
+        # their index, not common.pt, metadata.json or the folders
+        _fsync_tree(tmp)
         replaced = final + ".replaced"
         if os.path.exists(final):  # the same iteration saved again (e.g. by a resumed run)
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(tmp, final)
+        _fsync(root)
         _atomic_write(os.path.join(root, TRACKER_FILE), str(iteration))
         shutil.rmtree(replaced, ignore_errors=True)
         removed = apply_retention(root, iteration, getattr(args, "save_retain_interval", None),

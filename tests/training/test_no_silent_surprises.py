@@ -162,6 +162,51 @@ def test_a_damaged_format_record_is_named_with_the_previous_iteration(data, inte
     assert f"error: {path} " in message and "the checkpoint is damaged" in message and "--ckpt-step 6" in message
 
 
+_RECORD_FSYNCS = """
+import atexit, json, os, runpy, sys
+events, real_fsync, real_replace = [], os.fsync, os.replace
+def fsync(fd):
+    events.append(["fsync", os.readlink(f"/proc/self/fd/{fd}")])
+    return real_fsync(fd)
+def replace(src, dst, **kwargs):
+    events.append(["replace", os.path.abspath(src), os.path.abspath(dst)])
+    return real_replace(src, dst, **kwargs)
+if __name__ == "__main__":  # not in the processes megatron's checkpoint writer spawns (they import this file)
+    os.fsync, os.replace = fsync, replace
+    atexit.register(lambda: open(os.environ["FSYNC_EVENTS"], "w").write(json.dumps(events)))
+    sys.argv[0] = "pretrain"
+    runpy.run_module("megatron_int8.pretrain", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names fsync'd files through /proc")
+def test_a_checkpoint_is_on_the_disk_before_the_tracker_names_it(data, tmp_path):
+    """Every file and folder of the checkpoint is fsync'd before its folder gets its name and before the tracker
+    names it (megatron fsyncs its shards and their index only: common.pt, metadata.json, the RNG files and the
+    folders were left to the page cache, so a power loss could leave the tracker naming empty files while retention
+    had already deleted the previous checkpoint)."""
+    wrapper, events_file, save = tmp_path / "record.py", tmp_path / "events.json", tmp_path / "ckpt"
+    wrapper.write_text(_RECORD_FSYNCS)
+    result = subprocess.run([sys.executable, str(wrapper), *_argv(data, "--train-iters", "2", "--lr-warmup-iters", "0",
+                                                                 "--save", str(save))],
+                            cwd=ROOT, env=ENV | {"FSYNC_EVENTS": str(events_file)}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    events = json.loads(events_file.read_text())
+    final, tracker = save / "iter_0000002", str(save / "latest_checkpointed_iteration.txt")
+    named = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == tracker)
+    renamed = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final))
+    tmp = events[renamed][1]
+    synced = {e[1] for e in events[:renamed] if e[0] == "fsync"}
+    on_disk = {os.path.join(folder, name) for folder, _, names in os.walk(final) for name in names} | {
+        folder for folder, _, _ in os.walk(final)}
+    missing = sorted(p for p in on_disk if tmp + p[len(str(final)):] not in synced)
+    assert not missing, missing
+    assert ["fsync", str(save)] in events[renamed:named], "the rename into iter_0000002 was not made durable"
+    assert ["fsync", str(save)] in events[named:], "the tracker's rename was not made durable"
+
+
 def test_tokenizer_folder_and_jsonl_are_diagnosed(data, tmp_path, capsys):
     folder = tmp_path / "tokenizer"
     folder.mkdir()
