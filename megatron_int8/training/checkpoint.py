@@ -668,6 +668,32 @@ def precision_change(saved_args, args) -> Optional[str]:
     return None if before == now else f"precision: this run's {now}, not the checkpoint's {before}"
 
 
+# What decides which samples come next: a resume may change them (allowed, as Megatron-LM does), but says so
+DATA_ARGS = ("data_path", "mock_data", "split", "seq_length", "global_batch_size")
+
+
+def _data_seed(run: dict):
+    """The seed of the data order: --data-seed, else --seed."""
+    return run.get("data_seed") if run.get("data_seed") is not None else run.get("seed")
+
+
+def data_change(saved_args, args) -> Optional[str]:
+    """A note where this run reads other samples from here on than the checkpoint's run would have (None where the
+    flags agree or the checkpoint predates them). A new global batch also moves the LR schedule, which counts
+    samples: its position stays the checkpoint's consumed samples, no longer iteration x batch."""
+    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
+    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name, None)}" for name in DATA_ARGS
+               if name in saved and saved[name] != getattr(args, name, None)]
+    if "seed" in saved and _data_seed(saved) != _data_seed(vars(args)):
+        changed.append(f"data order seed (--data-seed, else --seed) {_data_seed(saved)} -> {_data_seed(vars(args))}")
+    if not changed:
+        return None
+    schedule = (" (the LR schedule counts samples: it goes on from the checkpoint's consumed samples)"
+                if "global_batch_size" in saved and saved["global_batch_size"] != args.global_batch_size else "")
+    return (f"data: this run's flags, not the checkpoint's ({'; '.join(changed)}): the samples from here on differ "
+            f"from those the checkpoint's run would have read{schedule}")
+
+
 def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, args, log) -> None:
     """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
 
@@ -751,9 +777,9 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
             follow_schedule_flags(scheduler, optimizer, loaded["opt_param_scheduler"], common.get("args"), args, log)
-    change = precision_change(common.get("args"), args)
-    if change:
-        log(change)
+    for change in (precision_change(common.get("args"), args), data_change(common.get("args"), args)):
+        if change:
+            log(change)
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones
     if rng_state is not None:
         _set_rng_state(rng_state)

@@ -303,3 +303,21 @@ def test_retention_keeps_the_k_latest_and_the_multiples(tmp_path, most_recent_k,
         os.makedirs(checkpoint_dir(str(tmp_path), iteration))
         apply_retention(str(tmp_path), iteration, retain, most_recent_k)
     assert saved_iterations(str(tmp_path)) == kept
+
+
+def test_a_resume_that_reads_other_samples_says_so():
+    """Flags that change which samples come next are allowed on a resume (as in Megatron-LM) but noted; the seed
+    counts only where it orders the data (no --data-seed)."""
+    from megatron_int8.training.checkpoint import data_change
+
+    saved = argparse.Namespace(data_path=["a"], mock_data=False, split="98,2,0", seq_length=64, seed=1, data_seed=None,
+                               global_batch_size=4)
+    assert data_change(saved, argparse.Namespace(**vars(saved))) is None
+    assert data_change(argparse.Namespace(), saved) is None  # a checkpoint from before the arguments were saved
+    now = argparse.Namespace(**{**vars(saved), "seed": 2, "split": "90,5,5"})
+    assert data_change(saved, now) == ("data: this run's flags, not the checkpoint's (--split 98,2,0 -> 90,5,5; data "
+                                       "order seed (--data-seed, else --seed) 1 -> 2): the samples from here on differ "
+                                       "from those the checkpoint's run would have read")
+    assert data_change(saved, argparse.Namespace(**{**vars(saved), "seed": 2, "data_seed": 1})) is None
+    note = data_change(saved, argparse.Namespace(**{**vars(saved), "global_batch_size": 8}))
+    assert "--global-batch-size 4 -> 8" in note and "the LR schedule counts samples" in note
