@@ -497,9 +497,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
     final, tmp = checkpoint_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of saves killed midway
-            if name.startswith(".tmp_iter_"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        remove_leftovers(root)
         os.makedirs(tmp)
     _barrier()
     sharding_type = distopt_save_format() if _has_distributed_optimizer(optimizer) else None
@@ -557,6 +555,18 @@ def saved_iterations(root: str) -> list:
     return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0))))
 
 
+DELETING = ".deleting"  # suffix of a checkpoint folder that retention is deleting
+
+
+def remove_leftovers(root: str) -> None:
+    """Delete what saves and deletions killed midway left under `root`: a save's temporary folder, a folder retention
+    was deleting, and a replaced copy of an iteration saved again whose new folder is in place."""
+    for name in os.listdir(root):
+        stale_copy = name.endswith(".replaced") and os.path.isdir(os.path.join(root, name[:-len(".replaced")]))
+        if name.startswith(".tmp_iter_") or name.endswith(DELETING) or stale_copy:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def apply_retention(root: str, latest: int, retain_interval: Optional[int], most_recent_k: int) -> list:
     """Delete the checkpoints older than `latest` that neither rule keeps; returns their iterations.
 
@@ -568,8 +578,10 @@ def apply_retention(root: str, latest: int, retain_interval: Optional[int], most
     older = [i for i in saved_iterations(root) if i < latest]
     kept = set(older[max(0, len(older) - (keep_latest - 1)):]) if keep_latest > 1 else set()
     removed = [i for i in older if i not in kept and not (retain_interval is not None and i % retain_interval == 0)]
-    for iteration in removed:
-        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+    for iteration in removed:  # renamed first: a deletion stopped midway leaves no folder that looks like a checkpoint
+        doomed = checkpoint_dir(root, iteration) + DELETING
+        os.replace(checkpoint_dir(root, iteration), doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return removed
 
 

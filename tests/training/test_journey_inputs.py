@@ -321,3 +321,30 @@ def test_a_resume_that_reads_other_samples_says_so():
     assert data_change(saved, argparse.Namespace(**{**vars(saved), "seed": 2, "data_seed": 1})) is None
     note = data_change(saved, argparse.Namespace(**{**vars(saved), "global_batch_size": 8}))
     assert "--global-batch-size 4 -> 8" in note and "the LR schedule counts samples" in note
+
+
+def test_a_deletion_stopped_midway_leaves_no_checkpoint_folder(tmp_path, monkeypatch):
+    """Retention renames a checkpoint before deleting it: a kill inside the deletion left a partial iter_* folder that
+    counted as a saved checkpoint (and --ckpt-step hints could name it)."""
+    from megatron_int8.training import checkpoint as ckpt
+
+    for iteration in (1, 2, 3):
+        (tmp_path / f"iter_{iteration:07d}" / "rng").mkdir(parents=True)
+        (tmp_path / f"iter_{iteration:07d}" / "common.pt").write_bytes(b"x")
+
+    def killed(path, ignore_errors=False):
+        os.remove(os.path.join(path, "common.pt"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.apply_retention(str(tmp_path), 3, None, 1)
+    assert ckpt.saved_iterations(str(tmp_path)) == [2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001.deleting", "iter_0000002", "iter_0000003"]
+    # the next save clears it, with a save's temporary folder and a stale copy of a re-saved iteration; a copy whose
+    # new folder is missing (a re-save stopped between its renames) is the checkpoint itself and stays
+    monkeypatch.undo()
+    for name in (".tmp_iter_0000004", "iter_0000003.replaced", "iter_0000005.replaced"):
+        (tmp_path / name).mkdir()
+    ckpt.remove_leftovers(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000005.replaced"]
