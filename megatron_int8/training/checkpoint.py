@@ -580,6 +580,7 @@ def apply_retention(root: str, latest: int, retain_interval: Optional[int], most
     removed = [i for i in older if i not in kept and not (retain_interval is not None and i % retain_interval == 0)]
     for iteration in removed:  # renamed first: a deletion stopped midway leaves no folder that looks like a checkpoint
         doomed = checkpoint_dir(root, iteration) + DELETING
+        shutil.rmtree(doomed, ignore_errors=True)  # an earlier deletion's remains, where the save's sweep missed them
         os.replace(checkpoint_dir(root, iteration), doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     return removed
