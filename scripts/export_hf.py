@@ -4,7 +4,8 @@
     python3 scripts/export_hf.py --load runs/tiny/checkpoints --output runs/tiny/hf [--dtype bfloat16]
 
 Writes config.json, model.safetensors, generation_config.json and the tokenizer (a SentencePiece model
-is converted to tokenizer.json: needs `pip install transformers protobuf`). Llama2/Llama3.1
+is converted to tokenizer.json, which must encode a set of probe texts as SentencePiece does or the export
+stops; needs `pip install transformers protobuf`; --no-tokenizer leaves it out). Llama2/Llama3.1
 (LlamaForCausalLM), Qwen3 (Qwen3ForCausalLM) and Mixtral (MixtralForCausalLM); see
 megatron_int8/training/export.py.
 """
@@ -19,6 +20,8 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="directory for the transformers checkpoint")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tokenizer-model", default=None, help="where the checkpoint's tokenizer is, if moved")
+    parser.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                        help="export the model alone, no tokenizer files (the ids stay the checkpoint's tokenizer's)")
     parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to export (default: the latest)")
     parser.add_argument("--force", action="store_true", help="write into an --output folder that is not empty "
                                                              "(its files of the same names are replaced)")
@@ -34,13 +37,15 @@ def main(argv=None) -> int:
     from megatron_int8.training.cpu import install_cpu_optimizer_support
 
     install_cpu_optimizer_support()
+    from megatron_int8.training.args import ArgumentError
     from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.export import ExportError, export_hf
     from megatron_int8.training.safe_load import UnsafeCheckpointError
 
     try:
-        export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step)
-    except (ExportError, CheckpointError, UnsafeCheckpointError) as err:
+        export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step,
+                  tokenizer=args.tokenizer)
+    except (ArgumentError, ExportError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

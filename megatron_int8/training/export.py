@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Dict
@@ -42,6 +43,10 @@ def hf_architecture(args) -> str:
         "biases (no --disable-bias-linear)": args.add_bias_linear,
         f"--rotary-percent {args.rotary_percent}": args.rotary_percent != 1.0,
         "--qk-layernorm with --num-experts (Qwen3-MoE)": args.qk_layernorm and args.num_experts is not None,
+        # megatron's sinkhorn router weighs the chosen experts by a softmax over all of them (a sigmoid at top-1),
+        # Mixtral by a softmax over the chosen ones
+        "--moe-router-load-balancing-type sinkhorn (its expert weights are not Mixtral's)":
+            args.num_experts is not None and getattr(args, "moe_router_load_balancing_type", None) == "sinkhorn",
     }
     found = [what for what, applies in unsupported.items() if applies]
     if found:
@@ -129,6 +134,54 @@ def hf_state_dict(megatron: Dict[str, torch.Tensor], args, architecture: str) ->
     return out
 
 
+# Texts whose ids the exported tokenizer must give as SentencePiece does: leading, trailing and repeated whitespace,
+# tabs and newlines (user-defined symbols of this trainer's tokenizers), digits, bytes outside the vocabulary,
+# special tokens' text
+PROBE_TEXTS = ("def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n", "    return x\n", "\tx = 1",
+               " leading space", "trailing   ", "  ", " ", "\n", "\n\nx", "x\t\ty ", "a  b   c", "12345 x1y22",
+               "é ü 漢字 🙂 \x00\x07", "<s> </s> <unk> text", "")
+
+
+def encoding_differences(tokenizer, processor) -> list:
+    """The PROBE_TEXTS a transformers tokenizer encodes to other ids than a SentencePieceProcessor, or decodes from
+    SentencePiece's ids to other text."""
+    return [text for text in PROBE_TEXTS
+            if tokenizer(text, add_special_tokens=False)["input_ids"] != processor.encode(text)
+            or tokenizer.decode(processor.encode(text)) != processor.decode(processor.encode(text))]
+
+
+def _as_sentencepiece_encodes(converted, model_file: str):
+    """transformers' conversion of a SentencePiece BPE model, with SentencePiece's handling of whitespace where the
+    model is of the kind preprocess_data.py trains (identity normalization, a dummy prefix, whitespace kept, words
+    split before each run of spaces, user-defined symbols such as "\n" and "\t"): the conversion prefixes each span
+    between user-defined symbols, and no text that starts with whitespace, with "▁", where SentencePiece prefixes the
+    text once. Other models are returned as converted (encoding_differences decides whether they pass)."""
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_file, "rb") as f:
+        proto.ParseFromString(f.read())
+    norm, trainer = proto.normalizer_spec, proto.trainer_spec
+    if not (trainer.model_type == trainer.BPE and norm.name == "identity" and norm.add_dummy_prefix
+            and not norm.remove_extra_whitespaces and trainer.split_by_whitespace
+            and not trainer.treat_whitespace_as_suffix and trainer.allow_whitespace_only_pieces):
+        return converted
+    space = "\u2581"
+    spec = json.loads(converted.backend_tokenizer.to_str())
+    user = [token["content"] for token in spec["added_tokens"] if not token["special"]]
+    spec["added_tokens"] = [token for token in spec["added_tokens"] if token["special"]]  # the rest stay pieces
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Replace", "pattern": {"String": " "}, "content": space}, {"type": "Prepend", "prepend": space}]}
+    split = [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+             for pattern in (["|".join(re.escape(symbol) for symbol in user)] if user else []) + [f"{space}+[^{space}]*"]]
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": split}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   split_special_tokens=True,  # "<s>" in text is text to SentencePiece
+                                   **{name: getattr(converted, name) for name in ("unk_token", "bos_token", "eos_token")})
+
+
 def _save_tokenizer(args, output: str, log):
     """The tokenizer in transformers' format: a SentencePiece model converted to tokenizer.json (transformers'
     Llama converter, which needs the protobuf package; without it the model is copied as tokenizer.model,
@@ -147,6 +200,7 @@ def _save_tokenizer(args, output: str, log):
                            "legacy": False}, f)
             try:
                 tokenizer = AutoTokenizer.from_pretrained(staging)
+                tokenizer = _as_sentencepiece_encodes(tokenizer, args.tokenizer_model)
             except ImportError as err:
                 import sentencepiece
 
@@ -156,6 +210,14 @@ def _save_tokenizer(args, output: str, log):
                 log(f"note: tokenizer.json not written ({str(err).strip().splitlines()[0]}); tokenizer.model copied, "
                     "which transformers converts on loading where protobuf is installed")
                 return processor.eos_id(), processor.bos_id()
+        import sentencepiece
+
+        differ = encoding_differences(tokenizer, sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model))
+        if differ:
+            raise ExportError(f"transformers' conversion of {args.tokenizer_model} encodes {len(differ)} of "
+                              f"{len(PROBE_TEXTS)} probe texts differently from SentencePiece (e.g. {differ[0]!r}): "
+                              "the exported tokenizer would not be the one the model trained with; --no-tokenizer "
+                              "exports the model alone (encode with that SentencePiece model)")
     elif args.tokenizer_type == "HuggingFaceTokenizer":
         path = args.tokenizer_model
         directory = os.path.dirname(path) if os.path.isfile(path) else path
@@ -169,8 +231,48 @@ def _save_tokenizer(args, output: str, log):
     return tokenizer.eos_token_id, tokenizer.bos_token_id
 
 
+# The files transformers reads from a model folder: an export into a folder (--force) replaces the whole set, so that
+# no file of an earlier export is read beside the new ones
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+            "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer.model",
+            "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+            "chat_template.jinja")
+STAGING_MARK = ".megatron_int8_export"  # in the staging folder while an export writes it
+
+
+def _new_staging(output: str) -> str:
+    """An empty staging folder `<output>.partial`: an earlier export's (it holds STAGING_MARK) is replaced, anything
+    else there is refused rather than deleted."""
+    staging = os.path.abspath(output).rstrip(os.sep) + ".partial"
+    if os.path.lexists(staging):
+        if not os.path.isfile(os.path.join(staging, STAGING_MARK)):
+            raise ExportError(f"{staging} exists and is not an interrupted export's staging folder (the export writes "
+                              "its files there first): move it, or export to another --output")
+        shutil.rmtree(staging)
+    os.makedirs(staging)
+    open(os.path.join(staging, STAGING_MARK), "w").close()
+    return staging
+
+
+def _move_into(staging: str, output: str, log) -> None:
+    """The staged export's files into `output`, config.json last; the files of HF_FILES that this export did not
+    write are removed from `output` first, as a loader would read them beside the new ones (an earlier export's
+    tokenizer.json over a tokenizer.model)."""
+    os.remove(os.path.join(staging, STAGING_MARK))
+    os.makedirs(output, exist_ok=True)
+    written = set(os.listdir(staging))
+    stale = sorted(name for name in HF_FILES if name not in written and os.path.isfile(os.path.join(output, name)))
+    for name in stale:
+        os.remove(os.path.join(output, name))
+    if stale:
+        log(f"note: removed from {output} the earlier export's {', '.join(stale)}, which this export does not write")
+    for name in sorted(written, key=lambda n: n == "config.json"):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
+    os.rmdir(staging)
+
+
 def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokenizer_model=None,
-              ckpt_step=None) -> dict:
+              ckpt_step=None, tokenizer: bool = True) -> dict:
     """Write the checkpoint of iteration `ckpt_step` (default: the latest) under `load` to `output` as a
     transformers checkpoint; returns its config. What the export needs (the packages, an architecture
     transformers has) is checked before the weights are loaded; the files are written into a staging folder
@@ -186,25 +288,25 @@ def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokeni
         raise ExportError(f"the export needs safetensors and transformers ({err}): pip install -e \".[hf]\"") from None
     recorded = inference_arguments(load, int8=False, bf16=False, tokenizer_model=tokenizer_model, ckpt_step=ckpt_step)
     hf_architecture(recorded)  # an ExportError before the load where transformers has no such model
+    staging = _new_staging(output)
+    # the tokenizer first: a conversion that would encode differently stops the export before the weights load
+    eos, bos = _save_tokenizer(recorded, staging, log) if tokenizer else (None, None)
+    if getattr(recorded, "moe_expert_capacity_factor", None) is not None:
+        log(f"note: trained with --moe-expert-capacity-factor {recorded.moe_expert_capacity_factor}: megatron drops "
+            "the token-expert pairs over an expert's capacity (in evaluation too); the exported Mixtral routes every "
+            "token, so its logits differ where megatron dropped")
     model, args, _ = load_for_inference(load, log=log, int8=False, bf16=False, tokenizer_model=tokenizer_model,
                                         ckpt_step=ckpt_step)
     architecture = hf_architecture(args)
     megatron = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(megatron, args, architecture).items()}
-    staging = os.path.abspath(output).rstrip(os.sep) + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    eos, bos = _save_tokenizer(args, staging, log)
     config = hf_config(args, architecture, eos, bos, dtype)
     save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(staging, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
     with open(os.path.join(staging, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    os.makedirs(output, exist_ok=True)
-    for name in sorted(os.listdir(staging), key=lambda n: n == "config.json"):  # config.json last
-        os.replace(os.path.join(staging, name), os.path.join(output, name))
-    os.rmdir(staging)
+    _move_into(staging, output, log)
     log(f"exported {config['architectures'][0]} ({sum(t.numel() for t in tensors.values()) / 1e6:.2f} M parameters, "
         f"{dtype}) from {load} (iteration {args.iteration}) to {output}")
     return config

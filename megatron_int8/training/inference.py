@@ -29,6 +29,7 @@ def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optiona
 
     check_checkpoint_files(latest_checkpoint_dir(load, ckpt_step))
     args = read_saved_arguments(load, ckpt_step)
+    saved_tp = args.tensor_model_parallel_size
     vars(args).update(SINGLE_PROCESS, load=load, save=None, ckpt_step=ckpt_step)
     if int8 is not None:
         args.int8_linear = int8
@@ -39,7 +40,29 @@ def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optiona
     if args.tokenizer_type != "NullTokenizer" and not os.path.exists(args.tokenizer_model or ""):
         raise CheckpointError(f"the checkpoint's tokenizer {args.tokenizer_model} is not here: pass "
                                 "--tokenizer-model PATH")
+    if args.tokenizer_type != "NullTokenizer":
+        check_tokenizer_fits(args, saved_tp, given=tokenizer_model is not None)
     return args
+
+
+def check_tokenizer_fits(args, saved_tp: int, given: bool) -> None:
+    """CheckpointError where the tokenizer is not the one the checkpoint trained with, as far as its size tells: its
+    vocabulary against the one recorded (checkpoints since it was), else its padded size against the embedding's
+    rows. Another tokenizer would index past the embedding, or decode the ids into other text."""
+    from .checkpoint import CheckpointError
+    from .data import build_tokenizer
+    from .megatron_config import pad_vocab_size
+
+    vocab = build_tokenizer(args).vocab_size
+    recorded = getattr(args, "tokenizer_vocab_size", None)
+    padded = pad_vocab_size(vocab, argparse.Namespace(make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                                      tensor_model_parallel_size=saved_tp))
+    if (recorded is not None and vocab != recorded) or padded != args.padded_vocab_size:
+        what = (f"{recorded} tokens" if recorded is not None else
+                f"{args.padded_vocab_size} embedding rows (the vocabulary padded at TP {saved_tp})")
+        source = f"--tokenizer-model {args.tokenizer_model}" if given else f"the tokenizer {args.tokenizer_model}"
+        raise CheckpointError(f"{source} has {vocab} tokens, and the checkpoint trained with {what}: not its "
+                              "tokenizer; pass the one it trained with (--tokenizer-model PATH)")
 
 
 def load_for_inference(load: str, log=print, **overrides):

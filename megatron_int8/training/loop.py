@@ -254,6 +254,7 @@ def pretrain(args) -> dict:
         check_evaluation_data(args)
     tokenizer = build_tokenizer(args)
     args.padded_vocab_size = pad_vocab_size(tokenizer.vocab_size, args)
+    args.tokenizer_vocab_size = tokenizer.vocab_size  # recorded in checkpoints: generation and export check it
     try:
         check_architecture_before_build(args)
     except CheckpointError as error:

@@ -335,10 +335,16 @@ def test_export_llama_loads_in_transformers_with_the_same_logits_and_tokenizer(d
     _check_export(json.loads(out.split("RESULT ")[1]), "LlamaForCausalLM")
     assert not list(tmp_path.glob("*.partial"))  # the staging folders moved in whole
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "bfloat16")
+    processor = spm.SentencePieceProcessor(model_file=data["tokenizer"])
     text = "def f(x):\n\tif x:\n        return x + 1   # spaces  kept\n"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ids == spm.SentencePieceProcessor(model_file=data["tokenizer"]).encode(text)
+    assert ids == processor.encode(text) == tokenizer(text)["input_ids"]  # no BOS, as the trainer's data
     assert tokenizer.decode(ids) == text
+    # text that starts with whitespace or a tab once got other ids than the trainer's ("    return x": a piece of 4
+    # spaces, not 5), and "<s>" in text became the BOS id
+    from megatron_int8.training.export import PROBE_TEXTS, encoding_differences
+
+    assert encoding_differences(tokenizer, processor) == [] and "    return x\n" in PROBE_TEXTS
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16")
     prompt = tokenizer("import os\n", return_tensors="pt", add_special_tokens=False)
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=True, top_p=0.9)

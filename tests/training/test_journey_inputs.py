@@ -350,3 +350,49 @@ def test_a_deletion_stopped_midway_leaves_no_checkpoint_folder(tmp_path, monkeyp
         (tmp_path / name).mkdir()
     ckpt.remove_leftovers(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000005.replaced"]
+
+
+def test_export_refuses_sinkhorn_routing():
+    """megatron's sinkhorn router weighs the chosen experts by a softmax over all experts (a sigmoid at top-1), Mixtral
+    by a softmax over the chosen: exported as Mixtral its logits moved by 8-12% of their scale, silently."""
+    from megatron_int8.training.export import ExportError, hf_architecture
+
+    moe = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                             rotary_percent=1.0, qk_layernorm=False, num_experts=4,
+                             moe_router_load_balancing_type="aux_loss")
+    assert hf_architecture(moe) == "mixtral"
+    moe.moe_router_load_balancing_type = "sinkhorn"
+    with pytest.raises(ExportError, match="--moe-router-load-balancing-type sinkhorn"):
+        hf_architecture(moe)
+
+
+def test_export_staging_and_the_files_it_replaces(tmp_path):
+    """<output>.partial is the export's own staging folder: an interrupted export's is replaced, another folder of
+    that name is refused, not deleted (it once was, silently). Moving in, the files of an earlier export that this
+    one does not write go (an old tokenizer.json would be read over a new tokenizer.model), and only those."""
+    from megatron_int8.training.export import ExportError, _move_into, _new_staging
+
+    output = tmp_path / "hf"
+    foreign = tmp_path / "hf.partial"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="is not an interrupted export's staging folder"):
+        _new_staging(str(output))
+    assert (foreign / "notes.txt").read_text() == "mine"
+    (foreign / "notes.txt").unlink()
+    foreign.rmdir()
+    staging = _new_staging(str(output))
+    (tmp_path / "hf.partial" / "model.safetensors").write_text("half")
+    staging = _new_staging(str(output))  # an interrupted export's: replaced
+    assert os.listdir(staging) == [".megatron_int8_export"]
+    output.mkdir()
+    for name, text in (("tokenizer.json", "old"), ("config.json", "old"), ("README.md", "user")):
+        (output / name).write_text(text)
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):
+        (tmp_path / "hf.partial" / name).write_text("new")
+    notes = []
+    _move_into(staging, str(output), notes.append)
+    assert sorted(os.listdir(output)) == ["README.md", "config.json", "model.safetensors", "tokenizer.model"]
+    assert (output / "config.json").read_text() == "new" and not (tmp_path / "hf.partial").exists()
+    assert notes == [f"note: removed from {output} the earlier export's tokenizer.json, which this export does not "
+                     "write"]

@@ -283,6 +283,33 @@ def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_generate_and_export_refuse_another_tokenizer(data, interrupted, tmp_path, capsys):
+    """A tokenizer that is not the checkpoint's: 500 tokens pad to the embedding's 512 rows (only the recorded
+    vocabulary tells), 700 to 768. generate.py once printed text from the wrong pieces or failed with an IndexError,
+    and export_hf.py wrote a tokenizer whose ids ran past the embedding; a tokenizer file of the wrong kind stopped
+    export_hf.py with a traceback."""
+    import sentencepiece as spm
+
+    with open(os.path.join(data["root"], "corpus.jsonl")) as f:
+        lines = [json.loads(line)["text"] for _, line in zip(range(2000), f)]
+    export = (os.path.join(SCRIPTS, "export_hf.py"),)
+    for vocab in (500, 700):
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(tmp_path / f"other{vocab}"),
+                                       vocab_size=vocab, model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                       minloglevel=2)
+        model = str(tmp_path / f"other{vocab}.model")
+        expected = f"--tokenizer-model {model} has {vocab} tokens, and the checkpoint trained with 512 tokens"
+        for command, argv in ((os.path.join(SCRIPTS, "generate.py"), ["--prompt", "def f"]),
+                              (export[0], ["--output", str(tmp_path / f"hf{vocab}")])):
+            assert expected in _refused(capsys, ["--load", str(interrupted["save"]), "--tokenizer-model", model,
+                                                 *argv], (command,))
+        assert not (tmp_path / f"hf{vocab}").exists() and not (tmp_path / f"hf{vocab}.partial").exists()
+    message = _refused(capsys, ["--load", str(interrupted["save"]), "--tokenizer-model",
+                                os.path.join(data["root"], "corpus.jsonl"), "--output", str(tmp_path / "hf")], export)
+    assert "corpus.jsonl" in message
+
+
+@pytest.mark.slow
 def test_generate_refuses_more_new_tokens_than_the_context_leaves(interrupted, capsys):
     err = _refused(capsys, ["--load", str(interrupted["save"]), "--prompt", "def f", "--max-new-tokens", "200"],
                    (os.path.join(SCRIPTS, "generate.py"),))
