@@ -78,6 +78,10 @@ def main(argv=None) -> int:
     except (ArgumentError, CheckpointError, UnsafeCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if getattr(margs, "moe_expert_capacity_factor", None) is not None:
+        print(f"note: trained with --moe-expert-capacity-factor {margs.moe_expert_capacity_factor}: an expert's "
+              "capacity counts the tokens of one forward pass, so the prompt's pass may drop tokens and the "
+              "one-token passes after it drop none; the tokens differ from full forward passes'", file=sys.stderr)
     new = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    eod=tokenizer.eod, vocab_size=tokenizer.vocab_size, seed=args.seed or 0)
     print(tokenizer.detokenize(prompt + [t for t in new if t != tokenizer.eod]))

@@ -149,3 +149,25 @@ def test_a_capacity_of_every_token_trains_like_dropless_and_a_smaller_one_drops(
     dropping = _losses(tmp_path, "dropping", "--moe-expert-capacity-factor", "0.5",
                        "--moe-pad-expert-input-to-capacity")
     assert max(abs(a - b) for a, b in zip(dropless, dropping)) > 1e-3, (dropless, dropping)
+
+
+@pytest.mark.slow
+def test_generate_and_export_of_a_capacity_model_say_what_differs(tmp_path):
+    """A MoE trained with a capacity factor: megatron drops the pairs over an expert's capacity of one forward pass,
+    the prompt's pass as any; KV-cached generation's one-token passes drop none, the exported Mixtral never drops.
+    Both say so (their tokens or logits differ from megatron's full passes there)."""
+    from repo_paths import SCRIPTS
+
+    save = tmp_path / "ckpt"
+    _run([sys.executable, "-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+          *SMALL_MODEL, *MOCK, *MOE, "--moe-expert-capacity-factor", "0.5", "--train-iters", "2", "--lr-warmup-iters",
+          "0", "--save", str(save)])
+    out = _run([sys.executable, os.path.join(SCRIPTS, "generate.py"), "--load", str(save), "--prompt", "1 2 3",
+                "--max-new-tokens", "2"], stderr=True)
+    assert "note: trained with --moe-expert-capacity-factor 0.5: an expert's capacity counts the tokens of one" in out
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    out = _run([sys.executable, os.path.join(SCRIPTS, "export_hf.py"), "--load", str(save), "--output",
+                str(tmp_path / "hf")], stderr=True)
+    assert "note: trained with --moe-expert-capacity-factor 0.5: megatron drops" in out
+    assert (tmp_path / "hf" / "config.json").is_file()
