@@ -7,6 +7,7 @@ tokens (megatron-core's GPTDataset then loops forever computing its epoch count)
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -172,14 +173,34 @@ def _check_indexed_files(prefix: str) -> None:
 
 
 def data_prefixes(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """(prefixes, weights or None) from --data-path, as megatron-core's get_blend_from_list reads it."""
+    """(prefixes, weights or None) from --data-path, as megatron-core's get_blend_from_list reads it; a blend's
+    weights must be positive (megatron-core asserts so when it builds the blend)."""
     from megatron.core.datasets.utils import get_blend_from_list
 
     try:
         prefixes, weights = get_blend_from_list(list(data_path))
     except (ValueError, AssertionError) as err:
         raise ArgumentError(f"--data-path {' '.join(data_path)}: {err}") from None
+    if weights is not None and not all(w > 0 for w in weights):
+        raise ArgumentError(f"--data-path {' '.join(data_path)}: a blend's weights must be positive, got "
+                            f"{', '.join(f'{w:g}' for w in weights)}: leave out the prefixes not to train on")
     return list(prefixes), (list(weights) if weights is not None else None)
+
+
+def split_shares(split: str) -> list:
+    """'98,2,0' and '98, 2' and '49,1,0' alike: megatron's normalized train/validation/test proportions, rounded
+    so that equal proportions compare equal; ArgumentError for what megatron would misread (a minus sign, which its
+    parser drops) or fail on (more than three weights, a sum of 0)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        shares = [] if "-" in split else parse_and_normalize_split(split)
+    except (ValueError, AssertionError):
+        shares = []
+    if len(shares) != 3 or not all(math.isfinite(v) for v in shares):
+        raise ArgumentError(f"--split {split!r}: expected up to three non-negative weights with a positive sum "
+                            "(train, validation, test), e.g. '98,2,0'")
+    return [round(v, 9) for v in shares]
 
 
 def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
@@ -200,17 +221,20 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
             raise ArgumentError(f"missing data file(s) {', '.join(missing)} (from --data-path); "
                                 "create them with scripts/preprocess_data.py")
         _check_indexed_files(prefix)
-    try:
-        split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
-    except (ValueError, AssertionError) as err:
-        raise ArgumentError(f"--split {args.split!r}: {err}") from None
+    shares = split_shares(args.split)
+    if sizes[1] and shares[1] == 0 and not getattr(args, "skip_train", False):
+        raise ArgumentError(f"--split {args.split!r} gives the validation split no documents while --eval-iters "
+                            f"{args.eval_iters} asks for evaluation: give it a share (e.g. '98,2,0'), or "
+                            "--eval-iters 0")
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(args.split))
+    # megatron-core builds every split with a share of a blend without weights (each at one epoch), and fails on
+    # one that is empty in any of its datasets: those are checked whether or not this run reads them
+    every_split = weights is None and len(prefixes) > 1
     for index, prefix in enumerate(prefixes):
-        if weights is not None and weights[index] == 0:
-            continue
         dataset = IndexedDataset(prefix, mmap=True)
         lengths = dataset.sequence_lengths
         for split, bookends in enumerate(split_matrix):
-            if bookends is None or not sizes[split]:
+            if bookends is None or not (sizes[split] or every_split):
                 continue
             begin, end = (int(round(b * float(len(lengths)))) for b in bookends)
             if int(np.sum(lengths[begin:end], dtype=np.int64)) == 0:
@@ -286,9 +310,11 @@ class PretrainingSampler:
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int):
-        if total_samples <= 0:
-            raise ArgumentError("a dataset split has no samples")
+                 data_parallel_rank: int, data_parallel_size: int, split: str = "a dataset"):
+        if total_samples < micro_batch_size * data_parallel_size:  # the loop below would never yield
+            raise ArgumentError(f"the {split} split holds {total_samples} samples, fewer than one step reads "
+                                f"({micro_batch_size} per micro-batch x {data_parallel_size} data-parallel ranks): "
+                                "give it more documents (--split, or more data), or a smaller --micro-batch-size")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -303,19 +329,26 @@ class PretrainingSampler:
             start = 0
 
 
-def build_data_iterator(dataset, consumed_samples: int, args) -> Optional[Iterator]:
-    """An endless iterator of micro-batches (dicts of CPU tensors) for this data-parallel rank."""
+def rank_sampler(dataset, consumed_samples: int, args, split: str) -> PretrainingSampler:
+    """This data-parallel rank's PretrainingSampler over `dataset` (ArgumentError where the split is too small)."""
     from megatron.core import parallel_state
 
-    if dataset is None:
-        return None
-    sampler = PretrainingSampler(
+    return PretrainingSampler(
         total_samples=len(dataset),
         consumed_samples=consumed_samples % max(len(dataset), 1),
         micro_batch_size=args.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        split=split,
     )
+
+
+def build_data_iterator(dataset, consumed_samples: int, args, split: str = "train") -> Optional[Iterator]:
+    """An endless iterator of micro-batches (dicts of CPU tensors) for this data-parallel rank; ArgumentError where
+    the `split`'s dataset holds fewer samples than one step reads."""
+    if dataset is None:
+        return None
+    sampler = rank_sampler(dataset, consumed_samples, args, split)
     # Its own generator: creating the iterator must not draw from the global RNG, which a resumed run
     # restores before building iterators (stochastic rounding and dropout consume that RNG).
     loader = torch.utils.data.DataLoader(

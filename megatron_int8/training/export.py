@@ -174,12 +174,13 @@ def _as_sentencepiece_encodes(converted, model_file: str):
     spec["added_tokens"] = [token for token in spec["added_tokens"] if token["special"]]  # the rest stay pieces
     spec["normalizer"] = {"type": "Sequence", "normalizers": [
         {"type": "Replace", "pattern": {"String": " "}, "content": space}, {"type": "Prepend", "prepend": space}]}
+    patterns = (["|".join(re.escape(symbol) for symbol in user)] if user else []) + [f"{space}+[^{space}]*"]
     split = [{"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
-             for pattern in (["|".join(re.escape(symbol) for symbol in user)] if user else []) + [f"{space}+[^{space}]*"]]
+             for pattern in patterns]
     spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": split}
+    specials = {name: getattr(converted, name) for name in ("unk_token", "bos_token", "eos_token")}
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
-                                   split_special_tokens=True,  # "<s>" in text is text to SentencePiece
-                                   **{name: getattr(converted, name) for name in ("unk_token", "bos_token", "eos_token")})
+                                   split_special_tokens=True, **specials)  # "<s>" in text is text to SentencePiece
 
 
 def _save_tokenizer(args, output: str, log):

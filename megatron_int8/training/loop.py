@@ -19,7 +19,8 @@ from .checkpoint import (CheckpointError, check_architecture_before_build, check
                          read_saved_arguments, save_checkpoint)
 from .cpu import training_device
 from .cuda_graph import GraphedForwardBackward, use_side_stream
-from .data import build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes
+from .data import (build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes, rank_sampler,
+                   split_shares)
 from .health import RunHealth
 from .memory import format_bytes_per_parameter
 from .metrics import StepPhases, TrainingLogger, perplexity
@@ -113,10 +114,10 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
     return loss, grad_norm, not update_successful
 
 
-def validation_batches(dataset, args):
+def validation_batches(dataset, args, split: str = "validation"):
     """The first --eval-iters global batches of `dataset`, afresh at every evaluation: each one scores the same
     tokens, so a checkpoint's loss in training's log equals what --skip-train reports for it."""
-    return build_data_iterator(dataset, 0, args) if _needs_data() else None
+    return build_data_iterator(dataset, 0, args, split) if _needs_data() else None
 
 
 def evaluate(forward_backward, data_iterator, model, args) -> float:
@@ -185,7 +186,7 @@ def evaluate_splits(forward_backward, datasets: dict, model, args, iteration: in
         if dataset is None:
             _log(f" {name} split: none (--split {args.split!r} gives it no share, or it has no documents)")
             continue
-        loss = evaluate(forward_backward, validation_batches(dataset, args), model, args)
+        loss = evaluate(forward_backward, validation_batches(dataset, args, name), model, args)
         results[name] = loss
         _log(f" {name} loss at iteration {iteration} ({args.eval_iters} batches of {args.global_batch_size}) | "
              f"lm loss: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E}")
@@ -200,25 +201,10 @@ def check_evaluation_data(args) -> None:
     except CheckpointError as error:
         raise ArgumentError(str(error)) from None
     then = getattr(saved, "split", None)
-    if then is not None and not args.mock_data and _shares(args.split) != _shares(then):
+    if then is not None and not args.mock_data and split_shares(args.split) != split_shares(then):
         raise ArgumentError(f"--split {args.split!r} is not the {then!r} the checkpoint trained with: its validation "
                             f"and test splits would hold documents it trained on; evaluate with --split {then!r} "
                             "(for a test split, train with one from the start)")
-
-
-def _shares(split: str) -> list:
-    """'98,2,0' and '98, 2' and '49,1,0' alike: megatron's normalized train/validation/test proportions, rounded
-    so that equal proportions compare equal."""
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
-
-    try:
-        shares = parse_and_normalize_split(split)
-    except (ValueError, AssertionError):
-        shares = []
-    if len(shares) != 3 or not all(math.isfinite(v) for v in shares):
-        raise ArgumentError(f"--split {split!r}: expected up to three non-negative weights with a positive sum "
-                            "(train, validation, test), e.g. '98,2,0'")
-    return [round(v, 9) for v in shares]
 
 
 def _wire_megatron_config(config, model, optimizer, args) -> None:
@@ -304,6 +290,8 @@ def pretrain(args) -> dict:
     train_ds, valid_ds, _ = build_datasets(args, tokenizer)
     needs_data = _needs_data()
     train_iterator = build_data_iterator(train_ds, consumed_samples, args) if needs_data else None
+    if args.eval_iters > 0 and valid_ds is not None and needs_data:
+        rank_sampler(valid_ds, 0, args, "validation")  # too small for one step: fails now, not at the first evaluation
 
     logger = TrainingLogger(args, args.padded_vocab_size, iteration, torch.distributed.get_rank() == 0, _log)
     forward_backward = get_forward_backward_func()

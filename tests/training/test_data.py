@@ -150,6 +150,14 @@ def _pretrain_error(args) -> str:
     (["--split", "99,1,0"], "the validation split of"),
     (["--tokenizer-model", "/nonexistent/spm.model"], "--tokenizer-model /nonexistent/spm.model: no such file"),
     (["--int8-linear", "--int8-bf16-gemms", "fprop,dgrad,wgrad"], "leaves no INT8 GEMM"),
+    # once a NaN traceback, a silent 98,2,0 (megatron's parser drops the minus) and a run without evaluation
+    (["--split", "0,0,0"], "--split '0,0,0': expected up to three non-negative weights with a positive sum"),
+    (["--split", "98,-2,0"], "--split '98,-2,0': expected up to three non-negative weights"),
+    (["--split", "100,0,0", "--eval-iters", "2"],
+     "--split '100,0,0' gives the validation split no documents while --eval-iters 2 asks for evaluation"),
+    # megatron-core asserts a blend's weights are positive when it builds the datasets (after the model)
+    (["--data-path", "0", "C", "1", "D"], "--data-path 0 C 1 D: a blend's weights must be positive, got 0, 1"),
+    (["--data-path", "-1", "C", "2", "D"], "a blend's weights must be positive, got -1, 2"),
 ])
 def test_bad_input_fails_early_with_message(dataset, extra, message):
     assert message in _pretrain_error(_trainer_args(dataset, *extra))
@@ -166,6 +174,31 @@ def test_weighted_blend_checks_the_splits_megatron_will_build(dataset):
     assert dataset_sizes(blend)[2] == blend.global_batch_size
     with pytest.raises(ArgumentError, match="the test split of .* is empty.*or a share of 0"):
         check_data(blend, build_tokenizer(blend), dataset_sizes(blend))
+
+
+def test_a_blend_without_weights_checks_every_split_with_a_share(dataset):
+    """megatron-core builds each split with a share of an unweighted blend at one epoch, and asserts on one that
+    is empty: the empty test split of 96,3,1 once passed the check and failed in megatron after the model was built."""
+    from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
+
+    blend = validate_args(_trainer_args(dataset, "--split", "96,3,1", "--data-path", dataset["prefix"],
+                                        dataset["prefix"]), world_size=1)
+    assert dataset_sizes(blend)[2] is None
+    with pytest.raises(ArgumentError, match="the test split of .* is empty"):
+        check_data(blend, build_tokenizer(blend), dataset_sizes(blend))
+
+
+def test_a_split_smaller_than_one_step_is_named_not_looped_on():
+    """The sampler's loop never yields when a split holds fewer samples than a step reads (an unweighted blend's
+    validation split is built at one epoch): the run hung at its first evaluation."""
+    from megatron_int8.training.data import PretrainingSampler
+
+    with pytest.raises(ArgumentError, match=r"the validation split holds 4 samples, fewer than one step reads \(8 per "
+                                            r"micro-batch x 1 data-parallel ranks\)"):
+        PretrainingSampler(4, 0, 8, 0, 1, split="validation")
+    with pytest.raises(ArgumentError, match="the train split holds 12 samples"):
+        PretrainingSampler(12, 0, 4, 1, 4, split="train")
+    assert next(iter(PretrainingSampler(16, 0, 4, 1, 4, split="train"))) == [4, 5, 6, 7]
 
 
 def test_empty_validation_split_is_fine_without_evaluation(dataset):

@@ -282,7 +282,7 @@ def test_yaml_false_is_the_opposite_of_the_flag(tmp_path):
 def test_split_shares_for_skip_train_name_a_bad_split():
     """--skip-train compares --split with the checkpoint's before the data are checked: a bad one is one error
     naming it (four weights failed inside megatron's parser, all zeros compared unequal to everything)."""
-    from megatron_int8.training.loop import _shares
+    from megatron_int8.training.data import split_shares as _shares
 
     assert _shares("98,2,0") == _shares("49, 1") == [0.98, 0.02, 0.0]
     for bad in ("1,2,3,4", "0,0,0"):
