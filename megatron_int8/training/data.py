@@ -244,6 +244,46 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
                     "Use more documents, or a --split that gives this split at least one document or a share of 0"
                     + (" (or --eval-iters 0)" if split == 1 and weights is None else ""))
         _check_token_ids(prefix, dataset, tokenizer.vocab_size)
+        _check_index_caches(prefix, args.data_cache_path)
+
+
+def _dataset_paths(description) -> Iterator[str]:
+    """The "dataset_path" values of a megatron-core cache description (a GPTDataset's, or a blend's nested ones)."""
+    if isinstance(description, dict):
+        if isinstance(description.get("dataset_path"), str):
+            yield description["dataset_path"]
+        for value in description.values():
+            yield from _dataset_paths(value)
+    elif isinstance(description, list):
+        for value in description:
+            yield from _dataset_paths(value)
+
+
+def _check_index_caches(prefix: str, cache_path: Optional[str]) -> None:
+    """megatron-core keys its cached sample indices by the dataset's path, not its contents: a cache built before
+    the .bin/.idx pair was written again (preprocess_data.py --force) would be reused and read other samples, or
+    indices past the new documents. Such cache files are named, to be deleted."""
+    cache = cache_path or os.path.join(prefix, "cache", "GPTDataset_indices")  # megatron-core's default
+    if not os.path.isdir(cache):
+        return
+    written = max(os.path.getmtime(prefix + ext) for ext in (".bin", ".idx"))
+    target = os.path.abspath(prefix)
+    stale = []
+    for name in sorted(os.listdir(cache)):
+        if not name.endswith("-description.txt"):
+            continue
+        path = os.path.join(cache, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                paths = set(map(os.path.abspath, _dataset_paths(json.load(f))))
+        except (OSError, ValueError):
+            continue  # not megatron's; it would not be read as one either
+        if target in paths and os.path.getmtime(path) < written:
+            stale.append(os.path.join(cache, name[:-len("description.txt")] + "*"))
+    if stale:
+        raise ArgumentError(f"{prefix}.bin/.idx were written after the index cache built from them "
+                            f"({', '.join(stale)}; megatron-core would reuse it and read other samples): delete those "
+                            "files, or give another --data-cache-path")
 
 
 def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:

@@ -201,6 +201,28 @@ def test_a_split_smaller_than_one_step_is_named_not_looped_on():
     assert next(iter(PretrainingSampler(16, 0, 4, 1, 4, split="train"))) == [4, 5, 6, 7]
 
 
+def test_an_index_cache_older_than_its_data_is_named(dataset, tmp_path):
+    """megatron-core keys its sample-index cache by the dataset's path: after preprocess_data.py --force wrote the
+    pair again, a run reused the old indices and read other samples (or failed on an index past the new documents)."""
+    from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    description = cache / "0123abcd-GPTDataset-train-description.txt"
+    description.write_text(json.dumps({"class": "GPTDataset", "dataset_path": dataset["prefix"]}))
+    other = cache / "4567-BlendedDataset-train-description.txt"  # a blend of another dataset: not this one's
+    other.write_text(json.dumps({"class": "BlendedDataset", "datasets": [{"dataset_path": "/elsewhere/x"}]}))
+    args = validate_args(_trainer_args(dataset, "--data-cache-path", str(cache)), world_size=1)
+    tokenizer = build_tokenizer(args)
+    check_data(args, tokenizer, dataset_sizes(args))  # built after the data were written: fine
+    written = os.path.getmtime(dataset["prefix"] + ".bin")
+    for path in (description, other):
+        os.utime(path, (written - 60, written - 60))
+    with pytest.raises(ArgumentError, match=rf"were written after the index cache built from them \({cache}/0123abcd-"
+                                            r"GPTDataset-train-\*; megatron-core would reuse it"):
+        check_data(args, tokenizer, dataset_sizes(args))
+
+
 def test_empty_validation_split_is_fine_without_evaluation(dataset):
     from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
 
