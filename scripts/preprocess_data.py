@@ -29,25 +29,43 @@ class InputError(Exception):
     thread, SystemExit would end that thread silently and leave the pool waiting.)"""
 
 
+def _utf8(data: bytes, where: str) -> str:
+    """`data` decoded as UTF-8, or InputError naming `where` (never a replacement character in the dataset)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise InputError(f"{where}: not UTF-8 (byte {data[err.start]:#04x} at line {line} of it): convert it first, "
+                         "e.g. iconv -f latin1 -t utf-8") from None
+
+
 def read_documents(paths, json_keys):
-    """(key, text) for every document of every input file."""
+    """(key, text) for every document of every input file: a JSONL line is an object whose --json-keys are strings,
+    a plain-text file one document; every file UTF-8."""
     for path in paths:
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for line_number, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for line_number, raw in enumerate(f, 1):
+                    where = f"{path}:{line_number}"
+                    line = _utf8(raw, where)
                     if not line.strip():
                         continue
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as err:
-                        raise InputError(f"{path}:{line_number}: not JSON: {err}") from None
+                        raise InputError(f"{where}: not JSON: {err}") from None
+                    if not isinstance(record, dict):
+                        raise InputError(f"{where}: a JSON {type(record).__name__}, not an object with the "
+                                         f"--json-keys {', '.join(map(repr, json_keys))}")
                     for key in json_keys:
                         if key not in record:
-                            raise InputError(f"{path}:{line_number}: no key {key!r} (--json-keys)")
+                            raise InputError(f"{where}: no key {key!r} (--json-keys)")
+                        if not isinstance(record[key], str):
+                            raise InputError(f"{where}: {key!r} holds a {type(record[key]).__name__}, not a string")
                         yield key, record[key]
         else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield json_keys[0], f.read()
+            with open(path, "rb") as f:
+                yield json_keys[0], _utf8(f.read(), path)
 
 
 def sample_lines(lines, count: int, seed: int = 1234) -> list:
@@ -178,8 +196,9 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval-s", type=float, default=2.0, help="seconds between progress lines")
     parser.add_argument("--force", action="store_true",
-                        help="write over an existing PREFIX_<key>_document.bin/.idx (delete the index caches built "
-                             "from it too: megatron-core names them by path, not content)")
+                        help="write over an existing PREFIX_<key>_document.bin/.idx, and with --train-sentencepiece "
+                             "an existing --tokenizer-model (delete the index caches built from the data too: "
+                             "megatron-core names them by path, not content; the trainer refuses stale ones)")
     args = parser.parse_args(argv)
     try:
         return _run(parser, args)
@@ -200,6 +219,10 @@ def _run(parser, args) -> int:
                      "it, e.g. --data-cache-path: megatron-core finds them by path and would reuse them), or choose "
                      "another --output-prefix")
     if args.train_sentencepiece is not None:
+        if os.path.exists(args.tokenizer_model) and not args.force:
+            parser.error(f"--tokenizer-model {args.tokenizer_model} exists and --train-sentencepiece would write over "
+                         "it (the datasets made with it would then decode to other text): pass --force to, or "
+                         "name another --tokenizer-model")
         if args.train_sentencepiece < MIN_SENTENCEPIECE_VOCAB:
             parser.error(f"--train-sentencepiece {args.train_sentencepiece}: at least {MIN_SENTENCEPIECE_VOCAB} "
                          "(byte fallback alone takes 256 entries), more for a corpus of many characters")
@@ -256,6 +279,11 @@ def _run(parser, args) -> int:
     if pool is not None:
         pool.close()
         pool.join()
+    if docs == 0:
+        for path in outputs.values():
+            if os.path.exists(path + ".bin.tmp"):
+                os.remove(path + ".bin.tmp")
+        raise InputError(f"no documents in {', '.join(args.input)} (only empty lines)")
     for key, builder in builders.items():
         builder.finalize(outputs[key] + ".idx")
         os.replace(outputs[key] + ".bin.tmp", outputs[key] + ".bin")  # .bin appears only when complete

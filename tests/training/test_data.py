@@ -66,6 +66,40 @@ def test_preprocess_errors(tmp_path):
     assert small.returncode == 2 and "--train-sentencepiece 100: at least 261" in small.stderr
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("latin1.jsonl", json.dumps({"text": "x"}).encode() + b"\n" + b'{"text": "caf\xe9"}\n',
+     ":2: not UTF-8 (byte 0xe9 at line 1 of it)"),
+    ("latin1.txt", "first line\ncafé au lait\n".encode("latin-1"),
+     "latin1.txt: not UTF-8 (byte 0xe9 at line 2 of it)"),
+    ("list.jsonl", b'["text"]\n', ":1: a JSON list, not an object with the --json-keys 'text'"),
+    ("null.jsonl", b'{"text": null}\n', ":1: 'text' holds a NoneType, not a string"),
+    ("blank.jsonl", b"\n\n  \n", "no documents in"),
+])
+def test_preprocess_names_bad_documents(dataset, tmp_path, name, content, message):
+    """Once: a UnicodeDecodeError or TypeError traceback naming no file or line; a plain-text file's bad bytes stored
+    as replacement characters, silently; an input of empty lines written as a dataset of none."""
+    (tmp_path / name).write_bytes(content)
+    result = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / name), "--output-prefix",
+                   str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                   dataset["tokenizer"]])
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not list(tmp_path.glob("out_*"))
+
+
+def test_training_a_tokenizer_does_not_write_over_one_silently(dataset, tmp_path):
+    """--train-sentencepiece over an existing --tokenizer-model: the datasets made with the old model would decode
+    to other text with the new one (same size, so no vocabulary check notices)."""
+    model = tmp_path / "spm.model"
+    model.write_bytes(open(dataset["tokenizer"], "rb").read())
+    common = ["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
+              str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(model),
+              "--train-sentencepiece", "300"]
+    refused = _run(common)
+    assert refused.returncode == 2 and "exists and --train-sentencepiece would write over it" in refused.stderr
+    assert model.read_bytes() == open(dataset["tokenizer"], "rb").read()
+    assert _run(common + ["--force"]).returncode == 0
+
+
 def test_preprocess_stops_on_bad_input_with_workers_and_keeps_what_exists(dataset, tmp_path):
     """A bad line with worker processes is one error line, not a hang; nothing partial is left; an existing
     dataset is written over only with --force."""
