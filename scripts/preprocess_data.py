@@ -12,11 +12,13 @@ it keeps whitespace and newlines exactly (identity normalization, byte fallback)
         --tokenizer-model tok/spm.model [--train-sentencepiece 4096] --workers 4
 """
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -104,12 +106,32 @@ def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, samp
     chosen = sample_lines(lines(), sample)
     print(f"  on {len(chosen)} lines (a seeded sample of at most {sample})", flush=True)
     try:
-        _train_bpe(spm, chosen, prefix, vocab_size)
+        with heartbeat(f"  training the tokenizer on {len(chosen)} lines"):
+            _train_bpe(spm, chosen, prefix, vocab_size)
     except RuntimeError as err:  # e.g. a vocabulary smaller than the corpus's characters need
         raise InputError(f"--train-sentencepiece {vocab_size}: {str(err).strip().splitlines()[-1]}") from None
     if prefix + ".model" != model_path:
         os.replace(prefix + ".model", model_path)
     print(f"wrote {model_path} in {time.time() - started:.1f} s", flush=True)
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every_s: float = 30.0):
+    """A line every `every_s` seconds while the body runs (SentencePiece's trainer prints nothing at minloglevel 2,
+    and trains for minutes on a large corpus)."""
+    done, started = threading.Event(), time.time()
+
+    def beat():
+        while not done.wait(every_s):
+            print(f"{what}: {time.time() - started:.0f} s", flush=True)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _train_bpe(spm, chosen, prefix, vocab_size):
@@ -200,6 +222,8 @@ def main(argv=None) -> int:
                              "an existing --tokenizer-model (delete the index caches built from the data too: "
                              "megatron-core names them by path, not content; the trainer refuses stale ones)")
     args = parser.parse_args(argv)
+    if len(set(args.json_keys)) != len(args.json_keys):
+        parser.error(f"--json-keys {' '.join(args.json_keys)}: a key named twice would write its documents twice")
     try:
         return _run(parser, args)
     except InputError as err:

@@ -187,6 +187,14 @@ def data_prefixes(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[fl
     return list(prefixes), (list(weights) if weights is not None else None)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def split_shares(split: str) -> list:
     """'98,2,0' and '98, 2' and '49,1,0' alike: megatron's normalized train/validation/test proportions, rounded
     so that equal proportions compare equal; ArgumentError for what megatron would misread (a minus sign, which its
@@ -199,7 +207,7 @@ def split_shares(split: str) -> list:
         shares = []
     if len(shares) != 3 or not all(math.isfinite(v) for v in shares):
         raise ArgumentError(f"--split {split!r}: expected up to three non-negative weights with a positive sum "
-                            "(train, validation, test), e.g. '98,2,0'")
+                            "(train, validation, test), in digits and a point, e.g. '98,2,0'")
     return [round(v, 9) for v in shares]
 
 
@@ -218,8 +226,10 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
                                 f"extension: --data-path {prefix[:-4]}")
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
+            weight = (f"; {prefix} reads as a weight: a blend is pairs of a weight and a prefix, and --data-path has "
+                      f"{len(args.data_path)} values" if _is_number(prefix) else "")
             raise ArgumentError(f"missing data file(s) {', '.join(missing)} (from --data-path); "
-                                "create them with scripts/preprocess_data.py")
+                                f"create them with scripts/preprocess_data.py{weight}")
         _check_indexed_files(prefix)
     shares = split_shares(args.split)
     if sizes[1] and shares[1] == 0 and not getattr(args, "skip_train", False):

@@ -391,6 +391,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.mock_data:
         if args.tokenizer_type is None:
             args.tokenizer_type = "NullTokenizer"
+        if args.data_path:
+            print(f"note: --mock-data trains on random tokens: --data-path {' '.join(args.data_path)} is not read",
+                  flush=True)
     elif not args.data_path:
         raise ArgumentError("no training data: give --data-path PREFIX (of PREFIX.bin/.idx) or --mock-data")
     if args.tokenizer_type is None:

@@ -117,6 +117,29 @@ def test_preprocess_stops_on_bad_input_with_workers_and_keeps_what_exists(datase
     assert _run(common + ["--input", str(tmp_path / "good.jsonl"), "--force"]).returncode == 0
 
 
+def test_tokenizer_training_prints_while_it_runs(capsys):
+    """SentencePiece's trainer is silent at minloglevel 2: a line every interval says the run is alive."""
+    import time
+
+    sys.path.insert(0, SCRIPTS)
+    from preprocess_data import heartbeat
+
+    with heartbeat("  training", every_s=0.05):
+        time.sleep(0.3)
+    lines = capsys.readouterr().out.splitlines()
+    assert 3 <= len(lines) <= 7 and all(line.startswith("  training: ") and line.endswith(" s") for line in lines)
+    with heartbeat("  quick", every_s=60):
+        pass
+    assert capsys.readouterr().out == ""  # and it stops with the body
+
+
+def test_json_keys_named_twice_are_refused(dataset, tmp_path):
+    result = _run(["scripts/preprocess_data.py", "--input", str(dataset["root"] / "docs.jsonl"), "--output-prefix",
+                   str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                   dataset["tokenizer"], "--json-keys", "text", "text"])
+    assert result.returncode == 2 and "--json-keys text text: a key named twice" in result.stderr
+
+
 def test_sample_lines_is_seeded_uniform_and_keeps_input_order():
     sys.path.insert(0, SCRIPTS)
     from preprocess_data import sample_lines
@@ -192,6 +215,9 @@ def _pretrain_error(args) -> str:
     # megatron-core asserts a blend's weights are positive when it builds the datasets (after the model)
     (["--data-path", "0", "C", "1", "D"], "--data-path 0 C 1 D: a blend's weights must be positive, got 0, 1"),
     (["--data-path", "-1", "C", "2", "D"], "a blend's weights must be positive, got -1, 2"),
+    (["--data-path", "0.5", "C", "0.5"], "0.5 reads as a weight: a blend is pairs of a weight and a prefix, and "
+                                         "--data-path has 3 values"),
+    (["--split", "1e-3,1,0"], "--split '1e-3,1,0': expected up to three non-negative weights"),  # not 1,3,1,0
 ])
 def test_bad_input_fails_early_with_message(dataset, extra, message):
     assert message in _pretrain_error(_trainer_args(dataset, *extra))

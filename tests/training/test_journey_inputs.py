@@ -160,6 +160,13 @@ def test_silent_choices_are_noted(dataset, capsys):
         assert capsys.readouterr().out == ""
 
 
+def test_mock_data_beside_a_data_path_is_noted(dataset, capsys):
+    """--mock-data wins over a --data-path (say, from a YAML config): the run says the path is not read."""
+    validate_args(_trainer_args(dataset, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"), 1)
+    assert f"note: --mock-data trains on random tokens: --data-path {dataset['prefix']} is not read" in (
+        capsys.readouterr().out)
+
+
 def test_query_groups_without_grouped_query_attention_are_noted(dataset, capsys):
     args = validate_args(_trainer_args(dataset, "--no-group-query-attention", "--num-query-groups", "2"), 1)
     assert args.num_query_groups == args.num_attention_heads
