@@ -19,7 +19,8 @@ from .errors import ArgumentError
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 SPLIT_NAMES = ("train", "validation", "test")
-VOCAB_CHECK_TOKENS = 1 << 24  # token ids read per data file for the vocabulary check
+VOCAB_CHECK_TOKENS = 1 << 24  # token ids read per data file for the vocabulary check, in VOCAB_CHECK_SPANS spans
+VOCAB_CHECK_SPANS = 8  # spread over the file: a concatenation of datasets shows another tokenizer's part too
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron-core's .idx: header, version <Q, dtype code <B, 2 counts <Q
 INDEX_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron's DType codes -> bytes per token
 
@@ -297,11 +298,18 @@ def _check_index_caches(prefix: str, cache_path: Optional[str]) -> None:
 
 
 def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
-    """Token ids must index the embedding: a larger id means data made with another tokenizer."""
+    """Token ids must index the embedding: a larger id means data made with another tokenizer. Files beyond
+    VOCAB_CHECK_TOKENS are read in VOCAB_CHECK_SPANS evenly spaced spans of that many tokens in all."""
     tokens = np.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
-    head = tokens[:VOCAB_CHECK_TOKENS]
-    if head.size and int(head.max()) >= vocab_size:
-        raise ArgumentError(f"tokenizer/vocab mismatch: {prefix}.bin contains token id {int(head.max())} but the "
+    if tokens.size <= VOCAB_CHECK_TOKENS:
+        spans = [tokens]
+    else:
+        length = VOCAB_CHECK_TOKENS // VOCAB_CHECK_SPANS
+        starts = np.linspace(0, tokens.size - length, VOCAB_CHECK_SPANS).astype(np.int64)
+        spans = [tokens[start:start + length] for start in starts]
+    largest = max((int(span.max()) for span in spans if span.size), default=-1)
+    if largest >= vocab_size:
+        raise ArgumentError(f"tokenizer/vocab mismatch: {prefix}.bin contains token id {largest} but the "
                             f"tokenizer has {vocab_size} tokens; preprocess the data with this tokenizer")
 
 

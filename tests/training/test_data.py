@@ -465,3 +465,23 @@ if os.sep:
                                                              VOCAB="16384"))
     assert refused.returncode == 2 and "holds data built with CORPUS_MB=80 VOCAB=8192, not CORPUS_MB=80 VOCAB=16384" \
         in refused.stderr
+
+
+def test_the_vocabulary_check_reads_spans_over_the_whole_file(tmp_path, monkeypatch):
+    """Beyond VOCAB_CHECK_TOKENS the check reads evenly spaced spans: another tokenizer's ids at the end of a large
+    file (datasets concatenated) were never read when the check took the file's head alone."""
+    from types import SimpleNamespace
+
+    from megatron_int8.training import data
+
+    monkeypatch.setattr(data, "VOCAB_CHECK_TOKENS", 64)
+    monkeypatch.setattr(data, "VOCAB_CHECK_SPANS", 4)
+    tokens = np.random.default_rng(0).integers(0, 300, 1000).astype(np.uint16)
+    tokens[-1] = 999  # in the last span
+    tokens.tofile(tmp_path / "d.bin")
+    index = SimpleNamespace(index=SimpleNamespace(dtype=np.uint16))
+    with pytest.raises(ArgumentError, match="contains token id 999 but the tokenizer has 300 tokens"):
+        data._check_token_ids(str(tmp_path / "d"), index, 300)
+    tokens[-1] = 5
+    tokens.tofile(tmp_path / "d.bin")
+    data._check_token_ids(str(tmp_path / "d"), index, 300)
