@@ -98,7 +98,8 @@ class _GroupedInt8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         segments, recipe, backend = ctx.segments, ctx.recipe, ctx.backend
         E = segments.num_segments
-        weights, saved = ctx.saved_tensors[:E], ctx.saved_tensors[E:]
+        every = ctx.saved_tensors  # read once: non-reentrant activation checkpointing unpacks each tensor once
+        weights, saved = every[:E], every[E:]
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = [ctx.needs_input_grad[4 + e] for e in range(E)]
         g = grad_output.contiguous()

@@ -149,7 +149,8 @@ class _Int8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         recipe, tp, backend = ctx.recipe, ctx.tp, ctx.backend
-        weight = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors  # read once: non-reentrant activation checkpointing unpacks each tensor once
+        weight = saved[0]
         if ctx.health is not None:  # a statistics step (ops.health.ForwardRecord)
             ctx.health.observe_backward(grad_output, weight)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -175,7 +176,7 @@ class _Int8LinearFunction(torch.autograd.Function):
         gather = None
         regather_hp = need_wgrad and not wgrad_int8 and tp.sequence_parallel
         if (wgrad_int8 and ctx.regather_int8) or regather_hp:
-            local = ctx.saved_tensors[1]
+            local = saved[1]
             gathered, gather = start_all_gather_dim0(local.reshape(-1, local.shape[-1]), tp.group)
 
         qg_col = dx = None
@@ -220,11 +221,11 @@ class _Int8LinearFunction(torch.autograd.Function):
             if gather is not None:
                 gather.wait()
             if wgrad_int8 and ctx.regather_int8:
-                qx_col = wgrad_operand_from_shards(gathered, ctx.saved_tensors[2], recipe.granularity,
+                qx_col = wgrad_operand_from_shards(gathered, saved[2], recipe.granularity,
                                                     torch.distributed.get_world_size(tp.group), recipe.block_size)
             elif wgrad_int8:
                 g, bs, t2 = ctx.qx_meta
-                qx_col = QTensor(ctx.saved_tensors[1], ctx.saved_tensors[2], g, bs, t2)
+                qx_col = QTensor(saved[1], saved[2], g, bs, t2)
             if wgrad_int8:
                 if main_grad is not None:
                     backend.gemm(qg_col, qx_col, out_dtype=torch.float32, accumulate_into=main_grad,
@@ -232,7 +233,7 @@ class _Int8LinearFunction(torch.autograd.Function):
                 else:
                     grad_weight = backend.gemm(qg_col, qx_col, out_dtype=weight.dtype, autotune=recipe.autotune)
             else:
-                x = gathered if regather_hp else ctx.saved_tensors[1]
+                x = gathered if regather_hp else saved[1]
                 x2d = x.reshape(-1, x.shape[-1]).to(g2d.dtype)
                 if main_grad is not None:
                     hp_wgrad_into(main_grad, g2d, x2d)

@@ -13,6 +13,10 @@ embedding's vocabulary size; linears with a dimension that is not a multiple of 
 alignment; e.g. an MoE router with 8 experts). A `module_filter_fn(module, fqn) -> bool` replaces the
 default (True: convert); combine it with `keep_high_precision` to keep the head rule.
 
+A linear converted already takes the recipe of a later call that selects it. Weight edits through `.data` outside a
+torch.optim optimizer are not seen by the weight cache (ops/weight_cache.py): invalidate_weight_caches() after them.
+Activation checkpointing (torch.utils.checkpoint, reentrant or not) works.
+
 Data parallelism: DDP works unchanged (the linears' parameters are ordinary Parameters). FSDP2
 (`fully_shard`) works: int8_linear sees the unsharded weight FSDP2 all-gathers for the forward and again
 for the backward; the weight cache then re-quantizes in backward wherever the all-gathered storage moved
@@ -111,6 +115,11 @@ def convert_to_int8_training(model: nn.Module, recipe: Optional[Int8Recipe] = No
         raise ValueError("convert_to_int8_training converts linears only: recipe.int8_attention=True would be ignored; "
                          "call megatron_int8.ops.int8_attention.int8_attention from the model's attention, or use "
                          "the megatron-core specs (--int8-attention)")
+    others = [name for name in ("int8_swiglu_input", "int8_norm_input") if getattr(recipe, name)]
+    if others:
+        raise ValueError(f"convert_to_int8_training converts linears only: recipe.{' and '.join(others)}=True would be "
+                         "ignored (they keep the SwiGLU's or the norms' inputs in INT8 in the megatron-core specs: "
+                         "--int8-swiglu-input, --int8-norm-input)")
     accept = module_filter_fn if module_filter_fn is not None else keep_high_precision(model)
     if isinstance(model, nn.Linear):
         raise TypeError("convert_to_int8_training converts a model's linears; for one nn.Linear use "
@@ -118,4 +127,6 @@ def convert_to_int8_training(model: nn.Module, recipe: Optional[Int8Recipe] = No
     for fqn, module in list(model.named_modules()):
         if type(module) is nn.Linear and accept(module, fqn):
             Int8Linear.from_linear(module, recipe)
+        elif isinstance(module, Int8Linear) and accept(module, fqn):  # converted before: this call's recipe now
+            module.recipe = recipe
     return model

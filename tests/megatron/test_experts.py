@@ -99,6 +99,25 @@ def test_grouped_linear_equals_per_expert_linears_and_fp64_bound():
     _assert_alignment_rows_and_empty_expert(seg, out, x.grad, grouped_dw)
 
 
+def test_grouped_linear_under_non_reentrant_checkpointing():
+    """The grouped op's backward read ctx.saved_tensors twice, which non-reentrant checkpointing refuses."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(4)
+    seg = Segments.for_counts(COUNTS)
+    ws = _experts(gen, len(COUNTS), 40, 48)
+    x, g = _aligned(_tokens(COUNTS, 48, gen), seg), _aligned(_tokens(COUNTS, 40, gen), seg)
+    grads = []
+    for checkpointed in (False, True):
+        xi = x.clone().requires_grad_(True)
+        f = lambda t: grouped_int8_linear(t, seg, ws, ROW)  # noqa: E731
+        (checkpoint(f, xi, use_reentrant=False) if checkpointed else f(xi)).backward(g)
+        grads.append([xi.grad] + [w.grad.clone() for w in ws])
+        for w in ws:
+            w.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_hp_linear_equals_per_expert_linears(dtype):
     """The BF16 baseline's grouped experts against float64 per expert: outputs x_e W_e^T, input gradients

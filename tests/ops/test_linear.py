@@ -174,6 +174,26 @@ def test_weight_quantization_reused_across_micro_batches_until_step(monkeypatch)
     assert counting.weight_quantizations == 2
 
 
+@pytest.mark.parametrize("recipe", [Int8Recipe(), Int8Recipe(wgrad=False), Int8Recipe(granularity="tensor")])
+def test_non_reentrant_activation_checkpointing_gives_the_same_gradients(recipe):
+    """torch.utils.checkpoint's default (non-reentrant) mode unpacks each saved tensor once: the backward read
+    ctx.saved_tensors several times and failed ("Unpack is being triggered for a tensor that was already unpacked
+    once"), e.g. under a Hugging Face model's gradient_checkpointing_enable()."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(heavy_tailed(48, 64))
+    x, g = heavy_tailed(2, 8, 64), torch.randn(2, 8, 48)
+    grads = []
+    for checkpointed in (False, True):
+        xi = x.clone().requires_grad_(True)
+        f = lambda t: int8_linear(t, w, recipe=recipe)  # noqa: E731
+        (checkpoint(f, xi, use_reentrant=False) if checkpointed else f(xi)).backward(g)
+        grads.append((xi.grad, w.grad.clone()))
+        w.grad = None
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_weight_cache_sees_writes_through_data_by_an_optimizer(monkeypatch):
     """Megatron's optimizers copy into param.data, which the version counter does not see."""
     counting = _patch_backend(monkeypatch)

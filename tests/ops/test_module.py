@@ -61,7 +61,21 @@ def test_conversion_refuses_int8_attention_it_cannot_apply():
     before = {n: type(m) for n, m in model.named_modules()}
     with pytest.raises(ValueError, match="int8_attention=True would be ignored"):
         convert_to_int8_training(model, Int8Recipe(int8_attention=True))
+    # the SwiGLU's and the norms' INT8 inputs were taken, shown in the repr and never applied
+    with pytest.raises(ValueError, match="recipe.int8_swiglu_input and int8_norm_input=True would be ignored"):
+        convert_to_int8_training(model, Int8Recipe(int8_swiglu_input=True, int8_norm_input=True))
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing converted
+
+
+def test_converting_again_applies_the_new_recipe_to_the_layers_it_selects():
+    """A second call once left the converted layers at the first call's recipe, silently."""
+    model = convert_to_int8_training(tiny_llama())
+    layers = model.model.layers
+    convert_to_int8_training(model, Int8Recipe(granularity="tensor"),
+                             module_filter_fn=lambda module, fqn: fqn.endswith("down_proj"))
+    assert [layer.mlp.down_proj.recipe.granularity for layer in layers] == ["tensor", "tensor"]
+    assert {layer.mlp.up_proj.recipe.granularity for layer in layers} == {"row"}
+    assert type(model.lm_head) is nn.Linear
 
 
 def test_default_filter_rules_and_a_custom_filter():
