@@ -58,7 +58,7 @@ from ..megatron.cli import policy_from_args
 from ..megatron.optimizer import precision_aware_optimizers
 from .errors import ArgumentError
 from .model import adam_step, inner_optimizers
-from .safe_load import load_tensors_file, weights_only_loading
+from .safe_load import UnsafeCheckpointError, load_tensors_file, weights_only_loading
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DISTOPT_FORMATS = CHOICES[ENV_DISTOPT_FORMAT]  # the format of new saves; default fully_reshardable
@@ -178,6 +178,8 @@ def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optiona
         raise CheckpointError(f"{path} is missing (this rank's RNG states): the checkpoint is damaged; {way_out}")
     try:
         return load_tensors_file(path, allow_numpy_arrays=True)
+    except UnsafeCheckpointError:
+        raise  # a planted object: named as such
     except (EOFError, RuntimeError, OSError) as error:
         raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the checkpoint is damaged; "
                               f"{way_out}") from None
