@@ -190,7 +190,7 @@ build_data() {  # each step ends the function on failure (errexit does not hold 
             --max-mb "$CORPUS_MB" || return 1
     fi
     if [[ ! -f "$DATA.bin" ]]; then  # preprocess_data.py renames the .bin into place only when complete
-        local train=(--train-sentencepiece "$VOCAB")
+        local train=(--train-sentencepiece "$VOCAB" --force)  # a tokenizer left by an interrupted run: made again
         if [[ -n "${TOKENIZER:-}" ]]; then  # another run's tokenizer: its token stream, where the corpus is the same
             mkdir -p "$RUN_DIR/tokenizer" && cp "$TOKENIZER" "$RUN_DIR/tokenizer/spm.model" || return 1
             train=()

@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tokenizer-model", default=None, help="where the checkpoint's tokenizer is, if moved")
     parser.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
-                        help="export the model alone, no tokenizer files (the ids stay the checkpoint's tokenizer's)")
+                        help="export the model alone, no tokenizer files (the tokenizer is still read for the "
+                             "special ids config.json names)")
     parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to export (default: the latest)")
     parser.add_argument("--force", action="store_true", help="write into an --output folder that is not empty "
                                                              "(its files of the same names are replaced)")

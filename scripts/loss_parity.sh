@@ -67,7 +67,8 @@ if [[ ! -f "${PREFIX}_text_document.bin" ]]; then
     echo "== SentencePiece ($VOCAB tokens) + indexed dataset"
     "$PYTHON" scripts/preprocess_data.py --input "$RUN_DIR/corpus.jsonl" --json-keys text \
         --output-prefix "$PREFIX" --tokenizer-type SentencePieceTokenizer \
-        --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece "$VOCAB" --workers "$WORKERS"
+        --tokenizer-model "$RUN_DIR/tokenizer/spm.model" --train-sentencepiece "$VOCAB" --workers "$WORKERS" \
+        --force  # no .bin yet: a tokenizer left by an interrupted run is made again, the same from the same corpus
 fi
 [[ -f "$RUN_DIR/data.settings" ]] || echo "$SETTINGS" > "$RUN_DIR/data.settings"
 

@@ -42,6 +42,7 @@ stops with KeyError 'step'; `_steps_set_aside` hides the steps for that copy.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import random
@@ -56,6 +57,7 @@ import torch
 from ..dispatch import CHOICES, ENV_DISTOPT_FORMAT, env_choice
 from ..megatron.cli import policy_from_args
 from ..megatron.optimizer import precision_aware_optimizers
+from .data import split_shares
 from .errors import ArgumentError
 from .model import adam_step, inner_optimizers
 from .safe_load import UnsafeCheckpointError, load_tensors_file, weights_only_loading
@@ -180,7 +182,7 @@ def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optiona
         return load_tensors_file(path, allow_numpy_arrays=True)
     except UnsafeCheckpointError:
         raise  # a planted object: named as such
-    except (EOFError, RuntimeError, OSError) as error:
+    except Exception as error:  # torch's reader fails on a damaged file with whatever it hits (EOFError, KeyError)
         raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the checkpoint is damaged; "
                               f"{way_out}") from None
 
@@ -210,7 +212,7 @@ def _load_common(directory: str) -> dict:
 
 def _first_line(error: BaseException) -> str:
     """An exception as `Type: its first sentence` (torch's reader errors run on for lines)."""
-    text = str(error).split(". ")[0].splitlines()[0] if str(error) else ""
+    text = (str(error).split(". ")[0].splitlines() or [""])[0]
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
@@ -238,10 +240,14 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 def _fsync(path: str) -> None:
-    """Flush a file's data, or a folder's entries (its renames and new names), to the disk."""
+    """Flush a file's data, or a folder's entries (its renames and new names), to the disk. A file system that cannot
+    sync a folder (some FUSE and network mounts: EINVAL, ENOTSUP) leaves its entries to its own durability."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
     finally:
         os.close(fd)
 
@@ -697,8 +703,20 @@ def data_change(saved_args, args) -> Optional[str]:
     flags agree or the checkpoint predates them). A new global batch also moves the LR schedule, which counts
     samples: its position stays the checkpoint's consumed samples, no longer iteration x batch."""
     saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
-    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name, None)}" for name in DATA_ARGS
-               if name in saved and saved[name] != getattr(args, name, None)]
+
+    def same(name, then, now):
+        if name == "split" and then is not None and now is not None:
+            try:
+                return split_shares(then) == split_shares(now)  # '98,2,0' is '98, 2'
+            except ArgumentError:
+                return then == now
+        return then == now
+
+    def shown(value):
+        return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+    changed = [f"--{name.replace('_', '-')} {shown(saved[name])} -> {shown(getattr(args, name, None))}"
+               for name in DATA_ARGS if name in saved and not same(name, saved[name], getattr(args, name, None))]
     if "seed" in saved and _data_seed(saved) != _data_seed(vars(args)):
         changed.append(f"data order seed (--data-seed, else --seed) {_data_seed(saved)} -> {_data_seed(vars(args))}")
     if not changed:

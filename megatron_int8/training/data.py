@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -198,12 +199,13 @@ def _is_number(text: str) -> bool:
 
 def split_shares(split: str) -> list:
     """'98,2,0' and '98, 2' and '49,1,0' alike: megatron's normalized train/validation/test proportions, rounded
-    so that equal proportions compare equal; ArgumentError for what megatron would misread (a minus sign, which its
-    parser drops) or fail on (more than three weights, a sum of 0)."""
+    so that equal proportions compare equal; ArgumentError for what megatron would misread (a sign or an exponent,
+    which its parser drops) or fail on (more than three weights, a sum of 0)."""
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
-    try:
-        shares = [] if "-" in split else parse_and_normalize_split(split)
+    plain = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)(\s*[,/]\s*(\d+\.?\d*|\.\d+))*\s*", split)
+    try:  # megatron's parser reads the digits of anything else (1e3 as 1, 3; -2 as 2)
+        shares = parse_and_normalize_split(split) if plain else []
     except (ValueError, AssertionError):
         shares = []
     if len(shares) != 3 or not all(math.isfinite(v) for v in shares):
@@ -233,7 +235,7 @@ def check_data(args, tokenizer, sizes: Sequence[Optional[int]]) -> None:
                                 f"create them with scripts/preprocess_data.py{weight}")
         _check_indexed_files(prefix)
     shares = split_shares(args.split)
-    if sizes[1] and shares[1] == 0 and not getattr(args, "skip_train", False):
+    if args.eval_iters > 0 and shares[1] == 0 and not getattr(args, "skip_train", False):
         raise ArgumentError(f"--split {args.split!r} gives the validation split no documents while --eval-iters "
                             f"{args.eval_iters} asks for evaluation: give it a share (e.g. '98,2,0'), or "
                             "--eval-iters 0")
@@ -278,7 +280,6 @@ def _check_index_caches(prefix: str, cache_path: Optional[str]) -> None:
     if not os.path.isdir(cache):
         return
     written = max(os.path.getmtime(prefix + ext) for ext in (".bin", ".idx"))
-    target = os.path.abspath(prefix)
     stale = []
     for name in sorted(os.listdir(cache)):
         if not name.endswith("-description.txt"):
@@ -286,15 +287,15 @@ def _check_index_caches(prefix: str, cache_path: Optional[str]) -> None:
         path = os.path.join(cache, name)
         try:
             with open(path, encoding="utf-8") as f:
-                paths = set(map(os.path.abspath, _dataset_paths(json.load(f))))
+                paths = set(_dataset_paths(json.load(f)))
         except (OSError, ValueError):
             continue  # not megatron's; it would not be read as one either
-        if target in paths and os.path.getmtime(path) < written:
+        if prefix in paths and os.path.getmtime(path) < written:  # megatron's key holds the path as given
             stale.append(os.path.join(cache, name[:-len("description.txt")] + "*"))
     if stale:
-        raise ArgumentError(f"{prefix}.bin/.idx were written after the index cache built from them "
-                            f"({', '.join(stale)}; megatron-core would reuse it and read other samples): delete those "
-                            "files, or give another --data-cache-path")
+        raise ArgumentError(f"{prefix}.bin/.idx were written (or copied without their times) after the index cache "
+                            f"built from them ({', '.join(stale)}; megatron-core would reuse it and read other "
+                            "samples): delete those files, or give another --data-cache-path")
 
 
 def _check_token_ids(prefix: str, dataset, vocab_size: int) -> None:
@@ -368,7 +369,7 @@ class PretrainingSampler:
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, split: str = "a dataset"):
+                 data_parallel_rank: int, data_parallel_size: int, split: str = "train"):
         if total_samples < micro_batch_size * data_parallel_size:  # the loop below would never yield
             raise ArgumentError(f"the {split} split holds {total_samples} samples, fewer than one step reads "
                                 f"({micro_batch_size} per micro-batch x {data_parallel_size} data-parallel ranks): "

@@ -183,15 +183,19 @@ def _as_sentencepiece_encodes(converted, model_file: str):
                                    split_special_tokens=True, **specials)  # "<s>" in text is text to SentencePiece
 
 
-def _save_tokenizer(args, output: str, log):
+def _save_tokenizer(args, output: str, write: bool = True):
     """The tokenizer in transformers' format: a SentencePiece model converted to tokenizer.json (transformers'
-    Llama converter, which needs the protobuf package; without it the model is copied as tokenizer.model,
-    which transformers converts when it loads it, where protobuf is installed), a Hugging Face tokenizer
-    copied. Returns the (eos, bos) ids."""
+    Llama converter, rebuilt by _as_sentencepiece_encodes, which needs the protobuf package), a Hugging Face
+    tokenizer copied. Returns the (eos, bos) ids; `write` False: only those."""
     from transformers import AutoTokenizer
 
     from .data import SENTENCEPIECE_TYPES, hf_eod_token
 
+    if args.tokenizer_type in SENTENCEPIECE_TYPES and not write:
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model)
+        return processor.eos_id(), processor.bos_id()
     if args.tokenizer_type in SENTENCEPIECE_TYPES:
         with tempfile.TemporaryDirectory() as staging:
             shutil.copy(args.tokenizer_model, os.path.join(staging, "tokenizer.model"))
@@ -202,15 +206,10 @@ def _save_tokenizer(args, output: str, log):
             try:
                 tokenizer = AutoTokenizer.from_pretrained(staging)
                 tokenizer = _as_sentencepiece_encodes(tokenizer, args.tokenizer_model)
-            except ImportError as err:
-                import sentencepiece
-
-                processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model)
-                for name in ("tokenizer.model", "tokenizer_config.json"):
-                    shutil.copy(os.path.join(staging, name), os.path.join(output, name))
-                log(f"note: tokenizer.json not written ({str(err).strip().splitlines()[0]}); tokenizer.model copied, "
-                    "which transformers converts on loading where protobuf is installed")
-                return processor.eos_id(), processor.bos_id()
+            except ImportError as err:  # transformers' own conversion on loading differs from SentencePiece
+                raise ExportError(f"the tokenizer's conversion needs the protobuf package "
+                                  f"({str(err).strip().splitlines()[0]}): pip install protobuf, or --no-tokenizer to "
+                                  "export the model alone") from None
         import sentencepiece
 
         differ = encoding_differences(tokenizer, sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model))
@@ -228,16 +227,17 @@ def _save_tokenizer(args, output: str, log):
             tokenizer.eos_token = eod
     else:
         return None, None  # NullTokenizer: ids only
-    tokenizer.save_pretrained(output)
+    if write:
+        tokenizer.save_pretrained(output)
     return tokenizer.eos_token_id, tokenizer.bos_token_id
 
 
 # The files transformers reads from a model folder: an export into a folder (--force) replaces the whole set, so that
 # no file of an earlier export is read beside the new ones
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-            "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer.model",
-            "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-            "chat_template.jinja")
+            "pytorch_model.bin", "pytorch_model.bin.index.json") + TOKENIZER_FILES
 STAGING_MARK = ".megatron_int8_export"  # in the staging folder while an export writes it
 
 
@@ -255,14 +255,15 @@ def _new_staging(output: str) -> str:
     return staging
 
 
-def _move_into(staging: str, output: str, log) -> None:
+def _move_into(staging: str, output: str, log, tokenizer: bool = True) -> None:
     """The staged export's files into `output`, config.json last; the files of HF_FILES that this export did not
     write are removed from `output` first, as a loader would read them beside the new ones (an earlier export's
-    tokenizer.json over a tokenizer.model)."""
+    tokenizer.json over a tokenizer.model); the tokenizer's files stay where this export writes none."""
     os.remove(os.path.join(staging, STAGING_MARK))
     os.makedirs(output, exist_ok=True)
     written = set(os.listdir(staging))
-    stale = sorted(name for name in HF_FILES if name not in written and os.path.isfile(os.path.join(output, name)))
+    managed = HF_FILES if tokenizer else tuple(name for name in HF_FILES if name not in TOKENIZER_FILES)
+    stale = sorted(name for name in managed if name not in written and os.path.isfile(os.path.join(output, name)))
     for name in stale:
         os.remove(os.path.join(output, name))
     if stale:
@@ -278,20 +279,34 @@ def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokeni
     transformers checkpoint; returns its config. What the export needs (the packages, an architecture
     transformers has) is checked before the weights are loaded; the files are written into a staging folder
     beside `output` and moved in when all are complete, so an interrupted export leaves no truncated file."""
-    from .inference import inference_arguments, load_for_inference
+    from .inference import inference_arguments
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
     try:
-        from safetensors.torch import save_file
+        import safetensors  # noqa: F401  (the weights' file)
         import transformers  # noqa: F401  (the tokenizer's conversion)
     except ImportError as err:
         raise ExportError(f"the export needs safetensors and transformers ({err}): pip install -e \".[hf]\"") from None
     recorded = inference_arguments(load, int8=False, bf16=False, tokenizer_model=tokenizer_model, ckpt_step=ckpt_step)
     hf_architecture(recorded)  # an ExportError before the load where transformers has no such model
     staging = _new_staging(output)
+    try:
+        config = _write_export(load, output, staging, dtype, log, tokenizer_model, ckpt_step, tokenizer, recorded)
+    except BaseException:  # nothing half-written stays beside the output
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return config
+
+
+def _write_export(load, output, staging, dtype, log, tokenizer_model, ckpt_step, tokenizer, recorded) -> dict:
+    """export_hf's writing, into `staging`, then moved into `output`."""
+    from safetensors.torch import save_file
+
+    from .inference import load_for_inference
+
     # the tokenizer first: a conversion that would encode differently stops the export before the weights load
-    eos, bos = _save_tokenizer(recorded, staging, log) if tokenizer else (None, None)
+    eos, bos = _save_tokenizer(recorded, staging, write=tokenizer)
     if getattr(recorded, "moe_expert_capacity_factor", None) is not None:
         log(f"note: trained with --moe-expert-capacity-factor {recorded.moe_expert_capacity_factor}: megatron drops "
             "the token-expert pairs over an expert's capacity (in evaluation too); the exported Mixtral routes every "
@@ -307,7 +322,7 @@ def export_hf(load: str, output: str, dtype: str = "bfloat16", log=print, tokeni
         json.dump({"bos_token_id": bos, "eos_token_id": eos}, f, indent=2)
     with open(os.path.join(staging, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _move_into(staging, output, log)
+    _move_into(staging, output, log, tokenizer)
     log(f"exported {config['architectures'][0]} ({sum(t.numel() for t in tensors.values()) / 1e6:.2f} M parameters, "
         f"{dtype}) from {load} (iteration {args.iteration}) to {output}")
     return config

@@ -217,7 +217,7 @@ def _pretrain_error(args) -> str:
     (["--data-path", "-1", "C", "2", "D"], "a blend's weights must be positive, got -1, 2"),
     (["--data-path", "0.5", "C", "0.5"], "0.5 reads as a weight: a blend is pairs of a weight and a prefix, and "
                                          "--data-path has 3 values"),
-    (["--split", "1e-3,1,0"], "--split '1e-3,1,0': expected up to three non-negative weights"),  # not 1,3,1,0
+    (["--split", "1e3,1"], "--split '1e3,1': expected up to three non-negative weights"),  # megatron: 1,3,1
 ])
 def test_bad_input_fails_early_with_message(dataset, extra, message):
     assert message in _pretrain_error(_trainer_args(dataset, *extra))
@@ -234,6 +234,16 @@ def test_weighted_blend_checks_the_splits_megatron_will_build(dataset):
     assert dataset_sizes(blend)[2] == blend.global_batch_size
     with pytest.raises(ArgumentError, match="the test split of .* is empty.*or a share of 0"):
         check_data(blend, build_tokenizer(blend), dataset_sizes(blend))
+
+
+def test_no_validation_share_is_fine_without_evaluation_in_a_weighted_blend(dataset):
+    """A weighted blend requests a size for every split, evaluated or not: --eval-iters 0 decides, not that size."""
+    from megatron_int8.training.data import build_tokenizer, check_data, dataset_sizes
+
+    args = validate_args(_trainer_args(dataset, "--split", "100,0,0", "--eval-iters", "0", "--data-path", "0.5",
+                                       dataset["prefix"], "0.5", dataset["prefix"]), world_size=1)
+    assert dataset_sizes(args)[1] == args.global_batch_size
+    check_data(args, build_tokenizer(args), dataset_sizes(args))
 
 
 def test_a_blend_without_weights_checks_every_split_with_a_share(dataset):
@@ -278,9 +288,13 @@ def test_an_index_cache_older_than_its_data_is_named(dataset, tmp_path):
     written = os.path.getmtime(dataset["prefix"] + ".bin")
     for path in (description, other):
         os.utime(path, (written - 60, written - 60))
-    with pytest.raises(ArgumentError, match=rf"were written after the index cache built from them \({cache}/0123abcd-"
+    with pytest.raises(ArgumentError, match=rf"after the index cache built from them \({cache}/0123abcd-"
                                             r"GPTDataset-train-\*; megatron-core would reuse it"):
         check_data(args, tokenizer, dataset_sizes(args))
+    # megatron keys its cache by the path as given: a cache of the same files under another spelling is not reused
+    description.write_text(json.dumps({"class": "GPTDataset", "dataset_path": os.path.relpath(dataset["prefix"])}))
+    os.utime(description, (written - 60, written - 60))
+    check_data(args, tokenizer, dataset_sizes(args))
 
 
 def test_empty_validation_split_is_fine_without_evaluation(dataset):

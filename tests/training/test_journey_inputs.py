@@ -214,26 +214,44 @@ def test_exit_interval_without_save_is_noted(dataset, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_export_without_protobuf_copies_the_sentencepiece_model(dataset, tmp_path, monkeypatch):
-    """transformers converts a SentencePiece model to tokenizer.json only with protobuf installed: without it
-    the export keeps the model as tokenizer.model (which transformers converts when loading) and says so."""
+def test_export_without_protobuf_stops_naming_the_package(dataset, tmp_path, monkeypatch):
+    """The exact tokenizer.json needs protobuf. Without it the export copied tokenizer.model, which transformers
+    converts on loading into a tokenizer that encodes leading whitespace and text after newlines otherwise: now it
+    stops, naming the package and --no-tokenizer; and --no-tokenizer (write=False) writes nothing, yet gives the
+    special ids for config.json."""
     transformers = pytest.importorskip("transformers")
     import sentencepiece as spm
 
-    from megatron_int8.training.export import _save_tokenizer
+    from megatron_int8.training.export import ExportError, _save_tokenizer
 
     def no_protobuf(*args, **kwargs):
         raise ImportError("SentencePieceExtractor requires the protobuf library")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_protobuf)
-    notes = []
     args = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=dataset["tokenizer"])
-    eos, bos = _save_tokenizer(args, str(tmp_path), notes.append)
+    with pytest.raises(ExportError, match="needs the protobuf package .*pip install protobuf, or --no-tokenizer"):
+        _save_tokenizer(args, str(tmp_path))
+    assert os.listdir(tmp_path) == []
     processor = spm.SentencePieceProcessor(model_file=dataset["tokenizer"])
-    assert (eos, bos) == (processor.eos_id(), processor.bos_id())
-    assert sorted(os.listdir(tmp_path)) == ["tokenizer.model", "tokenizer_config.json"]
-    assert (tmp_path / "tokenizer.model").read_bytes() == open(dataset["tokenizer"], "rb").read()
-    assert len(notes) == 1 and "requires the protobuf library" in notes[0]
+    assert _save_tokenizer(args, str(tmp_path), write=False) == (processor.eos_id(), processor.bos_id())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_export_leaves_no_staging_folder(tmp_path, monkeypatch):
+    """The staging folder is made before the weights load (a refusal there once left <output>.partial behind)."""
+    from megatron_int8.training import export, inference
+
+    recorded = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                                  add_bias_linear=False, rotary_percent=1.0, qk_layernorm=False, num_experts=None)
+    monkeypatch.setattr(inference, "inference_arguments", lambda *a, **k: recorded)
+
+    def fails(*args, **kwargs):
+        raise export.ExportError("the tokenizer differs")
+
+    monkeypatch.setattr(export, "_write_export", fails)
+    with pytest.raises(export.ExportError, match="the tokenizer differs"):
+        export.export_hf("ckpt", str(tmp_path / "hf"))
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("save_first", [False, True])
@@ -364,8 +382,8 @@ def test_export_refuses_sinkhorn_routing():
     by a softmax over the chosen: exported as Mixtral its logits moved by 8-12% of their scale, silently."""
     from megatron_int8.training.export import ExportError, hf_architecture
 
-    moe = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                             rotary_percent=1.0, qk_layernorm=False, num_experts=4,
+    moe = argparse.Namespace(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                             add_bias_linear=False, rotary_percent=1.0, qk_layernorm=False, num_experts=4,
                              moe_router_load_balancing_type="aux_loss")
     assert hf_architecture(moe) == "mixtral"
     moe.moe_router_load_balancing_type = "sinkhorn"
