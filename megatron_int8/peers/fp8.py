@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_pg_size
 
+from ..megatron.compat import check_linear_gemm_options
 from ..megatron.layers import config_without_apex_check
 from ..megatron.policy import FP8_RECIPES
 from ..megatron.spec import register_peer_linears
@@ -190,9 +191,13 @@ class Fp8LinearMixin:
         grad_output_buffer: Optional[List[torch.Tensor]] = None,
         wgrad_deferral_limit: Optional[int] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        **newer_options,
     ) -> torch.Tensor:
+        """`newer_options`: keywords that later megatron-core versions pass (compat.LINEAR_GEMM_OPTIONS, e.g. 0.19's
+        gtp_remat_size), each taken only at its "off" value, as the INT8 layers do."""
         # gradient_accumulation_fusion is ignored on purpose (module docstring): weight.grad, never main_grad.
         name = type(self).__name__
+        check_linear_gemm_options(name, newer_options)
         if grad_output_buffer is not None:
             raise NotImplementedError(f"{name}: grad_output_buffer (deferred wgrad) is not supported")
         if allreduce_dgrad or sequence_parallel:

@@ -314,3 +314,17 @@ def test_bench_e2e_runs_the_fp8_peer_and_tabulates_it(monkeypatch, tmp_path):
     assert csv_rows[1]["fp8_tok_s"] == ""  # the failed FP8 run leaves its cell empty
     plain = bench_e2e.format_table(records, bench_e2e.parse_args(["--models", "llama2_7b"]))
     assert "FP8" not in plain and "| speedup (measured) |" in plain
+
+
+def test_forward_takes_the_keywords_newer_megatron_passes():
+    """megatron-core 0.19 passes `gtp_remat_size` to `_forward_impl` (every FP8 layer failed with a TypeError on
+    0.19.2): taken at its "off" value, refused by name otherwise, as the INT8 layers do. An empty input (an
+    expert without tokens) takes the plain path, so this runs without torchao."""
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(fp8_emulate=True, fp8_recipe="tensorwise", fp8_compile=False)
+    x, w = torch.randn(0, 16), torch.randn(8, 16)
+    out = fp8_peer.Fp8LinearMixin._forward_impl(layer, x, w, None, False, False, False, gtp_remat_size=1)
+    assert out.shape == (0, 8)
+    with pytest.raises(NotImplementedError, match="gtp_remat_size=2"):
+        fp8_peer.Fp8LinearMixin._forward_impl(layer, x, w, None, False, False, False, gtp_remat_size=2)
