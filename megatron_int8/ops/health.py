@@ -74,13 +74,17 @@ def _index(name: str) -> int:
 
 def distribution_stats(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[amax, crest, kurtosis] of x's elements, fp32 on x's device (moments accumulated in fp32 from the
-    centred values). `amax`: that of the tensor x is a sample of (crest is then amax / x's RMS). An all-zero
-    tensor has crest 0 and kurtosis NaN (no spread)."""
+    centred values, divided by the sample's amax first: fourth powers of raw values overflow or flush to zero at
+    scales that gradients reach, and both ratios are scale-free). `amax`: that of the tensor x is a sample of
+    (crest is then amax / x's RMS). An all-zero tensor has crest 0 and kurtosis NaN (no spread)."""
     v = x.detach().reshape(-1).float()
     if v.numel() == 0:
         raise ValueError("health statistics of an empty tensor")
-    amax = v.abs().amax() if amax is None else amax.detach().float().reshape(())
-    rms = v.square().mean().sqrt()
+    sample_amax = v.abs().amax()
+    amax = sample_amax if amax is None else amax.detach().float().reshape(())
+    unit = torch.where(sample_amax > 0, sample_amax, torch.ones_like(sample_amax))
+    v = v / unit
+    rms = v.square().mean().sqrt() * unit
     crest = torch.where(rms > 0, amax / rms, torch.zeros_like(rms))
     centred = v - v.mean()
     var = centred.square().mean()
@@ -279,18 +283,30 @@ def _pick_q(q: QTensor, index: Optional[torch.Tensor]) -> QTensor:
 class _Probe:
     """`arm()` before a statistics step; the next forward that records autograd (a training forward, not
     evaluation or the no-grad first pass of activation recompute) is measured. `take()` returns the measured
-    value tensors (one per armed step, NaN where not measured) and forgets them."""
+    value tensors and forgets them; `take_last(n)` returns them by the arm() that armed each, so that a step that
+    did not reach the unit (an MoE expert without tokens) leaves a gap, not a later step's values in its place."""
 
     def __init__(self):
         self.armed = False
-        self._pending: List[torch.Tensor] = []
+        self.arms = 0  # arm() calls so far
+        self._pending: List[Tuple[int, torch.Tensor]] = []  # (the arm() that armed it, values)
 
     def arm(self) -> None:
         self.armed = True
+        self.arms += 1
+
+    def _record(self, values: torch.Tensor) -> None:
+        self._pending.append((self.arms, values))
 
     def take(self) -> List[torch.Tensor]:
         pending, self._pending = self._pending, []
-        return pending
+        return [values for _, values in pending]
+
+    def take_last(self, n: int) -> List[Optional[torch.Tensor]]:
+        """The values of the last `n` arm() calls in order, None where that step did not reach the unit; forgets
+        every value."""
+        pending, self._pending = dict(self._pending), []
+        return [pending.get(arm) for arm in range(self.arms - n + 1, self.arms + 1)]
 
 
 class LinearProbe(_Probe):
@@ -334,7 +350,7 @@ class LinearProbe(_Probe):
             fprop_underflow = torch.maximum(_fractions(x_rows, q_x)[0], _fractions(w_rows, q_w)[0])
         values[_index("fprop/rel_err")] = _product_error(x_rows, q_x, w_rows, q_w)
         values[_index("fprop/underflow")] = fprop_underflow
-        self._pending.append(values)
+        self._record(values)
         x_t_amax = _sample_amax(recipe, x_amax, x_col_amax)
         return ForwardRecord(values, recipe, dy_rows, dy_tokens, x[rows].clone(), x_t_amax, out_channels, w_amax,
                              w_col_amax, grad_group)
@@ -376,7 +392,7 @@ class AttentionProbe(_Probe):
             o_fp32 = torch.softmax(exact.masked_fill(masked, float("-inf")), dim=-1) @ v_rows
         values = torch.stack([relative_error(approx.masked_fill(masked, 0.0), exact.masked_fill(masked, 0.0)),
                               relative_error(out[0].detach()[heads, rows].float(), o_fp32)])
-        self._pending.append(values)
+        self._record(values)
 
 
 def values_by_name(values: torch.Tensor) -> Dict[str, float]:

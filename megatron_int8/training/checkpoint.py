@@ -775,6 +775,14 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     rng_state = None if args.no_load_rng else _saved_rng_state(directory, common, _parallel_layout(model_chunks), log)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
+        saved_args = common.get("args") or {}
+        saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+        saved_ep = saved_args.get("expert_model_parallel_size") or 1
+        regrouped = fallback.regroup_experts(getattr(args, "num_experts", None) or 0, saved_ep,
+                                             args.expert_model_parallel_size)
+        if regrouped:
+            log(f"int8 fallback: the checkpoint's expert moves, saved under expert parallelism {saved_ep}, apply to "
+                f"the experts' slots under {args.expert_model_parallel_size}: {', '.join(regrouped)}")
     with_optimizer = not args.no_load_optim
     saved_format = saved_distopt_format(common)
     if with_optimizer:

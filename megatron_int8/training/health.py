@@ -147,8 +147,12 @@ class AutoFallback:
         self.moved: Dict[str, dict] = {}  # linear name -> {"mode": {...}, "events": [...]}
 
     def mode_of(self, name: str, built: dict) -> dict:
-        """The mode linear `name` runs in: its fallback mode if it moved, else the one it was built with."""
-        return dict(self.moved[name]["mode"]) if name in self.moved else dict(built)
+        """The mode linear `name` runs in: its fallback mode on the one it was built with (`on_built_mode`: a move
+        a run of other settings saved) if it moved, else the built one."""
+        if name not in self.moved:
+            return dict(built)
+        moved = self.moved[name]["mode"]
+        return dict(moved) if "int8_attention" in moved else on_built_mode(built, moved)
 
     def check(self, iteration: int, name: str, built: dict, values: Dict[str, float]) -> List[dict]:
         """One statistics check of one linear or INT8 attention (`values`: stat name -> value, NaN or absent: not
@@ -196,11 +200,51 @@ class AutoFallback:
             if unknown:
                 raise ValueError(f"int8 fallback state of {name}: unexpected mode fields {sorted(unknown)}")
 
+    def regroup_experts(self, experts: int, saved_ep: int, ep: int) -> List[str]:
+        """Move the expert slots of a checkpoint saved under `saved_ep` expert-parallel ranks onto this run's `ep`.
+        An expert linear is named by its local slot (`...local_experts.<i>...`), and slot i holds expert
+        r * experts / ep + i on rank r: another expert at each size. A saved slot's move covers every expert it
+        held, and a slot of this run moves where any expert it holds had moved (each GEMM INT8 only where every
+        such move kept it, the finer scales where any took them). Streaks of expert slots start over. Returns
+        this run's slots that moved."""
+        if saved_ep == ep or not experts or experts % saved_ep or experts % ep:
+            return []
+        old_local, new_local = experts // saved_ep, experts // ep
+        regrouped: Dict[str, dict] = {}
+        for name in sorted(self.moved):
+            match = _EXPERT_SLOT.match(name)
+            if match is None:
+                regrouped.setdefault(name, self.moved[name])
+                continue
+            slot = int(match["slot"])
+            for rank in range(saved_ep):
+                new_name = f"{match['head']}{(rank * old_local + slot) % new_local}{match['tail']}"
+                entry = self.moved[name]
+                if new_name in regrouped:
+                    kept = regrouped[new_name]
+                    entry = {"mode": _safer_of(kept["mode"], entry["mode"]),
+                             "events": kept["events"] + [e for e in entry["events"] if e not in kept["events"]]}
+                regrouped[new_name] = {"mode": dict(entry["mode"]), "events": list(entry["events"])}
+        self.moved = regrouped
+        self.streaks = {k: v for k, v in self.streaks.items() if _EXPERT_SLOT.match(k) is None}
+        return sorted(n for n in regrouped if _EXPERT_SLOT.match(n))
+
     def reset(self) -> List[str]:
         """Forget every move (`--int8-reset-fallback`); returns the linears that had moved."""
         names = sorted(self.moved)
         self.moved, self.streaks = {}, {}
         return names
+
+
+_EXPERT_SLOT = re.compile(r"^(?P<head>.*\.local_experts\.)(?P<slot>\d+)(?P<tail>\..*)$")
+
+
+def _safer_of(a: dict, b: dict) -> dict:
+    """Two fallback modes of one linear made one: each GEMM INT8 where both keep it, the finer scales of the two."""
+    mode = {gemm: a[gemm] and b[gemm] for gemm in GEMMS}
+    mode["granularity"] = b["granularity"] if b["granularity"] == FINER_GRANULARITY.get(a["granularity"]) else \
+        a["granularity"]
+    return mode
 
 
 def _layer_modules(model_chunks, accept) -> Dict[str, torch.nn.Module]:
@@ -326,11 +370,11 @@ class HealthMonitor:
         stats = {name: ATTENTION_STATS if name in self.attentions else STAT_NAMES for name in names}
         blocks = []
         for name in names:
-            taken = self.probes[name].take()[-len(iterations):]
+            taken = self.probes[name].take_last(len(iterations))
             # a step whose training forward did not reach this unit leaves NaN (not measured)
-            device = taken[0].device if taken else training_device()
+            device = next((t.device for t in taken if t is not None), None) or training_device()
             missing = torch.full((len(stats[name]),), float("nan"), device=device)
-            blocks.append(torch.stack(taken + [missing] * (len(iterations) - len(taken))).reshape(-1))
+            blocks.append(torch.stack([missing if t is None else t for t in taken]).reshape(-1))
         flat = _worst_over_replicas(torch.cat(blocks)).cpu() if blocks else None  # the one host sync
         local, start = {}, 0
         for name in names:
@@ -454,9 +498,11 @@ class RunHealth:
                                                             f"precision: {', '.join(dropped)}" if dropped else
                                                             "no fallback moves to drop"))
         apply_fallback(self.linears, self.fallback, self.attentions)
+        built = built_modes(self.linears, self.attentions)  # over the pipeline stages: every rank calls this
         for name in sorted(self.fallback.moved) if self.linears or self.attentions else ():  # BF16: kept, unused
-            log(f"int8 fallback restored from the checkpoint: {name} runs "
-                f"{describe_mode(self.fallback.moved[name]['mode'])} (--int8-reset-fallback reverts it)")
+            mode = self.fallback.mode_of(name, built[name]) if name in built else self.fallback.moved[name]["mode"]
+            log(f"int8 fallback restored from the checkpoint: {name} runs {describe_mode(mode)} "
+                "(--int8-reset-fallback reverts it)")
         # the same answer on every rank (the moves are the checkpoint's, not this pipeline stage's): the caller
         # prints the precision table, a collective over the stages
         return bool(self.fallback.moved) or self.reset_on_load

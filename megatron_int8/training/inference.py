@@ -18,7 +18,10 @@ SINGLE_PROCESS = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size
                       use_distributed_optimizer=False, cuda_graph_impl="none", recompute_granularity=None,
                       recompute_method=None, recompute_num_layers=None, fp8_peer=None, fp8_peer_compile=False,
                       data_parallel_size=1, no_load_optim=True, no_load_rng=True, skip_train=False,
-                      distributed_backend=None, profile=False, manual_gc=False, int8_all_gather=False)
+                      distributed_backend=None, profile=False, manual_gc=False, int8_all_gather=False,
+                      # the fallback moves run as training left them: a resume's reset is not redone at load, and
+                      # nothing is measured (inference takes no fallback decisions)
+                      int8_reset_fallback=False, int8_stats_interval=0)
 
 
 def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optional[bool] = None,

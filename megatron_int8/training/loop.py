@@ -363,8 +363,11 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
         signal_name = exit_signals.check()
         exiting = bool(signal_name) or (args.exit_interval is not None and iteration % args.exit_interval == 0)
         last = exiting or iteration == args.train_iters  # the run's last iteration: its log line and checks too
+        saving = bool(args.save) and (last or bool(args.save_interval and iteration % args.save_interval == 0))
         health_summary = moved = None
-        if health.monitor is not None and (iteration % args.log_interval == 0 or last):
+        # a save takes the checks armed since the last log line first, so that its streaks are those of this step
+        # (a resume from it then decides as this run does)
+        if health.monitor is not None and (iteration % args.log_interval == 0 or last or saving):
             health_summary, moved = health.at_log_line(logger)
             phases.mark("int8_health")
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
@@ -380,8 +383,7 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
                 iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid_loss = evaluate(forward_backward, validation_batches(valid_ds, args), model, args)
             logger.validation(iteration, valid_loss)
-        if args.save and (iteration == args.train_iters or exiting
-                          or (args.save_interval and iteration % args.save_interval == 0)):
+        if saving:
             save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, _log, health.fallback)
             progress["saved"] = (iteration, args.save)
         logger.pause_interval(time.time() - paused)

@@ -241,3 +241,82 @@ def test_after_load_answers_alike_on_every_pipeline_stage():
         answers.append(health.after_load(lambda message: None))
         assert (linear.int8_recipe != Int8Recipe()) == (local == "layer2.mlp.linear_fc2")
     assert answers == [True, True]
+
+
+def test_expert_moves_follow_their_experts_to_another_expert_parallel_size():
+    """Expert linears are named by local slot, and slot i holds expert r * E / ep + i on rank r. With 4 experts,
+    slot 1 under EP 2 is experts 1 and 3, which under EP 1 are slots 1 and 3; under EP 2 again, EP 1's experts 0
+    (wgrad moved) and 2 (fprop moved) share slot 0, which takes both moves. Other linears and their streaks stay."""
+    def slot(i):
+        return f"layer1.mlp.experts.local_experts.{i}.linear_fc1"
+
+    fallback = AutoFallback(FallbackThresholds(patience=1))
+    run(fallback, [with_(fprop__rel_err=0.4)], name=slot(1))
+    run(fallback, [with_(dgrad__rel_err=0.4)], name="layer1.self_attention.linear_qkv")
+    run(fallback, [with_(wgrad__underflow=0.1)], name="layer1.self_attention.linear_proj")  # a streak, no move
+    fallback.streaks[f"{slot(0)}/wgrad"] = 1
+    state = fallback.state_dict()
+    assert fallback.regroup_experts(4, 2, 2) == [] and fallback.state_dict() == state  # same size: unchanged
+    assert fallback.regroup_experts(4, 2, 1) == [slot(1), slot(3)]
+    assert fallback.moved[slot(3)] == fallback.moved[slot(1)] == state["moved"][slot(1)]
+    assert "layer1.self_attention.linear_qkv" in fallback.moved and slot(0) not in fallback.moved
+    assert f"{slot(0)}/wgrad" not in fallback.streaks and fallback.streaks  # expert streaks start over
+
+    ep1 = AutoFallback(FallbackThresholds(patience=1))
+    run(ep1, [with_(wgrad__rel_err=4.0)], name=slot(0))
+    run(ep1, [with_(fprop__rel_err=0.4)], name=slot(2))
+    assert ep1.regroup_experts(4, 1, 2) == [slot(0)]
+    assert ep1.moved[slot(0)]["mode"] == {**ROW, "fprop": False, "wgrad": False}
+    assert [e["gemm"] for e in ep1.moved[slot(0)]["events"]] == ["wgrad", "fprop"]
+
+
+def test_a_restored_move_is_reported_and_watched_in_the_mode_it_runs():
+    """A tensorwise run's move (tensor -> row) resumed on a block-scale run with BF16 wgrad runs block scales and
+    wgrad in high precision: the log line says so, and the next move starts from that mode."""
+    from types import SimpleNamespace
+
+    from megatron_int8.recipe import Int8Recipe
+    from megatron_int8.training.health import RunHealth
+
+    name = "layer1.mlp.linear_fc2"
+    saved = AutoFallback(FallbackThresholds(patience=1))
+    run(saved, [with_(fprop__rel_err=0.4)], name=name, built={**ROW, "granularity": "tensor"})
+    assert saved.moved[name]["mode"] == ROW  # tensor -> row
+    fallback = AutoFallback(FallbackThresholds(patience=1))
+    fallback.load_state_dict(saved.state_dict())
+    built = Int8Recipe(granularity="block", wgrad=False)
+    linear = SimpleNamespace(int8_built_recipe=built, int8_recipe=built)
+    health = RunHealth.__new__(RunHealth)
+    health.fallback, health.linears, health.attentions, health.reset_on_load = fallback, {name: linear}, {}, False
+    lines = []
+    health.after_load(lines.append)
+    assert any(f"{name} runs block scales, fprop/dgrad/wgrad:hp" in line for line in lines), lines
+    block = {"granularity": "block", "fprop": True, "dgrad": True, "wgrad": False}
+    assert fallback.mode_of(name, block) == block
+    (event,) = run(fallback, [with_(dgrad__rel_err=0.4)], name=name, built=block)
+    assert event["change"] == "dgrad -> high precision"
+    assert fallback.moved[name]["mode"] == {**block, "dgrad": False}
+
+
+def test_a_step_that_misses_a_unit_leaves_its_own_check_empty():
+    """Statistics every step: an MoE expert that gets no tokens at step 1 and is measured at step 2 files its values
+    under step 2 (they were filed under step 1, and step 2 showed nothing)."""
+    from types import SimpleNamespace
+
+    from megatron_int8.recipe import Int8Recipe
+    from megatron_int8.training.health import HealthMonitor
+
+    name = "layer1.mlp.experts.local_experts.0.linear_fc1"
+    monitor = HealthMonitor({name: SimpleNamespace(int8_built_recipe=Int8Recipe())}, interval=1,
+                            fallback=AutoFallback())
+    probe = monitor.probes[name]
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(48, 32)
+    monitor.before_step(1)  # not reached
+    monitor.before_step(2)
+    probe.observe_forward(x, w, Int8Recipe()).observe_backward(torch.randn(64, 48), w)
+    monitor.before_step(3)  # not reached
+    checks = monitor.collect()
+    assert [it for it, _ in checks] == [1, 2, 3]
+    assert [bool(by_linear[name]) for _, by_linear in checks] == [False, True, False]
+    assert checks[1][1][name]["fprop/rel_err"] > 0

@@ -104,3 +104,31 @@ def test_statistics_under_sequence_parallelism_measure_every_gemm(tmp_path, gran
                 value = health[0]["int8_health"][f"int8_health/layer{layer}.{linear}/{stat}"]
                 assert value >= 0 and value == value, (layer, linear, stat)
             assert health[0]["int8_health"][f"int8_health/layer{layer}.{linear}/wgrad/rel_err"] < 0.2
+
+
+def test_a_save_between_log_lines_keeps_its_checks_and_inference_keeps_the_moves(tmp_path):
+    """A checkpoint saved between log lines holds the checks armed since the last one, so a resume from it decides
+    as the uninterrupted run does; generation on a checkpoint of a run resumed with --int8-reset-fallback keeps the
+    moves made after the reset (the recorded flag was applied again at load and dropped them)."""
+    flags = ["--int8-linear", "--int8-stats-interval", "1", "--int8-auto-fallback", "--int8-fallback-max-rel-err",
+             "1e-9", "--int8-fallback-patience", "2", "--train-iters", "6", "--save-interval", "2"]
+    train(*flags, "--save", str(tmp_path / "a"))
+    resumed = train(*flags, "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save", str(tmp_path / "b"))
+    assert "loaded checkpoint" in resumed
+
+    def moves(run, after):
+        return sorted((e["iteration"], e["linear"], e["gemm"]) for e in
+                      (r["int8_fallback"] for r in records(tmp_path / run / "train_log.jsonl", "int8_fallback"))
+                      if e["iteration"] > after)
+
+    assert moves("a", 2) and moves("b", 2) == moves("a", 2)
+    # reset at the load of iteration 2's checkpoint, moved again at 4 (patience 2): its checkpoint records the flag
+    train(*flags[:-4], "--train-iters", "4", "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save",
+          str(tmp_path / "c"), "--int8-reset-fallback")
+    script = ("from megatron_int8.training.inference import load_for_inference\n"
+              "from megatron_int8.training.health import int8_linears\n"
+              f"model, args, _ = load_for_inference({str(tmp_path / 'c')!r}, log=print)\n"
+              "print(sorted({m.int8_recipe.describe() for m in int8_linears(model).values()}))\n")
+    out = _run([sys.executable, "-c", script])
+    assert "back to their configured precision" not in out
+    assert "['int8[row,fprop:hp/dgrad/wgrad]']" in out
