@@ -53,6 +53,25 @@ def test_distribution_stats_on_known_values():
     assert math.isnan(distribution_stats(torch.full((8,), 3.0))[2].item())
 
 
+@pytest.mark.parametrize("scale", [1e-12, 1.0, 1e9])
+def test_distribution_stats_do_not_depend_on_the_scale(scale):
+    """Crest and kurtosis are ratios of moments: a bf16 tensor with an outlier channel at the scale of late
+    gradients (1e-12) or of overflowing activations (1e9) gives float64's values (fp32 fourth powers of raw values
+    flushed to zero, NaN, or overflowed, inf)."""
+    torch.manual_seed(3)
+    x = torch.randn(256, 4096)
+    x[:, 7] *= 60.0
+    x = (x * scale).to(torch.bfloat16)
+    v = x.double().reshape(-1)
+    centred = v - v.mean()
+    crest = v.abs().max() / v.square().mean().sqrt()
+    kurtosis = centred.pow(4).mean() / centred.square().mean().square()
+    amax, got_crest, got_kurtosis = distribution_stats(x).tolist()
+    assert amax == v.abs().max().item()
+    assert got_crest == pytest.approx(crest.item(), rel=1e-4)
+    assert got_kurtosis == pytest.approx(kurtosis.item(), rel=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_distribution_stats_against_float64(dtype):
     x = heavy_tailed(64, 300, dtype=dtype)
