@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import enum
 import os
 import pickle
 
@@ -40,10 +41,21 @@ class UnsafeCheckpointError(RuntimeError):
     """A checkpoint file holds an object outside the allowlist."""
 
 
+def _record_enum_member(owner, name: str):
+    """`builtins.getattr` as some Python 3.11 releases pickle an enum member (`getattr(EnumClass, 'NAME')`, e.g.
+    torch's `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT` in every `.metadata`), allowed for the members of the
+    record enums alone."""
+    if isinstance(owner, enum.EnumMeta) and owner.__module__ in _DCP_MODULES and name in owner.__members__:
+        return owner.__members__[name]
+    raise UnsafeCheckpointError(f"builtins.getattr({getattr(owner, '__qualname__', type(owner).__name__)}, {name!r})")
+
+
 class _RecordUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         value = None
-        if module in _DCP_MODULES:
+        if (module, name) == ("builtins", "getattr"):
+            value = _record_enum_member
+        elif module in _DCP_MODULES:
             candidate = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(candidate, type):  # classes only: no functions
                 value = candidate
