@@ -9,6 +9,7 @@ Greedy by default (--temperature 0). The linears run as the checkpoint's run tra
 the new tokens must fit the model's context (its --max-position-embeddings): a longer request is an error.
 """
 import argparse
+import math
 import sys
 
 
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
         parser.error("--prompt is empty: give the text to continue")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
         parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")

@@ -76,15 +76,20 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, 
     if not isinstance(content, dict):
         raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
     actions = _option_actions(parser)
-    defaults, errors = {}, []
+    defaults, errors, key_of = {}, [], {}
     for raw_key, value in content.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
         action = actions.get(key)
-        if action is None or key == "config":
+        if action is not None and key not in ("config", "help") and action.dest in key_of:
+            # two keys of one setting (swiglu and no_swiglu, lr and --lr): the last one silently won
+            errors.append(f"'{raw_key}' and '{key_of[action.dest]}' both set {action.dest}")
+            continue
+        if action is None or key in ("config", "help"):
             close = difflib.get_close_matches(key, list(actions), n=3, cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"unknown key '{raw_key}'{hint}")
             continue
+        key_of[action.dest] = raw_key
         defaults[action.dest] = _yaml_value(str(raw_key), value, action)
     if errors:
         raise ArgumentError(f"--config {path}: " + "; ".join(errors))

@@ -29,6 +29,37 @@ def _require(args, names: List[str]) -> None:
         raise ArgumentError(f"missing required argument(s): {', '.join(missing)}")
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _validate_numbers(args: argparse.Namespace) -> None:
+    """Sizes, rates and seeds that megatron or torch would reject only after the model is built (or, for some,
+    never: --vocab-size 0 trained on one token, --recompute-num-layers 0 looped forever)."""
+    for name in ("global_batch_size", "kv_channels", "ffn_hidden_size", "moe_ffn_hidden_size", "vocab_size",
+                 "num_experts", "recompute_num_layers", "make_vocab_size_divisible_by",
+                 "distributed_timeout_minutes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be positive")
+    if args.group_query_attention and args.num_query_groups <= 0:
+        raise ArgumentError(f"--num-query-groups {args.num_query_groups}{origin(args, 'num_query_groups')}: must be "
+                            "positive")
+    if args.num_workers < 0:
+        raise ArgumentError(f"--num-workers {args.num_workers}{origin(args, 'num_workers')}: must be >= 0")
+    for name in ("seed", "data_seed"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < 2 ** 32:
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be in [0, 2**32) (numpy's seeds)")
+    for name in ("attention_dropout", "hidden_dropout"):
+        value = getattr(args, name)
+        if not 0 <= value <= 1:  # NaN fails too
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be in [0, 1]")
+    if not (math.isfinite(args.init_method_std) and args.init_method_std > 0):
+        raise ArgumentError(f"--init-method-std {args.init_method_std}{origin(args, 'init_method_std')}: must be a "
+                            "positive number")
+
+
 def _validate_moe_capacity(args: argparse.Namespace) -> None:
     """megatron's expert capacity (--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity), refused here
     where megatron's TransformerConfig would fail later or quietly read a negative factor as none."""
@@ -129,13 +160,13 @@ def _warn_silent_choices(args: argparse.Namespace) -> None:
 def _validate_schedule(args: argparse.Namespace, decay_given: bool) -> None:
     """The optimizer's and the LR schedule's numbers, each error naming where a value came from."""
     for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
-        if getattr(args, name) < 0:
-            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be >= 0")
-    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):  # NaN passed "< 0" (--clip-grad nan turned clipping off)
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be >= 0")
+    for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
         if not 0 <= getattr(args, name) < 1:
-            raise ArgumentError(f"--{name.replace('_', '-')} {getattr(args, name)}{origin(args, name)}: must be in "
-                                "[0, 1)")
-    if args.adam_eps <= 0:
+            raise ArgumentError(f"{_flag(name)} {getattr(args, name)}{origin(args, name)}: must be in [0, 1)")
+    if not (math.isfinite(args.adam_eps) and args.adam_eps > 0):
         raise ArgumentError(f"--adam-eps {args.adam_eps}{origin(args, 'adam_eps')}: must be positive")
     if args.lr_decay_iters <= 0:
         raise ArgumentError(f"--lr-decay-iters {args.lr_decay_iters}{origin(args, 'lr_decay_iters')}: must be "
@@ -168,6 +199,36 @@ def _validate_int8_health(args: argparse.Namespace) -> None:
     if not args.int8_fallback_max_attention_rel_err > 0:
         raise ArgumentError(f"--int8-fallback-max-attention-rel-err must be positive, got "
                             f"{args.int8_fallback_max_attention_rel_err}")
+
+
+def _validate_int8_modules(args: argparse.Namespace) -> None:
+    """What the INT8 model's build or first step would refuse (the backend, the memory options' modules), and
+    the layer counts that only apply with --int8-first-last-layers-bf16."""
+    if not args.int8_linear:
+        return
+    import torch
+
+    from ..dispatch import resolve_backend_name
+    from ..recipe import Int8Recipe
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolve_backend_name(device, Int8Recipe(backend=args.int8_backend))
+    except (ImportError, ValueError) as err:
+        raise ArgumentError(f"--int8-backend {args.int8_backend}: {err}; --int8-backend auto picks what runs "
+                            "here") from None
+    if args.int8_swiglu_input and not (args.swiglu and args.fused_swiglu and args.num_experts is None):
+        raise ArgumentError("--int8-swiglu-input keeps the input of the fused SwiGLU of dense MLPs: it needs "
+                            "--swiglu, no --no-fused-swiglu and no --num-experts")
+    if args.int8_norm_input and args.normalization != "RMSNorm":
+        raise ArgumentError(f"--int8-norm-input keeps the RMSNorms' input in INT8: it needs --normalization "
+                            f"RMSNorm, got {args.normalization}")
+    if not args.int8_first_last_layers_bf16:
+        given = [f"--int8-num-layers-at-{end}-in-bf16" for end in ("start", "end")
+                 if getattr(args, f"int8_num_layers_at_{end}_in_bf16") != 1]
+        if given:
+            print(f"note: {' and '.join(given)} apply with --int8-first-last-layers-bf16 only: every layer runs "
+                  "INT8", flush=True)
 
 
 def _validate_int8_attention(args: argparse.Namespace) -> None:
@@ -236,6 +297,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                  "expert_model_parallel_size"):
         if getattr(args, name) <= 0 and not (name == "train_iters" and args.skip_train):
             raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    _validate_numbers(args)
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     if args.manual_gc_interval and not args.manual_gc:
@@ -268,6 +330,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
                                 else 4 * args.hidden_size)
     if args.num_experts is not None:
+        if args.add_bias_linear:
+            raise ArgumentError("--num-experts needs --disable-bias-linear: megatron-core's experts add their output "
+                                "bias in place into a view, which fails at the first step (Mixtral-class MoE has "
+                                "no biases)")
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         if not 1 <= args.moe_router_topk <= args.num_experts:
@@ -308,6 +374,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             "bf16 logit gradients whatever the logits' dtype")
     if args.fused_adam and args.optimizer != "adam":
         raise ArgumentError("--fused-adam needs --optimizer adam")
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ArgumentError("--use-distributed-optimizer needs --optimizer adam (megatron's distributed optimizer "
+                            "shards Adam's state only)")
     _validate_optimizer_precision(args)
     if args.cross_entropy_loss_fusion is None or args.fused_adam is None:
         # fused kernels pay off on the GPU; on the CPU (tests) compiling the cross entropy costs more than it saves
@@ -334,6 +403,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     elif args.fp8_peer_compile:
         raise ArgumentError("--fp8-peer-compile needs --fp8-peer")
     _validate_int8_health(args)
+    _validate_int8_modules(args)
     _validate_int8_attention(args)
 
     # Batch.
@@ -355,6 +425,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise ArgumentError("--recompute-method only applies with --recompute-granularity full")
+    if args.recompute_num_layers is not None and args.recompute_method is None:
+        raise ArgumentError("--recompute-num-layers applies with --recompute-granularity full --recompute-method "
+                            "uniform|block")
     if args.recompute_method is not None and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
     for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
@@ -374,6 +447,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} picks a checkpoint of --load: give --load DIR")
     if args.exit_signal_handler and not args.save:
         raise ArgumentError("--exit-signal-handler saves a checkpoint before it exits: give --save DIR")
+    if args.save_interval and not args.save and not args.skip_train and not origin(args, "save_interval"):
+        # (a config's interval is the recipe's, for runs that save; one given on the command line meant to save)
+        print(f"note: --save-interval {args.save_interval} without --save: no checkpoint is saved", flush=True)
     if args.exit_interval is not None and not args.save and not args.skip_train:
         print(f"note: --exit-interval {args.exit_interval} without --save: the run stops at an iteration divisible "
               "by it without saving a checkpoint", flush=True)

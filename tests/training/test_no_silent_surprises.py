@@ -340,3 +340,93 @@ def test_help_is_grouped_with_common_flags_first_and_every_default_shown(capsys)
         assert f"{flag} " in flat and said in flat[flat.index(f"{flag} "):][:300], (flag, said)
     assert "(default: )" not in text and "(default: True)" not in text and "(default: False)" not in text
     assert len(text.splitlines()[0]) < 100  # the usage line names the shape, not all the flags
+
+
+# a model without a config: megatron's defaults (biases, GELU MLPs, LayerNorm)
+BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3"]
+
+
+def _validated(*flags):
+    """validate_args of tiny.yaml with `flags` (or of BARE where flags start with it)."""
+    from megatron_int8.training.args import parse_args, validate_args
+
+    base = [] if list(flags[:len(BARE)]) == BARE else ["--config", TINY]
+    args = parse_args([*base, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", *flags])
+    return validate_args(args, world_size=1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    # each passed validation and failed after the model was built, or never failed
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
+     "--recompute-num-layers 0: must be positive"),  # megatron looped forever
+    (["--recompute-num-layers", "2"], "--recompute-num-layers applies with --recompute-granularity full"),
+    (BARE + ["--num-experts", "4"], "--num-experts needs --disable-bias-linear"),  # an in-place error at step 1
+    (["--global-batch-size", "0"], "--global-batch-size 0: must be positive"),
+    (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups 0: must be positive"),
+    (["--kv-channels", "0"], "--kv-channels 0: must be positive"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0: must be positive"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by 0: must be positive"),
+    (["--vocab-size", "0"], "--vocab-size 0: must be positive"),  # trained on one token
+    (["--attention-dropout", "1.5"], r"--attention-dropout 1.5: must be in \[0, 1\]"),
+    (["--hidden-dropout", "nan"], r"--hidden-dropout nan: must be in \[0, 1\]"),
+    (["--init-method-std=-0.02"], "--init-method-std -0.02: must be a positive number"),
+    (["--seed=-1"], r"--seed -1: must be in \[0, 2\*\*32\)"),
+    (["--data-seed", "4294967296"], r"--data-seed 4294967296: must be in \[0, 2\*\*32\)"),
+    (["--num-workers=-1"], "--num-workers -1: must be >= 0"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0: must be positive"),
+    (["--clip-grad", "nan"], "--clip-grad nan: must be >= 0"),  # turned clipping off
+    (["--lr", "inf"], "--lr inf: must be >= 0"),
+    (["--adam-eps", "nan"], "--adam-eps nan: must be positive"),
+    (["--optimizer", "sgd", "--sgd-momentum", "nan"], r"--sgd-momentum nan: must be in \[0, 1\)"),
+    (["--optimizer", "sgd", "--use-distributed-optimizer"], "--use-distributed-optimizer needs --optimizer adam"),
+    (BARE + ["--int8-linear", "--int8-swiglu-input"], "--int8-swiglu-input keeps the input of the fused SwiGLU"),
+    (["--int8-linear", "--int8-swiglu-input", "--swiglu", "--no-fused-swiglu"], "it needs --swiglu, no --no-fused"),
+    (["--int8-linear", "--int8-norm-input", "--normalization", "LayerNorm"],
+     "--int8-norm-input keeps the RMSNorms' input in INT8: it needs --normalization RMSNorm, got LayerNorm"),
+])
+def test_numbers_and_combinations_that_failed_after_the_build_are_refused(flags, message):
+    from megatron_int8.training.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        _validated(*flags)
+
+
+def test_the_triton_backend_where_it_cannot_run_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MEGATRON_INT8_BACKEND", raising=False)
+    from megatron_int8.training.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match="--int8-backend triton: .*--int8-backend auto picks what runs here"):
+        _validated("--int8-linear", "--int8-backend", "triton")
+
+
+def test_settings_without_effect_are_noted(capsys):
+    _validated("--int8-linear", "--int8-num-layers-at-start-in-bf16", "2")
+    assert ("note: --int8-num-layers-at-start-in-bf16 apply with --int8-first-last-layers-bf16 only"
+            in capsys.readouterr().out)
+    _validated("--save-interval", "5")
+    assert "note: --save-interval 5 without --save: no checkpoint is saved" in capsys.readouterr().out
+    _validated()  # the config's own interval, for runs that save: no note
+    assert "--save-interval" not in capsys.readouterr().out
+
+
+def test_a_config_that_sets_one_setting_twice_is_refused(tmp_path):
+    from megatron_int8.training.args import ArgumentError, parse_args
+
+    for keys, message in ((("swiglu: true", "no_swiglu: true"), "'no_swiglu' and 'swiglu' both set swiglu"),
+                          (("lr: 0.1", "--lr: 0.2"), "'--lr' and 'lr' both set lr"),
+                          (("help: true",), "unknown key 'help'")):
+        config = tmp_path / "c.yaml"
+        config.write_text("\n".join(keys) + "\n")
+        with pytest.raises(ArgumentError, match=message):
+            parse_args(["--config", str(config)])
+
+
+def test_generate_refuses_a_temperature_that_is_no_number(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script("generate")(["--load", str(tmp_path), "--prompt", "x", "--temperature", "nan"])
+    assert exit_info.value.code == 2 and "--temperature must be >= 0 (0: greedy), got nan" in capsys.readouterr().err
