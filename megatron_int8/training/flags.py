@@ -42,9 +42,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Rotate q and k with megatron's unfused PyTorch ops instead of the fused kernel "
                         "(megatron_int8.ops.rope, or Transformer Engine's when installed).")
     g.add_argument("--cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_true",
-                   default=None, help="megatron's fused vocab-parallel cross entropy (torch.compile'd; its "
-                                      "logit gradients are bf16, so it needs --bf16). Default: on with CUDA "
-                                      "and --bf16, else off.")
+                   default=None, help="the fused vocab-parallel cross entropy in megatron's native slot "
+                                      "(megatron_int8.ops.cross_entropy: one Triton pass on CUDA, PyTorch ops on "
+                                      "CPU; its logit gradients are bf16, so it needs --bf16). Default: on with "
+                                      "CUDA and --bf16, else off.")
     g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion", action="store_false",
                    help="megatron's unfused cross entropy (about ten fp32 passes over the logits).")
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="The layers' norm.")
@@ -146,7 +147,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser, common) -> None:
                         "backward over all its micro-batches, with their TP/PP/DP communication, as one CUDA graph "
                         "(the idea of megatron-core's FullCudaGraphWrapper) and replay it on every later step, so "
                         "the host no longer launches kernels one by one. For host-bound layouts (INT8 at TP 4, "
-                        "micro-batch 1). GPU only; dense models, deferred finite check, nearest rounding.")
+                        "micro-batch 1). GPU only; dense models, or MoE padded to capacity "
+                        "(--moe-pad-expert-input-to-capacity); not with --int8-check-finite immediate, "
+                        "--int8-grad-rounding stochastic or --fp8-peer.")
     g.add_argument("--cuda-graph-scope", default="full_iteration", choices=["full_iteration"],
                    help="What --cuda-graph-impl local captures: the whole forward/backward of a step (the only scope "
                         "this trainer supports).")
