@@ -101,6 +101,13 @@ def _check_upstream_flags(args, policy: Int8Policy, config) -> None:
         raise ValueError("--fp16 with --int8-check-finite deferred: a step the loss scaler skips for an overflow "
                          "leaves the quantize kernels' Inf/NaN marks unread, and the next step would stop on them; "
                          "give --int8-check-finite off (the loss scaler handles overflows), or --bf16")
+    sharded = [flag for flag, field in (("--tensor-parallel-num-weight-shards", "gtp_weight_remat_size"),
+                                        ("--expert-tensor-parallel-num-weight-shards", "expert_gtp_weight_remat_size"))
+               if (getattr(config, field, 1) or 1) > 1]
+    if sharded and policy.enabled:  # megatron-core 0.19's GTP: each rank keeps a slice of every weight
+        raise ValueError(f"{' and '.join(sharded)} above the tensor-parallel size (megatron-core's GTP weight "
+                         "sharding) with INT8 linears: their GEMMs take whole weights; give no more shards than "
+                         "--tensor-model-parallel-size, or BF16 linears")
     graphs = getattr(args, "cuda_graph_impl", None) or "none"
     if graphs != "none" and policy.enabled:
         raise ValueError(f"--cuda-graph-impl {graphs} with INT8 linears: upstream's graphs are captured without this "

@@ -97,6 +97,9 @@ class Int8GroupedMLP(SequentialMLP):
             return "experts of both precisions"
         if any(lin.bias is not None for lin in linears):
             return "expert linears with biases"
+        if any(getattr(lin, "gtp_remat_size", 1) > 1 for lin in linears):
+            # megatron-core 0.19's GTP: each rank holds a slice of every weight, gathered in megatron's own GEMM
+            return "expert weights sharded by megatron-core's GTP (--expert-tensor-parallel-num-weight-shards)"
         if not linears[0].int8:
             return None  # BF16: grouped_hp_linear takes any such experts
         recipes = {lin.int8_recipe for lin in linears}

@@ -193,8 +193,9 @@ class Int8RowParallelLinear(Int8LinearMixin, RowParallelLinear):
 
     def forward(self, input_):
         """megatron's forward, except under `tp_comm_overlap` with sequence parallelism: then the output
-        reduce-scatter (and its backward all-gather) run inside the linear, pipelined with the GEMM."""
-        if not self.tp_comm_overlap or self.explicit_expert_comm:
+        reduce-scatter (and its backward all-gather) run inside the linear, pipelined with the GEMM. (Weights that
+        megatron-core 0.19's GTP shards take megatron's forward, whose GEMM gathers them, or refuses them in INT8.)"""
+        if not self.tp_comm_overlap or self.explicit_expert_comm or getattr(self, "gtp_remat_size", 1) > 1:
             return super().forward(input_)
         if self.config._cpu_offloading_context is not None:
             raise NotImplementedError("Int8RowParallelLinear: tp_comm_overlap with CPU offloading is not supported; "

@@ -56,10 +56,13 @@ def transformer_config_from_args(args, **overrides):
         # a host sync that a captured step (--cuda-graph-impl local) cannot contain
         batch_p2p_sync=args.cuda_graph_impl == "none",
     )
-    if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
-        # megatron's per-layer graphs are not used (--cuda-graph-impl local is this trainer's); its default "full"
-        # scope only prints a deprecation warning at every start
-        kwargs.update(cuda_graph_scope=[])
+    # megatron's per-layer graphs are not used (--cuda-graph-impl local is this trainer's); its default "full" scope
+    # only prints a deprecation warning at every start. 0.19 names the field cuda_graph_modules (and deprecates
+    # cuda_graph_scope); 0.16-0.18 cuda_graph_scope.
+    for field in ("cuda_graph_modules", "cuda_graph_scope"):
+        if field in TransformerConfig.__dataclass_fields__:
+            kwargs[field] = []
+            break
     if args.position_embedding_type == "rope" and args.apply_rope_fusion:
         from ..ops.rope import install as install_fused_rope
 

@@ -430,3 +430,14 @@ def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
         grp.experts.fused_swiglu = False  # what the trainer's --no-fused-swiglu sets
         grp(x0)
         assert len(calls) == 1
+
+
+def test_experts_with_gtp_sharded_weights_run_megatrons_path():
+    """megatron-core 0.19's GTP leaves each rank a slice of every expert weight, which megatron gathers only in
+    its own GEMM path: the grouped op read the slices (a shape error, or a wrong product), so such experts run one
+    by one through megatron's path, where INT8 refuses GTP by name."""
+    with single_process_megatron():
+        layer = _moe_mlp(True)
+        assert layer.experts._grouped_problem() is None
+        layer.experts.local_experts[2].linear_fc1.gtp_remat_size = 2  # as megatron-core 0.19 sets it
+        assert "sharded by megatron-core's GTP" in layer.experts._grouped_problem()

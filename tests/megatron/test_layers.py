@@ -229,3 +229,21 @@ def test_precision_shows_the_shape_policy_decisions(monkeypatch):
         assert _build("column", tiny_config()).precision == "int8"
     finally:
         shape_policy.set_timer(None)
+
+
+def test_row_parallel_with_gtp_sharded_weights_takes_megatrons_forward(monkeypatch):
+    """Under tp_comm_overlap the row-parallel linear runs its GEMM itself, on self.weight: with megatron-core
+    0.19's GTP that is this rank's slice (an output of the wrong width, no error). Such a linear takes megatron's
+    forward, which gathers the weight (BF16) or refuses GTP by name (INT8)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from megatron_int8.megatron.layers import Int8RowParallelLinear
+
+    with single_process_megatron():
+        cfg = tiny_config()
+        layer = Int8RowParallelLinear(32, 16, config=cfg, init_method=cfg.init_method, bias=False,
+                                      input_is_parallel=True, skip_bias_add=True, recipe=nearest_recipe())
+        monkeypatch.setattr(RowParallelLinear, "forward", lambda self, x: ("megatron's forward", None))
+        layer.tp_comm_overlap = True
+        layer.gtp_remat_size = 2  # as megatron-core 0.19 sets it
+        assert layer(torch.randn(4, 1, 32))[0] == "megatron's forward"

@@ -2,6 +2,7 @@
 launcher, YAML -> Megatron-LM flags, and (with MEGATRON_LM_GIT=/path/to/a Megatron-LM clone) upstream's own argument
 parser and gpt_builder at the tag that matches the installed megatron-core, building an INT8 model with no patch."""
 import argparse
+import copy
 import glob
 import os
 import re
@@ -195,6 +196,14 @@ def test_upstream_graphs_and_other_low_precision_linears_are_refused(megatron_wo
             megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(**{name: value}), config)
     megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="none"), config)
     megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(cuda_graph_impl="local", int8_linear=False), config)
+    # megatron-core 0.19's GTP weight sharding leaves each rank a slice of every weight: refused with INT8
+    for field, flag in (("gtp_weight_remat_size", "--tensor-parallel-num-weight-shards"),
+                        ("expert_gtp_weight_remat_size", "--expert-tensor-parallel-num-weight-shards")):
+        sharded = copy.copy(config)
+        setattr(sharded, field, 2)
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(), sharded)
+        megatron_lm.get_gpt_int8_spec_from_args(_upstream_like_args(int8_linear=False), sharded)
 
 
 def test_deferred_nonfinite_marks_are_read_before_each_upstream_optimizer_step():

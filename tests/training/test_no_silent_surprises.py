@@ -430,3 +430,18 @@ def test_generate_refuses_a_temperature_that_is_no_number(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _load_script("generate")(["--load", str(tmp_path), "--prompt", "x", "--temperature", "nan"])
     assert exit_info.value.code == 2 and "--temperature must be >= 0 (0: greedy), got nan" in capsys.readouterr().err
+
+
+def test_the_model_config_prints_no_deprecation_of_megatron_core():
+    """megatron-core 0.19 deprecates cuda_graph_scope for cuda_graph_modules: the config sets whichever the installed
+    version has, so no version warns at every start (Python's default filters hid it; -W default showed it)."""
+    import warnings
+
+    from megatron_int8.training.args import transformer_config_from_args
+
+    args = _validated()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = transformer_config_from_args(args)
+    assert not [str(w.message) for w in caught if "cuda_graph" in str(w.message)]
+    assert (getattr(config, "cuda_graph_modules", None) or getattr(config, "cuda_graph_scope", None) or []) == []
