@@ -172,7 +172,7 @@ def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
     assert dense.use_te_activation_func and not dense.bias_activation_fusion
     assert not config("--swiglu", "--no-fused-swiglu").use_te_activation_func
     assert not config().use_te_activation_func  # GELU
-    moe = config("--swiglu", "--num-experts", "4", "--moe-ffn-hidden-size", "32")
+    moe = config("--swiglu", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--disable-bias-linear")
     assert not moe.use_te_activation_func
 
 
