@@ -342,6 +342,7 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
     and the last save, for the message of an interrupt."""
     loss = valid_loss = None
     iteration = progress["iteration"]
+    carried_summary = ""  # the health summary of checks a save read between log lines, for the next log line
     while iteration < args.train_iters:
         if profiler is not None:
             profiler.before_iteration(iteration + 1)
@@ -367,9 +368,12 @@ def _train(args, forward_backward, train_iterator, valid_ds, model, optimizer, s
         health_summary = moved = None
         # a save takes the checks armed since the last log line first, so that its streaks are those of this step
         # (a resume from it then decides as this run does)
-        if health.monitor is not None and (iteration % args.log_interval == 0 or last or saving):
+        log_line = iteration % args.log_interval == 0 or last
+        if health.monitor is not None and (log_line or saving):
             health_summary, moved = health.at_log_line(logger)
             phases.mark("int8_health")
+        health_summary = health_summary or carried_summary
+        carried_summary = "" if log_line else health_summary
         logger.training_step(iteration, consumed_samples, loss, optimizer.param_groups[0]["lr"],
                              grad_norm, skipped, time.time() - start, phases, health_summary or "", last=last)
         if moved:

@@ -19,6 +19,23 @@ from .errors import ArgumentError
 from .flags import build_parser
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader, except that a key written twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"key '{key}' is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _option_actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
     """Every long option name without its dashes, underscored ('num_layers'), mapped to its action."""
     actions = {}
@@ -70,9 +87,11 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, 
         raise ArgumentError(f"--config {path}: no such file")
     with open(path, encoding="utf-8") as f:
         try:
-            content = yaml.safe_load(f) or {}
+            content = yaml.load(f, Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as err:
             raise ArgumentError(f"--config {path}: not valid YAML: {err}") from None
+        except _DuplicateKey as err:
+            raise ArgumentError(f"--config {path}: {err}") from None
     if not isinstance(content, dict):
         raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
     actions = _option_actions(parser)
@@ -85,7 +104,8 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, 
             errors.append(f"'{raw_key}' and '{key_of[action.dest]}' both set {action.dest}")
             continue
         if action is None or key in ("config", "help"):
-            close = difflib.get_close_matches(key, list(actions), n=3, cutoff=0.6)
+            close = difflib.get_close_matches(key, [k for k in actions if k not in ("config", "help")], n=3,
+                                              cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"unknown key '{raw_key}'{hint}")
             continue

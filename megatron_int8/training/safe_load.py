@@ -44,20 +44,35 @@ class UnsafeCheckpointError(RuntimeError):
 def _record_enum_member(owner, name: str):
     """`builtins.getattr` as some Python 3.11 releases pickle an enum member (`getattr(EnumClass, 'NAME')`, e.g.
     torch's `_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT` in every `.metadata`), allowed for the members of the
-    record enums alone."""
+    record enums alone. (The pickle cannot have changed those members: BUILD on a class or a member is refused.)"""
     if isinstance(owner, enum.EnumMeta) and owner.__module__ in _DCP_MODULES and name in owner.__members__:
         return owner.__members__[name]
     raise UnsafeCheckpointError(f"builtins.getattr({getattr(owner, '__qualname__', type(owner).__name__)}, {name!r})")
 
 
-class _RecordUnpickler(pickle.Unpickler):
+class _RecordUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler, so that BUILD can be checked: a BUILD sets attributes on its target, and on a
+    class or an enum member (objects the file did not create) it would change them for the load that follows
+    this check (torch's own pickle.load), which could then reach other objects than the ones checked here."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def _load_build(self):
+        target = self.stack[-2]
+        if isinstance(target, (type, enum.Enum)):
+            raise UnsafeCheckpointError(f"a BUILD that sets attributes on {getattr(target, '__qualname__', target)!r}")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
     def find_class(self, module: str, name: str):
         value = None
         if (module, name) == ("builtins", "getattr"):
             value = _record_enum_member
         elif module in _DCP_MODULES:
             candidate = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(candidate, type):  # classes only: no functions
+            # classes defined there only (no functions, nor what the module imports, e.g. pathlib.Path)
+            if isinstance(candidate, type) and candidate.__module__ == module:
                 value = candidate
         elif module == "torch" and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None),
                                                                       (torch.dtype, torch.layout, torch.memory_format))):

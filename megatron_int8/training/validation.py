@@ -51,6 +51,10 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and not 0 <= value < 2 ** 32:
             raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be in [0, 2**32) (numpy's seeds)")
+    last_stage_seed = args.seed + 100 * (args.pipeline_model_parallel_size - 1)  # model.set_random_seed's
+    if last_stage_seed >= 2 ** 32:
+        raise ArgumentError(f"--seed {args.seed}{origin(args, 'seed')}: pipeline stage k seeds with seed + 100 k, "
+                            f"so it must be below 2**32 - {100 * (args.pipeline_model_parallel_size - 1)}")
     for name in ("attention_dropout", "hidden_dropout"):
         value = getattr(args, name)
         if not 0 <= value <= 1:  # NaN fails too
@@ -215,8 +219,11 @@ def _validate_int8_modules(args: argparse.Namespace) -> None:
     try:
         resolve_backend_name(device, Int8Recipe(backend=args.int8_backend))
     except (ImportError, ValueError) as err:
-        raise ArgumentError(f"--int8-backend {args.int8_backend}: {err}; --int8-backend auto picks what runs "
-                            "here") from None
+        from ..dispatch import ENV_BACKEND
+
+        given = (f"{ENV_BACKEND}={os.environ[ENV_BACKEND].strip()}" if os.environ.get(ENV_BACKEND, "").strip()
+                 else f"--int8-backend {args.int8_backend}")
+        raise ArgumentError(f"{given}: {err}; the backend 'auto' picks what runs here") from None
     if args.int8_swiglu_input and not (args.swiglu and args.fused_swiglu and args.num_experts is None):
         raise ArgumentError("--int8-swiglu-input keeps the input of the fused SwiGLU of dense MLPs: it needs "
                             "--swiglu, no --no-fused-swiglu and no --num-experts")
@@ -330,10 +337,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
                                 else 4 * args.hidden_size)
     if args.num_experts is not None:
-        if args.add_bias_linear:
-            raise ArgumentError("--num-experts needs --disable-bias-linear: megatron-core's experts add their output "
-                                "bias in place into a view, which fails at the first step (Mixtral-class MoE has "
-                                "no biases)")
+        if args.add_bias_linear and args.expert_model_parallel_size == 1:
+            raise ArgumentError("--num-experts without expert parallelism needs --disable-bias-linear: megatron-core's "
+                                "experts then add their output bias in place into a view, which fails at the first "
+                                "step (Mixtral-class MoE has no biases)")
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         if not 1 <= args.moe_router_topk <= args.num_experts:

@@ -122,6 +122,10 @@ def test_a_save_between_log_lines_keeps_its_checks_and_inference_keeps_the_moves
                       if e["iteration"] > after)
 
     assert moves("a", 2) and moves("b", 2) == moves("a", 2)
+    # the checks a save read between log lines still reach the next log line's summary
+    out = train("--int8-linear", "--int8-stats-interval", "3", "--log-interval", "4", "--save-interval", "3",
+                "--train-iters", "4", "--save", str(tmp_path / "d"))
+    assert "| int8 health (it 3, worst): fprop rel_err" in out
     # reset at the load of iteration 2's checkpoint, moved again at 4 (patience 2): its checkpoint records the flag
     train(*flags[:-4], "--train-iters", "4", "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save",
           str(tmp_path / "c"), "--int8-reset-fallback")

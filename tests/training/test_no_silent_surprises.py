@@ -347,13 +347,18 @@ BARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3"]
 
 
-def _validated(*flags):
+def _validated(*flags, world_size=1):
     """validate_args of tiny.yaml with `flags` (or of BARE where flags start with it)."""
     from megatron_int8.training.args import parse_args, validate_args
 
     base = [] if list(flags[:len(BARE)]) == BARE else ["--config", TINY]
     args = parse_args([*base, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", *flags])
-    return validate_args(args, world_size=1)
+    return validate_args(args, world_size=world_size)
+
+
+def test_moe_with_biases_under_expert_parallelism_is_allowed():
+    """Under expert parallelism megatron-core skips the reduction whose view the bias add wrote into: it trains."""
+    assert _validated(*BARE, "--num-experts", "4", "--expert-model-parallel-size", "2", world_size=2).add_bias_linear
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -361,7 +366,7 @@ def _validated(*flags):
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
      "--recompute-num-layers 0: must be positive"),  # megatron looped forever
     (["--recompute-num-layers", "2"], "--recompute-num-layers applies with --recompute-granularity full"),
-    (BARE + ["--num-experts", "4"], "--num-experts needs --disable-bias-linear"),  # an in-place error at step 1
+    (BARE + ["--num-experts", "4"], "--num-experts without expert parallelism needs --disable-bias-linear"),
     (["--global-batch-size", "0"], "--global-batch-size 0: must be positive"),
     (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups 0: must be positive"),
     (["--kv-channels", "0"], "--kv-channels 0: must be positive"),
@@ -373,6 +378,7 @@ def _validated(*flags):
     (["--init-method-std=-0.02"], "--init-method-std -0.02: must be a positive number"),
     (["--seed=-1"], r"--seed -1: must be in \[0, 2\*\*32\)"),
     (["--data-seed", "4294967296"], r"--data-seed 4294967296: must be in \[0, 2\*\*32\)"),
+    (["--seed", "4294967295", "--pipeline-model-parallel-size", "2"], r"must be below 2\*\*32 - 100"),
     (["--num-workers=-1"], "--num-workers -1: must be >= 0"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0: must be positive"),
     (["--clip-grad", "nan"], "--clip-grad nan: must be >= 0"),  # turned clipping off
@@ -400,8 +406,11 @@ def test_the_triton_backend_where_it_cannot_run_is_refused(monkeypatch):
     monkeypatch.delenv("MEGATRON_INT8_BACKEND", raising=False)
     from megatron_int8.training.args import ArgumentError
 
-    with pytest.raises(ArgumentError, match="--int8-backend triton: .*--int8-backend auto picks what runs here"):
+    with pytest.raises(ArgumentError, match="--int8-backend triton: .*the backend 'auto' picks what runs here"):
         _validated("--int8-linear", "--int8-backend", "triton")
+    monkeypatch.setenv("MEGATRON_INT8_BACKEND", "triton")  # the variable overrides the flag: named as the cause
+    with pytest.raises(ArgumentError, match="MEGATRON_INT8_BACKEND=triton: "):
+        _validated("--int8-linear")
 
 
 def test_settings_without_effect_are_noted(capsys):
@@ -419,7 +428,8 @@ def test_a_config_that_sets_one_setting_twice_is_refused(tmp_path):
 
     for keys, message in ((("swiglu: true", "no_swiglu: true"), "'no_swiglu' and 'swiglu' both set swiglu"),
                           (("lr: 0.1", "--lr: 0.2"), "'--lr' and 'lr' both set lr"),
-                          (("help: true",), "unknown key 'help'")):
+                          (("swiglu: true", "lr: 0.1", "swiglu: false"), r"key 'swiglu' is given twice \(line 3\)"),
+                          (("help: true",), "unknown key 'help'$")):
         config = tmp_path / "c.yaml"
         config.write_text("\n".join(keys) + "\n")
         with pytest.raises(ArgumentError, match=message):
