@@ -623,8 +623,16 @@ def check_save_target(args) -> None:
             raise ArgumentError(str(error)) from None
 
 
+def _saved_dict(saved_args) -> dict:
+    """A checkpoint's recorded arguments as a dict (a Namespace, as upstream Megatron-LM stores them, or a dict);
+    {} where it has none."""
+    if isinstance(saved_args, argparse.Namespace):
+        return vars(saved_args)
+    return saved_args if isinstance(saved_args, dict) else {}
+
+
 def _check_architecture(saved, args) -> None:
-    saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved
+    saved = _saved_dict(saved)
     names = ARCHITECTURE_ARGS
     if getattr(args, "position_embedding_type", None) == "learned_absolute":
         names += ("max_position_embeddings",)  # the rows of the learned position table
@@ -702,7 +710,7 @@ def data_change(saved_args, args) -> Optional[str]:
     """A note where this run reads other samples from here on than the checkpoint's run would have (None where the
     flags agree or the checkpoint predates them). A new global batch also moves the LR schedule, which counts
     samples: its position stays the checkpoint's consumed samples, no longer iteration x batch."""
-    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
+    saved = _saved_dict(saved_args)
 
     def same(name, then, now):
         if name == "split" and then is not None and now is not None:
@@ -736,7 +744,7 @@ def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, a
     the position is taken. The optimizer's betas, eps or momentum, where given anew, are said too."""
     scheduler.num_steps = 0
     scheduler.step(increment=saved_state["num_steps"])
-    saved = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else {}
+    saved = _saved_dict(saved_args)
     changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in SCHEDULE_ARGS
                if name in saved and saved[name] != getattr(args, name)]
     if changed:
@@ -775,9 +783,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     rng_state = None if args.no_load_rng else _saved_rng_state(directory, common, _parallel_layout(model_chunks), log)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
-        saved_args = common.get("args") or {}
-        saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
-        saved_ep = saved_args.get("expert_model_parallel_size") or 1
+        saved_ep = _saved_dict(common.get("args")).get("expert_model_parallel_size") or 1
         regrouped = fallback.regroup_experts(getattr(args, "num_experts", None) or 0, saved_ep,
                                              args.expert_model_parallel_size)
         if regrouped:
