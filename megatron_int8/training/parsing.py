@@ -19,6 +19,9 @@ from .errors import ArgumentError
 from .flags import build_parser
 
 
+NOT_SETTINGS = ("config", "help")  # options that are no setting a YAML key could take
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -99,12 +102,12 @@ def load_yaml_defaults(path: str, parser: argparse.ArgumentParser) -> Dict[str, 
     for raw_key, value in content.items():
         key = str(raw_key).lstrip("-").replace("-", "_")
         action = actions.get(key)
-        if action is not None and key not in ("config", "help") and action.dest in key_of:
+        if action is not None and key not in NOT_SETTINGS and action.dest in key_of:
             # two keys of one setting (swiglu and no_swiglu, lr and --lr): the last one silently won
             errors.append(f"'{raw_key}' and '{key_of[action.dest]}' both set {action.dest}")
             continue
-        if action is None or key in ("config", "help"):
-            close = difflib.get_close_matches(key, [k for k in actions if k not in ("config", "help")], n=3,
+        if action is None or key in NOT_SETTINGS:
+            close = difflib.get_close_matches(key, [k for k in actions if k not in NOT_SETTINGS], n=3,
                                               cutoff=0.6)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             errors.append(f"unknown key '{raw_key}'{hint}")

@@ -36,11 +36,13 @@ def _flag(name: str) -> str:
 def _validate_numbers(args: argparse.Namespace) -> None:
     """Sizes, rates and seeds that megatron or torch would reject only after the model is built (or, for some,
     never: --vocab-size 0 trained on one token, --recompute-num-layers 0 looped forever)."""
-    for name in ("global_batch_size", "kv_channels", "ffn_hidden_size", "moe_ffn_hidden_size", "vocab_size",
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "global_batch_size", "kv_channels", "ffn_hidden_size", "moe_ffn_hidden_size", "vocab_size",
                  "num_experts", "recompute_num_layers", "make_vocab_size_divisible_by",
                  "distributed_timeout_minutes"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
+        if value is not None and value <= 0 and not (name == "train_iters" and args.skip_train):
             raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be positive")
     if args.group_query_attention and args.num_query_groups <= 0:
         raise ArgumentError(f"--num-query-groups {args.num_query_groups}{origin(args, 'num_query_groups')}: must be "
@@ -299,11 +301,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _settle_skip_train(args)
     _require(args, ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
                     "micro_batch_size", "train_iters", "lr"])
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "expert_model_parallel_size"):
-        if getattr(args, name) <= 0 and not (name == "train_iters" and args.skip_train):
-            raise ArgumentError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     _validate_numbers(args)
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
