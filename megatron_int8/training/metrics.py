@@ -151,8 +151,8 @@ class TrainingLogger:
 
     def _open_jsonl(self, path: str, start_iteration: int) -> None:
         """Append to the log. Resuming, the lines of iterations after the checkpoint's (the interrupted run's,
-        about to be redone) move to PATH.after-<iteration>, and so does a last line that a kill cut short; from
-        scratch, an earlier log moves to PATH.previous."""
+        about to be redone) move to the end of PATH.after-<iteration>, and so does a last line that a kill cut
+        short; from scratch, an earlier log moves to the end of PATH.previous."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -169,7 +169,7 @@ class TrainingLogger:
             kept = [line for line, keep in zip(lines, earlier) if keep]
             if len(kept) < len(lines):
                 aside = f"{path}.after-{start_iteration}" if start_iteration > 0 else f"{path}.previous"
-                with open(aside, "w", encoding="utf-8") as f:
+                with open(aside, "a", encoding="utf-8") as f:  # a second interruption after the same checkpoint
                     f.writelines(line for line, keep in zip(lines, earlier) if not keep)
                 self.print(f"note: {len(lines) - len(kept)} line(s) of {path} after iteration {start_iteration} "
                            f"moved to {aside}")

@@ -72,6 +72,14 @@ def test_a_log_cut_short_reads_up_to_its_last_whole_line_and_resumes(tmp_path):
     aside = (tmp_path / "train_log.jsonl.after-3").read_text().splitlines()
     assert json.loads(aside[0])["iteration"] == 4 and aside[1].startswith('{"iteration": 5') and len(aside) == 2
     assert printed == [f"note: 2 line(s) of {path} after iteration 3 moved to {path}.after-3"]
+    # interrupted again after the same checkpoint: the first interruption's lines stay where they were set aside
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"iteration": 4, "lm_loss": 1.75}) + "\n")
+    logger = SimpleNamespace(print=printed.append)
+    TrainingLogger._open_jsonl(logger, str(path), 3)
+    logger.jsonl.close()
+    aside = (tmp_path / "train_log.jsonl.after-3").read_text().splitlines()
+    assert [json.loads(line)["lm_loss"] for line in (aside[0], aside[2])] == [1.5, 1.75] and len(aside) == 3
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"iteration": 1, "lm_loss": 2.0}\n{oops\n{"iteration": 2, "lm_loss": 1.0}\n')
     with pytest.raises(ValueError, match=f"{bad}:2: not JSON"):
