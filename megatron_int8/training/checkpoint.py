@@ -317,6 +317,20 @@ def _prime_distributed_optimizers(optimizer) -> None:
                     opt.optimizer.state[param].setdefault("step", adam_step(param, group, 0))
 
 
+def _sgd_state_to_load(optimizer, saved_momentum) -> None:
+    """megatron-core builds SGD without the `init_state_fn` its sharded_state_dict calls on load (a TypeError on
+    every resume of an SGD run): give it one that makes the state the checkpoint holds, a momentum buffer per
+    parameter where its run had momentum (`saved_momentum`), so the buffers load; none where it had none."""
+    def momentum_buffers(opt, config=None):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                opt.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+
+    for opt in inner_optimizers(optimizer):
+        if isinstance(getattr(opt, "optimizer", None), torch.optim.SGD) and getattr(opt, "init_state_fn", 1) is None:
+            opt.init_state_fn = momentum_buffers if saved_momentum else (lambda opt, config=None: None)
+
+
 def _restore_adam_steps(optimizer, steps: list) -> None:
     """One `step` tensor per parameter again, at the saved count."""
     for opt, step in zip(inner_optimizers(optimizer), steps):
@@ -477,7 +491,7 @@ def _sharded_state_dict(model_chunks, optimizer, scheduler, *, with_optimizer: b
             _prime_distributed_optimizers(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         _common_steps_on_host(state["optimizer"])
-        state["opt_param_scheduler"] = scheduler.state_dict()
+        state["opt_param_scheduler"] = scheduler.state_dict() | {"num_steps_unit": "iterations"}
     return state
 
 
@@ -642,13 +656,33 @@ def _check_architecture(saved, args) -> None:
         raise ArgumentError("checkpoint does not match the model arguments: " + "; ".join(diffs))
 
 
+def _check_optimizer_kind(saved, args) -> None:
+    """A resume that loads the optimizer state needs the optimizer that wrote it: another --optimizer has other
+    state, and --bf16 on or off another megatron wrapper (fp32 master copies or none); megatron's load fails
+    with a KeyError after the build. The precision-aware optimizer's moments convert (not checked)."""
+    saved = _saved_dict(saved)
+    if args.no_load_optim or getattr(args, "skip_train", False):
+        return
+    diffs = [f"--{name} {saved[name]} -> {getattr(args, name)}" for name in ("optimizer",)
+             if name in saved and saved[name] != getattr(args, name)]
+    if "bf16" in saved and bool(saved["bf16"]) != bool(args.bf16):
+        diffs.append(f"{'--bf16' if saved['bf16'] else 'no --bf16'} -> {'--bf16' if args.bf16 else 'no --bf16'}")
+    if diffs:
+        raise ArgumentError(f"the checkpoint's optimizer state is of another optimizer than this run's "
+                            f"({'; '.join(diffs)}): resume with the checkpoint's flags, or pass --no-load-optim to "
+                            f"load the model weights only (fresh optimizer state)")
+
+
 def check_architecture_before_build(args) -> None:
-    """The model flags against the checkpoint --load will resume (where one exists), before anything is built:
-    a mismatch is one line naming each flag, not a failed load after the model and optimizer were built."""
+    """The model flags (and the optimizer kind, where its state is loaded) against the checkpoint --load will
+    resume (where one exists), before anything is built: a mismatch is one line naming each flag, not a failed
+    load after the model and optimizer were built."""
     step = getattr(args, "ckpt_step", None)
     if not args.load or (step is None and read_tracker(args.load) is None):
         return
-    _check_architecture(_load_common(latest_checkpoint_dir(args.load, step)).get("args", {}), args)
+    saved = _load_common(latest_checkpoint_dir(args.load, step)).get("args", {})
+    _check_architecture(saved, args)
+    _check_optimizer_kind(saved, args)
 
 
 # The LR/WD schedule's flags: a resume follows the values given now (Megatron-LM's --override-opt_param-scheduler)
@@ -685,6 +719,29 @@ def _take_this_runs_group_settings(optimizer_state, args) -> None:
             _take_this_runs_group_settings(value, args)
 
 
+# Model flags that change what the loaded weights compute, not their shapes: a resume may change them (a new RoPE
+# base extends the context), but says so; each counts only where the model uses it
+MODEL_FUNCTION_ARGS = {"norm_epsilon": None, "rotary_base": "rope", "rotary_percent": "rope",
+                       "use_rope_scaling": "rope", "rope_scaling_factor": "rope scaling", "moe_router_topk": "moe"}
+
+
+def model_change(saved_args, args) -> Optional[str]:
+    """A note where this run's model computes otherwise with the checkpoint's weights than the run that trained
+    them (None where the flags agree or the checkpoint predates them)."""
+    saved = _saved_dict(saved_args)
+    uses = {None: True, "rope": getattr(args, "position_embedding_type", None) == "rope",
+            "rope scaling": getattr(args, "position_embedding_type", None) == "rope"
+            and (getattr(args, "use_rope_scaling", False) or saved.get("use_rope_scaling")),
+            "moe": bool(getattr(args, "num_experts", None))}
+    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name, None)}"
+               for name, needs in MODEL_FUNCTION_ARGS.items()
+               if uses[needs] and name in saved and saved[name] != getattr(args, name, None)]
+    if not changed:
+        return None
+    return (f"model: this run's flags, not the checkpoint's ({'; '.join(changed)}): the loaded weights were trained "
+            f"under the checkpoint's values")
+
+
 def precision_change(saved_args, args) -> Optional[str]:
     """A note where this run trains in other numerics than the run that wrote the checkpoint (allowed: a resume
     may switch precision, but says so, e.g. after a default changed); None where they agree or the checkpoint's
@@ -708,8 +765,8 @@ def _data_seed(run: dict):
 
 def data_change(saved_args, args) -> Optional[str]:
     """A note where this run reads other samples from here on than the checkpoint's run would have (None where the
-    flags agree or the checkpoint predates them). A new global batch also moves the LR schedule, which counts
-    samples: its position stays the checkpoint's consumed samples, no longer iteration x batch."""
+    flags agree or the checkpoint predates them). A new global batch leaves the LR schedule as the iterations put
+    it (it counts optimizer steps), which the note says."""
     saved = _saved_dict(saved_args)
 
     def same(name, then, now):
@@ -729,21 +786,31 @@ def data_change(saved_args, args) -> Optional[str]:
         changed.append(f"data order seed (--data-seed, else --seed) {_data_seed(saved)} -> {_data_seed(vars(args))}")
     if not changed:
         return None
-    schedule = (" (the LR schedule counts samples: it goes on from the checkpoint's consumed samples)"
+    schedule = (" (the LR schedule counts iterations: it goes on from the checkpoint's iteration)"
                 if "global_batch_size" in saved and saved["global_batch_size"] != args.global_batch_size else "")
     return (f"data: this run's flags, not the checkpoint's ({'; '.join(changed)}): the samples from here on differ "
             f"from those the checkpoint's run would have read{schedule}")
 
 
-def follow_schedule_flags(scheduler, optimizer, saved_state: dict, saved_args, args, log) -> None:
+def _schedule_position(saved_state: Optional[dict], iteration: int) -> int:
+    """The optimizer steps the checkpoint's schedule had taken: its own count where it counts steps; the
+    checkpoint's iteration where it predates that (its count was megatron's, in samples)."""
+    if saved_state and saved_state.get("num_steps_unit") == "iterations":
+        return int(saved_state["num_steps"])
+    return iteration
+
+
+def follow_schedule_flags(scheduler, optimizer, saved_state: Optional[dict], iteration: int, saved_args, args,
+                          log) -> None:
     """Put the scheduler at the checkpoint's step count on this run's schedule, and say what changed.
 
     megatron's OptimizerParamScheduler.load_state_dict keeps the checkpoint's max/min LR, warm-up, decay length
     and style (and the loaded param groups the checkpoint's max_lr/min_lr, unless _take_this_runs_group_settings
     set them): a run resumed with a longer --train-iters (or a new --lr) would silently follow the old schedule. Only
-    the position is taken. The optimizer's betas, eps or momentum, where given anew, are said too."""
+    the position is taken, in optimizer steps, so a new --global-batch-size leaves it where the iterations put it.
+    The optimizer's betas, eps or momentum, where given anew, are said too."""
     scheduler.num_steps = 0
-    scheduler.step(increment=saved_state["num_steps"])
+    scheduler.step(increment=_schedule_position(saved_state, iteration))
     saved = _saved_dict(saved_args)
     changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in SCHEDULE_ARGS
                if name in saved and saved[name] != getattr(args, name)]
@@ -795,6 +862,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
         check_optimizer_loadable(saved_format, common, distributed=_has_distributed_optimizer(optimizer),
                                  layout=_parallel_layout(model_chunks),
                                  optimizers=len(inner_optimizers(optimizer)), directory=directory)
+        _sgd_state_to_load(optimizer, _saved_dict(common.get("args")).get("sgd_momentum", args.sgd_momentum))
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, is_loading=True,
                                 sharding_type=saved_format if with_optimizer else None)
     with torch.no_grad():  # the distributed optimizer copies into views of leaf parameters
@@ -816,15 +884,17 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
                 inner.reload_masters()
             if scheduler is not None:  # a fresh optimizer state, but the run goes on at the checkpoint's iteration:
                 # so does its LR schedule (megatron-LM restarts the warm-up there, then decays past --train-iters)
-                saved_schedule = common.get("opt_param_scheduler") or {"num_steps": common["consumed_samples"]}
-                follow_schedule_flags(scheduler, optimizer, saved_schedule, common.get("args"), args, log)
+                follow_schedule_flags(scheduler, optimizer, common.get("opt_param_scheduler"), iteration,
+                                      common.get("args"), args, log)
         if with_optimizer:
             _take_this_runs_group_settings(loaded["optimizer"], args)
             with _steps_set_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(optimizer, common.get("adam_steps", []))
-            follow_schedule_flags(scheduler, optimizer, loaded["opt_param_scheduler"], common.get("args"), args, log)
-    for change in (precision_change(common.get("args"), args), data_change(common.get("args"), args)):
+            follow_schedule_flags(scheduler, optimizer, common.get("opt_param_scheduler"), iteration,
+                                  common.get("args"), args, log)
+    for change in (model_change(common.get("args"), args), precision_change(common.get("args"), args),
+                   data_change(common.get("args"), args)):
         if change:
             log(change)
     invalidate_weight_caches()  # loaded weights must not reuse INT8 quantizations of the old ones

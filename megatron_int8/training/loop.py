@@ -106,7 +106,7 @@ def train_step(forward_backward, data_iterator, model, optimizer, scheduler, arg
     phases.mark("nonfinite_check")
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=1)  # the schedule counts optimizer steps (build_optimizer)
     phases.mark("optimizer")
     loss = _reduce_loss(losses)
     phases.mark("loss_reduce")

@@ -302,18 +302,19 @@ def build_optimizer(args, model_chunks, log):
     base = {type(getattr(o, "optimizer", o)).__module__.split(".")[0] for o in inner_optimizers(optimizer)}
     where = "" if torch.cuda.is_available() else " (CPU: megatron's CUDA-only device literals rewritten to CPU)"
     log(f"optimizer: {'/'.join(sorted(set(inner)))} over {'/'.join(sorted(base))} {args.optimizer}{where}")
-    gbs = args.global_batch_size
+    # The schedule counts optimizer steps, as its flags do (megatron's counts samples, iterations x batch: a resume
+    # with another --global-batch-size would put the LR off the iteration schedule the flags ask for)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_steps=args.train_iters,
         wd_incr_style="constant",
     )
     return optimizer, scheduler

@@ -345,7 +345,7 @@ def test_a_resume_that_reads_other_samples_says_so():
                                        "from those the checkpoint's run would have read")
     assert data_change(saved, argparse.Namespace(**{**vars(saved), "seed": 2, "data_seed": 1})) is None
     note = data_change(saved, argparse.Namespace(**{**vars(saved), "global_batch_size": 8}))
-    assert "--global-batch-size 4 -> 8" in note and "the LR schedule counts samples" in note
+    assert "--global-batch-size 4 -> 8" in note and "the LR schedule counts iterations" in note
 
 
 def test_a_deletion_stopped_midway_leaves_no_checkpoint_folder(tmp_path, monkeypatch):

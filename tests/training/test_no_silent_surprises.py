@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -258,6 +259,83 @@ def test_a_resume_with_other_model_flags_fails_before_the_model(data, interrupte
     save = str(interrupted["save"])
     message = _refused(capsys, _argv(data, "--load", save, "--train-iters", "40", "--ffn-hidden-size", "192"))
     assert "checkpoint does not match the model arguments: ffn_hidden_size: checkpoint 128, now 192" in message
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_optimizer_fails_before_the_model(data, interrupted, capsys):
+    """The interrupted run trained with Adam in fp32: SGD's state, or --bf16's fp32 master copies, are not in its
+    checkpoint (megatron's load failed with a KeyError after the build)."""
+    save = str(interrupted["save"])
+    for flags, change in ((["--optimizer", "sgd"], "--optimizer adam -> sgd"), (["--bf16"], "no --bf16 -> --bf16")):
+        message = _refused(capsys, _argv(data, "--load", save, "--train-iters", "40", *flags))
+        assert f"is of another optimizer than this run's ({change})" in message and "--no-load-optim" in message
+
+
+def _losses(result, key="lm loss"):
+    return {int(m.group(1)): m.group(2) for m in re.finditer(rf" iteration +(\d+)/.*?\| {key}: (\S+)", result.stdout)}
+
+
+@pytest.mark.slow
+def test_an_sgd_run_resumes_with_its_momentum(data, tmp_path):
+    """megatron-core gives SGD no state initializer, which its load calls (a TypeError on every resume of an SGD
+    run): stopped at iteration 4 and resumed, the run's losses equal those of the run that was not stopped, which
+    they would not without the momentum buffers."""
+    common = ["--optimizer", "sgd", "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0"]
+    straight = _losses(_train(data, *common, "--save", str(tmp_path / "a")))
+    _train(data, *common, "--save", str(tmp_path / "b"), "--exit-interval", "4")
+    resumed = _train(data, *common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"))
+    assert "loaded checkpoint" in resumed.stdout
+    assert _losses(resumed) == {5: straight[5], 6: straight[6]}
+
+
+@pytest.mark.slow
+def test_a_new_global_batch_keeps_the_learning_rate_on_the_iteration_schedule(data, tmp_path):
+    """The schedule's flags count iterations: resumed at iteration 10 with half the global batch, the LR goes on
+    along the 20-iteration cosine and ends at --min-lr (megatron's schedule counts samples: it jumped to --min-lr at
+    once here, and with a larger batch up, ending above --min-lr)."""
+    save = str(tmp_path / "ckpt")
+    common = ["--train-iters", "20", "--save", save, "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+              "--log-interval", "1", "--eval-iters", "0"]
+    first = _train(data, *common, "--global-batch-size", "8", "--exit-interval", "10")
+    second = _train(data, *common, "--global-batch-size", "4", "--load", save)
+    assert "(the LR schedule counts iterations: it goes on from the checkpoint's iteration)" in second.stdout
+    lr = {**_losses(first, "learning rate"), **_losses(second, "learning rate")}
+    for iteration in range(3, 21):  # warm-up 2 (SMALL_MODEL), then the cosine over iterations 2..20
+        expected = 1e-4 + 0.5 * (1 + math.cos(math.pi * (iteration - 2) / (20 - 2))) * (1e-3 - 1e-4)
+        assert float(lr[iteration]) == pytest.approx(expected, rel=1e-6), iteration
+
+
+def test_a_checkpoint_from_before_the_step_count_resumes_at_its_iteration():
+    """Checkpoints written before the schedule counted optimizer steps hold megatron's count in samples."""
+    from megatron_int8.training.checkpoint import _schedule_position
+
+    assert _schedule_position({"num_steps": 160}, 10) == 10
+    assert _schedule_position({"num_steps": 9, "num_steps_unit": "iterations"}, 10) == 9  # a step skipped
+    assert _schedule_position(None, 10) == 10
+
+
+def test_model_flags_that_change_what_the_weights_compute_are_noted():
+    """norm epsilon, RoPE and the router's top-k keep every shape: a resume or --skip-train may change them, and says
+    so (the loss moved from 4.07 to 5.99 with --norm-epsilon 0.1 and nothing said)."""
+    import argparse
+
+    from megatron_int8.training.checkpoint import model_change
+
+    saved = argparse.Namespace(norm_epsilon=1e-5, rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False,
+                               rope_scaling_factor=8.0, moe_router_topk=2, position_embedding_type="rope",
+                               num_experts=None)
+    assert model_change(saved, argparse.Namespace(**vars(saved))) is None
+    assert model_change(argparse.Namespace(), saved) is None  # a checkpoint from before the arguments were saved
+    now = argparse.Namespace(**{**vars(saved), "norm_epsilon": 0.1, "rotary_base": 500000, "moe_router_topk": 4,
+                                "rope_scaling_factor": 16.0})
+    assert model_change(saved, now) == ("model: this run's flags, not the checkpoint's (--norm-epsilon 1e-05 -> 0.1; "
+                                        "--rotary-base 10000 -> 500000): the loaded weights were trained under the "
+                                        "checkpoint's values")  # no experts, no RoPE scaling: those two do nothing
+    moe = argparse.Namespace(**{**vars(now), "norm_epsilon": 1e-5, "rotary_base": 10000, "num_experts": 8,
+                                "use_rope_scaling": True})
+    assert model_change(saved, moe) == ("model: this run's flags, not the checkpoint's (--use-rope-scaling False -> "
+                                        "True; --rope-scaling-factor 8.0 -> 16.0; --moe-router-topk 2 -> 4): the "
+                                        "loaded weights were trained under the checkpoint's values")
 
 
 def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
