@@ -441,3 +441,50 @@ def test_experts_with_gtp_sharded_weights_run_megatrons_path():
         assert layer.experts._grouped_problem() is None
         layer.experts.local_experts[2].linear_fc1.gtp_remat_size = 2  # as megatron-core 0.19 sets it
         assert "sharded by megatron-core's GTP" in layer.experts._grouped_problem()
+
+
+def test_grouped_linear_rounds_output_gradients_stochastically_when_asked():
+    """grad_rounding="stochastic" reaches the grouped experts' dY: each dY row is an outlier at 127 steps beside
+    entries at 0.3 of a step, which round to nearest gives 0 every time, so the mean input and weight gradients
+    over fresh draws reach the float64 products (W and X integer-valued with a 127 in every row and column: their
+    quantization is exact) only if dY is rounded without bias, within five standard errors of that rounding."""
+    gen = torch.Generator().manual_seed(21)
+    K, N, draws = 24, 16, 256
+    counts = [37, 0, 70]
+    seg = Segments.for_counts(counts)
+    recipe = dataclasses.replace(ROW, grad_rounding="stochastic")
+
+    def integers(rows, cols):  # entries in [-127, 127], a 127 in every row and column
+        m = torch.randint(-126, 127, (rows, cols), generator=gen).double()
+        m[torch.arange(rows), torch.arange(rows) % cols] = 127.0
+        m[torch.arange(cols) % rows, torch.arange(cols)] = 127.0
+        return m
+
+    ws = [integers(N, K).float().requires_grad_(True) for _ in counts]
+    xs = [integers(c, K) if c else torch.zeros(0, K, dtype=torch.float64) for c in counts]
+    gs = []
+    for c in counts:  # one outlier per row (127 steps of 1.0), the rest at 0.3 of a step, random signs
+        g = 0.3 * torch.randint(0, 2, (c, N), generator=gen).double().mul(2).sub(1)
+        g[torch.arange(c), torch.arange(c) % N] = 127.0
+        gs.append(g)
+    x = _aligned([t.float() for t in xs], seg).requires_grad_(True)
+    g = _aligned([t.float() for t in gs], seg)
+    dx, dws = torch.zeros(seg.rows, K, dtype=torch.float64), [torch.zeros(N, K, dtype=torch.float64) for _ in counts]
+    for draw in range(draws):
+        torch.manual_seed(draw)
+        grouped_int8_linear(x, seg, ws, recipe).backward(g)
+        dx += x.grad.double() / draws
+        for e, w in enumerate(ws):
+            dws[e] += w.grad.double() / draws
+            w.grad = None
+        x.grad = None
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        lo, w = seg.offsets[e], ws[e].detach().double()
+        # rounding 0.3 up with probability 0.3: variance 0.21 per entry; the mean over the draws' standard error
+        se_dx = (0.21 * (w ** 2).sum(0) * (gs[e].abs() < 1).double().mean() / draws).sqrt()
+        assert ((dx[lo:lo + c] - gs[e] @ w).abs() <= 5 * se_dx + 1e-6).all(), e
+        # dW = dY^T X: the columns of dY quantized for it have their own outliers (scales <= 127 / 127 = 1 step)
+        se_dw = (0.21 * (xs[e] ** 2).sum(0) / draws).sqrt()
+        assert ((dws[e] - gs[e].T @ xs[e]).abs() <= 5 * se_dw + 1e-6).all(), e
