@@ -348,6 +348,21 @@ def test_cached_weight_is_not_reused_across_check_finite_settings():
         int8_linear(x, w, None, Int8Recipe(check_finite="immediate"))
 
 
+def test_cached_weight_is_not_reused_across_block_sizes():
+    """A weight quantized in 32x32 tiles must not serve a recipe of 64x64 tiles: the second recipe's output and
+    input gradient (Q(W) and Q(W)^T) equal those of an uncached quantization."""
+    w = heavy_tailed(40, 96).requires_grad_()
+    x, gy = heavy_tailed(12, 96), heavy_tailed(12, 40)
+    int8_linear(x, w, None, Int8Recipe(granularity="block", block_size=32)).backward(gy)
+    results = []
+    for cache in (True, False):
+        xl = x.clone().requires_grad_()
+        y = int8_linear(xl, w, None, Int8Recipe(granularity="block", block_size=64, cache_weights=cache))
+        y.backward(gy)
+        results.append((y.detach(), xl.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_no_tokens_gives_empty_output_and_zero_weight_gradient(granularity):
     """An MoE expert that received no tokens still runs its linears: M = 0 in fprop and dgrad, and K = 0
