@@ -29,6 +29,23 @@ def expanded_scale(qt: QTensor) -> torch.Tensor:
     return s.repeat_interleave(qt.block_size, dim=1)[:, :C]
 
 
+def float64_group_amax(x, granularity, block, tile2d):
+    """The amax of each element's quantization group of x [R, C] in float64 (C the contraction axis; block
+    granularity: 1 x block groups, or block x block tiles with tile2d)."""
+    x = x.double().abs()
+    R, C = x.shape
+    if granularity == "tensor":
+        return x.max().expand(R, C)
+    if granularity == "row":
+        return x.amax(dim=1, keepdim=True).expand(R, C)
+    rb = block if tile2d else 1
+    out = torch.empty_like(x)
+    for r0 in range(0, R, rb):
+        for c0 in range(0, C, block):
+            out[r0 : r0 + rb, c0 : c0 + block] = x[r0 : r0 + rb, c0 : c0 + block].max()
+    return out
+
+
 def product_bound(a, b, granularity, *, a_weight=False, b_weight=False, block_size=128, a_stochastic=False):
     """Elementwise float64 bound on |dequant(Q(a) @ Q(b)^T) - a @ b^T| from the two operands' scales."""
     qa = quantize(a, granularity, block_size=block_size, tile2d=a_weight and granularity == "block")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from int8_bounds import assert_within_int8_bound, expanded_scale, heavy_tailed
+from int8_bounds import assert_within_int8_bound, expanded_scale, float64_group_amax, heavy_tailed
 from megatron_int8.reference import MAX_EXACT_K, NonFiniteError, QTensor, dequantize, gemm, quantize, raise_if_nonfinite
 
 GRANULARITIES = [("tensor", False), ("row", False), ("block", False), ("block", True)]
@@ -12,21 +12,6 @@ def float64_quantize(x, scale64):
     """The float64 reference: q = clamp(round_half_even(x / s), -127, 127); the implementations compute
     x * (1 / s) in fp32, which differs only within the near-tie exemption of the tests below."""
     return torch.round(x.double() / scale64).clamp(-127, 127)
-
-
-def float64_group_amax(x, granularity, block, tile2d):
-    x = x.double().abs()
-    R, C = x.shape
-    if granularity == "tensor":
-        return x.max().expand(R, C)
-    if granularity == "row":
-        return x.amax(dim=1, keepdim=True).expand(R, C)
-    rb = block if tile2d else 1
-    out = torch.empty_like(x)
-    for r0 in range(0, R, rb):
-        for c0 in range(0, C, block):
-            out[r0 : r0 + rb, c0 : c0 + block] = x[r0 : r0 + rb, c0 : c0 + block].max()
-    return out
 
 
 @pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
