@@ -100,12 +100,6 @@ def _fractions(x2d: torch.Tensor, q: QTensor) -> torch.Tensor:
     return torch.stack([underflow, saturation]).float()
 
 
-def quantization_fractions(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool) -> torch.Tensor:
-    """[underflow, saturation] of x2d [rows, K] quantized as the recipe quantizes a GEMM operand along its
-    rows (scales over the last axis; BxB tiles for a weight under block granularity), rounding to nearest."""
-    return _fractions(x2d, _quantize(x2d, recipe, weight=weight))
-
-
 def _quantize(x2d: torch.Tensor, recipe: Int8Recipe, *, weight: bool, amax: Optional[torch.Tensor] = None):
     tile2d = weight and recipe.granularity == "block"
     return quantize(x2d.detach(), recipe.granularity, block_size=recipe.block_size, tile2d=tile2d,
@@ -160,14 +154,6 @@ def _product_error(a: torch.Tensor, qa: QTensor, b: torch.Tensor, qb: QTensor) -
         approx = dequantize(qa) @ dequantize(qb).t()
         exact = a.detach().float() @ b.detach().float().t()
     return relative_error(approx, exact)
-
-
-def gemm_relative_error(a: torch.Tensor, b: torch.Tensor, recipe: Int8Recipe, *,
-                        b_is_weight: bool = False) -> torch.Tensor:
-    """Relative error of Q(a) Q(b)^T against a b^T (both [., K], K the contraction axis), each operand quantized
-    whole (the probes quantize their samples with the whole operand's amax: `_sample_amax`). `b_is_weight`: b is
-    a weight, quantized in BxB tiles under block granularity."""
-    return _product_error(a, _quantize(a, recipe, weight=False), b, _quantize(b, recipe, weight=b_is_weight))
 
 
 def sample_rows(rows: int, block_size: int) -> slice:

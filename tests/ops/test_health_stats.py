@@ -7,8 +7,7 @@ import torch
 from int8_bounds import heavy_tailed
 
 from megatron_int8.ops import health
-from megatron_int8.ops.health import (STAT_NAMES, LinearProbe, distribution_stats, gemm_relative_error,
-                                      quantization_fractions, sample_rows, values_by_name)
+from megatron_int8.ops.health import STAT_NAMES, LinearProbe, distribution_stats, sample_rows, values_by_name
 from megatron_int8.ops.smooth_swiglu import smooth_scales, smoothed_fprop_operands
 from megatron_int8.recipe import Int8Recipe
 
@@ -35,6 +34,19 @@ def q64(x, granularity, *, block=128, tile2d=False, amax=None):
 
 def rel64(approx, exact):
     return ((approx - exact).norm() / exact.norm()).item()
+
+
+def quantization_fractions(x2d, recipe, *, weight):
+    """[underflow, saturation] as a probe computes them, of x2d [rows, K] quantized whole as the recipe quantizes a
+    GEMM operand along its rows (BxB tiles for a weight under block granularity)."""
+    return health._fractions(x2d, health._quantize(x2d, recipe, weight=weight))
+
+
+def gemm_relative_error(a, b, recipe, *, b_is_weight=False):
+    """The relative error of Q(a) Q(b)^T against a b^T as a probe computes it (both [., K]), each operand quantized
+    whole; b_is_weight: BxB tiles under block granularity."""
+    return health._product_error(a, health._quantize(a, recipe, weight=False), b,
+                                 health._quantize(b, recipe, weight=b_is_weight))
 
 
 def test_distribution_stats_on_known_values():
