@@ -26,8 +26,8 @@ from typing import Dict
 
 import torch
 
-from ..ops.adamw import (STATE_DTYPES, AdamWScalars, BlockQuantized, adamw_step, merge_remainder, moment_nbytes,
-                         moment_to_fp32, new_moment, split_remainder, store_moment)
+from ..ops.adamw import (STATE_DTYPES, AdamWScalars, BlockQuantized, adamw_step, merge_remainder, moment_to_fp32,
+                         new_moment, split_remainder, store_moment)
 from .compat import read_states_through_optimizer
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
@@ -157,16 +157,6 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         else:
             master.copy_(value)
             flat.copy_(value)
-
-    def state_nbytes(self) -> Dict[str, int]:
-        """Bytes each state holds on this rank (allocated states only)."""
-        totals = {"exp_avg": 0, "exp_avg_sq": 0, "master_param": 0}
-        for state in self.state.values():
-            for key in totals:
-                if key in state:
-                    value = state[key]
-                    totals[key] += moment_nbytes(value) if key in MOMENT_KEYS else value.numel() * value.element_size()
-        return totals
 
     # --- checkpoints -------------------------------------------------------------------------------------
 

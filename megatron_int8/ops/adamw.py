@@ -64,9 +64,6 @@ class BlockQuantized:
     def numel(self) -> int:
         return self.codes.numel()
 
-    def nbytes(self) -> int:
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
-
     @classmethod
     def zeros(cls, numel: int, sqrt: bool, device) -> "BlockQuantized":
         codes = torch.zeros(numel, dtype=torch.uint8 if sqrt else torch.int8, device=device)
@@ -181,12 +178,6 @@ def store_moment(moment: Moment, values: torch.Tensor) -> None:
         moment.copy_(BlockQuantized.quantize(values, moment.is_sqrt))
     else:
         moment.copy_(values.detach().reshape(-1))
-
-
-def moment_nbytes(moment: Moment) -> int:
-    if isinstance(moment, BlockQuantized):
-        return moment.nbytes()
-    return moment.numel() * moment.element_size()
 
 
 # --- the step -----------------------------------------------------------------------------------------------
