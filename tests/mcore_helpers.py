@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import os
 import tempfile
 import traceback
@@ -240,6 +241,42 @@ def tiny_config(**overrides):
               attention_dropout=0.0, init_method_std=0.02)
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- specs across versions
+
+
+def submodules_of(spec):
+    """The submodules of a spec: a ModuleSpec's, or from 0.17 a builder's (`functools.partial(cls, submodules=...)`,
+    which megatron-core uses for MLPs and MoE layers)."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def build_spec(spec, *args, **kwargs):
+    """Build a module from a spec: a ModuleSpec or class through megatron's `build_module`, a builder (0.17's
+    `functools.partial` specs of MLPs and MoE layers) by calling it."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    if isinstance(spec, functools.partial):
+        return spec(*args, **kwargs)
+    return build_module(spec, *args, **kwargs)
+
+
+def build_layer_mlp(spec, config):
+    """A layer spec's `mlp` built as TransformerLayer builds it (the tests build MLPs alone): 0.19's
+    builders (`MLP.as_mlp_submodule`, MoELayer) take the layer's process groups and MTP flag; a ModuleSpec'd MLP
+    takes the TP group, a MoE layer the process groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.mlp import MLP
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    if isinstance(spec, functools.partial):
+        return spec(config=config, pg_collection=groups, is_mtp_layer=False)
+    if spec.module is MLP:
+        return build_spec(spec, config=config, tp_group=groups.tp)
+    return build_spec(spec, config=config, pg_collection=groups)
 
 
 def adam_losses(model, tokens, steps: int = 6, lr: float = 1e-2) -> list:

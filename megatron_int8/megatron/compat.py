@@ -23,7 +23,6 @@ specs and trainer call these helpers and never test a version themselves.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -78,43 +77,10 @@ def check_linear_gemm_options(layer: str, options: dict) -> None:
             raise NotImplementedError(f"{layer}: {name}={value!r} is not supported in INT8 ({feature})")
 
 
-def submodules_of(spec):
-    """The submodules of a spec: a ModuleSpec's, or from 0.17 a builder's (`functools.partial(cls, submodules=...)`,
-    which megatron-core uses for MLPs and MoE layers)."""
-    if isinstance(spec, functools.partial):
-        return spec.keywords["submodules"]
-    return spec.submodules
-
-
-def build_spec(spec, *args, **kwargs):
-    """Build a module from a spec: a ModuleSpec or class through megatron's `build_module`, a builder (0.17's
-    `functools.partial` specs of MLPs and MoE layers) by calling it."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    if isinstance(spec, functools.partial):
-        return spec(*args, **kwargs)
-    return build_module(spec, *args, **kwargs)
-
-
 def null_tokenizer_metadata() -> dict:
     """`MegatronTokenizer.from_pretrained` metadata of the NullTokenizer (mock data): its library is "null-text"
     from 0.17 (0.16: "null"; 0.17 asks for a tokenizer path for any other name)."""
     return {"library": "null-text" if mcore_at_least(0, 17) else "null", "model_type": "gpt"}
-
-
-def build_layer_mlp(spec, config):
-    """A layer spec's `mlp` built as TransformerLayer builds it (the tests build MLPs alone): 0.19's
-    builders (`MLP.as_mlp_submodule`, MoELayer) take the layer's process groups and MTP flag; a ModuleSpec'd MLP
-    takes the TP group, a MoE layer the process groups."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.mlp import MLP
-
-    groups = ProcessGroupCollection.use_mpu_process_groups()
-    if isinstance(spec, functools.partial):
-        return spec(config=config, pg_collection=groups, is_mtp_layer=False)
-    if spec.module is MLP:
-        return build_spec(spec, config=config, tp_group=groups.tp)
-    return build_spec(spec, config=config, pg_collection=groups)
 
 
 def read_states_through_optimizer(distributed_optimizer) -> None:

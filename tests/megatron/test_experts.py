@@ -18,8 +18,8 @@ from megatron_int8.ops.grouped_linear import grouped_hp_linear, grouped_int8_lin
 from megatron_int8.ops.linear import int8_linear
 from megatron_int8.reference import Segments
 from megatron_int8.recipe import Int8Recipe
-from mcore_helpers import assert_layers_bit_identical, outlier_tensor, qgemm_bound, single_process_megatron, \
-    tiny_config
+from mcore_helpers import assert_layers_bit_identical, build_layer_mlp, build_spec, outlier_tensor, qgemm_bound, \
+    single_process_megatron, tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
 COUNTS = [37, 0, 130, 5]  # an empty expert, one spanning two aligned strips, ragged counts
@@ -258,8 +258,6 @@ MOE = dict(hidden_size=32, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_
 
 
 def _moe_mlp(grouped: bool, recipe=ROW, **config):
-    from megatron_int8.megatron.compat import build_spec
-
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     cfg = tiny_config(**MOE, moe_grouped_gemm=grouped, **config)
@@ -318,7 +316,6 @@ def test_smooth_swiglu_stays_on_dense_fc2_and_experts_still_run_grouped():
         layer = _moe_mlp(True, recipe=smooth)
         assert layer.experts.grouped_problem is None
         assert not any(e.linear_fc2.int8_recipe.smooth_swiglu for e in layer.experts.local_experts)
-        from megatron_int8.megatron.compat import build_layer_mlp
         from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
         dense = build_layer_mlp(get_gpt_int8_layer_spec(recipe=smooth).submodules.mlp, tiny_config())
@@ -356,7 +353,6 @@ def test_grouped_moe_falls_back_with_a_reason():
         out, _ = layer(x)  # SequentialMLP's loop
         assert torch.isfinite(out).all()
 
-        from megatron_int8.megatron.compat import build_spec
         from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
         # experts of both precisions in one layer cannot share one grouped op
@@ -369,7 +365,6 @@ def test_grouped_bf16_moe_layer_equals_sequential_experts():
     """The BF16 baseline's experts with moe_grouped_gemm run grouped (grouped_hp_linear) with SequentialMLP's
     parameters, and give bit-identical outputs and gradients."""
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.experts import Int8GroupedMLP
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
@@ -396,7 +391,6 @@ def test_grouped_moe_layer_fused_weighted_swiglu(monkeypatch):
     gradient, the router's through the probabilities included, agree in fp32 with SequentialMLP's unfused
     SwiGLU (a few fp32 roundings apart), and --no-fused-swiglu's switch sends it back to megatron's code."""
     import megatron_int8.megatron.experts as experts_mod
-    from megatron_int8.megatron.compat import build_spec
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 

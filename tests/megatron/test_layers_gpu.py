@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from mcore_helpers import adam_losses, assert_fp8_linear_within_bounds, assert_layers_bit_identical, \
+from mcore_helpers import adam_losses, assert_fp8_linear_within_bounds, assert_layers_bit_identical, build_spec, \
     fp8_linear_checks, nearest_recipe, outlier_tensor, qgemm_bound, query_norm_layer_pair, single_process_megatron, \
     tiny_config
 from repo_paths import BENCHMARKS, ROOT
@@ -119,8 +119,6 @@ def test_bench_layer_tiny_on_gpu(tmp_path):
 
 
 def _moe_mlp_on_gpu(grouped: bool, config):
-    from megatron_int8.megatron.compat import build_spec
-
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     spec = get_gpt_int8_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped,
@@ -234,8 +232,6 @@ def test_grouped_moe_fused_weighted_swiglu_on_gpu():
     once to bf16, so the activations differ by at most one bf16 step (2^-7 relative) where the two sigmoids
     round differently. Output, input gradient and router gradient (through the probabilities) must agree in
     relative norm within 2^-6; a wrong weighting or probability gradient is off by O(1)."""
-    from megatron_int8.megatron.compat import build_spec
-
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     gen = torch.Generator().manual_seed(22)

@@ -19,7 +19,7 @@ counted path and float64, and that it reads no device value on the host.
 """
 import pytest
 import torch
-from mcore_helpers import nearest_recipe, outlier_tensor, single_process_megatron, tiny_config
+from mcore_helpers import build_spec, nearest_recipe, outlier_tensor, single_process_megatron, tiny_config
 
 pytestmark = pytest.mark.gpu
 E, H, FFN = 8, 256, 384
@@ -36,7 +36,6 @@ def megatron_world():
 
 
 def _padded_moe_layer(int8: bool, capacity_factor: float):
-    from megatron_int8.megatron.compat import build_spec
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     config = tiny_config(hidden_size=H, num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=FFN,

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_int8.recipe import Int8Recipe
-from mcore_helpers import assert_layers_bit_identical, init_megatron, outlier_tensor, run_distributed, \
+from mcore_helpers import assert_layers_bit_identical, build_spec, init_megatron, outlier_tensor, run_distributed, \
     single_process_megatron, tiny_config
 
 ROW = Int8Recipe(granularity="row", backend="reference")
@@ -140,7 +140,6 @@ def _config(padded: bool, capacity_factor: float = 1.25, dispatcher: str = "allt
 
 
 def _moe_layer(config, int8: bool = True):
-    from megatron_int8.megatron.compat import build_spec
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     spec = get_gpt_int8_layer_spec(num_experts=E, moe_grouped_gemm=config.moe_grouped_gemm, recipe=ROW, int8=int8)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from megatron_int8.ops.backend import triton_available
-from mcore_helpers import (assert_layers_bit_identical, init_megatron, nearest_recipe, outlier_tensor, qgemm_bound,
-                           query_norm_layer_pair, rank_device, run_distributed, tiny_config)
+from mcore_helpers import (assert_layers_bit_identical, build_spec, init_megatron, nearest_recipe, outlier_tensor,
+                           qgemm_bound, query_norm_layer_pair, rank_device, run_distributed, tiny_config)
 
 pytestmark = pytest.mark.slow
 
@@ -194,8 +194,6 @@ def test_tensor_and_sequence_parallel_match_tp1_and_fp64():
 
 def _moe_layer(config, grouped=False):
     """Tensorwise per-expert INT8 experts, or (grouped) row-wise ones run by Int8GroupedMLP."""
-    from megatron_int8.megatron.compat import build_spec
-
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     recipe = nearest_recipe(granularity="row") if grouped else nearest_recipe()

@@ -3,9 +3,8 @@ spec, checkpoint interchange with BF16 models, and SDPA attention vs megatron's 
 import pytest
 import torch
 from mcore_helpers import assert_layers_bit_identical, outlier_tensor, query_norm_layer_pair, single_process_megatron, \
-    tiny_config
+    submodules_of, tiny_config
 
-from megatron_int8.megatron.compat import submodules_of
 from megatron_int8.megatron.policy import Int8Policy
 from megatron_int8.recipe import Int8Recipe
 from repo_paths import BENCHMARKS, ROOT

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from int8_bounds import assert_swiglu_close, heavy_tailed
-from mcore_helpers import single_process_megatron, tiny_config
+from mcore_helpers import build_layer_mlp, single_process_megatron, submodules_of, tiny_config
 
 from megatron_int8 import Int8Recipe, int8_linear
 from megatron_int8.reference import attach_amax, attach_maxima, known_maxima
@@ -128,8 +128,6 @@ def test_mlp_builds_the_swiglu_module_and_matches_megatrons():
     """With config.use_te_activation_func (as the trainer sets it for dense SwiGLU models), megatron's MLP from
     the INT8 spec runs megatron_int8's SwiGLU (emit_maxima for INT8 row-wise linears, not for BF16); its
     outputs and gradients equal those of megatron's own SwiGLU path up to bf16 rounding of the activation."""
-    from megatron_int8.megatron.compat import build_layer_mlp
-
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     with single_process_megatron():
@@ -179,7 +177,6 @@ def test_trainer_config_opens_the_activation_slot_for_dense_swiglu():
 def test_mlp_with_the_swiglu_module_saves_the_same_checkpoint_keys():
     """The module has no state: the MLP's (sharded) state dict keys are those of megatron's own SwiGLU path,
     so checkpoints interchange."""
-    from megatron_int8.megatron.compat import build_layer_mlp
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
@@ -227,7 +224,6 @@ def test_int8_copy_follows_the_recipe_into_int8_layers_only():
     import argparse
 
     from megatron_int8.megatron.cli import add_int8_arguments, policy_from_args
-    from megatron_int8.megatron.compat import submodules_of
     from megatron_int8.megatron.spec import get_gpt_int8_layer_spec
 
     on = Int8Recipe(backend="reference", int8_swiglu_input=True)
