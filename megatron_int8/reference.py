@@ -463,7 +463,7 @@ def quantize(
     else:  # block
         B = block_size
         rb = B if tile2d else 1
-        Rp, Cp = cdiv(R, rb) * rb, cdiv(C, B) * B
+        Rp, Cp = padded_length(R, rb), padded_length(C, B)
         tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
         amax = tiles.amax(dim=(1, 3))
         per_element = lambda group: group.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]  # noqa: E731
@@ -494,7 +494,7 @@ def int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if M == 0 or N == 0 or K == 0:  # e.g. an MoE expert that received no tokens: its wgrad has K = 0
         return torch.zeros(M, N, dtype=torch.int32, device=a.device)
     if a.device.type == "cuda":  # cuBLASLt: M > 16, K and N multiples of 8, 8-aligned row strides
-        Mp, Kp, Np = max(cdiv(M, 8) * 8, 32), cdiv(K, 8) * 8, cdiv(N, 8) * 8
+        Mp, Kp, Np = max(padded_length(M, 8), 32), padded_length(K, 8), padded_length(N, 8)
         out = torch._int_mm(_pad_to(a, Mp, Kp).contiguous(), _pad_to(b, Np, Kp).contiguous().t())
         return out[:M, :N]
     return torch._int_mm(a, b.t())

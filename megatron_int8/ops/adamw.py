@@ -41,6 +41,8 @@ from typing import Optional, Union
 
 import torch
 
+from ..reference import cdiv
+
 QBLOCK = 128
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 # codes' largest magnitude, and the exponent offset that puts amax / scale in [2^(bits-1), 2^bits)
@@ -67,7 +69,7 @@ class BlockQuantized:
     @classmethod
     def zeros(cls, numel: int, sqrt: bool, device) -> "BlockQuantized":
         codes = torch.zeros(numel, dtype=torch.uint8 if sqrt else torch.int8, device=device)
-        scales = torch.full((math.ceil(numel / QBLOCK),), 2.0 ** -126, dtype=torch.float32, device=device)
+        scales = torch.full((cdiv(numel, QBLOCK),), 2.0 ** -126, dtype=torch.float32, device=device)
         return cls(codes, scales)
 
     @classmethod

@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..recipe import GEMMS, QMAX, Int8Recipe
-from ..reference import QTensor, dequantize, quantize
+from ..reference import QTensor, cdiv, dequantize, padded_length, quantize
 from .int8_attention import Int8AttentionConfig, score_operands
 from .smooth_swiglu import smooth_scales
 from .tp_comm import group_amax
@@ -160,7 +160,7 @@ def sample_rows(rows: int, block_size: int) -> slice:
     """The sampled tokens: `SAMPLE_ROWS` (rounded up to whole blocks) contiguous rows from the middle of the
     tensor, starting on a multiple of the block size, so that the 1 x B tiles along the tokens that wgrad's
     operands get under block scales are whole; all rows of a smaller tensor."""
-    count = -(-SAMPLE_ROWS // block_size) * block_size
+    count = padded_length(SAMPLE_ROWS, block_size)
     if rows <= count:
         return slice(0, rows)
     start = min(rows // 2, rows - count) // block_size * block_size
@@ -171,7 +171,7 @@ def sample_channels(channels: int, block_size: int, device) -> Optional[torch.Te
     """The sampled channels of a weight axis: `SAMPLE_CHANNELS` (rounded up to whole blocks) as whole
     blocks of `block_size` spread evenly over the axis (so a weight's B x B tiles stay whole and both halves
     of a fused [gate | up] fc1 are seen), an index tensor on `device`; None (all) for a smaller axis."""
-    blocks = -(-SAMPLE_CHANNELS // block_size)
+    blocks = cdiv(SAMPLE_CHANNELS, block_size)
     whole = channels // block_size
     if whole <= blocks:
         return None

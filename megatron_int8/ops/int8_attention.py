@@ -56,7 +56,7 @@ import torch
 
 from ..dispatch import resolve_backend_name
 from ..recipe import ATTENTION_SCORES, BACKENDS, DEFAULT_ATTENTION_SCORES, DEFAULT_RECIPE
-from ..reference import scale_from_amax
+from ..reference import cdiv, scale_from_amax
 from .backend import triton_available, triton_runs_on
 
 __all__ = ["Int8AttentionConfig", "attention_reference", "int8_attention"]
@@ -112,7 +112,7 @@ def quantize_blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Te
     """x [B, H, S, D] (fp32) quantized per (head, `block` tokens, channel).
     Returns (integer values as fp32 [B, H, S, D], scales [B, H, ceil(S / block), D])."""
     B, H, S, D = x.shape
-    nb = -(-S // block)
+    nb = cdiv(S, block)
     blocks = torch.nn.functional.pad(x, (0, 0, 0, nb * block - S)).view(B, H, nb, block, D)
     scale = scale_from_amax(blocks.abs().amax(dim=3))
     return _round_int8(x, _per_token(scale, block, S)), scale

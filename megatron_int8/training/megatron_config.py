@@ -1,13 +1,13 @@
 """What validated arguments describe in megatron-core's terms: the TransformerConfig and the padded vocabulary."""
 from __future__ import annotations
 
-import math
+from ..reference import padded_length
 
 
 def pad_vocab_size(vocab_size: int, args) -> int:
     """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x TP."""
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return padded_length(vocab_size, multiple)
 
 
 def transformer_config_from_args(args, **overrides):
