@@ -191,21 +191,19 @@ def _int8_gemm_tma_kernel(
     stride_am, stride_bn,  # row strides of a and b (16-byte multiples; their last stride is 1)
     strip_ptr,  # GROUPED: the expert owning each SEGMENT_ALIGN strip of a's rows
     NB,  # rows of b: N, or E * N when GROUPED
-    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, C_TMA: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUPED: tl.constexpr = False,
 ):
     """Persistent variant (tensor and row scales, operands with unit last stride): TMA tensor-descriptor
     loads (out-of-bounds boxes read as zero), one program per SM walking the group-M swizzled tiles, the tile loop
     flattened into the k loop, so one tile's epilogue overlaps the next tile's loads.
-    C_TMA: the output tile leaves through TMA (clipped at the edges), in 4 column sub-tiles so that the
+    The output tile leaves through TMA (clipped at the edges), in 4 column sub-tiles so that the
     shared-memory staging buffer fits beside the pipeline and a second program on the SM. With
     ACCUMULATE (fp32 `accumulate_into`, the wgrad into main_grad) it is a TMA reduce-add: L2 adds the tile
     into main_grad asynchronously, so the old values never pass through registers and the next tile's
     mainloop does not wait for them. (The add is IEEE fp32 round-to-nearest; like every PTX fp32 reduction
-    it flushes subnormal operands and results to zero.) Every launch of the package takes C_TMA; C_TMA False
-    (masked pointer loads/stores, the epilogue before the TMA one) stays as the reference that the tests
-    compare it with.
+    it flushes subnormal operands and results to zero.)
     GROUPED (grouped_gemm, row scales): b and sb are the experts' stacked [E * N, K] and [E * N]; a tile
     reads the N rows of its expert (BLOCK_M divides SEGMENT_ALIGN); a box past them reads the next
     expert's rows into columns >= N, which are never stored."""
@@ -216,9 +214,7 @@ def _int8_gemm_tma_kernel(
     num_tiles = num_pid_m * num_pid_n
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[NB, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
-    if C_TMA:
-        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1],
-                                           block_shape=[BLOCK_M, BLOCK_N // 4])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N // 4])
     group = GROUP_M * num_pid_n
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         first_m = (tile_id // group) * GROUP_M
@@ -247,20 +243,13 @@ def _int8_gemm_tma_kernel(
             out = (out * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if C_TMA:  # 4 column quarters
-            left, right = _column_halves(out, BLOCK_M, BLOCK_N)
-            q0, q1 = _column_halves(left, BLOCK_M, BLOCK_N // 2)
-            q2, q3 = _column_halves(right, BLOCK_M, BLOCK_N // 2)
-            _tma_write(c_desc, om, on, q0, ACCUMULATE)
-            _tma_write(c_desc, om, on + BLOCK_N // 4, q1, ACCUMULATE)
-            _tma_write(c_desc, om, on + BLOCK_N // 2, q2, ACCUMULATE)
-            _tma_write(c_desc, om, on + 3 * BLOCK_N // 4, q3, ACCUMULATE)
-        else:
-            c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            if ACCUMULATE:
-                out = tl.load(c_ptrs, mask=c_mask, other=0.0) + out
-            tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=c_mask)
+        left, right = _column_halves(out, BLOCK_M, BLOCK_N)  # 4 column quarters
+        q0, q1 = _column_halves(left, BLOCK_M, BLOCK_N // 2)
+        q2, q3 = _column_halves(right, BLOCK_M, BLOCK_N // 2)
+        _tma_write(c_desc, om, on, q0, ACCUMULATE)
+        _tma_write(c_desc, om, on + BLOCK_N // 4, q1, ACCUMULATE)
+        _tma_write(c_desc, om, on + BLOCK_N // 2, q2, ACCUMULATE)
+        _tma_write(c_desc, om, on + 3 * BLOCK_N // 4, q3, ACCUMULATE)
 
 
 def _scratch_alloc(size, alignment, stream):
@@ -641,7 +630,7 @@ def _tma_tile_launch(args, meta, nb: int):
     opts = TMA_TILE.launch_options(num_sms(args[0].device))
     tiles = cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])
     return _GEMM_TMA, (min(opts["NUM_SMS"], tiles),), _tma_args(args, nb), dict(
-        opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"], C_TMA=True,
+        opts, SCALE_MODE=meta["SCALE_MODE"], HAS_BIAS=meta["HAS_BIAS"], ACCUMULATE=meta["ACCUMULATE"],
         GROUPED=grouped)
 
 
@@ -720,21 +709,6 @@ def triton_grouped_gemm(a: ref.QTensor, b: ref.QTensor, segments: ref.Segments, 
     cache, grid, launch_args, kw = _untuned_launch(args, meta, tma_ok, E * N)
     cache.launch(grid, *launch_args, **kw)
     return c
-
-
-def launch_tma_tile(a: ref.QTensor, b: ref.QTensor, c: torch.Tensor, *, accumulate: bool,
-                    c_tma: bool = True) -> None:
-    """One launch of the persistent TMA kernel in its configuration (TMA_TILE; tensor or row scales, no bias),
-    writing or adding (`accumulate`) into c. c_tma False: the pointer epilogue, which the GPU tests compare the
-    TMA store and reduce-add with; the package's own launches always take C_TMA."""
-    M, K = a.data.shape
-    N = b.data.shape[0]
-    opts = TMA_TILE.launch_options(num_sms(c.device))
-    _ensure_allocator()
-    _int8_gemm_tma_kernel[(min(opts["NUM_SMS"], cdiv(M, opts["BLOCK_M"]) * cdiv(N, opts["BLOCK_N"])),)](
-        a.data, b.data, c, a.scale, b.scale, c, M, N, K, a.data.stride(0), b.data.stride(0), b.scale, N,
-        SCALE_MODE=_SCALE_TENSOR if a.granularity == "tensor" else _SCALE_ROW, HAS_BIAS=False,
-        ACCUMULATE=accumulate, C_TMA=c_tma, **opts)
 
 
 def _launchers(args, meta, M, N, tma_ok):

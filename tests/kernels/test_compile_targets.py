@@ -130,7 +130,7 @@ def test_plain_gemm_compiles_for_ampere(case):
 def _tma_constexprs(variant: "G.TmaVariant", accumulate: bool, scale_mode: int, grouped=False) -> dict:
     opts = variant.launch_options(n_sms=132)
     warps, stages = opts.pop("num_warps"), opts.pop("num_stages")
-    return dict(opts, SCALE_MODE=scale_mode, HAS_BIAS=False, ACCUMULATE=accumulate, C_TMA=True, GROUPED=grouped), \
+    return dict(opts, SCALE_MODE=scale_mode, HAS_BIAS=False, ACCUMULATE=accumulate, GROUPED=grouped), \
         warps, stages
 
 

@@ -475,23 +475,21 @@ def test_int8_linear_triton_matches_reference(K, granularity):
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("c_tma", [True, pytest.param(False, marks=SLOW)])
-def test_gemm_tma_persistent_kernel(K, granularity, accumulate, c_tma):
+def test_gemm_tma_persistent_kernel(K, granularity, accumulate):
     """The persistent TMA-descriptor variant (Hopper's path): ragged M and N, bias, accumulate, through the
-    TMA epilogue (a store, or a reduce-add into the fp32 buffer, in 4 column quarters) and through the pointer
-    epilogue."""
+    TMA epilogue (a store, or a reduce-add into the fp32 buffer, in 4 column quarters)."""
     M, N, Kd = 37, 36, 96  # more tiles than programs: the persistent loop visits several
     qa = _q(outliers(M, Kd), granularity, False)
     qb = _q(outliers(N, Kd), granularity, True)
     bias = torch.randn(N)
     main = torch.randn(M, N)
     out = main.clone() if accumulate else torch.full((M, N), float("nan"))
-    tma_kernel(qa, qb, out, bias, ACCUMULATE=accumulate, C_TMA=c_tma)
+    tma_kernel(qa, qb, out, bias, ACCUMULATE=accumulate)
     want = REF.gemm(qa, qb, out_dtype=torch.float32, bias=bias, accumulate_into=main.clone() if accumulate else None)
     assert_close_fp32(out, want, f"tma {granularity}")
 
 
-def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=True):
+def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False):
     """One launch of the persistent TMA kernel with interpreter-sized tiles on 3 programs (each walks several
     tiles). `strips`: grouped, qb stacked [E, N, K] and read as [E * N, K]."""
     from megatron_int8.kernels import int8_gemm as G
@@ -504,8 +502,8 @@ def tma_kernel(qa, qb, out, bias=None, *, strips=None, ACCUMULATE=False, C_TMA=T
     G._int8_gemm_tma_kernel[(3,)](qa.data, bd, out, qa.scale, sb, bias if bias is not None else out, M, N, Kd,
                                   qa.data.stride(0), bd.stride(0), strips if strips is not None else sb, bd.shape[0],
                                   SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=bias is not None,
-                                  ACCUMULATE=ACCUMULATE, C_TMA=C_TMA, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2,
-                                  NUM_SMS=3, GROUPED=strips is not None)
+                                  ACCUMULATE=ACCUMULATE, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, NUM_SMS=3,
+                                  GROUPED=strips is not None)
 
 
 @pytest.mark.parametrize("granularity,weight", WEIGHT_VARIANTS_SLOW)
@@ -978,14 +976,13 @@ def test_grouped_gemm_splits_long_contractions(K, monkeypatch):
                        REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
 
 
-@pytest.mark.parametrize("c_tma", [True, pytest.param(False, marks=SLOW)])
-def test_grouped_gemm_tma_kernel(K, c_tma):
+def test_grouped_gemm_tma_kernel(K):
     """The persistent TMA kernel's grouped mode (Hopper's path): b read as [E * N, K], a tile's box past
     its expert's N = 36 rows reads the next expert's, into columns that are never stored; ragged K (80)."""
     x, seg = moe_input([20, 0, 150], 80)
     qa, qb = _q(x, "row", False), stacked_weights(3, 36, 80)
     out = torch.full((384, 36), float("nan"))
-    tma_kernel(qa, qb, out, strips=seg.strip_experts(out.device), C_TMA=c_tma)
+    tma_kernel(qa, qb, out, strips=seg.strip_experts(out.device))
     assert torch.equal(out, REF.grouped_gemm(qa, qb, seg, out_dtype=torch.float32))
 
 
@@ -1017,12 +1014,14 @@ def test_gemm_strided_column_slice_operands(K):
         gc, xc = (qref.QTensor(q.data.contiguous(), q.scale, "row", 16) for q in (ga, xa))
         main = torch.randn(24, 40)
         want = K.triton_gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone())
-        assert_close_fp32(want, REF.gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone()), "wgrad")
+        ref = REF.gemm(gc, xc, out_dtype=torch.float32, accumulate_into=main.clone())
+        assert_close_fp32(want, ref, "wgrad")
         assert torch.equal(K.triton_gemm(ga, xa, out_dtype=torch.float32, accumulate_into=main.clone()), want)
-        out = main.clone()
-        tma_kernel(ga, xa, out, ACCUMULATE=True, C_TMA=False)
-        tma_kernel(gc, xc, want := main.clone(), ACCUMULATE=True, C_TMA=False)
-        assert torch.equal(out, want)
+        out, contiguous = main.clone(), main.clone()
+        tma_kernel(ga, xa, out, ACCUMULATE=True)
+        tma_kernel(gc, xc, contiguous, ACCUMULATE=True)
+        assert torch.equal(out, contiguous)
+        assert_close_fp32(out, ref, "TMA wgrad")
 
 
 

@@ -45,8 +45,7 @@ def _launch_scaled(variant, qa, qb, c, accumulate, programs=3):
     N = qb.data.shape[0]
     G._int8_gemm_tma_kernel[(opts["NUM_SMS"],)](
         qa.data, qb.data, c, qa.scale, qb.scale, c, M, N, K, qa.data.stride(0), qb.data.stride(0), qb.scale, N,
-        SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=False, ACCUMULATE=accumulate, C_TMA=True,
-        **opts)
+        SCALE_MODE=0 if qa.granularity == "tensor" else 1, HAS_BIAS=False, ACCUMULATE=accumulate, **opts)
 
 
 @needs_interpreter
