@@ -658,14 +658,16 @@ def _check_architecture(saved, args) -> None:
 
 def _check_optimizer_kind(saved, args) -> None:
     """A resume that loads the optimizer state needs the optimizer that wrote it: another --optimizer has other
-    state, and --bf16 on or off another megatron wrapper (fp32 master copies or none); megatron's load fails
-    with a KeyError after the build. The precision-aware optimizer's moments convert (not checked)."""
+    state, and without the distributed optimizer --bf16 on or off is another megatron wrapper (fp32 master copies
+    or none); megatron's load fails with a KeyError after the build. The distributed optimizer keeps the same
+    state either way, and the precision-aware optimizer's moments convert (neither refused)."""
     saved = _saved_dict(saved)
     if args.no_load_optim or getattr(args, "skip_train", False):
         return
     diffs = [f"--{name} {saved[name]} -> {getattr(args, name)}" for name in ("optimizer",)
              if name in saved and saved[name] != getattr(args, name)]
-    if "bf16" in saved and bool(saved["bf16"]) != bool(args.bf16):
+    distributed = saved.get("use_distributed_optimizer") or args.use_distributed_optimizer  # a change is refused later
+    if "bf16" in saved and bool(saved["bf16"]) != bool(args.bf16) and not distributed:
         diffs.append(f"{'--bf16' if saved['bf16'] else 'no --bf16'} -> {'--bf16' if args.bf16 else 'no --bf16'}")
     if diffs:
         raise ArgumentError(f"the checkpoint's optimizer state is of another optimizer than this run's "

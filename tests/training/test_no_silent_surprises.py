@@ -17,6 +17,7 @@ from repo_paths import ROOT, SCRIPTS
 from test_training import SMALL_MODEL, data  # noqa: F401  (`data`: fixture)
 
 from megatron_int8.training.args import build_parser
+from megatron_int8.training.errors import ArgumentError
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 # a user's environment: Python's default warning filters (no PYTHONWARNINGS=ignore), CPU
@@ -269,6 +270,22 @@ def test_a_resume_with_another_optimizer_fails_before_the_model(data, interrupte
     for flags, change in ((["--optimizer", "sgd"], "--optimizer adam -> sgd"), (["--bf16"], "no --bf16 -> --bf16")):
         message = _refused(capsys, _argv(data, "--load", save, "--train-iters", "40", *flags))
         assert f"is of another optimizer than this run's ({change})" in message and "--no-load-optim" in message
+
+
+def test_bf16_switched_under_the_distributed_optimizer_keeps_its_state():
+    """The distributed optimizer holds fp32 main weights and moments with or without --bf16: a resume may switch it
+    (refused only for megatron's non-distributed wrappers, which differ)."""
+    import argparse
+
+    from megatron_int8.training.checkpoint import _check_optimizer_kind
+
+    saved = {"optimizer": "adam", "bf16": False, "use_distributed_optimizer": True}
+    now = argparse.Namespace(optimizer="adam", bf16=True, use_distributed_optimizer=True, no_load_optim=False,
+                             skip_train=False)
+    _check_optimizer_kind(saved, now)
+    with pytest.raises(ArgumentError, match=r"\(no --bf16 -> --bf16\)"):
+        _check_optimizer_kind({**saved, "use_distributed_optimizer": False}, argparse.Namespace(
+            **{**vars(now), "use_distributed_optimizer": False}))
 
 
 def _losses(result, key="lm loss"):
