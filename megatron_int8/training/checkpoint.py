@@ -321,14 +321,14 @@ def _sgd_state_to_load(optimizer, saved_momentum) -> None:
     """megatron-core builds SGD without the `init_state_fn` its sharded_state_dict calls on load (a TypeError on
     every resume of an SGD run): give it one that makes the state the checkpoint holds, a momentum buffer per
     parameter where its run had momentum (`saved_momentum`), so the buffers load; none where it had none."""
-    def momentum_buffers(opt, config=None):
-        for group in opt.param_groups:
+    def state_to_load(opt, config=None):
+        for group in opt.param_groups if saved_momentum else ():
             for param in group["params"]:
                 opt.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
 
     for opt in inner_optimizers(optimizer):
-        if isinstance(getattr(opt, "optimizer", None), torch.optim.SGD) and getattr(opt, "init_state_fn", 1) is None:
-            opt.init_state_fn = momentum_buffers if saved_momentum else (lambda opt, config=None: None)
+        if isinstance(getattr(opt, "optimizer", None), torch.optim.SGD) and opt.init_state_fn is None:
+            opt.init_state_fn = state_to_load
 
 
 def _restore_adam_steps(optimizer, steps: list) -> None:
@@ -645,6 +645,12 @@ def _saved_dict(saved_args) -> dict:
     return saved_args if isinstance(saved_args, dict) else {}
 
 
+def _changed_flags(saved: dict, args, names) -> list:
+    """'--flag then -> now' for each of `names` that the checkpoint's arguments record with another value."""
+    return [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name, None)}" for name in names
+            if name in saved and saved[name] != getattr(args, name, None)]
+
+
 def _check_architecture(saved, args) -> None:
     saved = _saved_dict(saved)
     names = ARCHITECTURE_ARGS
@@ -664,8 +670,7 @@ def _check_optimizer_kind(saved, args) -> None:
     saved = _saved_dict(saved)
     if args.no_load_optim or getattr(args, "skip_train", False):
         return
-    diffs = [f"--{name} {saved[name]} -> {getattr(args, name)}" for name in ("optimizer",)
-             if name in saved and saved[name] != getattr(args, name)]
+    diffs = _changed_flags(saved, args, ("optimizer",))
     distributed = saved.get("use_distributed_optimizer") or args.use_distributed_optimizer  # a change is refused later
     if "bf16" in saved and bool(saved["bf16"]) != bool(args.bf16) and not distributed:
         diffs.append(f"{'--bf16' if saved['bf16'] else 'no --bf16'} -> {'--bf16' if args.bf16 else 'no --bf16'}")
@@ -735,9 +740,7 @@ def model_change(saved_args, args) -> Optional[str]:
             "rope scaling": getattr(args, "position_embedding_type", None) == "rope"
             and (getattr(args, "use_rope_scaling", False) or saved.get("use_rope_scaling")),
             "moe": bool(getattr(args, "num_experts", None))}
-    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name, None)}"
-               for name, needs in MODEL_FUNCTION_ARGS.items()
-               if uses[needs] and name in saved and saved[name] != getattr(args, name, None)]
+    changed = _changed_flags(saved, args, [name for name, needs in MODEL_FUNCTION_ARGS.items() if uses[needs]])
     if not changed:
         return None
     return (f"model: this run's flags, not the checkpoint's ({'; '.join(changed)}): the loaded weights were trained "
@@ -814,14 +817,12 @@ def follow_schedule_flags(scheduler, optimizer, saved_state: Optional[dict], ite
     scheduler.num_steps = 0
     scheduler.step(increment=_schedule_position(saved_state, iteration))
     saved = _saved_dict(saved_args)
-    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in SCHEDULE_ARGS
-               if name in saved and saved[name] != getattr(args, name)]
+    changed = _changed_flags(saved, args, SCHEDULE_ARGS)
     if changed:
         log(f"LR schedule: this run's flags, not the checkpoint's ({'; '.join(changed)}); learning rate now "
             f"{optimizer.param_groups[0]['lr']:.4E}")
     in_use = [name for name in OPTIMIZER_ARGS if name.startswith(args.optimizer)]
-    changed = [f"--{name.replace('_', '-')} {saved[name]} -> {getattr(args, name)}" for name in in_use
-               if name in saved and saved[name] != getattr(args, name)]
+    changed = _changed_flags(saved, args, in_use)
     if changed:
         group = optimizer.param_groups[0]
         now = {k: group[k] for k in ("betas", "eps", "momentum") if k in group}
