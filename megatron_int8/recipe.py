@@ -61,6 +61,8 @@ class Int8Numerics:
             raise ValueError(f"Int8Recipe.int8_attention_scores={self.int8_attention_scores!r} needs "
                              "int8_attention=True (it sets the INT8 attention's scores)")
         _check_choice("Int8Recipe", "grad_rounding", self.grad_rounding, ROUNDINGS)
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool):  # 128.0 fails in reshape
+            raise TypeError(f"Int8Recipe.block_size must be an int, got {self.block_size!r}")
         if self.block_size < 16 or self.block_size % 16:  # also the health probes' sampling alignment
             raise ValueError(f"Int8Recipe.block_size must be a positive multiple of 16, got {self.block_size}")
         _check_bools(self, GEMMS + ("smooth_swiglu", "int8_swiglu_input", "int8_norm_input", "int8_attention"))

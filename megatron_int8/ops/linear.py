@@ -273,8 +273,12 @@ def int8_linear(
     """
     recipe = recipe or DEFAULT_RECIPE
     tp = tp or _NO_TP
+    if not isinstance(recipe, Int8Recipe):
+        raise TypeError(f"int8_linear: recipe must be an Int8Recipe, got {type(recipe).__name__}")
     if weight.dim() != 2:
         raise ValueError(f"int8_linear: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    if weight.shape[1] == 0:  # nothing to quantize along the contraction: F.linear's zeros, not INT8 GEMMs
+        raise ValueError(f"int8_linear: weight {tuple(weight.shape)} has no input features")
     if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
         raise ValueError(f"int8_linear: input {tuple(input.shape)} does not match weight {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):

@@ -255,6 +255,10 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         int8_linear(torch.randn(4, 10), torch.randn(8, 10), torch.randn(7))
     with pytest.raises(TypeError, match="floating"):
         int8_linear(torch.ones(4, 10, dtype=torch.int64), torch.randn(8, 10))
+    with pytest.raises(ValueError, match="no input features"):
+        int8_linear(torch.randn(4, 0), torch.randn(8, 0))
+    with pytest.raises(TypeError, match="must be an Int8Recipe, got dict"):  # not an AttributeError deep inside
+        int8_linear(torch.randn(4, 16), torch.randn(8, 16), recipe={"granularity": "row"})
 
 
 def test_odd_inner_dimensions_are_handled():

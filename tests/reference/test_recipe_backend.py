@@ -31,6 +31,12 @@ def test_recipe_rejects_non_bool_switch():
         Int8Recipe(wgrad="no")
 
 
+@pytest.mark.parametrize("block_size", [128.0, "128", True])
+def test_recipe_rejects_a_block_size_that_is_not_an_int(block_size):
+    with pytest.raises(TypeError, match="block_size must be an int"):  # 128.0 failed in a reshape inside the GEMM
+        Int8Recipe(granularity="block", block_size=block_size)
+
+
 def test_recipe_describe_names_high_precision_gemms():
     assert Int8Recipe().describe() == "int8[row,fprop/dgrad/wgrad]"  # the default: row scales, nearest
     assert Int8Recipe(granularity="tensor", grad_rounding="stochastic").describe() == "int8[tensor,fprop/dgrad/wgrad,sr]"
