@@ -3,7 +3,8 @@
 Conventions, shared with the Triton kernels:
 - an operand is a 2-D tensor [R, C] whose *last* axis C is the GEMM's contraction axis (K-major, the
   layout Hopper's INT8 tensor cores need for both operands); `gemm(a, b)` computes a @ b^T -> [Ra, Rb];
-- scale = amax / 127 in fp32 (1.0 for an all-zero group), q = clamp(round(x * (1 / scale)), -127, 127):
+- scale = amax / 127 in fp32 (1.0 for an all-zero group; at least MIN_SCALE, so that 1 / scale is finite),
+  q = clamp(round(x * (1 / scale)), -127, 127):
   one IEEE fp32 reciprocal per group and an fp32 multiply per element (a per-element division made the
   quantize kernels instruction-bound), round half-to-even (or floor(v + U[0,1)) when stochastic);
 - scale shapes: "tensor" -> [] ; "row" -> [R] ; "block" -> [R, ceil(C/B)] for 1xB tiles, or
@@ -19,6 +20,9 @@ import torch
 from .recipe import QMAX
 
 # |acc| <= 127 * 127 * K must fit in int32: split longer contractions and sum the pieces in fp32.
+# The smallest scale: fp32's smallest normal number. Below it 1 / scale overflows to inf (amax under 1.5e-36) and
+# every element rounded to +-127, an output 2-4x too large; at it such groups quantize within half of 2^-126.
+MIN_SCALE = 2.0 ** -126
 MAX_EXACT_K = (2**31 - 1) // (QMAX * QMAX) // 128 * 128
 # MoE experts' token segments start at multiples of this (see Segments): no GEMM tile (BLOCK_M <= 128) and
 # no quantize strip ever holds tokens of two experts.
@@ -182,12 +186,13 @@ def segment_operand(q: QTensor, segments: Segments, e: int) -> QTensor:
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """fp32 scale amax/127; an all-zero group gets scale 1 (finite, and dequantizes to exact zeros)."""
+    """fp32 scale max(amax/127, MIN_SCALE); an all-zero group gets scale 1 (finite, and dequantizes to exact
+    zeros)."""
     amax = amax.float()
     # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
     # which can differ from the IEEE quotient by one ulp.
     qmax = torch.tensor(QMAX, dtype=torch.float32, device=amax.device)
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.where(amax > 0, (amax / qmax).clamp_min(MIN_SCALE), torch.ones_like(amax))
 
 
 class _NonFiniteRecord:

@@ -124,10 +124,11 @@ def int8_attention_bounds(q, k, v, do, o_int8, causal, scale, cfg):
     p_up = p + e_p
     maskf = mask.double()
 
-    def block_steps(x):  # half the step of x [B, H, S, D] per (head, cfg.block tokens, channel): fp32(amax / 127)
+    def block_steps(x):  # half the step of x [B, H, S, D] per (head, cfg.block tokens, channel): fp32(amax / 127),
+        # at least 2^-126 (the quantizer's least scale, whose inverse is finite)
         tokens_last = x.transpose(-1, -2).reshape(-1, x.shape[2])
         amax = float64_group_amax(tokens_last, "block", cfg.block, False).view(*x.shape[:2], x.shape[3], x.shape[2])
-        return (amax.transpose(-1, -2).float() / 127).double() / 2
+        return (amax.transpose(-1, -2).float() / 127).clamp_min(2.0 ** -126).double() / 2
 
     v_half = _expand(block_steps(v), group)
     v_up = _expand(v64.abs(), group) + v_half

@@ -3,8 +3,8 @@
 Contract (identical to megatron_int8.reference, see its docstring): an operand x [R, C] has its contraction
 axis last. `rowwise` returns Q(x) [R, C], `columnwise` returns Q(x^T) [C, R] (or [C, R'], R zero-padded up
 to a multiple of `columnwise_pad`), both K-major as Hopper's INT8
-tensor cores need. scale = amax / 127 in fp32 (IEEE division, 1.0 for an all-zero group, NaN for a group
-holding Inf/NaN), q = clamp(round_half_even(x_fp32 * (1 / scale)), -127, 127) with an IEEE-correct
+tensor cores need. scale = amax / 127 in fp32 (IEEE division, at least ref.MIN_SCALE, 1.0 for an all-zero group,
+NaN for a group holding Inf/NaN), q = clamp(round_half_even(x_fp32 * (1 / scale)), -127, 127) with an IEEE-correct
 reciprocal per scale (`tl.math.div_rn`) and an fp32 multiply per element, so the int8 data and the scales
 are bit-identical to the PyTorch reference.
 
@@ -55,6 +55,8 @@ from .. import reference as ref
 from ._tl import ROUND_MAGIC, SEGMENT_ALIGN, atomic_max_of, max_keep_nan, max_to_inf, strip_program, strip_step
 from .launch import ARG, INTERPRETING, LaunchCache, PlanCache, cdiv, next_pow2
 
+MIN_SCALE = tl.constexpr(ref.MIN_SCALE)
+
 
 # modes of _quantize_block_kernel
 _MODE_TILE2D, _MODE_1XB = 2, 3
@@ -69,8 +71,8 @@ def _abs_max(x, axis):
 
 @triton.jit
 def _scale_from_amax(amax):
-    """amax/127 (IEEE division); 1.0 for amax == 0; NaN for a non-finite amax."""
-    s = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    """max(amax/127 (IEEE division), MIN_SCALE); 1.0 for amax == 0; NaN for a non-finite amax."""
+    s = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), MIN_SCALE)
     s = tl.where(amax > 0, s, 1.0)
     return tl.where(amax < float("inf"), s, float("nan"))
 

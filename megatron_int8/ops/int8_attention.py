@@ -102,9 +102,9 @@ ROW_AMAX_FLOOR = 2.0 ** -100  # the least amax of a row of P^T or dS: a row belo
 
 # ------------------------------------------------------------------------------------------ quantization
 def _round_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """clamp(round_half_even(x * (1 / scale)), -127, 127) as float values (exact small integers). A group whose
-    amax is below about 3.7e-37 has 1 / scale = inf: its zeros give 0 * inf = NaN, which becomes 0 as in the
-    kernels' _round_clamp (a non-finite input still shows: its scale is NaN)."""
+    """clamp(round_half_even(x * (1 / scale)), -127, 127) as float values (exact small integers). A NaN scale (its
+    group held Inf/NaN) gives NaN products, which become 0 as in the kernels' _round_clamp: the NaN scale still
+    shows in the dequantized result."""
     return torch.round((x * (1.0 / scale)).nan_to_num_(nan=0.0)).clamp_(-127, 127)
 
 

@@ -158,8 +158,8 @@ def test_forward_tile_defaults_by_scores_and_explicit_tiles_stay():
 
 
 def tiny_channel_inputs(seed):
-    """V's channel 0 and dO's channel 3 all zero but one value of 1e-38: their blocks' scale amax / 127 is subnormal
-    and its inverse overflows to inf, so the zeros beside that value give 0 * inf."""
+    """V's channel 0 and dO's channel 3 all zero but one value of 1e-38: their blocks' amax / 127 is subnormal, its
+    inverse would overflow to inf (the zeros beside that value gave 0 * inf); they take the least scale, 2^-126."""
     q, k, v, do = attention_inputs(1, 2, 1, 64, 32, seed, dtype=torch.float32)
     v[..., 0] = 0.0
     v[:, :, 5, 0] = 1e-38

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from int8_bounds import assert_fp32_accumulation_close, assert_within_int8_bound, heavy_tailed
+from int8_bounds import assert_fp32_accumulation_close, assert_within_int8_bound, float64_group_amax, heavy_tailed
 from megatron_int8 import Int8Recipe, NonFiniteError, TPOptions, int8_linear, invalidate_weight_caches, raise_if_nonfinite
 from megatron_int8.reference import ReferenceBackend
 
@@ -259,6 +259,24 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         int8_linear(torch.randn(4, 0), torch.randn(8, 0))
     with pytest.raises(TypeError, match="must be an Int8Recipe, got dict"):  # not an AttributeError deep inside
         int8_linear(torch.randn(4, 16), torch.randn(8, 16), recipe={"granularity": "row"})
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_tiny_inputs_stay_within_the_bound_of_the_smallest_scale(granularity):
+    # an input near fp32's smallest normal gave 2-4x the product (1/scale overflowed), 1e-44 all zeros
+    x = (heavy_tailed(64, 256) * 1e-38).float()
+    w = heavy_tailed(48, 256).float() * 0.05
+    y = int8_linear(x, w, recipe=Int8Recipe(granularity=granularity, block_size=32))
+    ref = x.double() @ w.double().t()
+    half_x = torch.full_like(ref[:, :1], 2.0 ** -127)  # half of every x group's scale: amax/127 is below 2^-126
+    half_w = float64_group_amax(w, granularity, 32, granularity == "block") / 254  # independent of the op
+    bound = half_x @ w.double().abs().sum(dim=1, keepdim=True).t() + x.double().abs() @ half_w.t() \
+        + half_x @ half_w.sum(dim=1, keepdim=True).t()
+    # fp32 dequantization: the scale product is subnormal (2^-126 x 0.002), half its ulp 2^-150 per int32 unit
+    slack = 2.0 ** -150 * 127 * 127 * 256 + ref.abs() * 4 * torch.finfo(torch.float32).eps
+    err = (y.double() - ref).abs()
+    assert (err <= bound + slack).all(), f"worst {(err / (bound + slack)).max():.2f}x the bound"
+    assert (y != 0).float().mean() > 0.9  # not flushed to zero
 
 
 def test_odd_inner_dimensions_are_handled():

@@ -65,6 +65,19 @@ def test_zero_tensor_gives_zero_and_finite_scale(granularity, tile2d):
     assert not dequantize(qt).any()
 
 
+@pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
+@pytest.mark.parametrize("magnitude", [1e-37, 1e-40, 1e-44])
+def test_tiny_groups_quantize_within_half_a_step_of_the_smallest_scale(granularity, tile2d, magnitude):
+    # amax/127 below fp32's smallest normal made 1/scale inf and every element +-127: 2-4x the input
+    x = (heavy_tailed(40, 96) * magnitude).float()
+    qt = quantize(x, granularity, block_size=32, tile2d=tile2d)
+    step = (float64_group_amax(x, granularity, 32, tile2d) / 127).clamp_min(2.0 ** -126)  # independent of qt
+    assert torch.equal(expanded_scale(qt), step.float().double())
+    err = (dequantize(qt).double() - x.double()).abs()
+    assert (err <= step / 2).all(), f"worst error {(err / step).max():.3f} steps"
+    assert qt.data.abs().max() <= 127
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 def test_non_finite_input_raises_naming_the_tensor(bad):
     x = torch.randn(8, 16)
