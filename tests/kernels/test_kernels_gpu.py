@@ -104,6 +104,18 @@ def test_quantize_bit_exact(K, REF, granularity, weight, shape):
 
 
 @pytest.mark.parametrize("granularity,weight", VARIANTS)
+@pytest.mark.parametrize("magnitude", [1e-38, 1e-42])
+def test_quantize_tiny_groups_bit_exact(K, REF, granularity, weight, magnitude):
+    # groups whose amax/127 falls below 2^-126 take that scale, on the GPU as in the reference
+    x = (outliers(1000, 1537, torch.float32) * magnitude).float()
+    kw = _kw(granularity, weight, rowwise=True, columnwise=True)
+    got, want = K.triton_quantize(x, **kw), ref_quantize(REF, x, **kw)
+    for g, w, what in zip(got, want, ("rowwise", "columnwise")):
+        assert_same_qtensor(g, w, f"{granularity} weight={weight} x{magnitude} {what}")
+        assert (g.scale >= 2.0 ** -126).all()
+
+
+@pytest.mark.parametrize("granularity,weight", VARIANTS)
 def test_quantize_padded_transpose_and_wgrad(K, REF, granularity, weight):
     """An MoE expert's token count (1037: not a multiple of 16) padded to 1040 in Q(x^T): bit-identical to
     the padded reference, zero pad, and the wgrad-shaped GEMM over the padded tokens equals the reference
