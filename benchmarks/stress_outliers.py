@@ -19,13 +19,14 @@ function stays the same (up to rounding). What changes is what INT8 sees: fc2's 
 (its fprop suffers under per-token scales) and fc1's weight outlier rows (its dgrad suffers under
 per-input-channel scales).
 
-Writes to --output-dir: stress.jsonl (losses, statistics checks, fallback events), table.md (printed too)
-and stress.png. The table gives each run's departure from BF16's loss (windowed means), the noise band, the
-first step from the injection start on at which the departure exceeds both 1% and the noise band (see
-`first_departure`), the onset of the largest departure (`departure_onset`: an early crossing that recovers,
-as INT8 can show while the loss still falls steeply, is not where the outliers' harm begins), the first
-statistics check that crossed a fallback threshold, its lead over that onset, and the fallbacks.
---summarize redoes the table and the plot from a recorded stress.jsonl.
+Writes to --output-dir: stress.jsonl (losses, statistics checks, fallback events; started afresh, each run's
+records added as it finishes), table.md (printed too) and stress.png. The table gives each run's departure
+from BF16's loss (windowed means), the noise band, the first step from the injection start on at which the
+departure exceeds both 1% and the noise band (see `first_departure`), the onset of the largest departure
+(`departure_onset`: an early crossing that recovers, as INT8 can show while the loss still falls steeply, is
+not where the outliers' harm begins), the first statistics check that crossed a fallback threshold, its lead
+over that onset, and the fallbacks. --summarize redoes the table and the plot from a recorded stress.jsonl (of
+a killed job too: the runs it finished).
 
     python3 benchmarks/stress_outliers.py --output-dir runs/stress                 # one GPU, parity shape
     python3 benchmarks/stress_outliers.py --size tiny --steps 12 --device cpu --output-dir /tmp/stress
@@ -392,16 +393,26 @@ def plot(results, args, path, watched) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_records(run: str, r: dict) -> str:
+    """A finished run's lines of stress.jsonl: losses, statistics checks, fallback events, then its seconds."""
+    lines = [{"run": run, "iteration": step, "lm_loss": loss} for step, loss in enumerate(r["loss"], 1)]
+    lines += [{"run": run, "iteration": step, "int8_health": check} for step, check in r["checks"]]
+    lines += [{"run": run, "iteration": event["iteration"], "int8_fallback": event} for event in r["events"]]
+    lines.append({"run": run, "seconds": r["seconds"]})
+    return "".join(json.dumps(line) + "\n" for line in lines)
+
+
 def read_results(path: str):
     """(args, results, watched) from a stress.jsonl this script wrote: the table and the plot can be redone
-    from the log alone (the health flag is recomputed from the recorded checks, as during the run)."""
+    from the log alone (the health flag is recomputed from the recorded checks, as during the run), also
+    from the runs a killed job finished."""
     with open(path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f if line.strip()]
     if not lines or "args" not in lines[0]:
         raise SystemExit(f"{path}: not a stress_outliers.py log (its first line holds the run's arguments)")
     args = argparse.Namespace(**lines[0]["args"])
     thresholds = FallbackThresholds(tuple(args.max_rel_err), tuple(args.max_underflow), args.patience)
-    results = {run: {"loss": [], "checks": [], "events": [], "flag": None, "seconds": math.nan} for run in args.runs}
+    results = {run: {"loss": [], "checks": [], "events": [], "flag": None} for run in args.runs}
     for line in lines[1:]:
         r = results[line["run"]]
         if "lm_loss" in line:
@@ -415,7 +426,13 @@ def read_results(path: str):
             r["events"].append(line["int8_fallback"])
         elif "seconds" in line:
             r["seconds"] = line["seconds"]
-    return args, results, lines[0]["injected"]
+    # a run's seconds come last (run_records): a job killed later leaves the runs it finished
+    finished = {run: r for run, r in results.items() if "seconds" in r}
+    if "bf16" not in finished:
+        raise SystemExit(f"{path}: no finished bf16 run (the reference the departures are measured from)")
+    if len(finished) < len(results):
+        print(f"{path}: runs not finished: {' '.join(run for run in results if run not in finished)}")
+    return args, finished, lines[0]["injected"]
 
 
 def main(argv=None) -> int:
@@ -475,22 +492,17 @@ def main(argv=None) -> int:
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     init_state = initial_state(cfg, args.seed)
     batches = markov_batches(cfg, args.steps, args.seed, device)
+    watched = f"layer{args.inject_layers[len(args.inject_layers) // 2]}.mlp.linear_fc2"
+    log_path = os.path.join(args.output_dir, "stress.jsonl")
+    with open(log_path, "w", encoding="utf-8") as f:  # started afresh: no records of an earlier job mix in
+        f.write(json.dumps({"args": vars(args), "model": cfg, "injected": watched}) + "\n")
     results = {}
     for run in args.runs:
         log(f"run {run}")
         weights = initial_state(cfg, args.seed + 1) if run == "bf16_seed2" else init_state
         results[run] = train(run, cfg, weights, batches, args, device, log)
-    watched = f"layer{args.inject_layers[len(args.inject_layers) // 2]}.mlp.linear_fc2"
-    with open(os.path.join(args.output_dir, "stress.jsonl"), "w", encoding="utf-8") as f:
-        f.write(json.dumps({"args": vars(args), "model": cfg, "injected": watched}) + "\n")
-        for run, r in results.items():
-            for step, loss in enumerate(r["loss"], 1):
-                f.write(json.dumps({"run": run, "iteration": step, "lm_loss": loss}) + "\n")
-            for step, check in r["checks"]:
-                f.write(json.dumps({"run": run, "iteration": step, "int8_health": check}) + "\n")
-            for event in r["events"]:
-                f.write(json.dumps({"run": run, "iteration": event["iteration"], "int8_fallback": event}) + "\n")
-            f.write(json.dumps({"run": run, "seconds": r["seconds"]}) + "\n")
+        with open(log_path, "a", encoding="utf-8") as f:  # as each run finishes: a job killed later keeps it
+            f.write(run_records(run, results[run]))
     rows = summary_rows(results, args)
     table = summary_table(rows)
     common.append_results("stress_outliers", rows, directory=args.results_dir)

@@ -45,6 +45,32 @@ def test_departure_onset_is_the_start_of_the_stretch_holding_the_peak():
     assert so.departure_onset([0.02, 0.03], [0.0, 0.0], start=2) is None  # nothing after the start
 
 
+def test_a_killed_job_keeps_the_runs_it_finished(monkeypatch, tmp_path):
+    """stress.jsonl gets each run's records as it finishes, in a file started afresh: a job killed in its second
+    run leaves the first, which --summarize reads, and none of an earlier job's records."""
+    so = _stress_outliers()
+
+    def train(run, cfg, init_state, batches, args, device, log):
+        if run != "bf16":
+            raise KeyboardInterrupt  # the job is killed during its second run
+        return {"loss": [5.0 - 0.1 * s for s in range(args.steps)], "checks": [], "events": [], "flag": None,
+                "seconds": 1.0}
+
+    monkeypatch.setattr(so, "train", train)
+    earlier = {"args": {"runs": ["int8"]}, "model": {}, "injected": "x"}
+    (tmp_path / "stress.jsonl").write_text(json.dumps(earlier) + "\n" + json.dumps({"run": "int8", "seconds": 2.0})
+                                           + "\n")
+    with pytest.raises(KeyboardInterrupt):
+        so.main(["--size", "tiny", "--steps", "6", "--device", "cpu", "--runs", "bf16", "int8", "--window", "2",
+                 "--output-dir", str(tmp_path), "--results-dir", str(tmp_path)])
+    lines = [json.loads(line) for line in (tmp_path / "stress.jsonl").read_text().splitlines()]
+    assert lines[0]["args"]["runs"] == ["bf16", "int8"] and {r["run"] for r in lines[1:]} == {"bf16"}
+    assert [r["lm_loss"] for r in lines if "lm_loss" in r] == [5.0, 4.9, 4.8, 4.7, 4.6, 4.5]
+    assert so.main(["--summarize", str(tmp_path / "stress.jsonl"), "--output-dir", str(tmp_path / "again")]) == 0
+    table = (tmp_path / "again" / "table.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["bf16"]
+
+
 @pytest.mark.slow
 def test_tiny_stress_run(tmp_path):
     stress_outliers = _stress_outliers()
