@@ -148,6 +148,14 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count or a size, an integer >= 1: a 0 would fail late, in a division or a reshape."""
+    value = int(text)  # not an integer: argparse says "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
     """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

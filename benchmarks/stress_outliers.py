@@ -61,6 +61,7 @@ SIZES = {  # parity: configs/parity_125m.yaml's decoder
 RUNS = ("bf16", "bf16_seed2", "int8", "fallback", "guard")
 BF16_RUNS = ("bf16", "bf16_seed2")
 DEPARTURE = 0.01  # the 1% the targets are stated in
+WINDOW = 20  # steps per windowed mean loss
 
 
 class Linear(torch.nn.Module):
@@ -438,12 +439,12 @@ def read_results(path: str):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="parity")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=common.positive_int, default=300)
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--warmup", type=common.positive_int, default=20, help="learning-rate warm-up steps")
     parser.add_argument("--granularity", choices=("tensor", "row", "block"), default="row")
     parser.add_argument("--growth", type=float, default=1000.0, help="final growth of the injected channels")
     parser.add_argument("--inject-start", type=float, default=0.2, help="fraction of the steps")
@@ -452,24 +453,29 @@ def main(argv=None) -> int:
                         help="1-based layers whose SwiGLU channels grow (default: all)")
     parser.add_argument("--channels", type=int, nargs="+", default=[3, 77, 301, 1029],
                         help="SwiGLU channels that grow (modulo the MLP width)")
-    parser.add_argument("--stats-interval", type=int, default=10)
+    parser.add_argument("--stats-interval", type=common.positive_int, default=10)
     parser.add_argument("--max-rel-err", type=float, nargs="+", default=list(FallbackThresholds.max_rel_err),
                         help="fprop dgrad wgrad, or one for all")
     parser.add_argument("--max-underflow", type=float, nargs="+", default=list(FallbackThresholds.max_underflow),
                         help="fprop dgrad wgrad, or one for all")
     parser.add_argument("--patience", type=int, default=FallbackThresholds.patience)
-    parser.add_argument("--window", type=int, default=20, help="steps per windowed mean loss")
-    parser.add_argument("--log-interval", type=int, default=50)
+    parser.add_argument("--window", type=common.positive_int, default=None,
+                        help=f"steps per windowed mean loss (default {WINDOW}; with --summarize the recorded one)")
+    parser.add_argument("--log-interval", type=common.positive_int, default=50)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--summarize", metavar="STRESS_JSONL", default=None,
-                        help="train nothing: redo table.md and stress.png in --output-dir from a recorded log")
+                        help="train nothing: redo table.md and stress.png in --output-dir from a recorded log, "
+                             "with its arguments (but --window where given)")
     parser.add_argument("--results-dir", default=None,
                         help="where benchmarks/common.append_results writes stress_outliers.csv (default: $OUT or "
                              "benchmarks/results)")
     args = parser.parse_args(argv)
     if args.summarize:
-        output_dir = args.output_dir
+        output_dir, window = args.output_dir, args.window
         args, results, watched = read_results(args.summarize)
+        args.window = window or args.window
+        if args.window < 1:  # a log of a job that had no check of its --window
+            parser.error(f"{args.summarize} records --window {args.window}: give --window N >= 1")
         os.makedirs(output_dir, exist_ok=True)
         table = summary_table(summary_rows(results, args))
         with open(os.path.join(output_dir, "table.md"), "w", encoding="utf-8") as f:
@@ -477,6 +483,7 @@ def main(argv=None) -> int:
         print(table)
         plot(results, args, os.path.join(output_dir, "stress.png"), watched)
         return 0
+    args.window = args.window or WINDOW
     if "bf16" not in args.runs:
         parser.error("--runs needs bf16: departures are measured from it")
     if not 0 <= args.inject_start < args.inject_end <= 1:

@@ -71,6 +71,39 @@ def test_a_killed_job_keeps_the_runs_it_finished(monkeypatch, tmp_path):
     assert [line.split("|")[1].strip() for line in table[2:]] == ["bf16"]
 
 
+@pytest.mark.parametrize("bad", [["--window", "0"], ["--stats-interval", "0"], ["--steps", "0"],
+                                 ["--log-interval", "0"], ["--warmup", "0"]])
+def test_a_zero_count_is_refused_before_training(bad, monkeypatch, tmp_path, capsys):
+    so = _stress_outliers()
+    monkeypatch.setattr(so, "train", lambda *a: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as exit_info:
+        so.main(["--size", "tiny", "--steps", "2", "--device", "cpu", "--output-dir", str(tmp_path),
+                 "--results-dir", str(tmp_path), *bad])
+    assert exit_info.value.code == 2
+    assert f"argument {bad[0]}: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_summarize_takes_an_explicit_window_over_the_recorded_one(monkeypatch, tmp_path, capsys):
+    """A log that recorded --window 0 (written before the check) is redone with the --window given, and refused
+    with a usage error without one."""
+    so = _stress_outliers()
+    monkeypatch.setattr(so, "train", lambda run, cfg, init, batches, args, device, log: {
+        "loss": [5.0 - 0.1 * s for s in range(args.steps)], "checks": [], "events": [], "flag": None, "seconds": 1.0})
+    assert so.main(["--size", "tiny", "--steps", "6", "--device", "cpu", "--runs", "bf16", "--window", "2",
+                    "--output-dir", str(tmp_path), "--results-dir", str(tmp_path)]) == 0
+    log = tmp_path / "stress.jsonl"
+    header, *records = log.read_text().splitlines()
+    header = json.loads(header)
+    header["args"]["window"] = 0
+    log.write_text("\n".join([json.dumps(header), *records]) + "\n")
+    summarize = ["--summarize", str(log), "--output-dir", str(tmp_path / "again")]
+    with pytest.raises(SystemExit) as exit_info:
+        so.main(summarize)
+    assert exit_info.value.code == 2 and "records --window 0: give --window N >= 1" in capsys.readouterr().err
+    assert so.main(summarize + ["--window", "3"]) == 0
+    assert "| bf16 | 4.6000 |" in (tmp_path / "again" / "table.md").read_text()  # the mean of the last 3 losses
+
+
 @pytest.mark.slow
 def test_tiny_stress_run(tmp_path):
     stress_outliers = _stress_outliers()
