@@ -134,6 +134,11 @@ def parse_args(argv=None):
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="further trainer flags for every run (e.g. --recompute-granularity selective)")
     opts = p.parse_args(argv)
+    for d in opts.report or []:  # a misspelled directory must not replace the table with an empty one
+        if not os.path.isdir(d):
+            p.error(f"--report: no directory {d}")
+        if not load_records([d]):
+            p.error(f"--report: no results under {d} (scaling_results/*.json with a layout and a variant)")
     if opts.smoke:
         opts.iters, opts.warmup = min(opts.iters, 4), min(opts.warmup, 1)
     return opts

@@ -1,5 +1,8 @@
-"""benchmarks/bench_scaling.py's time budgeting, with the trainer replaced by a fake that advances a fake clock."""
+"""benchmarks/bench_scaling.py's time budgeting, with the trainer replaced by a fake that advances a fake clock; and
+--report's refusal of a directory without results."""
 import os
+
+import pytest
 from repo_paths import BENCHMARKS
 
 
@@ -43,3 +46,20 @@ def test_a_run_is_skipped_when_less_time_is_left_than_its_layout_took(monkeypatc
     timeouts, skipped = _run_with_fake_trainer(monkeypatch, tmp_path, deadline=215)
     assert timeouts == [185]
     assert skipped == ["int8-int8ag.json", "int8.json"]
+
+
+def test_report_of_a_missing_or_empty_directory_leaves_the_table(monkeypatch, tmp_path, capsys):
+    """--report of a misspelled or empty directory is a usage error; the table already in --out-dir stays."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_scaling
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    table = tmp_path / "out" / "bench_scaling.md"
+    table.parent.mkdir()
+    table.write_text("| the earlier table |\n")
+    (tmp_path / "empty").mkdir()
+    for directory, said in ((tmp_path / "nope", "no directory"), (tmp_path / "empty", "no results under")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_scaling.main(["--report", str(directory), "--out-dir", str(table.parent)])
+        assert exit_info.value.code == 2 and f"--report: {said} {directory}" in capsys.readouterr().err
+    assert table.read_text() == "| the earlier table |\n"
