@@ -10,7 +10,8 @@ machine). Needs megatron-core (the trainer).
 
 --probe-only times one probe alone instead (no trainer): the statistics of one probed forward and backward
 (LinearProbe.observe_forward + ForwardRecord.observe_backward, read back to the host) of a [tokens, K] x
-[K, N] BF16 linear, on any device; the median of --repeats after one warm-up.
+[K, N] BF16 linear, on any device; the median of --repeats after one warm-up, appended to
+benchmarks/results/bench_health_probe.csv (a CPU run's row only to $OUT).
 
     python benchmarks/bench_health_overhead.py --model llama2_7b --layers 4 --graphed
     python benchmarks/bench_health_overhead.py --probe-only --probe-shape 8192 4096 11008 --device cpu
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         r = time_probe(opts)
         print(f"one probe (forward + backward statistics), {r['shape']} {r['granularity']} on {r['device']}: "
               f"{r['probe_ms']} ms")
-        common.append_results("bench_health_probe", [r])
+        common.append_results("bench_health_probe", [r], smoke=not r["device"].startswith("cuda"))
         return 0
     rows = [run(opts, graphed) for graphed in ([False, True] if opts.graphed else [False])]
     print("| model | layers | mode | normal step (ms) | statistics step: extra (ms) | steps | overhead at interval 100 |")

@@ -17,7 +17,8 @@ Needs only torch + megatron-core (no TE, no apex); world size 1 through a file-s
     python benchmarks/bench_layer.py --int8-swiglu-input --int8-norm-input --no-fp8 --no-stock
     # INT8 attention (forward and backward) beside the INT8 linears, at a length where attention dominates
     python benchmarks/bench_layer.py --int8-attention --seq 16384 --micro-batch 1 --cuda-graph --no-fp8 --no-stock
-Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set. On CUDA the table also
+Prints a markdown table and writes it to $OUT/bench_layer.md when $OUT is set; its rows go to the results
+CSV (benchmarks/common.append_results; a CPU or --tiny run's only to $OUT). On CUDA the table also
 gives each spec's memory: the tensors its forward keeps for backward, and its fwd+bwd peak. On every device
 it gives the bytes per token of the tensors autograd saves for backward (saved_tensors_hooks: distinct
 storages, parameters left out; weight caches are not saved tensors).
@@ -56,10 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, default=2, help="experts per token (with --num-experts)")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="INT8 experts grouped (Int8GroupedMLP), with an 'INT8 per-expert' row for comparison")
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq", type=common.positive_int, default=4096)
+    p.add_argument("--micro-batch", type=common.positive_int, default=2)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=common.positive_int, default=20)
     p.add_argument("--granularity", choices=("tensor", "row", "block"), default=DEFAULT_RECIPE.granularity)
     p.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto")
     weights = p.add_mutually_exclusive_group()
@@ -433,7 +434,7 @@ def main(argv=None) -> str:
         lines += [""] + [f"{name}: skipped ({reason})" for name, reason in skipped.items()]
     table = "\n".join(lines)
     # the saved-tensors column changed the table's columns: a new CSV (benchmarks/results/layer.csv has the old ones)
-    common.record_tables("layer_saved_tensors", table)
+    common.record_tables("layer_saved_tensors", table, smoke=args.tiny or args.device != "cuda")
     if args.profile:  # printed and in $OUT/bench_layer.md, not recorded: a diagnosis, not a result
         table += "\n\n" + profile_layers(layers, args)
     print(table)

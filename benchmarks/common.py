@@ -4,8 +4,9 @@ an install), CUDA timing, the trainer runs of the end-to-end benchmarks, and the
 Every benchmark imports this module first (`import common`; a script's own folder is on sys.path).
 Results: `append_results(name, rows)` adds machine-readable rows to benchmarks/results/<name>.csv (to
 $OUT/<name>.csv where $OUT is set, as on the GPU machine) with the GPU, date, commit, software versions
-and the command that produced them. BENCH_COMMIT=<hash> names the commit where the checkout's git metadata is stale (a copy
-of the working tree, as on the GPU machine).
+and the command that produced them. Those CSVs are GPU measurements: the rows of a CPU or smoke run go only
+where asked for ($OUT, or a directory the script takes). BENCH_COMMIT=<hash> names the commit where the
+checkout's git metadata is stale (a copy of the working tree, as on the GPU machine).
 """
 from __future__ import annotations
 
@@ -61,17 +62,24 @@ def provenance() -> dict:
                                  *(shlex.quote(a) for a in ["python3", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])])}
 
 
-def append_results(name: str, rows, directory: str = None) -> str:
+def append_results(name: str, rows, directory: str = None, smoke: bool = False) -> str:
     """Append `rows` (dicts of one benchmark's figures) to <directory or benchmarks/results>/<name>.csv, each
     row prefixed with `provenance()`. A new file gets a header; an existing one must have the same columns
-    (a changed benchmark writes a new file name rather than mixing layouts). Returns the path."""
+    (a changed benchmark writes a new file name rather than mixing layouts). Returns the path. The rows of a
+    smoke run (`smoke`: on the CPU or at smoke size; any run where CUDA is missing) go only to `directory` or
+    $OUT: without either they are not recorded (returns "")."""
     rows = [dict(r) for r in rows]
     if not rows:
         return ""
+    # on the GPU machine $OUT is what comes back: the rows go there, to be appended to the repository's CSV
+    directory = directory or os.environ.get("OUT")
+    if not directory and (smoke or not torch.cuda.is_available()):
+        print(f"{name}: rows not recorded, a CPU or smoke run (benchmarks/results holds GPU measurements; "
+              "set $OUT to keep them)", file=sys.stderr)
+        return ""
     origin = provenance()
     fields = list(PROVENANCE) + [k for k in rows[0] if k not in PROVENANCE]
-    # on the GPU machine $OUT is what comes back: the rows go there, to be appended to the repository's CSV
-    path = os.path.join(directory or os.environ.get("OUT") or RESULTS, f"{name}.csv")
+    path = os.path.join(directory or RESULTS, f"{name}.csv")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     exists = os.path.exists(path) and os.path.getsize(path) > 0
     if exists:
@@ -116,14 +124,15 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", title.lower()).strip("_")[:48]
 
 
-def record_tables(name: str, text: str, directory: str = None) -> list:
+def record_tables(name: str, text: str, directory: str = None, smoke: bool = False) -> list:
     """Append every markdown table of a benchmark's output to <results>/<name>[_<table title>].csv (see
-    append_results); the table's title goes into the `table` column. Returns the paths written."""
+    append_results, also for `smoke`); the table's title goes into the `table` column. Returns the paths
+    written."""
     tables = markdown_tables(text)
     paths = []
     for title, rows in tables:
         csv_name = name if len(tables) == 1 else f"{name}_{slug(title) or len(paths)}"
-        paths.append(append_results(csv_name, [{"table": title, **row} for row in rows], directory))
+        paths.append(append_results(csv_name, [{"table": title, **row} for row in rows], directory, smoke))
     return paths
 
 

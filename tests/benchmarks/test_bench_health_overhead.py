@@ -1,6 +1,7 @@
 """benchmarks/bench_health_overhead.py --probe-only on CPU: one probe timed on a shape whose weight axes are
-sampled, and its row in the results CSV."""
+sampled, and its row in the results CSV ($OUT's: a CPU run's row stays out of benchmarks/results)."""
 import csv
+import os
 
 from repo_paths import BENCHMARKS
 
@@ -16,3 +17,15 @@ def test_probe_only_times_one_probe(monkeypatch, tmp_path, capsys):
     with open(tmp_path / "bench_health_probe.csv", encoding="utf-8") as f:
         (row,) = list(csv.DictReader(f))
     assert row["shape"] == "512x1280x1536" and row["granularity"] == "tensor" and float(row["probe_ms"]) > 0
+
+
+def test_a_cpu_probe_stays_out_of_the_committed_results(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    monkeypatch.delenv("OUT", raising=False)
+    import bench_health_overhead
+    import common
+
+    monkeypatch.setattr(common, "RESULTS", str(tmp_path))
+    assert bench_health_overhead.main(["--probe-only", "--probe-shape", "64", "128", "128", "--device", "cpu",
+                                       "--repeats", "1"]) == 0
+    assert os.listdir(tmp_path) == []

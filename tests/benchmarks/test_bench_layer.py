@@ -125,3 +125,14 @@ def test_weight_modes_that_contradict_are_refused(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(["--device", "cpu", "--tiny", *argv])
         assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--seq", "--iters", "--micro-batch"])
+def test_a_zero_size_is_refused_also_under_tiny(monkeypatch, capsys, flag):
+    """--tiny sets its own sizes, but the command recorded beside its rows says what was asked: 0 is refused."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_layer
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_layer.parse_args(["--device", "cpu", "--tiny", flag, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}: must be an integer >= 1, got 0" in capsys.readouterr().err

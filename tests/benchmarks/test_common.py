@@ -53,6 +53,25 @@ def test_rows_go_to_out_on_the_gpu_machine(tmp_path, monkeypatch):
     assert path == str(tmp_path / "e2e.csv")
 
 
+def test_smoke_rows_go_only_where_asked(tmp_path, monkeypatch):
+    """benchmarks/results holds GPU measurements: a smoke run's rows, or any where CUDA is missing, go only to a
+    directory given or $OUT, never to the committed CSVs."""
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.setattr(common, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "get_device_name", lambda *a: "GPU X")
+    assert common.append_results("x", [{"a": 1}], smoke=True) == ""
+    assert common.record_tables("x", TEXT, smoke=True) == ["", ""]
+    assert not (tmp_path / "results").exists()
+    assert common.append_results("x", [{"a": 1}]) == str(tmp_path / "results" / "x.csv")  # a GPU measurement
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    assert common.append_results("cpu", [{"a": 1}]) == ""
+    assert common.append_results("cpu", [{"a": 1}], directory=str(tmp_path), smoke=True) == str(tmp_path / "cpu.csv")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert common.append_results("cpu", [{"a": 1}], smoke=True) == str(tmp_path / "out" / "cpu.csv")
+    assert sorted(os.listdir(tmp_path / "results")) == ["x.csv"]
+
+
 def test_a_repeated_header_cell_keeps_both_values():
     (_, rows), = common.markdown_tables("| x | ms | y | ms |\n|---|---|---|---|\n| a | 1 | b | 2 |\n")
     assert rows == [{"x": "a", "ms": "1", "y": "b", "ms (2)": "2"}]
