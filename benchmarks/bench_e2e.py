@@ -33,7 +33,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import common
-from common import add_data_arguments, describe_data, full_depth, global_batch, run_trainer
+from common import add_data_arguments, check_timed_iterations, describe_data, full_depth, global_batch, run_trainer
 
 MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mixtral_8x7b_8l")
 # End-to-end INT8/BF16 speedups reported by the base paper on its accelerator.
@@ -105,7 +105,9 @@ def parse_args(argv=None):
                    help="trainer flags for the BF16 runs only, as one string (e.g. a recomputation BF16 needs to fit)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    check_timed_iterations(p, opts)
+    return opts
 
 
 def project(t1: float, t2: float, l1: int, l2: int, full: int) -> float:

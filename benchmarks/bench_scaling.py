@@ -35,7 +35,8 @@ import re
 import sys
 import time
 
-from common import KILL_AFTER_S, record_tables, add_data_arguments, describe_data, full_depth, global_batch, model_config, run_trainer  # noqa: E402
+from common import (KILL_AFTER_S, record_tables, add_data_arguments, check_timed_iterations,  # noqa: E402
+                    describe_data, full_depth, global_batch, model_config, run_trainer)
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TENSORWISE = ["--int8-granularity", "tensor", "--int8-grad-rounding", "stochastic"]
@@ -141,6 +142,7 @@ def parse_args(argv=None):
             p.error(f"--report: no results under {d} (scaling_results/*.json with a layout and a variant)")
     if opts.smoke:
         opts.iters, opts.warmup = min(opts.iters, 4), min(opts.warmup, 1)
+    check_timed_iterations(p, opts)
     return opts
 
 

@@ -215,6 +215,14 @@ def global_batch(opts) -> int:
     return opts.micro_batch_size * opts.nproc * getattr(opts, "grad_accum", 1)
 
 
+def check_timed_iterations(parser: argparse.ArgumentParser, opts) -> None:
+    """A usage error unless --iters leaves iterations after --warmup: run_trainer times only those, and would
+    find none after a whole run."""
+    if opts.warmup < 0 or opts.iters <= opts.warmup:
+        parser.error(f"--iters {opts.iters} must exceed --warmup {opts.warmup} (>= 0): only the iterations after "
+                     "the warm-up are timed")
+
+
 KILL_AFTER_S = 30  # a timed-out run gets this long to stop after SIGTERM before `timeout` kills it
 
 

@@ -31,6 +31,16 @@ def test_a_missing_config_is_refused(capsys):
     assert "no configs/llama_nope.yaml" in capsys.readouterr().err
 
 
+def test_iterations_left_to_time_are_checked_before_any_run(monkeypatch, capsys):
+    """--iters at most --warmup leaves no step to time: a usage error before the first trainer run, not after it."""
+    monkeypatch.setattr(bench_e2e, "run_trainer", lambda *a, **k: pytest.fail("a trainer run started"))
+    for iters, warmup in (("2", "4"), ("4", "4"), ("4", "-1")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_e2e.main(["--models", "qwen3_4b", "--iters", iters, "--warmup", warmup])
+        assert exit_info.value.code == 2
+        assert f"--iters {iters} must exceed --warmup {warmup} (>= 0)" in capsys.readouterr().err
+
+
 def test_the_memory_cap_wraps_every_trainer_run(monkeypatch, tmp_path):
     """--memory-cap-gib: each trainer process starts under benchmarks/memory_cap.py with the cap, before the
     trainer's module; the rows go to their own CSV with the cap among the settings."""

@@ -1,5 +1,5 @@
 """benchmarks/bench_scaling.py's time budgeting, with the trainer replaced by a fake that advances a fake clock; and
---report's refusal of a directory without results."""
+the usage errors found before any run: --report of a directory without results, no iteration left to time."""
 import os
 
 import pytest
@@ -63,3 +63,12 @@ def test_report_of_a_missing_or_empty_directory_leaves_the_table(monkeypatch, tm
             bench_scaling.main(["--report", str(directory), "--out-dir", str(table.parent)])
         assert exit_info.value.code == 2 and f"--report: {said} {directory}" in capsys.readouterr().err
     assert table.read_text() == "| the earlier table |\n"
+
+
+def test_iterations_left_to_time_are_checked_before_any_run(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_scaling
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_scaling.parse_args(["--iters", "5", "--warmup", "5"])
+    assert exit_info.value.code == 2 and "--iters 5 must exceed --warmup 5 (>= 0)" in capsys.readouterr().err
