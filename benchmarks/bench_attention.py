@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import provenance, time_ms
+from common import output_file, provenance, time_ms
 
 from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
                    help="also print each INT8 impl's GPU time per kernel at each shape")
     p.add_argument("--sweep", action="store_true",
                    help="also time each INT8 impl's kernels at each tile choice (SWEEP) at each shape")
-    p.add_argument("--csv", help="also write the rows, with provenance, to this CSV file")
+    p.add_argument("--csv", type=output_file, help="also write the rows, with provenance, to this CSV file")
     p.add_argument("--scores", choices=("both", "bf16", "int8"), default="both",
                    help="INT8 attention's scores product to time (Int8AttentionConfig.scores; default both: "
                         "int8-bf16-scores, the default config, and int8-int8-scores)")

@@ -241,7 +241,7 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--seed", type=int, default=0, help="of the routing")
-    p.add_argument("--out", help="also write the table to this file")
+    p.add_argument("--out", type=common.output_file, help="also write the table to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_moe_gemm.py needs a CUDA GPU")

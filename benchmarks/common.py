@@ -165,6 +165,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def output_file(path: str) -> str:
+    """argparse type of a file written after the measurements (--csv): checked to be writable before them."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no directory {folder} to write {path} in")
+    if os.path.isdir(path) or not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path} is not a writable file")
+    return path
+
+
 def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
     """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
