@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import output_file, provenance, time_ms
+from common import output_file, provenance, require_cuda, time_ms
 
 from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
@@ -199,6 +199,7 @@ def main(argv=None) -> None:
                    help="INT8 attention's scores product to time (Int8AttentionConfig.scores; default both: "
                         "int8-bf16-scores, the default config, and int8-int8-scores)")
     opts = p.parse_args(argv)
+    require_cuda(__file__)
     tiles = Int8AttentionConfig(*opts.tiles) if opts.tiles else None
     impls = tuple(impl for scores, impl in INT8_IMPLS.items() if opts.scores in ("both", scores))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, causal, batch {opts.batch}, "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, time_ms
+from common import append_results, require_cuda, time_ms
 
 from megatron_int8 import convert_to_int8_training  # noqa: E402
 
@@ -79,8 +79,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_compile_layer.py needs a CUDA GPU")
+    require_cuda(__file__)
     torch.manual_seed(0)
     base = LlamaLayer().to("cuda", torch.bfloat16)
     x = torch.randn(MICRO_BATCH, SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, time_ms
+from common import append_results, require_cuda, time_ms
 
 from megatron_int8 import Int8Recipe, convert_to_int8_training  # noqa: E402
 
@@ -46,8 +46,7 @@ def main(argv=None):
                    help="the INT8 runs' Int8Recipe.shape_policy; auto labels them 'int8-auto' (a first eager step "
                         "times each shape, before any compile)")
     opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_hf_llama.py needs a CUDA GPU")
+    require_cuda(__file__)
     # a layer that recompiles past Dynamo's limit runs eager from then on, silently: a "compiled" figure must not
     # hold eager layers (the KV cache of a default forward made every layer recompile, so that all but 8 ran eager)
     torch._dynamo.config.fail_on_recompile_limit_hit = True

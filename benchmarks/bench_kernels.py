@@ -452,13 +452,14 @@ def compiled_table(subset):
     return lines, vs
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--skip", default="", help="comma list of sections to skip: gemm,blockgemm,quantize,linear,compile")
     p.add_argument("--out", default=os.environ.get("OUT"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    common.require_cuda(__file__)
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()

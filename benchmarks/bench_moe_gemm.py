@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
 
 import torch
 import triton
@@ -243,8 +242,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="of the routing")
     p.add_argument("--out", type=common.output_file, help="also write the table to this file")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("bench_moe_gemm.py needs a CUDA GPU")
+    common.require_cuda(__file__)
     counts = routing(args.tokens, args.experts, args.seed)
     ex = Experts(counts)
     head = [f"{torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",

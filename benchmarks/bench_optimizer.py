@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from common import record_tables, time_ms  # noqa: E402  (first: puts the repository on sys.path)
+from common import record_tables, require_cuda, time_ms  # noqa: E402  (first: puts the repository on sys.path)
 from megatron_int8.megatron.optimizer import PrecisionAwareAdamW  # noqa: E402
 from megatron_int8.training.memory import STATE_BYTES  # noqa: E402
 
@@ -81,8 +81,7 @@ def bench_ours(sizes, iters, warmup, m_dtype, v_dtype, remainders):
 
 def main(argv=None):
     opts = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_optimizer needs a CUDA GPU")
+    require_cuda(__file__)
     rows = []
     for count in opts.params:
         total = int(count)

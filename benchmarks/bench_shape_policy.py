@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, time_ms
+from common import append_results, require_cuda, time_ms
 
 from bench_kernels import LINEARS  # noqa: E402
 from megatron_int8 import Int8Recipe, int8_linear  # noqa: E402
@@ -39,8 +39,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=7)
     opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_shape_policy.py needs a CUDA GPU")
+    require_cuda(__file__)
     auto = Int8Recipe(shape_policy="auto")
     lines = ["| model | linear | tokens, in -> out | timed INT8 ms | timed BF16 ms | auto runs | auto / BF16 "
              "| BF16 A/A |", "|---|---|---|---|---|---|---|---|"]

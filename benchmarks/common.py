@@ -175,6 +175,12 @@ def output_file(path: str) -> str:
     return path
 
 
+def require_cuda(script: str) -> None:
+    """Exit with one line where no CUDA GPU is visible: a CPU-only torch fails later, in an assertion."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(script)} needs a CUDA GPU")
+
+
 def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
     """--seq, --micro-batch and --iters of the per-op benchmarks (this one, bench_norm.py); exits without CUDA."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,8 +188,7 @@ def token_args(doc: str, script: str, argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--iters", type=int, default=50)
     opts = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{script} needs a CUDA GPU")
+    require_cuda(script)
     return opts
 
 

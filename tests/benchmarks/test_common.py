@@ -1,5 +1,7 @@
-"""benchmarks/common.py: the results CSVs every benchmark appends to."""
+"""benchmarks/common.py: the results CSVs every benchmark appends to, and the one check of the GPU benchmarks
+for a CUDA GPU."""
 import csv
+import importlib
 import os
 
 import pytest
@@ -87,3 +89,12 @@ def test_the_command_names_the_settings_that_change_what_runs(monkeypatch):
     assert command.startswith("MEGATRON_INT8_GEMM_KERNEL=portable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
                               "python3 ")
     assert "HOME" not in command
+
+
+@pytest.mark.parametrize("script", ["bench_attention", "bench_kernels", "bench_compile_layer", "bench_hf_llama",
+                                    "bench_moe_gemm", "bench_norm", "bench_optimizer", "bench_rope",
+                                    "bench_shape_policy"])
+def test_a_gpu_benchmark_without_cuda_says_so_in_one_line(monkeypatch, script):
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=f"^{script}.py needs a CUDA GPU$"):
+        importlib.import_module(script).main([])
