@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 
-import common  # noqa: F401  (the repository on sys.path)
+import common  # (first: the repository on sys.path)
 import torch
 import torch.nn.functional as F
 
@@ -104,9 +104,9 @@ def sharpness_row(q, k, v, temperature, score_groups=(), remedies=False):
 
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--seq", type=common.positive_int, default=1024)
+    p.add_argument("--heads", type=common.positive_int, default=4)
+    p.add_argument("--dim", type=common.positive_int, default=128)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.5, 1, 2, 3, 4, 6, 8])
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)

@@ -65,3 +65,10 @@ def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         _sharpness().main(argv)
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--seq", "--heads", "--dim"])
+def test_a_zero_size_is_a_usage_error(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _sharpness().main([flag, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}: must be an integer >= 1, got 0" in capsys.readouterr().err
