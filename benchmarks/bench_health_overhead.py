@@ -93,16 +93,18 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=60)
     p.add_argument("--warmup", type=int, default=8, help="iterations left out (autotuning, graph capture)")
-    p.add_argument("--interval", type=int, default=10, help="--int8-stats-interval of the measured runs")
+    p.add_argument("--interval", type=common.positive_int, default=10,
+                   help="--int8-stats-interval of the measured runs")
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--graphed", action="store_true", help="also measure with --cuda-graph-impl local")
     p.add_argument("--probe-only", action="store_true", help="time one probe alone (see above)")
-    p.add_argument("--probe-shape", type=int, nargs=3, default=[8192, 4096, 11008], metavar=("TOKENS", "K", "N"))
+    p.add_argument("--probe-shape", type=common.positive_int, nargs=3, default=[8192, 4096, 11008],
+                   metavar=("TOKENS", "K", "N"))
     p.add_argument("--granularity", choices=("tensor", "row", "block"), default="row")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=common.positive_int, default=3)
     opts = p.parse_args(argv)
     if opts.probe_only:
         r = time_probe(opts)

@@ -3,6 +3,7 @@ sampled, and its row in the results CSV ($OUT's: a CPU run's row stays out of be
 import csv
 import os
 
+import pytest
 from repo_paths import BENCHMARKS
 
 
@@ -29,3 +30,13 @@ def test_a_cpu_probe_stays_out_of_the_committed_results(monkeypatch, tmp_path):
     assert bench_health_overhead.main(["--probe-only", "--probe-shape", "64", "128", "128", "--device", "cpu",
                                        "--repeats", "1"]) == 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("bad", [["--probe-shape", "0", "128", "128"], ["--repeats", "0"], ["--interval", "0"]])
+def test_a_zero_probe_size_is_a_usage_error(monkeypatch, capsys, bad):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_health_overhead
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_health_overhead.main(["--probe-only", "--device", "cpu", "--probe-shape", "64", "128", "128", *bad])
+    assert exit_info.value.code == 2 and f"argument {bad[0]}: must be an integer >= 1, got 0" in capsys.readouterr().err
