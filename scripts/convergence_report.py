@@ -684,6 +684,10 @@ def main(argv=None) -> int:
     csv_cmd.add_argument("--settle", type=float, default=0.1,
                          help="fraction of the run before the gap is judged (default: %(default)s)")
     opts = parser.parse_args(argv)
+    if not os.path.isfile(opts.config):  # every command reads its schedule from it
+        parser.error(f"--config: no file {opts.config}")
+    if opts.train_iters is not None and opts.train_iters < 1:  # 0 would fall back to the YAML's silently
+        parser.error(f"--train-iters must be >= 1, got {opts.train_iters}")
     if opts.command == "progress":
         return progress(opts)
     if opts.command == "report":

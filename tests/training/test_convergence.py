@@ -556,6 +556,22 @@ def test_recorded_log_refuses_what_it_cannot_pair(tmp_path):
         assert not (tmp_path / "w" / "pipeline.log").exists()
 
 
+@pytest.mark.parametrize("command", ["report", "corpus", "progress", "against-csv"])
+def test_a_missing_config_or_no_train_iters_is_a_usage_error(tmp_path, capsys, command):
+    """Before any log is read: a --config that is not there, and a --train-iters of 0 (which fell back to the
+    YAML's)."""
+    (tmp_path / "run.yaml").write_text("train_iters: 4\nglobal_batch_size: 4\nseq_length: 64\n")
+    rest = {"report": ["--bf16", "b", "--int8", "i", "--output-dir", "o"], "progress": ["--log", "l"],
+            "corpus": ["--corpus", "c", "--prefix", "p", "--output", "o"],
+            "against-csv": ["--log", "l", "--csv", "c", "--pair", "p"]}[command]
+    for extra, said in (([], f"--config: no file {tmp_path / 'missing.yaml'}"),
+                        (["--train-iters", "0"], "--train-iters must be >= 1, got 0")):
+        config = tmp_path / ("run.yaml" if extra else "missing.yaml")
+        with pytest.raises(SystemExit) as exit_info:
+            convergence_report.main([command, *rest, "--config", str(config), *extra])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_against_csv_names_a_missing_pair(tmp_path):
     csv_path = tmp_path / "c.csv"
     csv_path.write_text("date,commit,gpu,torch,triton,command,pair,mode,iteration,tokens_m,reference_valid,"
