@@ -499,3 +499,84 @@ def test_the_vocabulary_check_reads_spans_over_the_whole_file(tmp_path, monkeypa
     tokens[-1] = 5
     tokens.tofile(tmp_path / "d.bin")
     data._check_token_ids(str(tmp_path / "d"), index, 300)
+
+
+PARITY_TRAINER_STUB = """#!{python}
+import json, os, sys
+if sys.argv[1:3] == ["-m", "megatron_int8.pretrain"]:  # a run: its command recorded and a log of one step written
+    with open(os.environ["COMMANDS"], "a") as f:
+        f.write(" ".join(sys.argv[3:]) + "\\n")
+    with open(sys.argv[sys.argv.index("--log-jsonl") + 1], "w") as f:
+        f.write(json.dumps({{"iteration": 1, "lm_loss": 3.0}}) + "\\n")
+elif sys.argv[1:2] == ["-"] or sys.argv[1:2] == ["scripts/plot_loss.py"]:  # the flags' checks, the summary
+    os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+else:  # the data's steps: recorded, not run
+    with open(os.environ["COMMANDS"], "a") as f:
+        f.write(" ".join(sys.argv[1:]) + "\\n")
+    sys.exit(1)
+"""
+
+
+def _loss_parity(tmp_path, run_dir, **env):
+    """scripts/loss_parity.sh with its Python behind a stub that trains nothing (each run's command recorded, its log
+    one step) and builds no data: (the result, the commands the runs and the data steps were given)."""
+    stub = tmp_path / "python"
+    stub.write_text(PARITY_TRAINER_STUB.format(python=sys.executable))
+    stub.chmod(0o755)
+    commands = tmp_path / "commands"
+    result = subprocess.run(["bash", os.path.join(SCRIPTS, "loss_parity.sh")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, PYTHON=str(stub), COMMANDS=str(commands),
+                                                             RUN_DIR=str(run_dir), **env))
+    return result, commands.read_text().splitlines() if commands.exists() else []
+
+
+@pytest.fixture
+def parity_run_dir(dataset, tmp_path):
+    """A loss_parity.sh RUN_DIR with the data built (this module's dataset and tokenizer): next come the runs."""
+    import shutil
+
+    run_dir = tmp_path / "parity"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    (run_dir / "data").mkdir()
+    shutil.copy(dataset["tokenizer"], run_dir / "tokenizer" / "spm.model")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(dataset["prefix"] + suffix, run_dir / "data" / f"corpus_text_document{suffix}")
+    (run_dir / "corpus.jsonl").write_text(json.dumps({"text": CODE}) + "\n")
+    (run_dir / "corpus.kind").write_text("source\n")
+    (run_dir / "data.settings").write_text("CORPUS_MB=80 VOCAB=8192\n")
+    return run_dir
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"VARIANTS": "bf16 int8_rows"}, "unknown variant 'int8_rows' in VARIANTS"),
+    ({"INT8_FLAGS": "--int8-granularity rows"},
+     "error: variant int8: argument --int8-granularity: invalid choice: 'rows' (choose from 'tensor', 'row', "),
+    ({"PARALLEL": "yes"}, "PARALLEL must be 0 (the variants one after another) or 1 (all at once), got 'yes'"),
+], ids=["unknown-variant", "int8-flag-value", "parallel"])
+def test_loss_parity_refuses_bad_settings_before_it_builds_data(tmp_path, env, message):
+    """Once: an unknown variant was named after the corpus, tokenizer and dataset were built."""
+    result, commands = _loss_parity(tmp_path, tmp_path / "parity", **env)
+    assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr
+    assert commands == [] and not (tmp_path / "parity").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--int8-bf16-gemms fprop,dgrad,wgrad", "--int8-bf16-gemms fprop,dgrad,wgrad leaves no INT8 GEMM"),
+    ("--int8-auto-fallback", "--int8-auto-fallback decides from the statistics: it needs --int8-stats-interval N"),
+], ids=["recipe", "validation"])
+def test_loss_parity_checks_every_run_before_the_first_trains(parity_run_dir, tmp_path, flags, message):
+    """A flag the trainer refuses in one variant's command: once found when that run started, after the BF16 run
+    trained (2000 iterations)."""
+    result, commands = _loss_parity(tmp_path, parity_run_dir, INT8_FLAGS=flags)
+    assert result.returncode == 2 and f"error: variant int8: {message}" in result.stderr, result.stderr
+    assert commands == []
+
+
+@pytest.mark.parametrize("parallel, caches", [("0", ["cache", "cache"]), ("1", ["cache_bf16", "cache_int8"])])
+def test_loss_parity_parallel_is_0_or_1(parity_run_dir, tmp_path, parallel, caches):
+    """PARALLEL=0 once ran the variants at once (any value did): each at once run has its own index cache."""
+    result, commands = _loss_parity(tmp_path, parity_run_dir, PARALLEL=parallel)
+    assert result.returncode == 0, result.stdout + result.stderr
+    used = sorted(command.split("--data-cache-path ")[1].split()[0] for command in commands)
+    assert used == [str(parity_run_dir / "data" / cache) for cache in caches]
+    assert (parity_run_dir / "summary.md").is_file()
