@@ -87,10 +87,13 @@ def sample_lines(lines, count: int, seed: int = 1234) -> list:
     return [line for _, line in sample]
 
 
-def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, sample: int = 2_000_000) -> None:
+def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, sample: int = 2_000_000,
+                        invalidates=()) -> None:
     """BPE over a sample of the input's lines (sample_lines: the same corpus gives the same tokenizer);
     whitespace-preserving so that decode(encode(code)) == code. Characters outside the 99.99% coverage become
-    UTF-8 byte tokens (byte fallback): still lossless."""
+    UTF-8 byte tokens (byte fallback): still lossless. The model is trained beside `model_path` and moved there
+    once the files of `invalidates` (token ids of the model it replaces) are deleted: wherever the run stops, no
+    new tokenizer is left beside old token ids."""
     import sentencepiece as spm
 
     def lines():
@@ -105,13 +108,17 @@ def train_sentencepiece(paths, json_keys, model_path: str, vocab_size: int, samp
     print(f"training a SentencePiece BPE tokenizer ({vocab_size} tokens) on {', '.join(paths)} ...", flush=True)
     chosen = sample_lines(lines(), sample)
     print(f"  on {len(chosen)} lines (a seeded sample of at most {sample})", flush=True)
+    staged = prefix + ".partial"
     try:
         with heartbeat(f"  training the tokenizer on {len(chosen)} lines"):
-            _train_bpe(spm, chosen, prefix, vocab_size)
+            _train_bpe(spm, chosen, staged, vocab_size)
     except RuntimeError as err:  # e.g. a vocabulary smaller than the corpus's characters need
         raise InputError(f"--train-sentencepiece {vocab_size}: {str(err).strip().splitlines()[-1]}") from None
-    if prefix + ".model" != model_path:
-        os.replace(prefix + ".model", model_path)
+    for path in invalidates:
+        if os.path.exists(path):
+            os.remove(path)
+    os.replace(staged + ".vocab", prefix + ".vocab")
+    os.replace(staged + ".model", model_path)
     print(f"wrote {model_path} in {time.time() - started:.1f} s", flush=True)
 
 
@@ -254,8 +261,11 @@ def _run(parser, args) -> int:
             parser.error("--train-sentencepiece makes a SentencePiece model: use a SentencePiece --tokenizer-type")
         if args.sentencepiece_sample < 1:
             parser.error(f"--sentencepiece-sample must be at least 1, got {args.sentencepiece_sample}")
+        # the datasets of the prefix hold the replaced tokenizer's ids (the .bin first: it marks a complete build)
+        stale = [f"{args.output_prefix}_{key}_document{suffix}" for key in args.json_keys
+                 for suffix in (".bin", ".idx")]
         train_sentencepiece(args.input, args.json_keys, args.tokenizer_model, args.train_sentencepiece,
-                            args.sentencepiece_sample)
+                            args.sentencepiece_sample, invalidates=stale)
     elif not os.path.exists(args.tokenizer_model):
         parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file (or pass --train-sentencepiece VOCAB)")
 

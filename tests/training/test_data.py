@@ -100,6 +100,31 @@ def test_training_a_tokenizer_does_not_write_over_one_silently(dataset, tmp_path
     assert _run(common + ["--force"]).returncode == 0
 
 
+def test_a_new_tokenizer_is_never_left_beside_the_old_dataset(dataset, tmp_path):
+    """--force --train-sentencepiece over a tokenizer and the dataset made with it, interrupted while tokenizing: the
+    new tokenizer was written in place at once, so the old dataset stayed beside it and training read its ids through
+    the new tokenizer without a word. Now the old dataset is gone before the new tokenizer takes the old one's place."""
+    import shutil
+
+    model = tmp_path / "spm.model"
+    shutil.copy(dataset["tokenizer"], model)
+    for suffix in (".bin", ".idx"):
+        shutil.copy(dataset["prefix"] + suffix, tmp_path / f"out_text_document{suffix}")
+    other = tmp_path / "other.jsonl"  # another corpus: another tokenizer
+    other.write_text("".join(json.dumps({"text": f"total_{i} = measure({i}) * factor_{i % 7}\n"}) + "\n"
+                             for i in range(400)))
+    interrupted = _run(["-c", f"import sys; sys.path.insert(0, {SCRIPTS!r}); import preprocess_data\n"
+                              "def interrupt(self, item):\n    raise KeyboardInterrupt\n"
+                              "preprocess_data.Encoder.encode = interrupt\n"
+                              "sys.exit(preprocess_data.main(sys.argv[1:]))",
+                        "--input", str(other), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+                        "SentencePieceTokenizer", "--tokenizer-model", str(model), "--train-sentencepiece", "300",
+                        "--force"])
+    assert "KeyboardInterrupt" in interrupted.stderr, interrupted.stderr
+    assert model.read_bytes() != open(dataset["tokenizer"], "rb").read()  # the new tokenizer, in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.jsonl", "spm.model", "spm.vocab"]  # and no dataset
+
+
 def test_preprocess_stops_on_bad_input_with_workers_and_keeps_what_exists(dataset, tmp_path):
     """A bad line with worker processes is one error line, not a hang; nothing partial is left; an existing
     dataset is written over only with --force."""
