@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Tokenize text into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx), appending EOD.
 
-Input: JSONL files (one document per line, text under --json-keys) or plain-text files (one
-document per file). Tokenizers: a SentencePiece model (Llama-2 style) or a Hugging Face
-`tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With --train-sentencepiece V,
+Input: JSONL files (.jsonl, .json or .ndjson, in any case: one document per line, text under --json-keys) or
+plain-text files (any other name: one document per file). Tokenizers: a SentencePiece model (Llama-2 style) or a
+Hugging Face `tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With --train-sentencepiece V,
 a SentencePiece BPE model of V tokens is first trained on the input and written to --tokenizer-model;
 it keeps whitespace and newlines exactly (identity normalization, byte fallback), so code stays code.
 
@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # of a lower-cased name: corpus.JSONL is JSONL too
 MIN_SENTENCEPIECE_VOCAB = 256 + 3 + 2  # byte fallback's 256, <unk> <s> </s>, "\n" "\t"; the corpus's characters more
 
 
@@ -45,7 +46,7 @@ def read_documents(paths, json_keys):
     """(key, text) for every document of every input file: a JSONL line is an object whose --json-keys are strings,
     a plain-text file one document; every file UTF-8."""
     for path in paths:
-        if path.endswith((".jsonl", ".json")):
+        if path.lower().endswith(JSONL_SUFFIXES):
             with open(path, "rb") as f:
                 for line_number, raw in enumerate(f, 1):
                     where = f"{path}:{line_number}"
@@ -208,7 +209,8 @@ def _encode_in_worker(item):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, help="JSONL or plain-text files")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="JSONL files (.jsonl, .json, .ndjson) or plain-text files (any other name)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     parser.add_argument("--tokenizer-type", required=True,

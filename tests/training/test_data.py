@@ -86,6 +86,23 @@ def test_preprocess_names_bad_documents(dataset, tmp_path, name, content, messag
     assert not list(tmp_path.glob("out_*"))
 
 
+@pytest.mark.parametrize("name", ["corpus.JSONL", "corpus.ndjson"])
+def test_jsonl_is_known_by_its_suffix_in_any_case(dataset, tmp_path, name):
+    """corpus.JSONL and .ndjson were tokenized as plain text: one document of JSON syntax."""
+    import sentencepiece as spm
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = ["def f(x):\n    return x\n", "class A:\n    pass\n"]
+    (tmp_path / name).write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    result = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / name), "--output-prefix",
+                   str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                   dataset["tokenizer"]])
+    assert result.returncode == 0, result.stderr
+    processor = spm.SentencePieceProcessor(model_file=dataset["tokenizer"])
+    indexed = IndexedDataset(str(tmp_path / "out_text_document"))
+    assert [processor.decode(indexed[i].tolist()[:-1]) for i in range(len(indexed))] == texts
+
+
 def test_training_a_tokenizer_does_not_write_over_one_silently(dataset, tmp_path):
     """--train-sentencepiece over an existing --tokenizer-model: the datasets made with the old model would decode
     to other text with the new one (same size, so no vocabulary check notices)."""
