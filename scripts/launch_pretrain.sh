@@ -20,8 +20,13 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$( (nvidia-smi -L 2>/dev/null || true) | wc -l)}
-[[ "$GPUS_PER_NODE" -gt 0 ]] || GPUS_PER_NODE=1
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+    GPUS_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
+    [[ "$GPUS_PER_NODE" -gt 0 ]] || GPUS_PER_NODE=1  # no GPU seen: one process
+elif [[ ! "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    echo "GPUS_PER_NODE must be a positive integer (processes per node), got '$GPUS_PER_NODE'" >&2
+    exit 2
+fi
 PRECISION=${PRECISION:-int8}
 # each precision its own run (a BF16 baseline must not resume the INT8 run's checkpoints, nor append to its log)
 RUN_DIR=${RUN_DIR:-runs/$NAME$([[ "$PRECISION" == bf16 ]] && echo _bf16 || true)}
