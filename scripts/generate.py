@@ -64,6 +64,10 @@ def main(argv=None) -> int:
                 raise
             raise ArgumentError(f"--prompt {args.prompt!r}: the checkpoint was trained on mock data (NullTokenizer), "
                                 "whose prompt is space-separated token ids, e.g. --prompt '1 2 3'") from None
+        outside = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]  # a NullTokenizer reads any integer
+        if outside:
+            raise ArgumentError(f"--prompt {args.prompt!r}: token id {outside[0]} is not in the checkpoint's "
+                                f"vocabulary (ids 0 to {tokenizer.vocab_size - 1})")
         context = recorded.max_position_embeddings
         room = context - len(prompt)
         if room <= 0:

@@ -372,6 +372,35 @@ def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
     assert (output / "config.json").read_text() == "{}"
 
 
+def _script_code(name, stand_ins):
+    """Python that runs scripts/NAME.py's main on its arguments after `stand_ins` (lines run first: they replace what
+    the test must not reach); for a fresh process, as the script installs megatron's CPU support before megatron."""
+    return (f"import sys\nsys.path.insert(0, {SCRIPTS!r})\n{stand_ins}\n"
+            f"import {name}\nsys.exit({name}.main(sys.argv[1:]))")
+
+
+MOCK_CHECKPOINT_WITHOUT_WEIGHTS = """
+import argparse
+from megatron_int8.training import inference
+inference.inference_arguments = lambda load, **overrides: argparse.Namespace(
+    tokenizer_type="NullTokenizer", vocab_size=4096, max_position_embeddings=64)
+def load_for_inference(load, **overrides):
+    raise SystemExit("the model was loaded")
+inference.load_for_inference = load_for_inference
+"""
+
+
+@pytest.mark.parametrize("prompt, bad", [("1 99999", 99999), ("1 -5", -5), ("1 4100", 4100)])
+def test_generate_refuses_token_ids_outside_the_vocabulary_before_the_model_loads(tmp_path, capsys, prompt, bad):
+    """A mock-data checkpoint (NullTokenizer, --vocab-size 4096: ids 0 to 4096 with the end of document) reads the
+    prompt as token ids: 99999 and -5 once failed with an IndexError after the model loaded, and 4100 (inside the
+    embedding's padding) generated from an id no token has."""
+    message = _refused(capsys, ["--load", str(tmp_path), "--prompt", prompt],
+                       ("-c", _script_code("generate", MOCK_CHECKPOINT_WITHOUT_WEIGHTS)))
+    assert message == (f"error: --prompt {prompt!r}: token id {bad} is not in the checkpoint's vocabulary "
+                       "(ids 0 to 4096)")
+
+
 @pytest.mark.slow
 def test_generate_and_export_refuse_another_tokenizer(data, interrupted, tmp_path, capsys):
     """A tokenizer that is not the checkpoint's: 500 tokens pad to the embedding's 512 rows (only the recorded
