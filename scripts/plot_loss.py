@@ -54,6 +54,26 @@ def smooth(values, window):
     return out
 
 
+def relative_gap(value, reference) -> str:
+    """value's gap to reference in percent; none to a reference loss of 0, which gives no scale."""
+    return f"{100 * (value / reference - 1):+.2f}%" if reference else "n/a (reference 0)"
+
+
+def output_problem(path: str):
+    """Why a file cannot be written at `path`, else None; its missing folders are made, so that a script checks its
+    outputs before its work rather than fail on one after it."""
+    if os.path.isdir(path):
+        return f"{path} is a folder: give a file name"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except FileExistsError:
+        return f"{path}: {folder} is a file, not a folder"
+    except OSError as err:  # a file further up, no permission
+        return f"{path}: cannot make its folder {folder} ({err.strerror})"
+    return None
+
+
 def summary_table(runs, window=100) -> str:
     """Markdown: per run, the mean training loss of the last `window` iterations and the final
     validation loss, each with its relative gap to the first run (the reference)."""
@@ -63,8 +83,8 @@ def summary_table(runs, window=100) -> str:
         mean = sum(train[s] for s in steps[-window:]) / len(steps[-window:])
         final_valid = valid[max(valid)] if valid else float("nan")
         reference = reference or (mean, final_valid)
-        rows.append(f"| {label} | {steps[-1]} | {mean:.4f} | {100 * (mean / reference[0] - 1):+.2f}% | "
-                    f"{final_valid:.4f} | {100 * (final_valid / reference[1] - 1):+.2f}% |")
+        rows.append(f"| {label} | {steps[-1]} | {mean:.4f} | {relative_gap(mean, reference[0])} | "
+                    f"{final_valid:.4f} | {relative_gap(final_valid, reference[1])} |")
     header = (f"| run | iterations | training loss (mean of last {window}) | gap | final validation loss | gap |\n"
               "|---|---|---|---|---|---|")
     return "\n".join([header] + rows)
@@ -88,7 +108,7 @@ def window_gaps(runs, parts=10) -> str:
                 cells.append("-")
                 continue
             ref = sum(reference[s] for s in shared) / len(shared)
-            cells.append(f"{100 * (sum(train[s] for s in shared) / len(shared) / ref - 1):+.2f}%")
+            cells.append(relative_gap(sum(train[s] for s in shared) / len(shared), ref))
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join([header] + rows)
 
@@ -107,6 +127,10 @@ def main(argv=None) -> int:
         parser.error("--labels needs one label per log")
     if args.smooth < 1:
         parser.error(f"--smooth must be at least 1 (iterations), got {args.smooth}")
+    for flag, path in (("--output", args.output), ("--summary", args.summary)):
+        problem = path and output_problem(path)
+        if problem:
+            parser.error(f"{flag} {problem}")
     try:
         import matplotlib
 
@@ -143,7 +167,6 @@ def main(argv=None) -> int:
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     figure.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")
     if args.summary:

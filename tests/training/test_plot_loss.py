@@ -84,3 +84,37 @@ def test_a_log_cut_short_reads_up_to_its_last_whole_line_and_resumes(tmp_path):
     bad.write_text('{"iteration": 1, "lm_loss": 2.0}\n{oops\n{"iteration": 2, "lm_loss": 1.0}\n')
     with pytest.raises(ValueError, match=f"{bad}:2: not JSON"):
         plot_loss.read_series(str(bad), "lm_loss")
+
+
+def test_output_paths_are_checked_before_the_logs_are_read(tmp_path, capsys):
+    """A --summary that cannot be written was a traceback after the PNG was written; a missing folder is made for
+    it, as for --output."""
+    _write_log(tmp_path / "a.jsonl", [3.0, 2.0], {})
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flag, path, expected in (("--summary", a_file / "s.md", f"--summary {a_file / 's.md'}: {a_file} is a file"),
+                                 ("--summary", a_file / "x" / "s.md", f"--summary {a_file / 'x' / 's.md'}: cannot "
+                                                                      f"make its folder {a_file / 'x'} (Not a "),
+                                 ("--output", tmp_path, f"--output {tmp_path} is a folder: give a file name")):
+        argv = [str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "p.png"), "--summary", str(tmp_path / "s.md")]
+        argv[argv.index(flag) + 1] = str(path)
+        with pytest.raises(SystemExit) as exit_info:
+            _plot_loss().main(argv)
+        assert exit_info.value.code == 2 and expected in capsys.readouterr().err
+        assert not (tmp_path / "p.png").exists()
+    summary = tmp_path / "new" / "folder" / "s.md"
+    assert _plot_loss().main([str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "p.png"), "--summary",
+                              str(summary)]) == 0
+    assert summary.read_text().startswith("| run |")
+
+
+def test_a_reference_loss_of_0_has_no_relative_gap(tmp_path):
+    """Once a ZeroDivisionError: a gap relative to a loss of 0 has no scale."""
+    _write_log(tmp_path / "a.jsonl", [0.0] * 20, {20: 0.0})
+    _write_log(tmp_path / "b.jsonl", [0.5] * 20, {20: 0.25})
+    summary = tmp_path / "s.md"
+    assert _plot_loss().main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--labels", "ref", "other",
+                              "--output", str(tmp_path / "p.png"), "--summary", str(summary)]) == 0
+    text = summary.read_text()
+    assert "| other | 20 | 0.5000 | n/a (reference 0) | 0.2500 | n/a (reference 0) |" in text
+    assert "| other | " + " | ".join(["n/a (reference 0)"] * 10) + " |" in text
