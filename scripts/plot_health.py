@@ -14,7 +14,7 @@ import math
 import re
 import sys
 
-from plot_loss import log_records
+from plot_loss import log_records, output_problem
 
 DEFAULT_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                  "wgrad/underflow", "x/crest", "w/crest", "dy/crest")
@@ -23,14 +23,18 @@ PREFIX = "int8_health/"
 
 def read_health(path):
     """({linear: {stat: [(iteration, value)]}}, [fallback events]); later lines win (a resumed run rewrites
-    the iterations after its checkpoint)."""
+    the iterations after its checkpoint). A health record without the keys the trainer writes is an error naming
+    its line."""
     by_iteration, events = {}, {}
-    for record in log_records(path):
-        if "int8_health" in record:
-            by_iteration[record["iteration"]] = record["int8_health"]
-        if "int8_fallback" in record:
-            event = record["int8_fallback"]
-            events[(event["iteration"], event["linear"], event["gemm"])] = event
+    for number, record in log_records(path):
+        try:
+            if "int8_health" in record:
+                by_iteration[record["iteration"]] = record["int8_health"]
+            if "int8_fallback" in record:
+                event = record["int8_fallback"]
+                events[(event["iteration"], event["linear"], event["gemm"])] = event
+        except KeyError as err:
+            raise ValueError(f"{path}:{number}: a health record without {err}") from None
     series = {}
     for iteration in sorted(by_iteration):
         for name, value in by_iteration[iteration].items():
@@ -57,10 +61,21 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=8,
                         help="per panel, the linears with the largest last value (default: %(default)s)")
     opts = parser.parse_args(argv)
-    series, events = read_health(opts.log)
-    if opts.linears:
-        pattern = re.compile(opts.linears)
-        series = {k: v for k, v in series.items() if pattern.search(k)}
+    if opts.top < 1:
+        parser.error(f"--top must be at least 1 (linears per panel), got {opts.top}")
+    try:
+        pattern = re.compile(opts.linears or "")
+    except re.error as err:
+        parser.error(f"--linears {opts.linears!r}: not a regular expression ({err})")
+    problem = output_problem(opts.output)
+    if problem:
+        parser.error(f"--output {problem}")
+    try:
+        series, events = read_health(opts.log)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    series = {k: v for k, v in series.items() if pattern.search(k)}
     if not series:
         print(f"{opts.log}: no int8_health records" + (f" for linears matching {opts.linears!r}" if opts.linears
                                                         else " (was the run started with --int8-stats-interval?)"),

@@ -19,25 +19,29 @@ def open_log(path):
 
 
 def log_records(path):
-    """The records of a trainer JSONL log, without a last line cut short (a run killed while writing it, or a
-    log read while it is written); any other line that is not JSON is an error naming it."""
+    """(line number, record) for the records of a trainer JSONL log, without a last line cut short (a run killed
+    while writing it, or a log read while it is written); any other line that is not a JSON object is an error
+    naming it."""
     with open_log(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 if not line.endswith("\n") and not f.read(1):  # the last line, cut short
                     return
                 raise ValueError(f"{path}:{number}: not JSON ({err})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: a JSON {type(record).__name__}, not a record (an object)")
+            yield number, record
 
 
 def read_series(path, *keys):
     """[{iteration: value}] for each per-step key of a trainer JSONL log, in one pass (None values dropped;
     later lines win: resumed runs)."""
     series = [{} for _ in keys]
-    for record in log_records(path):
+    for _, record in log_records(path):
         for key, values in zip(keys, series):
             if record.get(key) is not None and "iteration" in record:
                 values[record["iteration"]] = record[key]

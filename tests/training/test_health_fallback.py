@@ -206,6 +206,46 @@ def test_plot_health_reads_the_log_as_written(tmp_path):
         assert plot_health.main([str(attention), "--output", str(tmp_path / "a.png")]) == 0
 
 
+def test_plot_health_names_bad_input_before_it_draws(tmp_path, capsys):
+    """Each of these was a traceback (or, --top -1, a PNG without lines): one line names the input now, the file and
+    line of a bad record."""
+    import json
+    import sys
+
+    from repo_paths import SCRIPTS
+
+    sys.path.insert(0, SCRIPTS)
+    import plot_health
+
+    log = tmp_path / "train_log.jsonl"
+    good = {"iteration": 10, "int8_health": scalars({"layer1.mlp.linear_fc1": GOOD})}
+    log.write_text(json.dumps(good) + "\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    png = str(tmp_path / "h.png")
+    for argv, expected in (([str(log), "--output", png, "--top", "-1"], "--top must be at least 1"),
+                           ([str(log), "--output", png, "--linears", "["],
+                            "--linears '[': not a regular expression (unterminated character set"),
+                           ([str(log), "--output", str(a_file / "h.png")], f"--output {a_file / 'h.png'}: {a_file} "
+                                                                            "is a file, not a folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            plot_health.main(argv)
+        assert exit_info.value.code == 2 and expected in capsys.readouterr().err
+    fallback = {"iteration": 10, "int8_fallback": {"iteration": 10, "gemm": "fprop"}}
+    for name, line, expected in (("not_json", "{oops", "not JSON"),
+                                 ("a_list", "[10]", "a JSON list, not a record"),
+                                 ("no_iteration", json.dumps({"int8_health": good["int8_health"]}),
+                                  "a health record without 'iteration'"),
+                                 ("no_linear", json.dumps(fallback), "a health record without 'linear'")):
+        bad = tmp_path / f"{name}.jsonl"
+        bad.write_text(json.dumps(good) + "\n" + line + "\n")
+        assert plot_health.main([str(bad), "--output", png]) == 1
+        assert capsys.readouterr().err.startswith(f"error: {bad}:2: {expected}")
+    assert plot_health.main([str(tmp_path / "missing.jsonl"), "--output", png]) == 1
+    assert "No such file or directory" in capsys.readouterr().err and not (tmp_path / "h.png").exists()
+    assert plot_health.main([str(log), "--output", str(tmp_path / "new" / "h.png")]) == 0  # its folder is made
+
+
 def test_a_restored_move_never_brings_back_what_this_runs_flags_turned_off():
     """A move saved by a tensorwise run (tensor -> row scales, then wgrad -> high precision) resumed under other
     flags: on the mode it was made from it is the move; on a block-scale run with BF16 dgrad it keeps the block
