@@ -85,41 +85,48 @@ def main(argv=None) -> int:
     parser.add_argument("--max-mb", type=float, default=8.0, help="stop after this many MB of text")
     parser.add_argument("--max-file-kb", type=float, default=256.0, help="skip larger source files")
     args = parser.parse_args(argv)
+    from plot_loss import output_problem  # the scripts' check of an output file (scripts/ leads sys.path)
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    roots = [sysconfig.get_paths()[name] for name in SOURCES[args.source]]
     if args.text == "docstrings" and args.docs:
         parser.error("--text docstrings takes the .py files' docstrings only: leave out --docs")
+    problem = output_problem(args.output)
+    if problem:
+        parser.error(f"--output {problem}")
+    roots = [sysconfig.get_paths()[name] for name in SOURCES[args.source]]
     suffixes = (".py",) + (DOC_SUFFIXES if args.docs else ())
     files = (found for root in roots for found in python_sources(root, int(args.max_file_kb * 1024), suffixes))
     budget, written, docs = int(args.max_mb * 2**20), 0, 0
     tmp = args.output + ".tmp"
     started = last = time.time()
-    with open(tmp, "w", encoding="utf-8") as out:
-        for root, path in files:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    text = f.read()
-            except (UnicodeDecodeError, OSError):
-                continue
-            if args.text == "docstrings":
-                text = docstring_prose(text)
-                if not text:
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for root, path in files:
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        text = f.read()
+                except (UnicodeDecodeError, OSError):
                     continue
-            out.write(json.dumps({"text": text, "path": os.path.relpath(path, root)}) + "\n")
-            written += len(text.encode("utf-8"))
-            docs += 1
-            if written >= budget:
-                break
-            if time.time() - last >= 5:
-                last = time.time()
-                print(f"  {docs} documents, {written / 2**20:.1f} of {args.max_mb:g} MB "
-                      f"({written / 2**20 / (last - started):.1f} MB/s)", flush=True)
+                if args.text == "docstrings":
+                    text = docstring_prose(text)
+                    if not text:
+                        continue
+                out.write(json.dumps({"text": text, "path": os.path.relpath(path, root)}) + "\n")
+                written += len(text.encode("utf-8"))
+                docs += 1
+                if written >= budget:
+                    break
+                if time.time() - last >= 5:
+                    last = time.time()
+                    print(f"  {docs} documents, {written / 2**20:.1f} of {args.max_mb:g} MB "
+                          f"({written / 2**20 / (last - started):.1f} MB/s)", flush=True)
+        if docs:
+            os.replace(tmp, args.output)  # a partial corpus never looks complete
+    finally:  # an interrupted or empty corpus leaves nothing behind
+        if os.path.isfile(tmp):
+            os.remove(tmp)
     if docs == 0:
-        os.remove(tmp)
         print(f"error: no Python sources found under {' or '.join(roots)}", file=sys.stderr)
         return 1
-    os.replace(tmp, args.output)  # a partial corpus never looks complete
     print(f"corpus: {docs} documents, {written / 2**20:.1f} MB -> {args.output}")
     return 0
 

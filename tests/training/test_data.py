@@ -523,6 +523,30 @@ if os.sep:
         in refused.stderr
 
 
+def test_corpus_output_is_checked_first_and_no_partial_file_is_left(tmp_path, monkeypatch):
+    """--output naming a folder built the whole corpus, then stopped with an IsADirectoryError and left <folder>.tmp;
+    an interruption left the .tmp too."""
+    import importlib.util
+
+    result = _run(["scripts/prepare_tiny_corpus.py", "--output", str(tmp_path), "--max-mb", "0.05"])
+    assert result.returncode == 2 and f"--output {tmp_path} is a folder: give a file name" in result.stderr
+    assert not os.path.exists(f"{tmp_path}.tmp")
+    monkeypatch.syspath_prepend(SCRIPTS)  # as when the script runs: the scripts' helpers beside it
+    spec = importlib.util.spec_from_file_location("prepare_tiny_corpus",
+                                                  os.path.join(SCRIPTS, "prepare_tiny_corpus.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+
+    def interrupted(root, max_file_bytes, suffixes):
+        yield root, corpus.__file__
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpus, "python_sources", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        corpus.main(["--output", str(tmp_path / "corpus.jsonl")])
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_vocabulary_check_reads_spans_over_the_whole_file(tmp_path, monkeypatch):
     """Beyond VOCAB_CHECK_TOKENS the check reads evenly spaced spans: another tokenizer's ids at the end of a large
     file (datasets concatenated) were never read when the check took the file's head alone."""
