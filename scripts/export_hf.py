@@ -27,8 +27,6 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="write into an --output folder that is not empty "
                                                              "(its files of the same names are replaced)")
     args = parser.parse_args(argv)
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        parser.error(f"--output {args.output} is a file; give a directory")
     if os.path.isdir(args.output) and os.listdir(args.output) and not args.force:
         parser.error(f"--output {args.output} is not empty: give a new directory, or --force to write into it")
 
@@ -42,7 +40,12 @@ def main(argv=None) -> int:
     from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.export import ExportError, export_hf
     from megatron_int8.training.safe_load import UnsafeCheckpointError
+    from megatron_int8.training.validation import nearest_existing
 
+    existing = nearest_existing(args.output)  # before the weights load: the staging folder is made beside --output
+    if not os.path.isdir(existing):
+        print(f"error: --output {args.output}: {existing} is a file; the export writes a directory", file=sys.stderr)
+        return 2
     try:
         export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step,
                   tokenizer=args.tokenizer)

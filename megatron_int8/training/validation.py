@@ -493,6 +493,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
+def nearest_existing(path: str) -> str:
+    """`path`, or the nearest of its parent folders that exists: where making its folders starts (a file there
+    stops them)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def _validate_paths(args: argparse.Namespace) -> None:
     """Output paths of the right kind, before anything is built."""
     for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
@@ -504,8 +513,6 @@ def _validate_paths(args: argparse.Namespace) -> None:
         if os.path.isdir(args.log_jsonl):
             raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')} is a directory; it takes a "
                                 f"file name, e.g. --log-jsonl {os.path.join(args.log_jsonl, 'train_log.jsonl')}")
-        parent = os.path.dirname(os.path.abspath(args.log_jsonl))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
+        parent = nearest_existing(os.path.dirname(os.path.abspath(args.log_jsonl)))
         if not os.path.isdir(parent):
             raise ArgumentError(f"--log-jsonl {args.log_jsonl}: {parent} is a file, not a directory")

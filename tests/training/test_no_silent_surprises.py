@@ -401,6 +401,18 @@ def test_generate_refuses_token_ids_outside_the_vocabulary_before_the_model_load
                        "(ids 0 to 4096)")
 
 
+def test_export_refuses_an_output_under_a_file_before_the_weights_load(tmp_path, capsys):
+    """--output a_file/hf was a NotADirectoryError traceback when the staging folder beside it was made."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    stand_in = ("from megatron_int8.training import export\n"
+                "export.export_hf = lambda *args, **kwargs: sys.exit('the export began')")
+    for output in (a_file / "hf", a_file):
+        message = _refused(capsys, ["--load", str(tmp_path), "--output", str(output)],
+                           ("-c", _script_code("export_hf", stand_in)))
+        assert message == f"error: --output {output}: {a_file} is a file; the export writes a directory"
+
+
 @pytest.mark.slow
 def test_generate_and_export_refuse_another_tokenizer(data, interrupted, tmp_path, capsys):
     """A tokenizer that is not the checkpoint's: 500 tokens pad to the embedding's 512 rows (only the recorded
