@@ -187,12 +187,13 @@ def segment_operand(q: QTensor, segments: Segments, e: int) -> QTensor:
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scale max(amax/127, MIN_SCALE); an all-zero group gets scale 1 (finite, and dequantizes to exact
-    zeros)."""
+    zeros), a non-finite amax (the group held Inf/NaN) NaN, so its products are NaN, never finite garbage."""
     amax = amax.float()
     # Divide by a tensor: CUDA turns division by a Python scalar into a multiply by its reciprocal,
     # which can differ from the IEEE quotient by one ulp.
     qmax = torch.tensor(QMAX, dtype=torch.float32, device=amax.device)
-    return torch.where(amax > 0, (amax / qmax).clamp_min(MIN_SCALE), torch.ones_like(amax))
+    scale = torch.where(amax > 0, (amax / qmax).clamp_min(MIN_SCALE), torch.ones_like(amax))
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
 class _NonFiniteRecord:
@@ -472,9 +473,7 @@ def quantize(
         tiles = _pad_to(xf, Rp, Cp).abs().reshape(Rp // rb, rb, Cp // B, B)
         amax = tiles.amax(dim=(1, 3))
         per_element = lambda group: group.repeat_interleave(rb, 0).repeat_interleave(B, 1)[:R, :C]  # noqa: E731
-    # a non-finite group gets a NaN scale, so its products are NaN, never finite garbage
-    scale = scale_from_amax(amax)
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    scale = scale_from_amax(amax)  # NaN for a group holding Inf/NaN
     handle_nonfinite(scale, name, check_finite)
     inverse = per_element(torch.ones_like(scale) / scale)  # tensor / tensor: an IEEE quotient on CUDA too
     q = _round_clamp(xf * inverse, stochastic, generator).contiguous()  # a transposed x gives strided q

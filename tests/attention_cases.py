@@ -217,3 +217,18 @@ def assert_kernels_match(q, k, v, do, causal, cfg, what):
         if a.dtype == torch.float32 or a.is_cuda:  # (the interpreter's truncation to bf16 is biased)
             ratio = (a.double() - b.double()).norm().item() / (b.double() - ref).norm().item()
             assert ratio <= 0.2, f"{what}: {name} differs from the path by {ratio:.2f}x the path's own error"
+
+
+def nan_value_inputs(seed, S=64, D=32, dtype=torch.float32, device="cpu"):
+    """One NaN in V (token 5, channel 0) and one in dO (token 7, channel 3): what an overflow upstream leaves."""
+    q, k, v, do = attention_inputs(1, 2, 1, S, D, seed, dtype=dtype, device=device)
+    v[:, :, 5, 0] = float("nan")
+    do[:, :, 7, 3] = float("nan")
+    return q, k, v, do
+
+
+def assert_nan_shows(o, dv, what):
+    """The causal rows that attend token 5 (all from 5 on, both heads of the group) hold NaN in channel 0 of O, and
+    dV NaN in channel 3 of the keys that token 7 attends; nothing turned the NaN into finite values."""
+    assert torch.isnan(o[:, :, 5:, 0]).all(), f"{what}: O lost V's NaN"
+    assert torch.isnan(dv[:, :, :8, 3]).all(), f"{what}: dV lost dO's NaN"

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, LaunchCache, cdiv
-from .quantize import _round_clamp, _round_to_int8, _scale_from_amax
+from .quantize import _abs_max, _round_clamp, _round_to_int8, _scale_from_amax
 
 LOG2E = 1.4426950408889634
 ROW_AMAX_FLOOR = tl.constexpr(2.0 ** -100)  # as ops/int8_attention.ROW_AMAX_FLOOR: rows below it quantize to 0
@@ -103,7 +103,7 @@ def _quantize_kernel(
         q, s = _quantize_rows(x)
         tl.store(rows_ptr + (bh * S + offs_s[:, None]) * D + offs_d[None, :], q, mask=mask_s[:, None])
         tl.store(rows_scale_ptr + bh * S + offs_s, s, mask=mask_s)
-    st = _scale_from_amax(tl.max(tl.abs(x), axis=0))  # [D]
+    st = _scale_from_amax(_abs_max(x, 0))  # [D]; NaN for a channel holding Inf/NaN (tl.max may drop a NaN)
     tl.store(t_scale_ptr + (bh * NB + blk) * D + offs_d, st)
     qt = _round_clamp(x, st[None, :], 0, False)
     tl.store(t_ptr + (bh * D + offs_d[:, None]) * SP + offs_s[None, :], tl.trans(qt))  # padding tokens hold zeros

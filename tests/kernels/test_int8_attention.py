@@ -11,8 +11,9 @@ import math
 
 import pytest
 import torch
-from attention_cases import (assert_kernels_match, assert_within_bounds, attention64, attention_inputs, grads64,
-                             int8_attention_bounds, megatron_layout, run_path, snr_db)
+from attention_cases import (assert_kernels_match, assert_nan_shows, assert_within_bounds, attention64,
+                             attention_inputs, grads64, int8_attention_bounds, megatron_layout, nan_value_inputs,
+                             run_path, snr_db)
 from interpreter import INTERPRETING, needs_interpreter, run_file_interpreted
 
 from megatron_int8.ops.int8_attention import (Int8AttentionConfig, attention_reference, check_gpu_tiles, int8_attention,
@@ -166,6 +167,19 @@ def tiny_channel_inputs(seed):
     do[..., 3] = 0.0
     do[:, :, 7, 3] = 1e-38
     return q, k, v, do
+
+
+@on_host
+def test_reference_path_carries_a_nan_of_v_and_do():
+    """The PyTorch path once gave a group holding NaN the scale 1 and rounded the NaN to 0: finite outputs."""
+    o, _, _, dv = run_path(*nan_value_inputs(18), True, SMALL, "reference")
+    assert_nan_shows(o, dv, "reference")
+
+
+@needs_interpreter
+def test_kernels_carry_a_nan_of_v_and_do():
+    o, _, _, dv = run_path(*nan_value_inputs(19), True, SMALL, "triton")
+    assert_nan_shows(o, dv, "kernels")
 
 
 @on_host

@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from attention_cases import (assert_kernels_match, assert_within_bounds, attention_inputs, grads64,
-                             int8_attention_bounds, megatron_layout, run_path, snr_db)
+from attention_cases import (assert_kernels_match, assert_nan_shows, assert_within_bounds, attention_inputs, grads64,
+                             int8_attention_bounds, megatron_layout, nan_value_inputs, run_path, snr_db)
 
 from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
@@ -31,6 +31,14 @@ def _needs_triton():
 def test_kernels_match_pytorch_path(heads, kv_heads, seq, dim, causal):
     q, k, v, do = attention_inputs(1, heads, kv_heads, seq, dim, seed=seq + dim, device="cuda")
     assert_kernels_match(q, k, v, do, causal, INT8_SCORES, f"h={heads}/{kv_heads} s={seq} d={dim}")
+
+
+@pytest.mark.parametrize("config", [Int8AttentionConfig(), INT8_SCORES], ids=["bf16-scores", "int8-scores"])
+def test_kernels_carry_a_nan_of_v_and_do(config):
+    # tl.max may drop a NaN on the GPU: the block scales of V and dO take the NaN-keeping maximum
+    o, _, _, dv = run_path(*nan_value_inputs(20, S=512, D=128, dtype=torch.bfloat16, device="cuda"), True, config,
+                           "triton")
+    assert_nan_shows(o, dv, f"kernels, scores {config.scores}")
 
 
 @pytest.mark.parametrize("dim", [64, 128])
