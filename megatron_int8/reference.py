@@ -19,10 +19,11 @@ import torch
 
 from .recipe import QMAX
 
-# |acc| <= 127 * 127 * K must fit in int32: split longer contractions and sum the pieces in fp32.
-# The smallest scale: fp32's smallest normal number. Below it 1 / scale overflows to inf (amax under 1.5e-36) and
-# every element rounded to +-127, an output 2-4x too large; at it such groups quantize within half of 2^-126.
+# The least scale, fp32's smallest normal number (taken where amax < 127 * 2^-126, 1.5e-36): below 3.7e-37 amax /
+# 127 has an infinite inverse, and every element rounded to +-127 (an output 2-4x too large); at it such groups
+# quantize within half of 2^-126.
 MIN_SCALE = 2.0 ** -126
+# |acc| <= 127 * 127 * K must fit in int32: split longer contractions and sum the pieces in fp32.
 MAX_EXACT_K = (2**31 - 1) // (QMAX * QMAX) // 128 * 128
 # MoE experts' token segments start at multiples of this (see Segments): no GEMM tile (BLOCK_M <= 128) and
 # no quantize strip ever holds tokens of two experts.

@@ -14,8 +14,8 @@ The row sums are written as partial sums per column block, [n_ct, R] fp32, added
 INT8_COPY (the recipe's int8_swiglu_input): the forward kernel also writes x's INT8 copy for backward, each
 half quantized in 1 x TC blocks along its columns (TC = the block size, 128 in training): q [R, 2F] int8 and
 scales [R, 2 NB] fp32, NB = ceil(F / TC), a's blocks first. The quantization is reference.quantize's (block
-granularity: scale = amax / 127, 1 for an all-zero block, NaN for one holding Inf/NaN; round half to even),
-so backward, which then reads q and the scales in place of x (dequantized in fp32, q * scale), needs half
+granularity: scale = amax / 127 (at least 2^-126), 1 for an all-zero block, NaN for one holding Inf/NaN; round half
+to even), so backward, which then reads q and the scales in place of x (dequantized in fp32, q * scale), needs half
 x's bytes.
 
 MAXIMA: the kernel also writes the per-row and per-column maxima of |output| (of the rounded values, Inf/NaN

@@ -35,8 +35,8 @@ of validation loss against the INT8 linears alone (docs/convergence.md, section 
 K is smoothed first: K - mean_s(K) per head. Softmax is invariant to it (it adds q . mean to every score of a
 row, also under the causal mask), and so is the gradient: the rows of dS sum to zero, so the gradient through
 the mean vanishes and dK is dS^T Q as without smoothing. It takes K's shared bias out of the INT8 range.
-Every other scale is amax / 127 of its group (1 for an all-zero group); all round half to even, as
-reference.quantize.
+Every other scale is amax / 127 of its group (reference.scale_from_amax: 1 for an all-zero group, at least 2^-126,
+NaN for a group holding Inf/NaN); all round half to even, as reference.quantize.
 The scales of an operand are constant along each tile of its contraction axis, so each INT8 product
 dequantizes once per tile: (int32 tile) * row scale * column scale, summed in fp32. Softmax, exp and the
 accumulators are fp32.
