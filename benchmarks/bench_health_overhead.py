@@ -106,6 +106,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--repeats", type=common.positive_int, default=3)
     opts = p.parse_args(argv)
+    first = (max(opts.warmup, 0) // opts.interval + 1) * opts.interval  # the first statistics step timed
+    if not opts.probe_only and (opts.warmup < 0 or opts.interval < 2 or opts.iters < max(first, opts.warmup + 2)):
+        p.error(f"--iters {opts.iters} after --warmup {opts.warmup} must time a statistics step (iteration {first}, "
+                f"a multiple of --interval {opts.interval}) and a step without one (--interval >= 2): the trainer "
+                "runs would end without them")
     if opts.probe_only:
         r = time_probe(opts)
         print(f"one probe (forward + backward statistics), {r['shape']} {r['granularity']} on {r['device']}: "

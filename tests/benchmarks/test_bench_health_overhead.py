@@ -40,3 +40,33 @@ def test_a_zero_probe_size_is_a_usage_error(monkeypatch, capsys, bad):
     with pytest.raises(SystemExit) as exit_info:
         bench_health_overhead.main(["--probe-only", "--device", "cpu", "--probe-shape", "64", "128", "128", *bad])
     assert exit_info.value.code == 2 and f"argument {bad[0]}: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("counts", [["--iters", "9", "--warmup", "8", "--interval", "10"],
+                                    ["--iters", "20", "--warmup", "19", "--interval", "10"],
+                                    ["--iters", "60", "--warmup", "8", "--interval", "1"],
+                                    ["--iters", "60", "--warmup", "-1"]])
+def test_runs_without_a_timed_statistics_step_are_refused_before_the_trainer(monkeypatch, capsys, counts):
+    """--iters 9 --warmup 8 found "no statistics step after warm-up" only after a whole trainer run."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_health_overhead
+
+    monkeypatch.setattr(bench_health_overhead, "run", lambda opts, graphed: pytest.fail("a trainer run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_health_overhead.main(counts)
+    assert exit_info.value.code == 2 and "must time a statistics step" in capsys.readouterr().err
+
+
+def test_the_default_counts_time_statistics_steps(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_health_overhead
+
+    class Started(Exception):
+        pass
+
+    def run(opts, graphed):
+        raise Started
+
+    monkeypatch.setattr(bench_health_overhead, "run", run)
+    with pytest.raises(Started):  # past the check, into the first trainer run
+        bench_health_overhead.main([])
