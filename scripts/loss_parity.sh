@@ -23,6 +23,12 @@
 # on a healthy run. int8_attention: the default recipe with --int8-attention (attention's products in INT8 too, its
 # scores Q K^T from BF16 Q and K by default); int8_attention_int8_scores: the same with --int8-attention-scores int8.
 set -euo pipefail
+for word in "$@"; do  # the header above is the help (the other flags are the trainer's)
+    if [[ $word == -h || $word == --help ]]; then
+        sed -n '2,/^set -euo pipefail$/{/^set /d; s/^# \{0,1\}//; p}' "$0"
+        exit 0
+    fi
+done
 cd "$(dirname "$0")/.."
 CORPUS=${CORPUS:-source}
 case $CORPUS in

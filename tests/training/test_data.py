@@ -646,3 +646,12 @@ def test_loss_parity_parallel_is_0_or_1(parity_run_dir, tmp_path, parallel, cach
     used = sorted(command.split("--data-cache-path ")[1].split()[0] for command in commands)
     assert used == [str(parity_run_dir / "data" / cache) for cache in caches]
     assert (parity_run_dir / "summary.md").is_file()
+
+
+def test_loss_parity_help_prints_its_header_and_does_nothing_else(tmp_path):
+    """--help went to the trainer's parser inside the flag check, whose usage went to /dev/null: an IndexError."""
+    result = subprocess.run(["bash", os.path.join(SCRIPTS, "loss_parity.sh"), "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, RUN_DIR=str(tmp_path / "help_run")))
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("INT8 vs BF16 loss parity in one command") and "Variants: bf16;" in result.stdout
+    assert "set -euo" not in result.stdout and not (tmp_path / "help_run").exists()
