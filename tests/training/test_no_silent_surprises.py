@@ -392,13 +392,16 @@ inference.load_for_inference = load_for_inference
 
 @pytest.mark.parametrize("prompt, bad", [("1 99999", 99999), ("1 -5", -5), ("1 4100", 4100)])
 def test_generate_refuses_token_ids_outside_the_vocabulary_before_the_model_loads(tmp_path, capsys, prompt, bad):
-    """A mock-data checkpoint (NullTokenizer, --vocab-size 4096: ids 0 to 4096 with the end of document) reads the
-    prompt as token ids: 99999 and -5 once failed with an IndexError after the model loaded, and 4100 (inside the
-    embedding's padding) generated from an id no token has."""
+    """A mock-data checkpoint (NullTokenizer, --vocab-size 4096) reads the prompt as token ids: 99999 and -5 once
+    failed with an IndexError after the model loaded, and 4100 (inside the embedding's padding) generated from an id
+    no token has. The ids are megatron's: 0 to 4096 with the end of document on megatron-core 0.16, 0 to 4095 with it
+    from 0.17 on."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
     message = _refused(capsys, ["--load", str(tmp_path), "--prompt", prompt],
                        ("-c", _script_code("generate", MOCK_CHECKPOINT_WITHOUT_WEIGHTS)))
     assert message == (f"error: --prompt {prompt!r}: token id {bad} is not in the checkpoint's vocabulary "
-                       "(ids 0 to 4096)")
+                       f"(ids 0 to {NullTokenizer(4096).vocab_size - 1})")
 
 
 def test_export_refuses_an_output_under_a_file_before_the_weights_load(tmp_path, capsys):
