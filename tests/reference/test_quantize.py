@@ -66,7 +66,7 @@ def test_zero_tensor_gives_zero_and_finite_scale(granularity, tile2d):
 
 
 @pytest.mark.parametrize("granularity,tile2d", GRANULARITIES)
-@pytest.mark.parametrize("magnitude", [1e-37, 1e-40, 1e-44])
+@pytest.mark.parametrize("magnitude", [1e-39, 1e-41, 1e-44])  # every amax under 3.7e-37 (outliers of 30x)
 def test_tiny_groups_quantize_within_half_a_step_of_the_smallest_scale(granularity, tile2d, magnitude):
     # amax/127 below fp32's smallest normal made 1/scale inf and every element +-127: 2-4x the input
     x = (heavy_tailed(40, 96) * magnitude).float()
