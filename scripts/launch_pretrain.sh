@@ -20,6 +20,16 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
+# named here, before torchrun starts (a NODE_RANK beyond NNODES names a node the job does not have)
+if [[ ! "$NNODES" =~ ^[1-9][0-9]*$ || ! "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ ]] || (( NODE_RANK >= NNODES )); then
+    echo "NNODES must be a positive integer and NODE_RANK one of 0 to NNODES - 1, got NNODES='$NNODES'" \
+         "NODE_RANK='$NODE_RANK'" >&2
+    exit 2
+fi
+if [[ ! "$MASTER_PORT" =~ ^[1-9][0-9]*$ ]] || (( MASTER_PORT > 65535 )); then
+    echo "MASTER_PORT must be a port number (1 to 65535), got '$MASTER_PORT'" >&2
+    exit 2
+fi
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
     GPUS_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
     [[ "$GPUS_PER_NODE" -gt 0 ]] || GPUS_PER_NODE=1  # no GPU seen: one process

@@ -31,3 +31,24 @@ def test_gpus_per_node_sets_the_processes_per_node(tmp_path):
     result = _launch(tmp_path, GPUS_PER_NODE="2")
     assert result.returncode == 0, result.stderr
     assert "--nproc-per-node 2 " in result.stdout and "-m megatron_int8.pretrain --config" in result.stdout
+
+
+@pytest.mark.parametrize("env, message", [
+    (dict(NNODES="0"), "NNODES must be a positive integer and NODE_RANK one of 0 to NNODES - 1, got NNODES='0' "
+                       "NODE_RANK='0'"),
+    (dict(NNODES="2", NODE_RANK="2"), "got NNODES='2' NODE_RANK='2'"),
+    (dict(NODE_RANK="-1"), "got NNODES='1' NODE_RANK='-1'"),
+    (dict(MASTER_PORT="70000"), "MASTER_PORT must be a port number (1 to 65535), got '70000'"),
+    (dict(MASTER_PORT="port"), "got 'port'"),
+])
+def test_nodes_and_port_are_checked_before_torchrun(tmp_path, env, message):
+    """A NODE_RANK beyond NNODES (a node the job does not have), NNODES 0 or a port out of range reached torchrun."""
+    result = _launch(tmp_path, GPUS_PER_NODE="1", **env)
+    assert result.returncode == 2 and "torchrun" not in result.stdout, result.stdout + result.stderr
+    assert message in result.stderr
+
+
+def test_a_second_node_launches_with_its_rank(tmp_path):
+    result = _launch(tmp_path, GPUS_PER_NODE="1", NNODES="2", NODE_RANK="1", MASTER_PORT="29500")
+    assert result.returncode == 0, result.stderr
+    assert "--nnodes 2 --node-rank 1 " in result.stdout and "--master-port 29500" in result.stdout
