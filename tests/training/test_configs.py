@@ -1,5 +1,6 @@
 """The six model YAMLs: faithful architecture fields at full size (validated for 8 GPUs), and each one
 building and running its model at tiny width through the trainer's own config and model code."""
+import gc
 import os
 
 import pytest
@@ -74,7 +75,10 @@ def test_builds_at_tiny_width(name, megatron_world):
     args = validate_args(parse_args(["--config", _yaml(name)] + TINY), world_size=1)
     args.padded_vocab_size = 256
     config = build_config(args, log=lambda message: None)
-    model = unwrap(build_model(args, config, policy_from_args(args), args.padded_vocab_size))[0]
+    wrapped = build_model(args, config, policy_from_args(args), args.padded_vocab_size)
+    # DDP's gradient hooks live as long as its wrapper: held here, and a collection now shows they survive it
+    gc.collect()
+    model = unwrap(wrapped)[0]
     (_, _, _, heads, groups, _, qk_norm, tied, base, scaling, _, experts, topk, _) = EXPECTED[name]
     attention = model.decoder.layers[0].self_attention
     assert (config.num_attention_heads, config.num_query_groups, config.kv_channels) == (heads, groups, 16)
