@@ -527,10 +527,14 @@ def check_gemm_operands(a: QTensor, b: QTensor) -> None:
 
 
 def check_gemm_out(a: QTensor, b: QTensor, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor],
-                   out: Optional[torch.Tensor]) -> None:
+                   out: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> None:
     """Both backends' contract for the destinations: an fp32 [M, N] accumulator, or a contiguous [M, N]
-    out_dtype `out`, not both."""
+    out_dtype `out`, not both; a bias is [N] on the operands' device (a [M, 1] or [N, 1] one broadcast over the
+    wrong axis without a word)."""
     shape = (a.data.shape[0], b.data.shape[0])
+    if bias is not None and (tuple(bias.shape) != shape[1:] or bias.device != a.data.device):
+        raise ValueError(f"gemm: bias must have shape ({shape[1]},) on {a.data.device}, got {tuple(bias.shape)} on "
+                         f"{bias.device}")
     if accumulate_into is not None and (tuple(accumulate_into.shape) != shape or accumulate_into.dtype != torch.float32):
         raise ValueError(f"accumulate_into must be fp32 {list(shape)}, got {accumulate_into.dtype} "
                          f"{tuple(accumulate_into.shape)}")
@@ -554,7 +558,7 @@ def gemm(
     """dequant(a @ b^T) [+ bias], or accumulated into an fp32 buffer (gradient-accumulation fusion), or
     written into `out`."""
     check_gemm_operands(a, b)
-    check_gemm_out(a, b, out_dtype, accumulate_into, out)
+    check_gemm_out(a, b, out_dtype, accumulate_into, out, bias)
     if a.granularity == "block":
         B = a.block_size
         sa, sb = a.scale_per_row_block(), b.scale_per_row_block()

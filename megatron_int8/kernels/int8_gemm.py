@@ -436,7 +436,7 @@ def _gemm_plan(a, b, out_dtype, bias, accumulate_into, tuned, out=None):
     """`run(a, b, bias, accumulate_into, out) -> c` for every call of this plan key (triton_gemm): the CUDA
     sm_90a kernel (kernels/sm90_gemm.py) or a Triton kernel, per MEGATRON_INT8_GEMM_KERNEL."""
     ref.check_gemm_operands(a, b)
-    ref.check_gemm_out(a, b, out_dtype, accumulate_into, out)
+    ref.check_gemm_out(a, b, out_dtype, accumulate_into, out, bias)
     M, K = a.data.shape
     N = b.data.shape[0]
     if M == 0 or N == 0 or K == 0:

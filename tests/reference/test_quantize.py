@@ -172,6 +172,17 @@ def test_gemm_bias_and_accumulate_into():
     assert torch.allclose(buf, start + plain, rtol=1e-6, atol=1e-5)
 
 
+def test_gemm_refuses_a_bias_that_is_not_one_per_output_column():
+    """A [M, 1] bias broadcast over the rows (each row got its own constant, no error); a [3] bias failed in the
+    epilogue's broadcast."""
+    qa, qb = quantize(heavy_tailed(12, 64), "row"), quantize(heavy_tailed(12, 64), "row")
+    for bad in (torch.randn(12, 1), torch.randn(1, 12), torch.randn(3), torch.randn(12, 12)):
+        with pytest.raises(ValueError, match=r"bias must have shape \(12,\)"):
+            gemm(qa, qb, out_dtype=torch.float32, bias=bad)
+    with pytest.raises(ValueError, match="bias must have shape .* on cpu, got .* on meta"):
+        gemm(qa, qb, out_dtype=torch.float32, bias=torch.randn(12, device="meta"))
+
+
 def test_gemm_writes_rows_of_a_larger_output_and_checks_out():
     """`out` (the pipelined TP GEMMs write row ranges of one output): the same values as a fresh output,
     nothing else touched; a wrong shape, dtype, layout, or out with accumulate_into raises."""
