@@ -285,6 +285,12 @@ def int8_linear(
         raise ValueError(f"int8_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     if not input.is_floating_point():
         raise TypeError(f"int8_linear: input must be floating point, got {input.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        # an integer weight (e.g. an already quantized one) was cast to the input's dtype without its scales
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"int8_linear: {name} must be floating point, got {t.dtype}")
+        if t is not None and t.device != input.device:  # else a kernel fails on a pointer of the other device
+            raise ValueError(f"int8_linear: {name} is on {t.device}, the input on {input.device}")
     if tp.scatter_output:
         world = torch.distributed.get_world_size(tp.group)
         if bias is not None:

@@ -261,6 +261,22 @@ def test_bad_shapes_and_dtypes_are_clear_errors():
         int8_linear(torch.randn(4, 16), torch.randn(8, 16), recipe={"granularity": "row"})
 
 
+@pytest.mark.parametrize("recipe", [Int8Recipe(), Int8Recipe(fprop=False, dgrad=False, wgrad=False)],
+                         ids=["int8", "all high"])
+def test_weight_and_bias_of_another_kind_or_device_are_named(recipe):
+    """An int8 weight (one quantized already, its scales elsewhere) was cast to the input's dtype and multiplied
+    as if its integers were the weight; a weight on another device failed inside a GEMM."""
+    x = torch.randn(4, 16)
+    with pytest.raises(TypeError, match="weight must be floating point, got torch.int8"):
+        int8_linear(x, torch.randint(-127, 128, (8, 16), dtype=torch.int8), None, recipe)
+    with pytest.raises(TypeError, match="bias must be floating point, got torch.int64"):
+        int8_linear(x, torch.randn(8, 16), torch.ones(8, dtype=torch.int64), recipe)
+    with pytest.raises(ValueError, match="weight is on meta, the input on cpu"):
+        int8_linear(x, torch.randn(8, 16, device="meta"), None, recipe)
+    with pytest.raises(ValueError, match="bias is on meta, the input on cpu"):
+        int8_linear(x, torch.randn(8, 16), torch.randn(8, device="meta"), recipe)
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
 def test_tiny_inputs_stay_within_the_bound_of_the_smallest_scale(granularity):
     # an input near fp32's smallest normal gave 2-4x the product (1/scale overflowed), 1e-44 all zeros; every
