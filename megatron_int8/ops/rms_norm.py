@@ -59,7 +59,8 @@ class _TritonRMSNorm(torch.autograd.Function):
 
 class _ReferenceInt8CopyRMSNorm(torch.autograd.Function):
     """torch's RMSNorm forward; backward from x's INT8 copy (1 x 128 blocks) and the fp32 rstd of x, in fp32:
-    g = dy w, dx = rstd (g - xhat mean(g xhat)), dw = sum over rows of dy xhat, xhat = x_copy rstd."""
+    g = dy w (dy without an affine weight), dx = rstd (g - xhat mean(g xhat)), dw = sum over rows of dy xhat,
+    xhat = x_copy rstd."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -75,9 +76,10 @@ class _ReferenceInt8CopyRMSNorm(torch.autograd.Function):
         q, scales, weight, rstd = ctx.saved_tensors
         xhat = dequantize(QTensor(q, scales, "block", INT8_COPY_BLOCK)) * rstd
         dy_rows = dy.reshape(q.shape).float()
-        g = dy_rows * weight.float()
+        g = dy_rows if weight is None else dy_rows * weight.float()
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-        return dx.view(dy.shape).to(dy.dtype), (dy_rows * xhat).sum(0).to(weight.dtype), None
+        dw = None if weight is None else (dy_rows * xhat).sum(0).to(weight.dtype)
+        return dx.view(dy.shape).to(dy.dtype), dw, None
 
 
 def norm_kernel_choice() -> str:
@@ -110,7 +112,8 @@ class FusedRMSNorm(torch.nn.RMSNorm):
         return self.eps if self.eps is not None else torch.finfo(x.dtype).eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        copy = self.int8_copy and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        weight_grad = self.weight is not None and self.weight.requires_grad  # elementwise_affine=False: no weight
+        copy = self.int8_copy and torch.is_grad_enabled() and (x.requires_grad or weight_grad)
         if self.runs_triton(x):
             if x.shape[-1] != self.weight.shape[0]:
                 raise ValueError(f"FusedRMSNorm({self.weight.shape[0]}): input of shape {tuple(x.shape)}")

@@ -106,6 +106,30 @@ def test_int8_copy_reference_keeps_int8_and_stays_within_the_quantization_bound(
     assert "int8_copy=True" in repr(norm)
 
 
+def test_int8_copy_without_an_affine_weight_is_the_copy_with_unit_weight():
+    """FusedRMSNorm(elementwise_affine=False, int8_copy=True) raised an AttributeError on the missing weight (in
+    forward when x needed no gradient, in backward otherwise); its gradient is the one of a unit weight."""
+    from int8_bounds import assert_rms_norm_int8_copy_bound
+
+    from megatron_int8.ops.rms_norm import INT8_COPY_BLOCK
+    from megatron_int8.reference import dequantize, quantize
+
+    W = 200
+    x, dy = heavy_tailed(6, W, scale=40.0), heavy_tailed(6, W)
+    bare, unit = FusedRMSNorm(W, eps=1e-6, elementwise_affine=False, int8_copy=True), FusedRMSNorm(W, eps=1e-6,
+                                                                                                  int8_copy=True)
+    assert torch.equal(bare(x), unit(x).detach())
+    grads = []
+    for norm in (bare, unit):
+        leaf = x.clone().requires_grad_(True)
+        norm(leaf).backward(dy)
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+    copy = quantize(x.float(), "block", block_size=INT8_COPY_BLOCK)
+    step = copy.scale.double().repeat_interleave(INT8_COPY_BLOCK, 1)[:, :W]
+    assert_rms_norm_int8_copy_bound(x, torch.ones(W), 1e-6, dy, grads[0], unit.weight.grad, dequantize(copy), step)
+
+
 def test_int8_copy_follows_the_recipe_into_int8_layers_only():
     """The spec's input and pre-MLP norms keep the INT8 copy under Int8Recipe(int8_norm_input=True) in INT8
     layers, not in the BF16 baseline's, not by default, and never the q/k head norms; the flag sets the recipe
