@@ -50,6 +50,8 @@ def _kernels_run_on(x: torch.Tensor) -> bool:
 
 def _halves(x: torch.Tensor):
     """(a, b) in fp32 for x = [a | b]; x's last dimension must be even."""
+    if not x.is_floating_point():  # the fp32 result was cast back to x's dtype: integers truncated it
+        raise TypeError(f"swiglu: x must be floating point, got {x.dtype}")
     if x.dim() < 1 or x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dimension of x must be even (two halves), got shape {tuple(x.shape)}")
     return x.float().chunk(2, dim=-1)

@@ -50,6 +50,17 @@ def test_rejects_odd_last_dimension_and_bad_configs():
         SwiGLU(config=tiny_config(gated_linear_unit=True, activation_func=F.gelu))
 
 
+def test_integer_input_is_refused_not_truncated():
+    """An integer x gave silu(a) * b truncated to integers (the fp32 result cast back to x's dtype)."""
+    from megatron_int8.ops.swiglu import weighted_swiglu
+
+    x = torch.tensor([[3, -2, 5, 7]])
+    with pytest.raises(TypeError, match="x must be floating point, got torch.int64"):
+        swiglu(x)
+    with pytest.raises(TypeError, match="x must be floating point, got torch.int64"):
+        weighted_swiglu(x, torch.ones(1))
+
+
 def test_known_maxima_follow_the_tensor():
     """Maxima recorded on a tensor are found on that object while it is unchanged, never on a reshaped view
     or after an in-place change; mismatched shapes are rejected."""
