@@ -254,7 +254,7 @@ def reference_backward(do, o, v, saved: _Saved, causal: bool, sm_scale: float, c
 def attention_reference(q, k, v, causal: bool = True, scale: Optional[float] = None,
                         config: Optional[Int8AttentionConfig] = None) -> torch.Tensor:
     """`int8_attention` computed with PyTorch ops on any device (differentiable)."""
-    _check(q, k, v)
+    _check(q, k, v, config)
     cfg = config or DEFAULT_CONFIG
     return _ReferenceAttention.apply(q, k, v, causal, _sm_scale(q, scale), cfg)
 
@@ -302,7 +302,14 @@ def _sm_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _check(q, k, v) -> None:
+def _check(q, k, v, config) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():  # an integer O (the fp32 result cast back) was truncated
+            raise TypeError(f"int8_attention: {name} must be floating point, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"int8_attention: {name} is on {t.device}, q on {q.device}")
+    if config is not None and not isinstance(config, Int8AttentionConfig):
+        raise TypeError(f"int8_attention: config must be an Int8AttentionConfig, got {type(config).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(f"int8_attention: q [b, h, s, d] and k, v [b, h_kv, s_kv, d] expected, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -336,7 +343,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     overrides it, as it does a recipe's), "triton" or "reference".
     The Triton kernels take head dims 32..256 that are powers of two (64 and 128 are tested on the GPU).
     """
-    _check(q, k, v)
+    _check(q, k, v, config)
     cfg = config or DEFAULT_CONFIG
     if backend not in BACKENDS:
         raise ValueError(f"int8_attention: backend {backend!r}: expected one of {BACKENDS}")

@@ -205,6 +205,14 @@ def test_api_checks_shapes_and_picks_the_reference_on_cpu():
         int8_attention(q, k[:, :, :0], v[:, :, :0])
     with pytest.raises(ValueError, match="empty"):  # no key/value heads: named, not a ZeroDivisionError
         int8_attention(q, k[:, :0], v[:, :0])
+    # an integer q, k, v gave O truncated to integers; k on another device, a config dict failed deep inside
+    for fn in (int8_attention, attention_reference):
+        with pytest.raises(TypeError, match="k must be floating point, got torch.int64"):
+            fn(q, k.long(), v)
+        with pytest.raises(ValueError, match="v is on meta, q on cpu"):
+            fn(q, k, v.to("meta"))
+        with pytest.raises(TypeError, match="config must be an Int8AttentionConfig, got dict"):
+            fn(q, k, v, config={"block": 32})
     check_gpu_tiles(Int8AttentionConfig())  # the defaults compile on the GPU
     check_gpu_tiles(Int8AttentionConfig(scores="int8"))
     with pytest.raises(ValueError, match="fwd_block_n=16"):
