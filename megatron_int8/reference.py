@@ -359,13 +359,18 @@ def pad_columns(q: QTensor, multiple: int) -> QTensor:
     return dataclasses.replace(q, data=_pad_to(q.data, q.data.shape[0], Cp))
 
 
-def _check_operand(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor]) -> None:
-    """A 2-D operand, a known granularity, and a given amax of the right shape: tensorwise a scalar,
-    row-wise one per row [R]."""
+def _check_operand(x: torch.Tensor, granularity: str, amax: Optional[torch.Tensor], block_size: int) -> None:
+    """A 2-D real operand, a known granularity, a positive int block size for blocks, and a given amax of the right
+    shape: tensorwise a scalar, row-wise one per row [R]."""
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [rows, contraction] tensor, got shape {tuple(x.shape)}")
+    if x.is_complex():  # its imaginary part was dropped with a warning only
+        raise TypeError(f"quantize expects a real tensor, got {x.dtype}")
     if granularity not in ("tensor", "row", "block"):
         raise ValueError(f"unknown granularity {granularity!r}")
+    if granularity == "block" and (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1):
+        # 0 divided by zero, a negative one failed in a reshape, 32.0 in a pad
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if amax is None:
         return
     if granularity == "block":
@@ -383,7 +388,7 @@ def check_quantize_args(x: torch.Tensor, granularity: str, amax: Optional[torch.
     """Both backends' quantize contract: a 2-D operand, a known granularity, `amax` only when tensorwise,
     `rowwise_amax` (one per row of x) and `columnwise_amax` (one per column) only when row-wise, a column
     padding that keeps block groups whole."""
-    _check_operand(x, granularity, amax)
+    _check_operand(x, granularity, amax, block_size)
     if amax is not None and granularity != "tensor":
         raise ValueError("backend.quantize's amax is tensorwise only (row-wise: rowwise_amax, columnwise_amax)")
     for name, given, axis, what in (("rowwise_amax", rowwise_amax, 0, "row"),
@@ -454,7 +459,7 @@ def quantize(
     over a tensor-parallel group, so that every rank's shard of a gathered activation gets the scales of
     the gathered tensor.
     """
-    _check_operand(x, granularity, amax)
+    _check_operand(x, granularity, amax, block_size)
     xf = x.float()
     R, C = xf.shape
     if granularity == "tensor":

@@ -225,6 +225,22 @@ def test_gemm_rejects_mismatched_operands():
         gemm(quantize(torch.randn(4, 64), "block", block_size=32), quantize(torch.randn(4, 64), "block", block_size=16))
 
 
+def test_quantize_names_a_bad_block_size_and_a_complex_input():
+    """block_size 0 raised ZeroDivisionError, -16 a reshape error, 32.0 a pad error; a complex x lost its
+    imaginary part with a warning only."""
+    from megatron_int8.reference import ReferenceBackend
+
+    x = torch.randn(8, 64)
+    for bad in (0, -16, 32.0, True):
+        with pytest.raises(ValueError, match=f"block_size must be a positive int, got {bad!r}"):
+            quantize(x, "block", block_size=bad)
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            ReferenceBackend().quantize(x, granularity="block", block_size=bad, weight=False, rowwise=True,
+                                        columnwise=False)
+    with pytest.raises(TypeError, match="real tensor, got torch.complex64"):
+        quantize(x.to(torch.complex64), "row")
+
+
 def test_quantize_rejects_non_2d():
     with pytest.raises(ValueError, match="2-D"):
         quantize(torch.randn(2, 3, 4))
