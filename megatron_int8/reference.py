@@ -534,9 +534,11 @@ def check_gemm_operands(a: QTensor, b: QTensor) -> None:
 def check_gemm_out(a: QTensor, b: QTensor, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor],
                    out: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> None:
     """Both backends' contract for the destinations: an fp32 [M, N] accumulator, or a contiguous [M, N]
-    out_dtype `out`, not both; a bias is [N] on the operands' device (a [M, 1] or [N, 1] one broadcast over the
+    out_dtype `out` (a floating dtype), not both; a bias is [N] on the operands' device (a [M, 1] or [N, 1] one broadcast over the
     wrong axis without a word)."""
     shape = (a.data.shape[0], b.data.shape[0])
+    if not out_dtype.is_floating_point:  # the dequantized product was cast to it: truncated, an int8 one wrapped
+        raise TypeError(f"gemm: out_dtype must be floating point, got {out_dtype}")
     if bias is not None and (tuple(bias.shape) != shape[1:] or bias.device != a.data.device):
         raise ValueError(f"gemm: bias must have shape ({shape[1]},) on {a.data.device}, got {tuple(bias.shape)} on "
                          f"{bias.device}")

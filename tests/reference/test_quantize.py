@@ -183,6 +183,14 @@ def test_gemm_refuses_a_bias_that_is_not_one_per_output_column():
         gemm(qa, qb, out_dtype=torch.float32, bias=torch.randn(12, device="meta"))
 
 
+def test_gemm_refuses_an_integer_out_dtype():
+    """out_dtype=torch.int8 wrapped the dequantized product around (300.0 became 44), int32 truncated it."""
+    qa, qb = quantize(heavy_tailed(4, 64), "row"), quantize(heavy_tailed(6, 64), "row")
+    for dtype in (torch.int8, torch.int32):
+        with pytest.raises(TypeError, match=f"out_dtype must be floating point, got {dtype}"):
+            gemm(qa, qb, out_dtype=dtype)
+
+
 def test_gemm_writes_rows_of_a_larger_output_and_checks_out():
     """`out` (the pipelined TP GEMMs write row ranges of one output): the same values as a fresh output,
     nothing else touched; a wrong shape, dtype, layout, or out with accumulate_into raises."""
