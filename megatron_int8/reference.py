@@ -534,8 +534,8 @@ def check_gemm_operands(a: QTensor, b: QTensor) -> None:
 def check_gemm_out(a: QTensor, b: QTensor, out_dtype: torch.dtype, accumulate_into: Optional[torch.Tensor],
                    out: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> None:
     """Both backends' contract for the destinations: an fp32 [M, N] accumulator, or a contiguous [M, N]
-    out_dtype `out` (a floating dtype), not both; a bias is [N] on the operands' device (a [M, 1] or [N, 1] one broadcast over the
-    wrong axis without a word)."""
+    out_dtype `out` (a floating dtype), not both; a bias is [N] on the operands' device (a [M, 1] or [N, 1] one
+    broadcast over the wrong axis without a word)."""
     shape = (a.data.shape[0], b.data.shape[0])
     if not out_dtype.is_floating_point:  # the dequantized product was cast to it: truncated, an int8 one wrapped
         raise TypeError(f"gemm: out_dtype must be floating point, got {out_dtype}")
