@@ -28,6 +28,7 @@ parallelism through DTensor / `parallelize_module`): Int8Linear raises a TypeErr
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -106,7 +107,8 @@ def keep_high_precision(model: nn.Module) -> Callable[[nn.Module, str], bool]:
 
 def convert_to_int8_training(model: nn.Module, recipe: Optional[Int8Recipe] = None,
                              module_filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Swap `model`'s nn.Linear modules for Int8Linear in place (same Parameters); returns `model`.
+    """Swap `model`'s nn.Linear modules for Int8Linear in place (same Parameters); returns `model`. Subclasses
+    of nn.Linear keep their own forward and stay as they are, named in a warning.
 
     `module_filter_fn(module, fqn)`: True converts that linear; None uses `keep_high_precision(model)`.
     Call it before wrapping the model in DDP / FSDP2 and before torch.compile."""
@@ -124,9 +126,17 @@ def convert_to_int8_training(model: nn.Module, recipe: Optional[Int8Recipe] = No
     if isinstance(model, nn.Linear):
         raise TypeError("convert_to_int8_training converts a model's linears; for one nn.Linear use "
                         "Int8Linear.from_linear")
+    subclasses = []
     for fqn, module in list(model.named_modules()):
         if type(module) is nn.Linear and accept(module, fqn):
             Int8Linear.from_linear(module, recipe)
         elif isinstance(module, Int8Linear) and accept(module, fqn):  # converted before: this call's recipe now
             module.recipe = recipe
+        elif isinstance(module, nn.Linear) and accept(module, fqn):
+            subclasses.append(f"{fqn} ({type(module).__name__})")
+    if subclasses:  # re-classing one would replace its own forward; skipping it unnamed looked like a conversion
+        warnings.warn(f"convert_to_int8_training left {len(subclasses)} subclass(es) of nn.Linear in high precision, "
+                      f"since converting would drop their own forward: {', '.join(subclasses[:5])}"
+                      f"{', ...' if len(subclasses) > 5 else ''}; call int8_linear in their forward to make them INT8",
+                      stacklevel=2)
     return model

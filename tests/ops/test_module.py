@@ -2,6 +2,7 @@
 training against an unconverted copy, DDP and FSDP2 over 2 gloo CPU ranks."""
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -65,6 +66,24 @@ def test_conversion_refuses_int8_attention_it_cannot_apply():
     with pytest.raises(ValueError, match="recipe.int8_swiglu_input and int8_norm_input=True would be ignored"):
         convert_to_int8_training(model, Int8Recipe(int8_swiglu_input=True, int8_norm_input=True))
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing converted
+
+
+def test_subclasses_of_linear_the_filter_accepts_are_named_in_a_warning():
+    """A model of nn.Linear subclasses converted nothing and said nothing."""
+
+    class ScaledLinear(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(64, 64), ScaledLinear(64, 64), nn.Linear(64, 16))
+    with pytest.warns(UserWarning, match=r"left 1 subclass\(es\) of nn.Linear.*1 \(ScaledLinear\)"):
+        convert_to_int8_training(model, module_filter_fn=lambda module, fqn: True)
+    assert [type(m) for m in model] == [Int8Linear, ScaledLinear, Int8Linear]
+    x = torch.randn(3, 64)
+    assert torch.equal(model[1](x), 2 * nn.functional.linear(x, model[1].weight, model[1].bias))  # its own forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a filter that declines it: nothing to say
+        convert_to_int8_training(model, module_filter_fn=lambda module, fqn: fqn != "1")
 
 
 def test_converting_again_applies_the_new_recipe_to_the_layers_it_selects():
