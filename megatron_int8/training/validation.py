@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from typing import List, Optional
 
 from ..megatron.cli import INT8_ATTENTION_NEEDS_INT8_LINEAR
@@ -502,17 +503,36 @@ def nearest_existing(path: str) -> str:
     return path
 
 
+def unwritable_reason(path: str) -> Optional[str]:
+    """Why the folder `path` (made where missing) cannot be written, or None. A folder is made and removed in its
+    nearest existing parent: os.access knows neither read-only mounts nor what root may not do (/proc)."""
+    existing = nearest_existing(path)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatron_int8_write_check_", dir=existing))
+    except OSError as err:
+        return f"nothing can be written in {existing} ({err.strerror})"
+    return None
+
+
 def _validate_paths(args: argparse.Namespace) -> None:
-    """Output paths of the right kind, before anything is built."""
+    """Output paths of the right kind and writable, before anything is built: a --save that cannot be written
+    failed at the first save, after the training it was to keep."""
     for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, name)
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)} is a file; it takes a "
                                 "directory")
+    for name in ("save", "tensorboard_dir", "data_cache_path"):
+        path = getattr(args, name)
+        reason = unwritable_reason(path) if path is not None else None
+        if reason:
+            raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)}: {reason}")
     if args.log_jsonl is not None:
         if os.path.isdir(args.log_jsonl):
             raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')} is a directory; it takes a "
                                 f"file name, e.g. --log-jsonl {os.path.join(args.log_jsonl, 'train_log.jsonl')}")
-        parent = nearest_existing(os.path.dirname(os.path.abspath(args.log_jsonl)))
-        if not os.path.isdir(parent):
-            raise ArgumentError(f"--log-jsonl {args.log_jsonl}: {parent} is a file, not a directory")
+        reason = unwritable_reason(os.path.dirname(os.path.abspath(args.log_jsonl)))
+        if reason:
+            raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')}: {reason}")

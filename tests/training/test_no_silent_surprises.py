@@ -532,6 +532,24 @@ def test_numbers_and_combinations_that_failed_after_the_build_are_refused(flags,
         _validated(*flags)
 
 
+def test_output_paths_that_cannot_be_written_fail_before_the_model(tmp_path):
+    """A --save under a file, or where nothing can be written, trained up to the first save and lost the run there
+    (the data cache failed after the build, a TensorBoard folder was dropped)."""
+    import re
+
+    from megatron_int8.training.args import ArgumentError
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for flag in ("--save", "--tensorboard-dir", "--data-cache-path", "--log-jsonl"):
+        with pytest.raises(ArgumentError, match=re.escape(f"{flag} {a_file / 'out'}: {a_file} is a file, not a dir")):
+            _validated(flag, str(a_file / "out"))
+    if os.path.isdir("/proc"):  # no folder can be made there, by root either (whom chmod does not stop)
+        with pytest.raises(ArgumentError, match="--save /proc/megatron_int8_run/ckpt: nothing can be written in /proc"):
+            _validated("--save", "/proc/megatron_int8_run/ckpt")
+    assert _validated("--save", str(tmp_path / "new" / "ckpt")).save and os.listdir(tmp_path) == ["a_file"]
+
+
 def test_the_triton_backend_where_it_cannot_run_is_refused(monkeypatch):
     import torch
 
