@@ -65,6 +65,19 @@ def _validate_numbers(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.init_method_std) and args.init_method_std > 0):
         raise ArgumentError(f"--init-method-std {args.init_method_std}{origin(args, 'init_method_std')}: must be a "
                             "positive number")
+    # each reached the model unchecked: NaN in the first step's gradients (a base or scaling factor of 0, a negative
+    # epsilon), no rotation at all (--rotary-percent 0), or a loss that silently turned NaN (--moe-aux-loss-coeff nan)
+    for name in ("rotary_base", "rope_scaling_factor"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be a positive number")
+    if not 0 < args.rotary_percent <= 1:
+        raise ArgumentError(f"--rotary-percent {args.rotary_percent}{origin(args, 'rotary_percent')}: must be in "
+                            "(0, 1], the fraction of each head's dimensions that RoPE rotates")
+    for name in ("norm_epsilon", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be >= 0")
 
 
 def _validate_moe_capacity(args: argparse.Namespace) -> None:
@@ -170,6 +183,13 @@ def _validate_schedule(args: argparse.Namespace, decay_given: bool) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):  # NaN passed "< 0" (--clip-grad nan turned clipping off)
             raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be >= 0")
+    if args.lr == 0:
+        raise ArgumentError(f"--lr 0{origin(args, 'lr')}: must be positive (a learning rate of 0 trains nothing: the "
+                            "weights stay as they are)")
+    if args.lr_warmup_init > args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}{origin(args, 'lr_warmup_init')} is above --lr "
+                            f"{args.lr}{origin(args, 'lr')}: the warm-up rises from it to --lr; give --lr-warmup-init "
+                            "<= --lr")
     for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
         if not 0 <= getattr(args, name) < 1:
             raise ArgumentError(f"{_flag(name)} {getattr(args, name)}{origin(args, name)}: must be in [0, 1)")

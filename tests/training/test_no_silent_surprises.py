@@ -518,6 +518,14 @@ def test_moe_with_biases_under_expert_parallelism_is_allowed():
     (["--clip-grad", "nan"], "--clip-grad nan: must be >= 0"),  # turned clipping off
     (["--lr", "inf"], "--lr inf: must be >= 0"),
     (["--adam-eps", "nan"], "--adam-eps nan: must be positive"),
+    (["--lr", "0", "--min-lr", "0"], "--lr 0: must be positive"),  # trained, the weights unchanged
+    (["--lr-warmup-init", "0.01"], "--lr-warmup-init 0.01 is above --lr 0.002"),  # megatron's scheduler asserted
+    (["--rotary-base", "0"], "--rotary-base 0: must be a positive number"),  # NaN gradients at the first step
+    (["--use-rope-scaling", "--rope-scaling-factor", "0"], "--rope-scaling-factor 0.0: must be a positive number"),
+    (["--rotary-percent", "0"], r"--rotary-percent 0.0: must be in \(0, 1\]"),  # no positions at all
+    (["--rotary-percent", "2"], r"--rotary-percent 2.0: must be in \(0, 1\]"),
+    (["--norm-epsilon=-1e-5"], "--norm-epsilon -1e-05: must be >= 0"),  # NaN gradients at the first step
+    (["--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff nan: must be >= 0"),
     (["--optimizer", "sgd", "--sgd-momentum", "nan"], r"--sgd-momentum nan: must be in \[0, 1\)"),
     (["--optimizer", "sgd", "--use-distributed-optimizer"], "--use-distributed-optimizer needs --optimizer adam"),
     (BARE + ["--int8-linear", "--int8-swiglu-input"], "--int8-swiglu-input keeps the input of the fused SwiGLU"),
