@@ -186,6 +186,9 @@ def data_prefixes(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[fl
     if weights is not None and not all(w > 0 for w in weights):
         raise ArgumentError(f"--data-path {' '.join(data_path)}: a blend's weights must be positive, got "
                             f"{', '.join(f'{w:g}' for w in weights)}: leave out the prefixes not to train on")
+    if weights is not None and not all(math.isfinite(w) for w in weights):  # megatron-core asserted on it later
+        raise ArgumentError(f"--data-path {' '.join(data_path)}: a blend's weights must be finite, got "
+                            f"{', '.join(f'{w:g}' for w in weights)}: each prefix's share is its weight over their sum")
     return list(prefixes), (list(weights) if weights is not None else None)
 
 

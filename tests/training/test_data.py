@@ -257,6 +257,7 @@ def _pretrain_error(args) -> str:
     # megatron-core asserts a blend's weights are positive when it builds the datasets (after the model)
     (["--data-path", "0", "C", "1", "D"], "--data-path 0 C 1 D: a blend's weights must be positive, got 0, 1"),
     (["--data-path", "-1", "C", "2", "D"], "a blend's weights must be positive, got -1, 2"),
+    (["--data-path", "inf", "C", "1", "D"], "--data-path inf C 1 D: a blend's weights must be finite, got inf, 1"),
     (["--data-path", "0.5", "C", "0.5"], "0.5 reads as a weight: a blend is pairs of a weight and a prefix, and "
                                          "--data-path has 3 values"),
     (["--split", "1e3,1"], "--split '1e3,1': expected up to three non-negative weights"),  # megatron: 1,3,1
