@@ -40,12 +40,17 @@ def main(argv=None) -> int:
     from megatron_int8.training.checkpoint import CheckpointError
     from megatron_int8.training.export import ExportError, export_hf
     from megatron_int8.training.safe_load import UnsafeCheckpointError
-    from megatron_int8.training.validation import nearest_existing
+    from megatron_int8.training.validation import nearest_existing, unwritable_reason
 
     existing = nearest_existing(args.output)  # before the weights load: the staging folder is made beside --output
     if not os.path.isdir(existing):
         print(f"error: --output {args.output}: {existing} is a file; the export writes a directory", file=sys.stderr)
         return 2
+    for folder in (os.path.dirname(os.path.abspath(args.output)), args.output):  # the staging folder's, the output
+        reason = unwritable_reason(folder)
+        if reason:
+            print(f"error: --output {args.output}: {reason}", file=sys.stderr)
+            return 2
     try:
         export_hf(args.load, args.output, args.dtype, tokenizer_model=args.tokenizer_model, ckpt_step=args.ckpt_step,
                   tokenizer=args.tokenizer)

@@ -416,6 +416,16 @@ def test_export_refuses_an_output_under_a_file_before_the_weights_load(tmp_path,
         assert message == f"error: --output {output}: {a_file} is a file; the export writes a directory"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs a folder where nothing can be made, by root too")
+def test_export_refuses_an_output_where_nothing_can_be_written_before_the_weights_load(tmp_path, capsys):
+    """--output /proc/hf loaded the weights, then failed with a traceback where its staging folder was made."""
+    stand_in = ("from megatron_int8.training import export\n"
+                "export.export_hf = lambda *args, **kwargs: sys.exit('the export began')")
+    message = _refused(capsys, ["--load", str(tmp_path), "--output", "/proc/megatron_int8_hf"],
+                       ("-c", _script_code("export_hf", stand_in)))
+    assert message.startswith("error: --output /proc/megatron_int8_hf: nothing can be written in /proc (")
+
+
 @pytest.mark.slow
 def test_generate_and_export_refuse_another_tokenizer(data, interrupted, tmp_path, capsys):
     """A tokenizer that is not the checkpoint's: 500 tokens pad to the embedding's 512 rows (only the recorded
