@@ -38,6 +38,8 @@ def main(argv=None) -> int:
         parser.error(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0.0 < args.top_p <= 1.0:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 64:  # torch's generator failed once the model was loaded
+        parser.error(f"--seed must be in [0, 2**64), got {args.seed}")
     if args.temperature == 0 and (args.top_p != 1.0 or args.seed is not None):
         parser.error("--top-p and --seed apply to sampling: give --temperature > 0 (0 decodes greedily)")
 

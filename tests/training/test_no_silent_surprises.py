@@ -359,7 +359,11 @@ def test_generate_and_export_refuse_bad_requests(tmp_path, capsys):
                            (["--load", str(tmp_path), "--prompt", "x", "--top-p", "0.9"],
                             "--top-p and --seed apply to sampling: give --temperature > 0"),
                            (["--load", str(tmp_path), "--prompt", "x", "--seed", "3"],
-                            "--top-p and --seed apply to sampling")):
+                            "--top-p and --seed apply to sampling"),
+                           (["--load", str(tmp_path), "--prompt", "x", "--temperature", "1", "--seed", str(2 ** 64)],
+                            r"--seed must be in [0, 2**64), got 18446744073709551616"),
+                           (["--load", str(tmp_path), "--prompt", "x", "--temperature", "1", "--seed=-1"],
+                            "--seed must be in [0, 2**64), got -1")):
         with pytest.raises(SystemExit) as exit_info:
             generate(argv)
         assert exit_info.value.code == 2 and expected in capsys.readouterr().err
