@@ -124,8 +124,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config", default=None)
+    pre.add_argument("--config", action="append", default=[])
     known, _ = pre.parse_known_args(argv)
+    if len(known.config) > 1:  # argparse kept the last one: the others' settings were silently dropped
+        raise ArgumentError(f"--config is given {len(known.config)} times ({', '.join(known.config)}): give one "
+                            "file, and the settings to change on the command line")
+    known.config = known.config[0] if known.config else None
     from_yaml = load_yaml_defaults(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     args = parser.parse_args(argv)

@@ -610,6 +610,19 @@ def test_a_config_that_sets_one_setting_twice_is_refused(tmp_path):
             parse_args(["--config", str(config)])
 
 
+def test_a_second_config_is_refused_rather_than_replacing_the_first(tmp_path):
+    """argparse kept the last --config: tiny.yaml's settings were silently dropped for the second file's."""
+    import re
+
+    from megatron_int8.training.args import ArgumentError, parse_args
+
+    other = tmp_path / "lr.yaml"
+    other.write_text("lr: 0.5\n")
+    with pytest.raises(ArgumentError, match=re.escape(f"--config is given 2 times ({TINY}, {other}): give one file")):
+        parse_args(["--config", TINY, f"--config={other}"])
+    assert parse_args([f"--config={other}"]).lr == 0.5
+
+
 def test_generate_refuses_a_temperature_that_is_no_number(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _load_script("generate")(["--load", str(tmp_path), "--prompt", "x", "--temperature", "nan"])
