@@ -3,7 +3,8 @@ override them, and the result records which values the YAML set, so that an erro
 
 YAML keys are the flags' names (dashes or underscores); unknown keys fail with the closest names, and values
 are converted and checked as argparse would the flag's (a boolean or a fraction for an integer flag fails). An
-on/off flag takes true (the flag given) or false (the opposite setting, whatever the built-in default).
+on/off flag takes true (the flag given) or false (the opposite setting, whatever the built-in default). A path's
+leading ~ is expanded, also where the shell leaves it (a YAML value, --save=~/run).
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from .flags import build_parser
 
 
 NOT_SETTINGS = ("config", "help")  # options that are no setting a YAML key could take
+# settings that name files: a leading ~ is expanded where the shell leaves it (a YAML value, --save=~/run), which
+# made a folder named '~' in the working directory
+PATH_SETTINGS = ("data_path", "data_cache_path", "tokenizer_model", "tensorboard_dir", "log_jsonl", "profile_dir",
+                 "save", "load")
 
 
 class _DuplicateKey(Exception):
@@ -129,10 +134,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if len(known.config) > 1:  # argparse kept the last one: the others' settings were silently dropped
         raise ArgumentError(f"--config is given {len(known.config)} times ({', '.join(known.config)}): give one "
                             "file, and the settings to change on the command line")
-    known.config = known.config[0] if known.config else None
+    known.config = os.path.expanduser(known.config[0]) if known.config else None
     from_yaml = load_yaml_defaults(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     args = parser.parse_args(argv)
+    for dest in PATH_SETTINGS:
+        value = getattr(args, dest)
+        if value is not None:
+            setattr(args, dest, [os.path.expanduser(v) for v in value] if isinstance(value, list)
+                    else os.path.expanduser(value))
     # which values the YAML set (not the command line), so that an error about one can say where it came from
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
     on_command_line = {action.dest for action in parser._actions if given & set(action.option_strings)}

@@ -623,6 +623,19 @@ def test_a_second_config_is_refused_rather_than_replacing_the_first(tmp_path):
     assert parse_args([f"--config={other}"]).lr == 0.5
 
 
+def test_a_leading_tilde_the_shell_left_is_expanded_in_paths(tmp_path, monkeypatch):
+    """`save: ~/run` in a YAML file (or --save=~/run, which bash leaves too) made a folder named '~' in the working
+    directory and saved the checkpoints there."""
+    from megatron_int8.training.args import parse_args
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("save: ~/run\ndata_path: 0.5 ~/a 0.5 ~/b\ntokenizer_model: ~/spm.model\n")
+    args = parse_args(["--config=~/c.yaml", "--tensorboard-dir=~/tb"])
+    assert args.save == str(tmp_path / "run") and args.tensorboard_dir == str(tmp_path / "tb")
+    assert args.data_path == ["0.5", str(tmp_path / "a"), "0.5", str(tmp_path / "b")]
+    assert args.tokenizer_model == str(tmp_path / "spm.model") and args.from_config["save"] == str(tmp_path / "c.yaml")
+
+
 def test_generate_refuses_a_temperature_that_is_no_number(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _load_script("generate")(["--load", str(tmp_path), "--prompt", "x", "--temperature", "nan"])
