@@ -131,10 +131,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", action="append", default=[])
     known, _ = pre.parse_known_args(argv)
-    if len(known.config) > 1:  # argparse kept the last one: the others' settings were silently dropped
-        raise ArgumentError(f"--config is given {len(known.config)} times ({', '.join(known.config)}): give one "
-                            "file, and the settings to change on the command line")
-    known.config = os.path.expanduser(known.config[0]) if known.config else None
+    if len(known.config) > 1:  # the last one counts, as for any repeated flag: said, as the others are not read
+        print(f"note: --config is given {len(known.config)} times: only the last one, {known.config[-1]}, is read "
+              f"(not {', '.join(known.config[:-1])})", flush=True)
+    known.config = os.path.expanduser(known.config[-1]) if known.config else None
     from_yaml = load_yaml_defaults(known.config, parser) if known.config else {}
     parser.set_defaults(**from_yaml)
     args = parser.parse_args(argv)
