@@ -115,6 +115,9 @@ def no_checkpoint_message(root: str) -> str:
 
 def latest_checkpoint_dir(root: str, step: Optional[int] = None) -> str:
     """The directory of the checkpoint of iteration `step` under `root` (default: the one its tracker names)."""
+    if step is not None and step < 0:  # else "iter_-000001 is missing"
+        have = ", ".join(map(str, saved_iterations(root))) or "none"
+        raise CheckpointError(f"--ckpt-step {step}: iterations count from 0 (saved iterations under {root}: {have})")
     iteration = read_tracker(root) if step is None else step
     if iteration is None:
         raise CheckpointError(no_checkpoint_message(root))

@@ -124,6 +124,17 @@ def test_load_of_a_folder_without_a_checkpoint_is_an_error(data, tmp_path, capsy
     assert f"--load {one} is one checkpoint's folder" in message and f"--load {tmp_path / 'runs'}" in message
 
 
+def test_a_negative_ckpt_step_is_named_with_the_saved_iterations(tmp_path):
+    """--ckpt-step -1 said "iter_-000001 is missing", as if such a checkpoint could exist."""
+    from megatron_int8.training.checkpoint import CheckpointError, latest_checkpoint_dir
+
+    for iteration in (6, 12):
+        (tmp_path / f"iter_{iteration:07d}").mkdir()
+    with pytest.raises(CheckpointError, match=r"--ckpt-step -1: iterations count from 0 \(saved iterations under .*: "
+                                              r"6, 12\)"):
+        latest_checkpoint_dir(str(tmp_path), -1)
+
+
 def _load_script(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
