@@ -40,9 +40,11 @@ def inference_arguments(load: str, *, int8: Optional[bool] = None, bf16: Optiona
         args.bf16 = bf16
     if tokenizer_model is not None:
         args.tokenizer_model = tokenizer_model
+    if tokenizer_model is not None and not os.path.exists(tokenizer_model):  # not the checkpoint's: say so
+        raise CheckpointError(f"--tokenizer-model {tokenizer_model}: no such file")
     if args.tokenizer_type != "NullTokenizer" and not os.path.exists(args.tokenizer_model or ""):
         raise CheckpointError(f"the checkpoint's tokenizer {args.tokenizer_model} is not here: pass "
-                                "--tokenizer-model PATH")
+                              "--tokenizer-model PATH")
     if args.tokenizer_type != "NullTokenizer":
         check_tokenizer_fits(args, saved_tp, given=tokenizer_model is not None)
     return args

@@ -228,6 +228,18 @@ def test_generate_script_prints_the_continuation(trained):
     assert "tokens, iteration 6, INT8 linears, temperature 0.7, top-p 0.9]" in result.stderr
 
 
+def test_a_missing_tokenizer_model_given_is_named_as_the_users(trained, tmp_path):
+    """generate.py / export_hf.py --tokenizer-model of a missing file said "the checkpoint's tokenizer ... is not
+    here", as if the checkpoint had recorded that path."""
+    from megatron_int8.training.checkpoint import CheckpointError
+    from megatron_int8.training.inference import inference_arguments
+
+    missing = str(tmp_path / "spm.model")
+    with pytest.raises(CheckpointError, match=f"^--tokenizer-model {missing}: no such file$"):
+        inference_arguments(str(trained["save"]), tokenizer_model=missing)
+    assert os.path.exists(inference_arguments(str(trained["save"])).tokenizer_model)  # the checkpoint's own
+
+
 # ------------------------------------------------------------------------------------------------ export
 
 EXPORT_CHECK = textwrap.dedent('''
