@@ -161,13 +161,25 @@ def _settle_skip_train(args: argparse.Namespace) -> None:
     args.lr = args.lr if args.lr is not None else 0.0
 
 
+def _changed_settings(args: argparse.Namespace, defaults: argparse.ArgumentParser, prefix: str, exclude=()) -> list:
+    """The flags of `prefix` whose values differ from the parser's defaults (given, or set by the config)."""
+    return [f"--{name.replace('_', '-')}" for name in sorted(vars(args))
+            if name.startswith(prefix) and name not in exclude and getattr(args, name) != defaults.get_default(name)]
+
+
 def _warn_silent_choices(args: argparse.Namespace) -> None:
     """A note for settings that are valid but probably not what was meant."""
+    defaults = build_parser()
+    # settings a switch turns on, set without it: each was read and dropped without a word
+    for changed, without in ((_changed_settings(args, defaults, "moe_") if args.num_experts is None else [],
+                              "--num-experts (the model is dense)"),
+                             (_changed_settings(args, defaults, "profile_") if not args.profile else [],
+                              "--profile (nothing is profiled)")):
+        if changed:
+            print(f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without {without}",
+                  flush=True)
     if not args.int8_linear:
-        defaults = build_parser()
-        changed = [f"--{name.replace('_', '-')}" for name in sorted(vars(args))
-                   if name.startswith("int8_") and name not in ("int8_linear", "int8_precision_table")
-                   and getattr(args, name) != defaults.get_default(name)]
+        changed = _changed_settings(args, defaults, "int8_", exclude=("int8_linear", "int8_precision_table"))
         if changed:
             print(f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect without "
                   "--int8-linear (the linears run in BF16)", flush=True)
@@ -508,6 +520,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     else:  # a directory, a corpus or the other family's file is named here, before megatron is imported
         check_tokenizer_file(args.tokenizer_type, args.tokenizer_model)
+    if args.eod_token is not None and args.tokenizer_type != "HuggingFaceTokenizer":
+        print(f"note: --eod-token {args.eod_token} has no effect with --tokenizer-type {args.tokenizer_type} (it "
+              "names a Hugging Face tokenizer's end of document)", flush=True)
     _validate_paths(args)
     if args.save is not None and args.log_jsonl is None:
         args.log_jsonl = os.path.join(args.save, "train_log.jsonl")

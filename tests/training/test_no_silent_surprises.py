@@ -606,6 +606,15 @@ def test_settings_without_effect_are_noted(capsys):
     assert "note: --save-interval 5 without --save: no checkpoint is saved" in capsys.readouterr().out
     _validated()  # the config's own interval, for runs that save: no note
     assert "--save-interval" not in capsys.readouterr().out
+    # a switch's settings without the switch were read and dropped without a word
+    _validated("--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.1", "--profile-step-start", "2", "--eod-token", "x")
+    out = capsys.readouterr().out
+    assert ("note: --moe-aux-loss-coeff, --moe-router-topk have no effect without --num-experts (the model is dense)"
+            in out)
+    assert "note: --profile-step-start has no effect without --profile (nothing is profiled)" in out
+    assert "note: --eod-token x has no effect with --tokenizer-type NullTokenizer" in out
+    _validated("--num-experts", "4", "--moe-router-topk", "1", "--profile", "--profile-step-start", "2")
+    assert "no effect" not in capsys.readouterr().out
 
 
 def test_a_config_that_sets_one_setting_twice_is_refused(tmp_path):
