@@ -34,6 +34,16 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _require_finite(args: argparse.Namespace, names, positive: bool) -> None:
+    """Each setting finite and positive (or >= 0): NaN passes a plain "< 0" test (--clip-grad nan turned clipping
+    off, a NaN epsilon or loss coefficient reached the model)."""
+    for name in names:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be "
+                                f"{'a positive number' if positive else '>= 0'}")
+
+
 def _validate_numbers(args: argparse.Namespace) -> None:
     """Sizes, rates and seeds that megatron or torch would reject only after the model is built (or, for some,
     never: --vocab-size 0 trained on one token, --recompute-num-layers 0 looped forever)."""
@@ -62,22 +72,13 @@ def _validate_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not 0 <= value <= 1:  # NaN fails too
             raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be in [0, 1]")
-    if not (math.isfinite(args.init_method_std) and args.init_method_std > 0):
-        raise ArgumentError(f"--init-method-std {args.init_method_std}{origin(args, 'init_method_std')}: must be a "
-                            "positive number")
-    # each reached the model unchecked: NaN in the first step's gradients (a base or scaling factor of 0, a negative
-    # epsilon), no rotation at all (--rotary-percent 0), or a loss that silently turned NaN (--moe-aux-loss-coeff nan)
-    for name in ("rotary_base", "rope_scaling_factor"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be a positive number")
+    # the RoPE and norm numbers reached the model unchecked: NaN in the first step's gradients (a base or scaling
+    # factor of 0, a negative epsilon), no rotation at all (--rotary-percent 0), or a NaN loss (aux-loss coefficient)
+    _require_finite(args, ("init_method_std", "rotary_base", "rope_scaling_factor"), positive=True)
+    _require_finite(args, ("norm_epsilon", "moe_aux_loss_coeff"), positive=False)
     if not 0 < args.rotary_percent <= 1:
         raise ArgumentError(f"--rotary-percent {args.rotary_percent}{origin(args, 'rotary_percent')}: must be in "
                             "(0, 1], the fraction of each head's dimensions that RoPE rotates")
-    for name in ("norm_epsilon", "moe_aux_loss_coeff"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be >= 0")
 
 
 def _validate_moe_capacity(args: argparse.Namespace) -> None:
@@ -191,10 +192,8 @@ def _warn_silent_choices(args: argparse.Namespace) -> None:
 
 def _validate_schedule(args: argparse.Namespace, decay_given: bool) -> None:
     """The optimizer's and the LR schedule's numbers, each error naming where a value came from."""
-    for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):  # NaN passed "< 0" (--clip-grad nan turned clipping off)
-            raise ArgumentError(f"{_flag(name)} {value}{origin(args, name)}: must be >= 0")
+    _require_finite(args, ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad", "lr_warmup_iters"),
+                    positive=False)
     if args.lr == 0:
         raise ArgumentError(f"--lr 0{origin(args, 'lr')}: must be positive (a learning rate of 0 trains nothing: the "
                             "weights stay as they are)")
