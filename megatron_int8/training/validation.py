@@ -555,14 +555,13 @@ def _validate_paths(args: argparse.Namespace) -> None:
     failed at the first save, after the training it was to keep."""
     for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
         path = getattr(args, name)
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)} is a file; it takes a "
-                                "directory")
-    for name in ("save", "tensorboard_dir", "data_cache_path"):
-        path = getattr(args, name)
-        reason = unwritable_reason(path) if path is not None else None
+        if path is None:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"{_flag(name)} {path}{origin(args, name)} is a file; it takes a directory")
+        reason = unwritable_reason(path) if name != "load" else None  # the others are written
         if reason:
-            raise ArgumentError(f"--{name.replace('_', '-')} {path}{origin(args, name)}: {reason}")
+            raise ArgumentError(f"{_flag(name)} {path}{origin(args, name)}: {reason}")
     if args.log_jsonl is not None:
         if os.path.isdir(args.log_jsonl):
             raise ArgumentError(f"--log-jsonl {args.log_jsonl}{origin(args, 'log_jsonl')} is a directory; it takes a "
