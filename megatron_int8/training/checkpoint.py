@@ -163,10 +163,10 @@ def check_checkpoint_files(directory: str) -> None:
             raise CheckpointError(f"{path} {what}: the checkpoint is damaged; {_previous_hint(directory)}")
 
 
-def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optional[dict]:
-    """This rank's RNG states from the checkpoint, read before the weights so that a damaged file fails first; None
-    (with a note) where the checkpoint was written by another world size or parallel layout: rank r's states then
-    belong to another place in the model (upstream Megatron-LM skips them too when TP or PP change)."""
+def _rng_file(directory: str, common: dict, layout: dict, log) -> Optional[str]:
+    """This rank's RNG file in the checkpoint, or None (with a note) where the checkpoint was written by another world
+    size or parallel layout: rank r's states then belong to another place in the model (upstream Megatron-LM skips
+    them too when TP or PP change). A file that should be there and is not is a CheckpointError with the way out."""
     world, saved_layout = torch.distributed.get_world_size(), common.get("parallel_layout")
     other = None
     if common.get("world_size") != world:
@@ -178,16 +178,40 @@ def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optiona
         log(f"note: checkpoint written with another {other}: RNG states not restored")
         return None
     path = os.path.join(directory, "rng", f"rank_{_rank():05d}.pt")
-    way_out = f"--no-load-rng resumes without them, or {_previous_hint(directory)}"
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing (this rank's RNG states): the checkpoint is damaged; {way_out}")
+        raise CheckpointError(f"{path} is missing (this rank's RNG states): the checkpoint is damaged; "
+                              f"{_rng_way_out(directory)}")
+    return path
+
+
+def _rng_way_out(directory: str) -> str:
+    return f"--no-load-rng resumes without them, or {_previous_hint(directory)}"
+
+
+def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optional[dict]:
+    """This rank's RNG states from the checkpoint (None where `_rng_file` gives none), read before the weights so that
+    a damaged file fails first."""
+    path = _rng_file(directory, common, layout, log)
+    if path is None:
+        return None
     try:
         return load_tensors_file(path, allow_numpy_arrays=True)
     except UnsafeCheckpointError:
         raise  # a planted object: named as such
     except Exception as error:  # torch's reader fails on a damaged file with whatever it hits (EOFError, KeyError)
         raise CheckpointError(f"{path} cannot be read ({_first_line(error)}): the checkpoint is damaged; "
-                              f"{way_out}") from None
+                              f"{_rng_way_out(directory)}") from None
+
+
+def check_rng_file_before_build(args) -> None:
+    """This rank's RNG file, where the resume will restore it, once the process groups exist and before the model is
+    built: a missing file is named in one line instead of after the build. (The layout's one model chunk: this trainer
+    builds no virtual pipeline stages.)"""
+    step = getattr(args, "ckpt_step", None)
+    if not args.load or args.no_load_rng or (step is None and read_tracker(args.load) is None):
+        return
+    directory = latest_checkpoint_dir(args.load, step)
+    _rng_file(directory, _load_common(directory), _parallel_layout(1), lambda _: None)
 
 
 def _load_common(directory: str) -> dict:
@@ -373,13 +397,13 @@ def distopt_save_format() -> str:
 distopt_save_format()  # a wrong $MEGATRON_INT8_DISTOPT_FORMAT fails at startup, not at the first save
 
 
-def _parallel_layout(model_chunks) -> dict:
-    """What the dp_reshardable format's bucket shards depend on, besides the DP size."""
+def _parallel_layout(chunks: int) -> dict:
+    """What the dp_reshardable format's bucket shards depend on, besides the DP size (chunks: model chunks)."""
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "ep": ps.get_expert_model_parallel_world_size(), "etp": ps.get_expert_tensor_parallel_world_size(),
-            "cp": ps.get_context_parallel_world_size(), "model_chunks": len(model_chunks),
+            "cp": ps.get_context_parallel_world_size(), "model_chunks": chunks,
             "dp": ps.get_data_parallel_world_size()}
 
 
@@ -529,7 +553,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model_chunks, o
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=True, is_loading=False,
                                 sharding_type=sharding_type)
     state["distopt_sharding_type"] = sharding_type  # how a later load reads the optimizer state
-    state["parallel_layout"] = _parallel_layout(model_chunks)
+    state["parallel_layout"] = _parallel_layout(len(model_chunks))
     state["iteration"] = iteration
     state["consumed_samples"] = consumed_samples
     state["adam_steps"] = _adam_steps(optimizer)
@@ -853,7 +877,8 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     iteration = int(common["iteration"])
     _check_architecture(common.get("args", {}), args)
     check_checkpoint_files(directory)
-    rng_state = None if args.no_load_rng else _saved_rng_state(directory, common, _parallel_layout(model_chunks), log)
+    layout = _parallel_layout(len(model_chunks))
+    rng_state = None if args.no_load_rng else _saved_rng_state(directory, common, layout, log)
     if fallback is not None:
         fallback.load_state_dict(common.get("int8_fallback"))
         saved_ep = _saved_dict(common.get("args")).get("expert_model_parallel_size") or 1
@@ -865,8 +890,7 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     with_optimizer = not args.no_load_optim
     saved_format = saved_distopt_format(common)
     if with_optimizer:
-        check_optimizer_loadable(saved_format, common, distributed=_has_distributed_optimizer(optimizer),
-                                 layout=_parallel_layout(model_chunks),
+        check_optimizer_loadable(saved_format, common, distributed=_has_distributed_optimizer(optimizer), layout=layout,
                                  optimizers=len(inner_optimizers(optimizer)), directory=directory)
         _sgd_state_to_load(optimizer, _saved_dict(common.get("args")).get("sgd_momentum", args.sgd_momentum))
     state = _sharded_state_dict(model_chunks, optimizer, scheduler, with_optimizer=with_optimizer, is_loading=True,

@@ -14,8 +14,8 @@ from ..megatron.precision_table import print_precision_table
 from ..ops import shape_policy
 from ..reference import raise_if_nonfinite
 from .args import ArgumentError, pad_vocab_size
-from .checkpoint import (CheckpointError, check_architecture_before_build, check_save_target, load_checkpoint,
-                         read_saved_arguments, save_checkpoint)
+from .checkpoint import (CheckpointError, check_architecture_before_build, check_rng_file_before_build,
+                         check_save_target, load_checkpoint, read_saved_arguments, save_checkpoint)
 from .cpu import training_device
 from .cuda_graph import GraphedForwardBackward, use_side_stream
 from .data import (build_data_iterator, build_datasets, build_tokenizer, check_data, dataset_sizes, rank_sampler,
@@ -248,6 +248,10 @@ def pretrain(args) -> dict:
         check_data(args, tokenizer, dataset_sizes(args))
 
     initialize_distributed(args)
+    try:
+        check_rng_file_before_build(args)  # needs the process groups: the RNG file depends on the parallel layout
+    except CheckpointError as error:
+        raise ArgumentError(str(error)) from None
     if args.cuda_graph_impl != "none":
         use_side_stream()  # before any autograd node exists: see cuda_graph.py
     set_random_seed(args.seed, cuda_graph_safe=args.cuda_graph_impl != "none")

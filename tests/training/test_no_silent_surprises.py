@@ -156,6 +156,19 @@ def test_a_truncated_shard_is_named_with_the_previous_iteration(data, interrupte
 
 
 @pytest.mark.slow
+def test_a_missing_rng_file_is_named_before_the_model(data, interrupted, tmp_path, capsys):
+    """This rank's RNG file is checked once the process groups exist and before the build (it was named only when
+    the checkpoint loaded, after the model and optimizer were built)."""
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(interrupted["save"], damaged)
+    rng = damaged / "iter_0000012" / "rng" / "rank_00000.pt"
+    rng.unlink()
+    message = _refused(capsys, _argv(data, "--load", str(damaged), "--train-iters", "40"))
+    assert f"{rng} is missing (this rank's RNG states)" in message, message
+    assert "--no-load-rng resumes without them" in message and "--ckpt-step 6" in message, message
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["metadata.json emptied", "metadata.json removed", "common.pt emptied"])
 def test_a_damaged_format_record_is_named_with_the_previous_iteration(data, interrupted, tmp_path, capsys, damage):
     """The files beside the shards: an empty or missing metadata.json once stopped the start with a JSONDecodeError
