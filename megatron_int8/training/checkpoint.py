@@ -203,15 +203,22 @@ def _saved_rng_state(directory: str, common: dict, layout: dict, log) -> Optiona
                               f"{_rng_way_out(directory)}") from None
 
 
+def _resumed_dir(args) -> Optional[str]:
+    """The checkpoint directory --load resumes (--ckpt-step's, else the latest); None where there is none yet (a first
+    start, --load the same as --save) or no --load."""
+    step = getattr(args, "ckpt_step", None)
+    if not args.load or (step is None and read_tracker(args.load) is None):
+        return None
+    return latest_checkpoint_dir(args.load, step)
+
+
 def check_rng_file_before_build(args) -> None:
     """This rank's RNG file, where the resume will restore it, once the process groups exist and before the model is
     built: a missing file is named in one line instead of after the build. (The layout's one model chunk: this trainer
     builds no virtual pipeline stages.)"""
-    step = getattr(args, "ckpt_step", None)
-    if not args.load or args.no_load_rng or (step is None and read_tracker(args.load) is None):
-        return
-    directory = latest_checkpoint_dir(args.load, step)
-    _rng_file(directory, _load_common(directory), _parallel_layout(1), lambda _: None)
+    directory = None if args.no_load_rng else _resumed_dir(args)
+    if directory is not None:
+        _rng_file(directory, _load_common(directory), _parallel_layout(1), lambda _: None)
 
 
 def _load_common(directory: str) -> dict:
@@ -711,10 +718,10 @@ def check_architecture_before_build(args) -> None:
     """The model flags (and the optimizer kind, where its state is loaded) against the checkpoint --load will
     resume (where one exists), before anything is built: a mismatch is one line naming each flag, not a failed
     load after the model and optimizer were built."""
-    step = getattr(args, "ckpt_step", None)
-    if not args.load or (step is None and read_tracker(args.load) is None):
+    directory = _resumed_dir(args)
+    if directory is None:
         return
-    saved = _load_common(latest_checkpoint_dir(args.load, step)).get("args", {})
+    saved = _load_common(directory).get("args", {})
     _check_architecture(saved, args)
     _check_optimizer_kind(saved, args)
 
@@ -867,12 +874,11 @@ def load_checkpoint(args, model_chunks, optimizer, scheduler, log, fallback=None
     from ..ops.linear import invalidate_weight_caches
     from .model import unwrap
 
-    step = getattr(args, "ckpt_step", None)
-    if step is None and read_tracker(args.load) is None:
+    directory = _resumed_dir(args)
+    if directory is None:
         # check_save_target let it through: --load is --save, on the first start of a run
         log(f"no checkpoint in {args.load} yet (it is also --save): starting from iteration 0")
         return 0, 0
-    directory = latest_checkpoint_dir(args.load, step)
     common = _load_common(directory)
     iteration = int(common["iteration"])
     _check_architecture(common.get("args", {}), args)
