@@ -15,7 +15,7 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 rm -rf "$RUN_DIR/checkpoints" "$RUN_DIR/hf" "$RUN_DIR/train_log.jsonl"*
 RUN_DIR="$RUN_DIR" bash scripts/run_tiny.sh --train-iters 40 --save-interval 20
 RUN_DIR="$RUN_DIR" bash scripts/run_tiny.sh --train-iters 60 --save-interval 20 | grep "loaded checkpoint"
-"$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml --int8-linear --bf16 --split 90,5,5 \
+"$PYTHON" -m megatron_int8.pretrain --config configs/tiny.yaml --int8-linear --bf16 --split 98,2,0 \
     --data-path "$RUN_DIR/data/stdlib_text_document" --tokenizer-model "$RUN_DIR/tokenizer/spm.model" \
     --data-cache-path "$RUN_DIR/data/cache" --load "$RUN_DIR/checkpoints" --skip-train --eval-iters 4 | grep "loss at"
 "$PYTHON" scripts/generate.py --load "$RUN_DIR/checkpoints" --prompt "def main(" --max-new-tokens 40 --bf16
