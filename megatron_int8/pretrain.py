@@ -47,10 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         return 130
     finally:
-        import torch
+        from megatron_int8.training.model import destroy_distributed
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_distributed()
     return 0
 
 

@@ -7,6 +7,7 @@ with megatron-core's static KV cache: the prompt in one forward pass, then one t
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 from typing import List, Optional
 
@@ -77,12 +78,13 @@ def load_for_inference(load: str, log=print, **overrides):
     from .checkpoint import load_checkpoint
     from .data import build_tokenizer
     from .health import RunHealth
-    from .model import build_config, build_model, initialize_distributed, set_random_seed, unwrap
+    from .model import build_config, build_model, destroy_distributed, initialize_distributed, set_random_seed, unwrap
 
     args = inference_arguments(load, **overrides)
     tokenizer = build_tokenizer(args)
     if not torch.distributed.is_initialized():
         initialize_distributed(args)
+        atexit.register(destroy_distributed)  # the world this call made ends with the process (generate, export)
     set_random_seed(args.seed)  # megatron's layers draw their (overwritten) init from its RNG streams, on GPU too
     config = build_config(args, lambda message: None)
     chunks = build_model(args, config, policy_from_args(args), args.padded_vocab_size, lambda message: None)

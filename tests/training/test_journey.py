@@ -228,6 +228,22 @@ def test_generate_script_prints_the_continuation(trained):
     assert "tokens, iteration 6, INT8 linears, temperature 0.7, top-p 0.9]" in result.stderr
 
 
+def test_loading_for_inference_tears_its_process_group_down_at_exit(trained):
+    """generate.py and export_hf.py end with no process group left (NCCL warned of leaked resources at exit): the
+    handler registered first runs last, after load_for_inference's, and sees none."""
+    code = textwrap.dedent("""
+        import atexit, sys, torch
+        atexit.register(lambda: print(f"AT EXIT initialized={torch.distributed.is_initialized()}", flush=True))
+        from megatron_int8.training.cpu import install_cpu_optimizer_support
+        install_cpu_optimizer_support()
+        from megatron_int8.training.inference import load_for_inference
+        load_for_inference(sys.argv[1], log=lambda m: None)
+        print(f"LOADED initialized={torch.distributed.is_initialized()}", flush=True)
+    """)
+    out = run_python(code, str(trained["save"]))
+    assert "LOADED initialized=True" in out and "AT EXIT initialized=False" in out, out[-2000:]
+
+
 def test_a_missing_tokenizer_model_given_is_named_as_the_users(trained, tmp_path):
     """generate.py / export_hf.py --tokenizer-model of a missing file said "the checkpoint's tokenizer ... is not
     here", as if the checkpoint had recorded that path."""
