@@ -17,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .recipe import QMAX
+from .recipe import GRANULARITIES, QMAX
 
 # The least scale, fp32's smallest normal number (taken where amax < 127 * 2^-126, 1.5e-36): below 3.7e-37 amax /
 # 127 has an infinite inverse, and every element rounded to +-127 (an output 2-4x too large); at it such groups
@@ -46,6 +46,12 @@ class QTensor:
     granularity: str
     block_size: int = 128
     tile2d: bool = False  # block granularity with BxB tiles (weights)
+
+    def __post_init__(self):  # a misspelt granularity would otherwise read as a per-row or per-block scale further on
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"QTensor granularity {self.granularity!r}: one of {GRANULARITIES}")
+        if self.tile2d and self.granularity != "block":
+            raise ValueError(f"QTensor tile2d (BxB tiles) is for block granularity, not {self.granularity!r}")
 
     @property
     def shape(self):

@@ -119,6 +119,15 @@ def test_unknown_check_finite_mode_is_an_error():
         quantize(torch.randn(4, 4), "tensor", check_finite=True)
 
 
+@pytest.mark.parametrize("granularity, tile2d", [("rows", False), ("Row", False), ("row", True), ("tensor", True)])
+def test_qtensor_refuses_a_granularity_it_does_not_have(granularity, tile2d):
+    """A misspelt granularity, or BxB tiles on a non-block operand, would be read by dequantize and gemm as
+    another layout of scales."""
+    data = torch.randint(-127, 128, (4, 8), dtype=torch.int8)
+    with pytest.raises(ValueError, match="QTensor"):
+        QTensor(data, torch.rand(4), granularity, 128, tile2d)
+
+
 def test_stochastic_rounding_is_unbiased():
     g = torch.Generator().manual_seed(0)
     x = heavy_tailed(16, 64, generator=g)
