@@ -1,6 +1,7 @@
 """Free TCP ports on localhost for the tests that start process groups or trainers (one place, so that tests run
 at once under pytest -n 2 never share a fixed port)."""
 import socket
+import sys
 
 
 def free_port() -> int:
@@ -25,3 +26,12 @@ def free_port_pair() -> int:
                     continue
                 return port
     raise RuntimeError("no two consecutive free ports")
+
+
+def launcher(nproc: int) -> list:
+    """The command prefix that runs a script on `nproc` ranks: torchrun --standalone, whose rendezvous binds a port
+    the OS picks at bind time (a port picked by free_port() first could be taken, by any process, before torchrun
+    bound it: EADDRINUSE); plain python for one rank."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]

@@ -6,7 +6,7 @@ import os
 import sys
 
 import pytest
-from free_ports import free_port
+from free_ports import launcher
 from repo_paths import CONFIGS
 from test_training import SMALL_MODEL, _run
 
@@ -16,10 +16,8 @@ MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512
 
 
 def train(*flags, nproc=1):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port())] if nproc > 1 else [sys.executable])
-    return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
-                            *SMALL_MODEL, *MOCK, *flags])
+    return _run(launcher(nproc) + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+                                   *SMALL_MODEL, *MOCK, *flags])
 
 
 def records(path, key):

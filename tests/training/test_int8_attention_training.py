@@ -5,11 +5,10 @@ upstream Megatron-LM route takes the flag and refuses what it cannot serve."""
 import json
 import math
 import os
-import sys
 
 import pytest
 from repo_paths import CONFIGS
-from free_ports import free_port
+from free_ports import launcher
 from test_training import SMALL_MODEL, _run
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--micro-batch-size", "2",
@@ -18,10 +17,8 @@ ATTENTION = "layer1.self_attention.core_attention"
 
 
 def train(*flags, nproc=1):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port())] if nproc > 1 else [sys.executable])
-    return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
-                            *SMALL_MODEL, *MOCK, *flags])
+    return _run(launcher(nproc) + ["-m", "megatron_int8.pretrain", "--config", os.path.join(CONFIGS, "tiny.yaml"),
+                                   *SMALL_MODEL, *MOCK, *flags])
 
 
 def records(path, key):

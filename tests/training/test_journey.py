@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from free_ports import free_port
+from free_ports import launcher
 from repo_paths import ROOT
 from test_training import SMALL_MODEL, data, losses, train  # noqa: F401  (`data`: fixture)
 
@@ -29,9 +29,7 @@ def trainer_argv(data, *flags):
 
 
 def run_python(code: str, *argv, timeout=300, nproc=1):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                 str(free_port())] if nproc > 1 else [sys.executable])
-    result = subprocess.run(launcher + ["-c", code, *argv] if nproc == 1 else launcher + [code, *argv], cwd=ROOT,
+    result = subprocess.run(launcher(nproc) + (["-c", code, *argv] if nproc == 1 else [code, *argv]), cwd=ROOT,
                             env=ENV, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
     return result.stdout

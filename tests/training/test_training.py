@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from free_ports import free_port
+from free_ports import launcher
 from repo_paths import ROOT
 
 pytestmark = pytest.mark.slow
@@ -30,11 +30,9 @@ def _run(argv, timeout=300, gpu=False, stderr=False):
 
 
 def train(data, *flags, nproc=1, gpu=False, stderr=False):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--master-port", str(free_port())] if nproc > 1 else [sys.executable])
-    return _run(launcher + ["-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
-                            "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"],
-                            "--data-cache-path", data["cache"]] + SMALL_MODEL + list(flags), gpu=gpu, stderr=stderr)
+    trainer = ["-m", "megatron_int8.pretrain", "--config", os.path.join(ROOT, "configs", "tiny.yaml"),
+               "--data-path", data["prefix"], "--tokenizer-model", data["tokenizer"], "--data-cache-path", data["cache"]]
+    return _run(launcher(nproc) + trainer + SMALL_MODEL + list(flags), gpu=gpu, stderr=stderr)
 
 
 def losses(log_path, key="lm_loss"):
