@@ -1,5 +1,5 @@
-"""Free TCP ports on localhost for the tests that start process groups or trainers (one place, so that tests run
-at once under pytest -n 2 never share a fixed port)."""
+"""How tests that start process groups or trainers meet their ranks without a fixed port, so that tests run at once
+under pytest -n 2 never share one: free TCP ports, torchrun's own pick, or a file store."""
 import socket
 import sys
 
@@ -35,3 +35,11 @@ def launcher(nproc: int) -> list:
     if nproc == 1:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def init_gloo(rank: int, world: int, store: str) -> None:
+    """A gloo process group whose ranks meet through the file `store` (a path that does not exist yet, the same on
+    every rank): no TCP port to race for."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -1,22 +1,20 @@
 """Sequence parallelism over gloo (2 ranks): the INT8 all-gather (tensorwise and row-wise) gives
 bit-identical results to gathering BF16 and quantizing the gathered tensor, keeps only the local INT8
 shard for backward, and matches the unsharded forward exactly."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from free_ports import free_port
+from free_ports import init_gloo
 
 from megatron_int8 import Int8Recipe, TPOptions, int8_linear
 
 GRANULARITIES = ("tensor", "row")
 
 
-def _worker(rank, world, port, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, store, result_path):
+    init_gloo(rank, world, store)
     try:
         g = torch.Generator().manual_seed(0)
         # column-parallel linear: N is the local shard; 7 x 3 = 21 local tokens (42 gathered: the token axis
@@ -54,7 +52,7 @@ def _worker(rank, world, port, result_path):
 @pytest.mark.timeout(120)
 def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
     world = 2
-    mp.spawn(_worker, args=(world, free_port(), str(tmp_path / "r")), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "r")), nprocs=world, join=True)
     for rank in range(world):
         results = torch.load(tmp_path / f"r.{rank}")
         for granularity in GRANULARITIES:
@@ -67,9 +65,8 @@ def test_int8_all_gather_is_bit_identical_to_bf16_gather(tmp_path):
             assert r["shape"] == (14, 3, 24)
 
 
-def _nonfinite_worker(rank, world, port, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _nonfinite_worker(rank, world, store, result_path):
+    init_gloo(rank, world, store)
     try:
         raised = {}
         for bad, granularity in [(b, g) for b in (float("nan"), float("inf")) for g in GRANULARITIES]:
@@ -94,7 +91,7 @@ def test_int8_all_gather_immediate_check_raises_on_every_rank(tmp_path):
     """A NaN or Inf in one rank's shard: with check_finite="immediate" every rank raises (none is left waiting in
     a collective the raising rank never reaches)."""
     world = 2
-    mp.spawn(_nonfinite_worker, args=(world, free_port(), str(tmp_path / "r")), nprocs=world, join=True)
+    mp.spawn(_nonfinite_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "r")), nprocs=world, join=True)
     for rank in range(world):
         raised = torch.load(tmp_path / f"r.{rank}")
         assert len(raised) == 4 and all(raised.values()), (rank, raised)

@@ -1,7 +1,6 @@
 """convert_to_int8_training on plain PyTorch and Hugging Face models: what is converted, state dicts,
 training against an unconverted copy, DDP and FSDP2 over 2 gloo CPU ranks."""
 import copy
-import os
 import warnings
 
 import pytest
@@ -10,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from free_ports import free_port
+from free_ports import init_gloo
 from int8_bounds import heavy_tailed
 from megatron_int8 import Int8Linear, Int8Recipe, convert_to_int8_training, int8_linear
 from megatron_int8.ops.module import keep_high_precision
@@ -153,9 +152,8 @@ def test_tiny_llama_trains_like_the_unconverted_copy():
     assert losses[0] < first[0] - 0.1 and losses[1] < first[1] - 0.1  # both learn
 
 
-def _worker(rank, world, port, mode, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank, world, store, mode, results):
+    init_gloo(rank, world, store)
     try:
         torch.manual_seed(0)
         model = convert_to_int8_training(tiny_llama())
@@ -182,12 +180,12 @@ def _worker(rank, world, port, mode, results):
 
 @pytest.mark.slow  # multi-process
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_data_parallel_on_two_gloo_ranks(mode):
+def test_data_parallel_on_two_gloo_ranks(mode, tmp_path):
     """Each rank's gradients equal the mean of the two shards' gradients computed in one process."""
     world = 2
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), mode, results), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, str(tmp_path / "store"), mode, results), nprocs=world, join=True)
         results = dict(results)
     single = convert_to_int8_training(tiny_llama())
     ids = torch.randint(0, 256, (2 * world, 16), generator=torch.Generator().manual_seed(5))

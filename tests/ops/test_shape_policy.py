@@ -197,16 +197,14 @@ def test_launch_free_timer_drops_the_launches_only():
     assert free == pytest.approx(synchronous, rel=0.15)
 
 
-def _disagreeing_ranks_worker(rank, world, port, result_path):
+def _disagreeing_ranks_worker(rank, world, store, result_path):
     """Rank 0's timer finds INT8 faster, rank 1's high precision (timing noise): the group must take one path."""
-    import os
-
     import torch.distributed as dist
+    from free_ports import init_gloo
 
     from megatron_int8 import TPOptions
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, store)
     try:
         favour = "int8" if rank == 0 else "hp"
         shape_policy.set_timer(lambda fn, path: 1.0 if path == favour else 2.0)
@@ -225,9 +223,8 @@ def _disagreeing_ranks_worker(rank, world, port, result_path):
 @pytest.mark.timeout(120)
 def test_tensor_parallel_ranks_agree_on_the_decision(tmp_path):
     import torch.multiprocessing as mp
-    from free_ports import free_port
 
-    mp.spawn(_disagreeing_ranks_worker, args=(2, free_port(), str(tmp_path / "r")), nprocs=2, join=True)
+    mp.spawn(_disagreeing_ranks_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "r")), nprocs=2, join=True)
     made = [torch.load(tmp_path / f"r.{rank}") for rank in range(2)]
     assert made[0] == made[1], made
     assert len(made[0]) == 1 and made[0][0][1:] == (2.0, 2.0), made  # each time the group's slowest
