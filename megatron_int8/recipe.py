@@ -184,7 +184,8 @@ class Int8Recipe:
         (`Int8AttentionConfig.scores`); P V, dV, dK and dQ are INT8 either way. INT8 scores run the op
         1.07-1.23x faster on an H200, but their error grows as attention sharpens over training: at 344M they
         trailed the INT8 linears alone by 0.9-1.5% in validation loss where BF16 scores stayed within 0.6%
-        (docs/convergence.md, sections 10 and 10a); BF16 scores gain 6-9 dB SNR on O and every gradient.
+        (docs/convergence.md, sections 10 and 10a); BF16 scores gain 4-10 dB SNR on O and every gradient on
+        outlier-heavy inputs, 1-2 dB on plain ones (docs/numerics.md).
     shape_policy: "int8" (the default: every GEMM of the linear in INT8) or "auto": on a GPU, the first call
         at each shape (tokens, in, out, dtype, numerics) times forward + backward of the INT8 linear and of
         the high-precision one and runs the faster from then on (ops/shape_policy.py; the decisions are

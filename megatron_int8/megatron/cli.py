@@ -52,8 +52,9 @@ def add_int8_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     group.add_argument("--int8-all-gather", action="store_true",
                        help="With --sequence-parallel: quantize each rank's activation shard with the scales "
                             "of the gathered tensor and all-gather INT8 instead of BF16 (tensor and row "
-                            "granularity). Half the bytes, but slower over NVLink on the H100s and H200s measured "
-                            "(docs/scaling.md); for slow links or to save activation memory.")
+                            "granularity). Half the bytes, but no faster over NVLink on the H200s measured (0.96-0.97x "
+                            "eager, within 1%% graphed: docs/scaling.md); for slow links or to save activation "
+                            "memory.")
     group.add_argument("--int8-smooth-swiglu", action="store_true",
                        help="Smooth-SwiGLU-style guard for the dense MLP's fc2: per-channel power-of-two factors "
                             "move the SwiGLU output's outlier channels into fc2's weight columns before its "
