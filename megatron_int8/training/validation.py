@@ -377,6 +377,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                 f"{args.num_experts}]")
     if args.use_rope_scaling and args.position_embedding_type != "rope":
         raise ArgumentError("--use-rope-scaling needs --position-embedding-type rope")
+    rotary_dim = int(args.kv_channels * args.rotary_percent)
+    if args.position_embedding_type == "rope" and (rotary_dim < 2 or rotary_dim % 2):
+        raise ArgumentError(f"RoPE rotates pairs of channels, so the rotated part of the head must be even: "
+                            f"--kv-channels {args.kv_channels} x --rotary-percent {args.rotary_percent} gives "
+                            f"{rotary_dim}")
 
     # Parallel layout.
     tp, pp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -423,6 +428,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             args.cross_entropy_loss_fusion = on_gpu and args.bf16  # its logit gradients are always bf16
         if args.fused_adam is None:  # 36 ms (5-6%) off a graphed Llama2-7B 8-layer step on an H100
             args.fused_adam = on_gpu and args.optimizer == "adam"
+    if args.distributed_backend == "nccl" and not _cuda_available():
+        raise ArgumentError("--distributed-backend nccl needs CUDA GPUs, and this process sees none; on the CPU the "
+                            "trainer uses gloo (the default without the flag)")
     if args.tp_comm_overlap and not args.sequence_parallel:
         raise ArgumentError("--tp-comm-overlap needs --sequence-parallel (and tensor parallelism)")
     if args.tp_comm_overlap and args.fp8_peer is not None:
@@ -466,6 +474,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             "uniform|block")
     if args.recompute_method is not None and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
+    stage_layers = args.num_layers // args.pipeline_model_parallel_size
+    if args.recompute_method == "uniform" and stage_layers % args.recompute_num_layers:
+        raise ArgumentError(f"--recompute-method uniform recomputes chunks of --recompute-num-layers "
+                            f"{args.recompute_num_layers}, which must divide the {stage_layers} layers of each pipeline "
+                            "stage (--recompute-method block recomputes that many layers of each stage, any number)")
     for name in ("log_interval", "eval_interval", "save_interval", "exit_interval"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -550,12 +563,18 @@ def unwritable_reason(path: str) -> Optional[str]:
     return None
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _validate_paths(args: argparse.Namespace) -> None:
     """Output paths of the right kind and writable, before anything is built: a --save that cannot be written
     failed at the first save, after the training it was to keep."""
-    for name in ("save", "load", "tensorboard_dir", "data_cache_path"):
+    for name in ("save", "load", "tensorboard_dir", "data_cache_path", "profile_dir"):
         path = getattr(args, name)
-        if path is None:
+        if path is None or (name == "profile_dir" and not args.profile):
             continue
         if os.path.exists(path) and not os.path.isdir(path):
             raise ArgumentError(f"{_flag(name)} {path}{origin(args, name)} is a file; it takes a directory")

@@ -538,6 +538,9 @@ def test_moe_with_biases_under_expert_parallelism_is_allowed():
     (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"],
      "--recompute-num-layers 0: must be positive"),  # megatron looped forever
     (["--recompute-num-layers", "2"], "--recompute-num-layers applies with --recompute-granularity full"),
+    (BARE + ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3"],
+     "--recompute-num-layers 3, which must divide the 2 layers of each pipeline stage"),  # IndexError at step 1
+    (["--kv-channels", "7"], "the rotated part of the head must be even: --kv-channels 7 x --rotary-percent 1.0"),
     (BARE + ["--num-experts", "4"], "--num-experts without expert parallelism needs --disable-bias-linear"),
     (["--global-batch-size", "0"], "--global-batch-size 0: must be positive"),
     (["--group-query-attention", "--num-query-groups", "0"], "--num-query-groups 0: must be positive"),
@@ -578,6 +581,21 @@ def test_numbers_and_combinations_that_failed_after_the_build_are_refused(flags,
         _validated(*flags)
 
 
+def test_recompute_counts_that_serve_each_method_are_accepted():
+    """uniform: chunks that divide a stage's layers; block: any count (more than a stage holds recomputes them all)."""
+    recompute = ["--recompute-granularity", "full", "--recompute-num-layers"]
+    assert _validated(*BARE, *recompute, "2", "--recompute-method", "uniform").recompute_num_layers == 2
+    assert _validated(*BARE, *recompute, "3", "--recompute-method", "block").recompute_num_layers == 3
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a process that sees no GPU")
+def test_nccl_without_a_gpu_is_refused():
+    from megatron_int8.training.args import ArgumentError
+
+    with pytest.raises(ArgumentError, match="--distributed-backend nccl needs CUDA GPUs"):
+        _validated("--distributed-backend", "nccl")  # torch's "Distributed package doesn't have NCCL" traceback
+
+
 def test_output_paths_that_cannot_be_written_fail_before_the_model(tmp_path):
     """A --save under a file, or where nothing can be written, trained up to the first save and lost the run there
     (the data cache failed after the build, a TensorBoard folder was dropped)."""
@@ -587,9 +605,10 @@ def test_output_paths_that_cannot_be_written_fail_before_the_model(tmp_path):
 
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    for flag in ("--save", "--tensorboard-dir", "--data-cache-path", "--log-jsonl"):
+    for flag in ("--save", "--tensorboard-dir", "--data-cache-path", "--log-jsonl", "--profile-dir"):
         with pytest.raises(ArgumentError, match=re.escape(f"{flag} {a_file / 'out'}: {a_file} is a file, not a dir")):
-            _validated(flag, str(a_file / "out"))
+            _validated(flag, str(a_file / "out"), *(["--profile"] if flag == "--profile-dir" else []))
+    _validated("--profile-dir", str(a_file / "out"))  # without --profile nothing is written there
     if os.path.isdir("/proc"):  # no folder can be made there, by root either (whom chmod does not stop)
         with pytest.raises(ArgumentError, match="--save /proc/megatron_int8_run/ckpt: nothing can be written in /proc"):
             _validated("--save", "/proc/megatron_int8_run/ckpt")
