@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import output_file, provenance, require_cuda, time_ms
+from common import output_file, positive_int, provenance, require_cuda, time_ms
 
 from megatron_int8.ops.int8_attention import Int8AttentionConfig, int8_attention
 
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--no-snr", action="store_true", help="skip the float64 SNR columns")
     p.add_argument("--tiles", type=int, nargs=7, metavar=("BLOCK", "FWD_M", "FWD_N", "BWD_M", "BWD_N", "DQ_M", "DQ_N"),
                    help="Int8AttentionConfig fields in order, for every INT8 impl (default: the config's defaults "

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, require_cuda, time_ms
+from common import append_results, positive_int, require_cuda, time_ms
 
 from megatron_int8 import convert_to_int8_training  # noqa: E402
 
@@ -76,7 +76,7 @@ def fp8_layer(layer):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     opts = p.parse_args(argv)
     require_cuda(__file__)

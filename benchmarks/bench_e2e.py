@@ -33,7 +33,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import common
-from common import add_data_arguments, check_timed_iterations, describe_data, full_depth, global_batch, run_trainer
+from common import (add_data_arguments, check_timed_iterations, describe_data, full_depth, global_batch, output_file,
+                    positive_int, run_trainer)
 
 MODELS = ("llama2_7b", "llama2_13b", "llama3.1_8b", "qwen3_4b", "qwen3_8b", "mixtral_8x7b_8l")
 # End-to-end INT8/BF16 speedups reported by the base paper on its accelerator.
@@ -73,14 +74,14 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="+", default=list(MODELS), type=config_name, metavar="MODEL",
                    help=f"configs/MODEL.yaml (default: the six models, {' '.join(MODELS)}); a config without "
                         "vocab_size (convergence_350m) needs --extra --vocab-size V")
-    p.add_argument("--depths", nargs=2, type=int, default=[2, 4], metavar=("L1", "L2"),
+    p.add_argument("--depths", nargs=2, type=positive_int, default=[2, 4], metavar=("L1", "L2"),
                    help="Two depths to measure (Mixtral uses half of each, at least 1).")
     p.add_argument("--iters", type=int, default=12, help="Training iterations per run.")
     p.add_argument("--warmup", type=int, default=4, help="Iterations excluded from the timing.")
-    p.add_argument("--seq-length", type=int, default=4096)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes)")
-    p.add_argument("--grad-accum", type=int, default=8,
+    p.add_argument("--seq-length", type=positive_int, default=4096)
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
+    p.add_argument("--nproc", type=positive_int, default=1, help="GPUs (torchrun processes)")
+    p.add_argument("--grad-accum", type=positive_int, default=8,
                    help="micro-batches per step per GPU: global batch = micro x nproc x this. Pretraining steps "
                         "hold many micro-batches, so the optimizer step is amortized as in a real run")
     p.add_argument("--layout", default=None,
@@ -107,6 +108,17 @@ def parse_args(argv=None):
                    help="Further trainer flags for every run (e.g. --int8-granularity row).")
     opts = p.parse_args(argv)
     check_timed_iterations(p, opts)
+    if opts.gpus and opts.nproc > 1:
+        p.error("--gpus runs single-GPU models side by side; with --nproc > 1 leave it out")
+    if opts.fp8_compile and not opts.fp8_peer:
+        p.error("--fp8-compile applies to the FP8 runs: give --fp8-peer too")
+    if opts.memory_cap_gib is not None and not opts.memory_cap_gib > 0:
+        p.error(f"--memory-cap-gib must be a positive number of GiB, got {opts.memory_cap_gib}")
+    if opts.out and not os.path.isdir(opts.out):
+        try:  # checked now, not after the first model's runs
+            output_file(opts.out)
+        except argparse.ArgumentTypeError as err:
+            p.error(f"--out {opts.out}: {err}")
     return opts
 
 

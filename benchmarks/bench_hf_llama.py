@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, require_cuda, time_ms
+from common import append_results, positive_int, require_cuda, time_ms
 
 from megatron_int8 import Int8Recipe, convert_to_int8_training  # noqa: E402
 
@@ -39,7 +39,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=positive_int, default=10)
     p.add_argument("--full-compile", action="store_true")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--shape-policy", choices=("int8", "auto"), default="int8",

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from common import record_tables, require_cuda, time_ms  # noqa: E402  (first: puts the repository on sys.path)
+from common import positive_int, record_tables, require_cuda, time_ms  # noqa: E402  (first: puts the repository on sys.path)
 from megatron_int8.megatron.optimizer import PrecisionAwareAdamW  # noqa: E402
 from megatron_int8.training.memory import STATE_BYTES  # noqa: E402
 
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", nargs="+", type=float, default=[1e8, 5e8, 1e9, 2e9])
     p.add_argument("--tensor-numel", type=int, default=4096 * 4096, help="elements per parameter tensor")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     return p.parse_args(argv)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from common import append_results, require_cuda, time_ms
+from common import append_results, positive_int, require_cuda, time_ms
 
 from bench_kernels import LINEARS  # noqa: E402
 from megatron_int8 import Int8Recipe, int8_linear  # noqa: E402
@@ -36,7 +36,7 @@ SMALL = [("Qwen3-4B", "proj", 4096, 2560, 8192), ("smoke-1024", "qkv", 1024, 3 *
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=positive_int, default=30)
     p.add_argument("--rounds", type=int, default=7)
     opts = p.parse_args(argv)
     require_cuda(__file__)

@@ -41,6 +41,25 @@ def test_iterations_left_to_time_are_checked_before_any_run(monkeypatch, capsys)
         assert f"--iters {iters} must exceed --warmup {warmup} (>= 0)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size: must be an integer >= 1, got 0"),
+    (["--grad-accum", "0"], "--grad-accum: must be an integer >= 1, got 0"),
+    (["--depths", "0", "2"], "--depths: must be an integer >= 1, got 0"),
+    (["--gpus", "0", "1", "--nproc", "2"], "--gpus runs single-GPU models side by side"),
+    (["--fp8-compile"], "--fp8-compile applies to the FP8 runs: give --fp8-peer too"),
+    (["--memory-cap-gib", "-5"], "--memory-cap-gib must be a positive number of GiB, got -5.0"),  # labelled capped
+    (["--out", "/nonexistent_dir_of_bench_e2e/e2e.md"], "no directory /nonexistent_dir_of_bench_e2e"),
+])
+def test_settings_that_would_waste_or_mislabel_runs_are_refused_before_any(monkeypatch, capsys, flags, message):
+    """Each was accepted: zeros failed inside the trainer, --out only after the first model's runs, a negative cap
+    ran uncapped under the capped label, --gpus with --nproc > 1 and --fp8-compile without --fp8-peer did nothing."""
+    monkeypatch.setattr(bench_e2e, "run_trainer", lambda *a, **k: pytest.fail("a trainer run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench_e2e.main(["--models", "qwen3_4b", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_the_memory_cap_wraps_every_trainer_run(monkeypatch, tmp_path):
     """--memory-cap-gib: each trainer process starts under benchmarks/memory_cap.py with the cap, before the
     trainer's module; the rows go to their own CSV with the cap among the settings."""
