@@ -17,7 +17,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="the --save directory of a training run")
     parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to load (default: the latest)")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, help="the text to continue (a checkpoint trained on mock data, with "
+                                                         "its NullTokenizer, takes space-separated token ids)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="(default: 64, or fewer where the model's context leaves less room after the prompt)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
