@@ -13,6 +13,7 @@ docstrings of at least 8 words, without their doctest examples, one document per
 import argparse
 import ast
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -87,6 +88,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from plot_loss import output_problem  # the scripts' check of an output file (scripts/ leads sys.path)
 
+    for flag, value in (("--max-mb", args.max_mb), ("--max-file-kb", args.max_file_kb)):
+        if not (math.isfinite(value) and value > 0):  # 0 wrote a one-document corpus; inf raised OverflowError
+            parser.error(f"{flag} must be a positive number, got {value}")
     if args.text == "docstrings" and args.docs:
         parser.error("--text docstrings takes the .py files' docstrings only: leave out --docs")
     problem = output_problem(args.output)

@@ -656,6 +656,16 @@ def test_corpus_statistics_count_what_the_trainer_reads(tmp_path):
             in convergence_report.corpus_sentence(stats))
 
 
+@pytest.mark.parametrize("flag, value", [("--max-mb", "0"), ("--max-mb", "inf"), ("--max-mb", "nan"),
+                                         ("--max-file-kb", "0")])
+def test_corpus_sizes_that_are_not_positive_are_refused(tmp_path, flag, value):
+    """--max-mb 0 wrote a one-document corpus with exit 0, inf raised OverflowError, --max-file-kb 0 found no source."""
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, "prepare_tiny_corpus.py"), "--output",
+                             str(tmp_path / "c.jsonl"), f"{flag}={value}"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{flag} must be a positive number, got {float(value)}" in result.stderr
+    assert not (tmp_path / "c.jsonl").exists()
+
+
 def test_corpus_of_all_sources_with_docs(tmp_path, monkeypatch):
     """prepare_tiny_corpus --source all --docs: the standard library's files, then site-packages' (not twice),
     .py sources with .rst/.md documentation, tests and other files skipped."""
