@@ -47,7 +47,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling scripts below
 from plot_health import main as plot_health, read_health, worst_linears  # noqa: E402
-from plot_loss import read_series, smooth, summary_table  # noqa: E402
+from plot_loss import output_problem, read_series, smooth, summary_table  # noqa: E402
 
 HEALTH_STATS = ("fprop/rel_err", "dgrad/rel_err", "wgrad/rel_err", "fprop/underflow", "dgrad/underflow",
                 "wgrad/underflow")
@@ -55,6 +55,22 @@ LABELS = ("BF16", "INT8")
 # the runs a results CSV's `pair` column names ("<reference> vs <other> <schedule>"), longest first
 RUN_NAMES = (("int8 + int8 attention", "INT8 + INT8 attention"), ("bf16 init seed 2", "BF16, init seed 2"),
              ("int8", "INT8"), ("bf16", "BF16"))
+
+
+def _config_problem(config_path, train_iters):
+    """Why the run's YAML cannot give the schedule (run_schedule's keys), else None."""
+    import yaml
+
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        return f"not a readable YAML file ({type(err).__name__})"
+    if not isinstance(config, dict):
+        return "not a YAML mapping of settings"
+    missing = [key for key in ("train_iters", "global_batch_size", "seq_length")
+               if key not in config and not (key == "train_iters" and train_iters)]
+    return f"it sets no {', '.join(missing)}" if missing else None
 
 
 def run_schedule(config_path, train_iters=None):
@@ -688,9 +704,34 @@ def main(argv=None) -> int:
         parser.error(f"--config: no file {opts.config}")
     if opts.train_iters is not None and opts.train_iters < 1:  # 0 would fall back to the YAML's silently
         parser.error(f"--train-iters must be >= 1, got {opts.train_iters}")
+    problem = _config_problem(opts.config, opts.train_iters)
+    if problem:
+        parser.error(f"--config {opts.config}: {problem}")
+    inputs = {"report": ("bf16", "int8", "noise_floor"), "against-csv": ("log", "csv"), "progress": ("log",),
+              "corpus": ("corpus", "tokenizer_model")}[opts.command]
+    for name in inputs:
+        paths = getattr(opts, name)
+        for path in paths if isinstance(paths, list) else [paths]:
+            if path is not None and not os.path.isfile(path):
+                parser.error(f"--{name.replace('_', '-')} {path}: " + ("a folder, not a file" if os.path.isdir(path)
+                                                                        else "no such file"))
+    if opts.command == "corpus" and not all(os.path.isfile(opts.prefix + ext) for ext in (".bin", ".idx")):
+        parser.error(f"--prefix {opts.prefix}: no indexed dataset there ({opts.prefix}.bin and .idx)")
+    if opts.command == "report" and os.path.exists(opts.output_dir) and not os.path.isdir(opts.output_dir):
+        parser.error(f"--output-dir {opts.output_dir} is a file: give a folder")
+    output = getattr(opts, "output", None) or (os.path.join(opts.output_dir, "convergence.md")
+                                               if opts.command == "report" else None)
+    problem = output and output_problem(output)  # makes the missing folders
+    if problem:
+        parser.error(f"--output{'-dir' if opts.command == 'report' else ''} {problem}")
     if opts.command == "progress":
         return progress(opts)
     if opts.command == "report":
+        if opts.gpus_per_run < 1 or opts.spike_match < 0:
+            parser.error("--gpus-per-run must be >= 1 and --spike-match >= 0")
+        if opts.corpus_stats and not os.path.isfile(opts.corpus_stats):
+            print(f"note: --corpus-stats {opts.corpus_stats} does not exist: the summary has no corpus line",
+                  file=sys.stderr)
         for name in ("spike_threshold", "settle"):
             if not 0 < getattr(opts, name) < 1:
                 parser.error(f"--{name.replace('_', '-')} must be in (0, 1)")

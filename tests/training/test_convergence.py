@@ -572,6 +572,34 @@ def test_a_missing_config_or_no_train_iters_is_a_usage_error(tmp_path, capsys, c
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_bad_inputs_are_named_before_any_log_is_read(tmp_path, capsys):
+    """Each gave a traceback (KeyError, ParserError, IsADirectoryError, FileExistsError, AssertionError) or a
+    "0 GPU per run" table."""
+    good = tmp_path / "run.yaml"
+    good.write_text("train_iters: 4\nglobal_batch_size: 4\nseq_length: 64\n")
+    (tmp_path / "no_batch.yaml").write_text("train_iters: 4\nseq_length: 64\n")
+    (tmp_path / "broken.yaml").write_text(": : :\n\t- x")
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"iteration": 1, "lm_loss": 5.0}) + "\n")
+    (tmp_path / "a_file").write_text("x")
+    report = ["report", "--bf16", str(log), "--int8", str(log)]
+    for argv, said in (
+            ([*report, "--config", str(tmp_path / "no_batch.yaml"), "--output-dir", str(tmp_path / "o")],
+             "no_batch.yaml: it sets no global_batch_size"),
+            ([*report, "--config", str(tmp_path / "broken.yaml"), "--output-dir", str(tmp_path / "o")],
+             "broken.yaml: not a readable YAML file (ParserError)"),
+            (["report", "--bf16", str(log), "--int8", str(tmp_path), "--config", str(good), "--output-dir",
+              str(tmp_path / "o")], f"--int8 {tmp_path}: a folder, not a file"),
+            ([*report, "--config", str(good), "--output-dir", str(tmp_path / "a_file")], "a_file is a file: give a"),
+            ([*report, "--config", str(good), "--output-dir", str(tmp_path / "o"), "--gpus-per-run", "0"],
+             "--gpus-per-run must be >= 1"),
+            (["corpus", "--corpus", str(log), "--prefix", str(tmp_path / "none"), "--config", str(good), "--output",
+              str(tmp_path / "c.json")], "no indexed dataset there")):
+        with pytest.raises(SystemExit) as exit_info:
+            convergence_report.main(argv)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err, argv
+
+
 def test_against_csv_names_a_missing_pair(tmp_path):
     csv_path = tmp_path / "c.csv"
     csv_path.write_text("date,commit,gpu,torch,triton,command,pair,mode,iteration,tokens_m,reference_valid,"
