@@ -2,10 +2,11 @@
 """Tokenize text into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx), appending EOD.
 
 Input: JSONL files (.jsonl, .json or .ndjson, in any case: one document per line, text under --json-keys) or
-plain-text files (any other name: one document per file). Tokenizers: a SentencePiece model (Llama-2 style) or a
-Hugging Face `tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With --train-sentencepiece V,
-a SentencePiece BPE model of V tokens is first trained on the input and written to --tokenizer-model;
-it keeps whitespace and newlines exactly (identity normalization, byte fallback), so code stays code.
+plain-text files (any other name: one document per file), each named once. Tokenizers: a SentencePiece model
+(Llama-2 style) or a Hugging Face `tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With
+--train-sentencepiece V, a SentencePiece BPE model of V tokens is first trained on the input and written to
+--tokenizer-model; it keeps whitespace and newlines exactly (identity normalization, byte fallback), so code stays
+code.
 
     python3 scripts/preprocess_data.py --input corpus.jsonl --json-keys text \\
         --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
@@ -210,7 +211,7 @@ def _encode_in_worker(item):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
-                        help="JSONL files (.jsonl, .json, .ndjson) or plain-text files (any other name)")
+                        help="JSONL files (.jsonl, .json, .ndjson) or plain-text files (any other name), each once")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     parser.add_argument("--tokenizer-type", required=True,
@@ -233,6 +234,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if len(set(args.json_keys)) != len(args.json_keys):
         parser.error(f"--json-keys {' '.join(args.json_keys)}: a key named twice would write its documents twice")
+    first_named = {}  # real path -> its first spelling: ./c.jsonl and c.jsonl are one file
+    for path in args.input:
+        real = os.path.realpath(path)
+        if real in first_named:
+            first = first_named[real]
+            parser.error(f"--input {path}{'' if path == first else f' is {first}'}: a file named twice would write "
+                         "its documents twice, and the validation split would hold copies of training documents")
+        first_named[real] = path
     try:
         return _run(parser, args)
     except InputError as err:

@@ -86,6 +86,24 @@ def test_preprocess_names_bad_documents(dataset, tmp_path, name, content, messag
     assert not list(tmp_path.glob("out_*"))
 
 
+@pytest.mark.parametrize("spelling", ["same", "dot", "relative"])
+def test_an_input_named_twice_is_refused_before_any_work(dataset, tmp_path, spelling):
+    """`--input c.jsonl c.jsonl` (or ./c.jsonl and c.jsonl) tokenized the file twice: its documents twice, and the
+    split by document order put copies of training documents into validation."""
+    import shutil
+
+    shutil.copy(dataset["root"] / "docs.jsonl", tmp_path / "c.jsonl")
+    first = str(tmp_path / "c.jsonl")
+    second = {"same": first, "dot": f"{tmp_path}/./c.jsonl", "relative": os.path.relpath(first, ROOT)}[spelling]
+    result = _run(["scripts/preprocess_data.py", "--input", first, str(dataset["root"] / "notes.txt"), second,
+                   "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer",
+                   "--tokenizer-model", str(tmp_path / "spm.model"), "--train-sentencepiece", "300"])
+    named = second if second == first else f"{second} is {first}"
+    assert result.returncode == 2 and f"error: --input {named}: a file named twice would write its documents twice, " \
+        "and the validation split would hold copies of training documents" in result.stderr, result.stderr
+    assert os.listdir(tmp_path) == ["c.jsonl"]  # no tokenizer trained, no dataset
+
+
 @pytest.mark.parametrize("name", ["corpus.JSONL", "corpus.ndjson"])
 def test_jsonl_is_known_by_its_suffix_in_any_case(dataset, tmp_path, name):
     """corpus.JSONL and .ndjson were tokenized as plain text: one document of JSON syntax."""
