@@ -2,11 +2,13 @@
 """Tokenize text into a Megatron indexed dataset (PREFIX_<key>_document.bin/.idx), appending EOD.
 
 Input: JSONL files (.jsonl, .json or .ndjson, in any case: one document per line, text under --json-keys) or
-plain-text files (any other name: one document per file), each named once. Tokenizers: a SentencePiece model
-(Llama-2 style) or a Hugging Face `tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers` package). With
---train-sentencepiece V, a SentencePiece BPE model of V tokens is first trained on the input and written to
---tokenizer-model; it keeps whitespace and newlines exactly (identity normalization, byte fallback), so code stays
-code.
+plain-text files (any other name: one document per file), each named once. A file without a document that holds
+more than whitespace (an empty file, a JSONL file of empty texts) is refused, even beside other files: it is most
+likely the wrong file, and its documents would be written as end-of-document tokens alone. Tokenizers: a
+SentencePiece model (Llama-2 style) or a Hugging Face `tokenizer.json` (Llama-3.1, Qwen3; needs the `tokenizers`
+package). With --train-sentencepiece V, a SentencePiece BPE model of V tokens is first trained on the input and
+written to --tokenizer-model; it keeps whitespace and newlines exactly (identity normalization, byte fallback), so
+code stays code.
 
     python3 scripts/preprocess_data.py --input corpus.jsonl --json-keys text \\
         --output-prefix data/corpus --tokenizer-type SentencePieceTokenizer \\
@@ -70,6 +72,12 @@ def read_documents(paths, json_keys):
         else:
             with open(path, "rb") as f:
                 yield json_keys[0], _utf8(f.read(), path)
+
+
+def files_without_documents(paths, json_keys) -> list:
+    """The files of `paths` none of whose documents holds more than whitespace; each is read only up to its first
+    such document."""
+    return [path for path in paths if not any(text.strip() for _, text in read_documents([path], json_keys))]
 
 
 def sample_lines(lines, count: int, seed: int = 1234) -> list:
@@ -211,7 +219,8 @@ def _encode_in_worker(item):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
-                        help="JSONL files (.jsonl, .json, .ndjson) or plain-text files (any other name), each once")
+                        help="JSONL files (.jsonl, .json, .ndjson) or plain-text files (any other name), each "
+                             "once and each with a document of more than whitespace")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_<key>_document.bin/.idx")
     parser.add_argument("--tokenizer-type", required=True,
@@ -272,13 +281,18 @@ def _run(parser, args) -> int:
             parser.error("--train-sentencepiece makes a SentencePiece model: use a SentencePiece --tokenizer-type")
         if args.sentencepiece_sample < 1:
             parser.error(f"--sentencepiece-sample must be at least 1, got {args.sentencepiece_sample}")
+    elif not os.path.exists(args.tokenizer_model):
+        parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file (or pass --train-sentencepiece VOCAB)")
+    empty = files_without_documents(args.input, args.json_keys)
+    if empty:
+        raise InputError(f"no documents in {', '.join(empty)} (empty, or whitespace only): leave "
+                         f"{'it' if len(empty) == 1 else 'them'} out of --input")
+    if args.train_sentencepiece is not None:
         # the datasets of the prefix hold the replaced tokenizer's ids (the .bin first: it marks a complete build)
         stale = [f"{args.output_prefix}_{key}_document{suffix}" for key in args.json_keys
                  for suffix in (".bin", ".idx")]
         train_sentencepiece(args.input, args.json_keys, args.tokenizer_model, args.train_sentencepiece,
                             args.sentencepiece_sample, invalidates=stale)
-    elif not os.path.exists(args.tokenizer_model):
-        parser.error(f"--tokenizer-model {args.tokenizer_model}: no such file (or pass --train-sentencepiece VOCAB)")
 
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -324,11 +338,6 @@ def _run(parser, args) -> int:
     if pool is not None:
         pool.close()
         pool.join()
-    if docs == 0:
-        for path in outputs.values():
-            if os.path.exists(path + ".bin.tmp"):
-                os.remove(path + ".bin.tmp")
-        raise InputError(f"no documents in {', '.join(args.input)} (only empty lines)")
     for key, builder in builders.items():
         builder.finalize(outputs[key] + ".idx")
         os.replace(outputs[key] + ".bin.tmp", outputs[key] + ".bin")  # .bin appears only when complete

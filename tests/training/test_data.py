@@ -74,16 +74,38 @@ def test_preprocess_errors(tmp_path):
     ("list.jsonl", b'["text"]\n', ":1: a JSON list, not an object with the --json-keys 'text'"),
     ("null.jsonl", b'{"text": null}\n', ":1: 'text' holds a NoneType, not a string"),
     ("blank.jsonl", b"\n\n  \n", "no documents in"),
+    ("empty.txt", b"", "empty.txt (empty, or whitespace only): leave it out of --input"),
+    ("blank.txt", b"\n \t\n", "blank.txt (empty, or whitespace only): leave it out of --input"),
+    ("empty_texts.jsonl", b'{"text": ""}\n{"text": " \\n"}\n', "empty_texts.jsonl (empty, or whitespace only)"),
 ])
 def test_preprocess_names_bad_documents(dataset, tmp_path, name, content, message):
     """Once: a UnicodeDecodeError or TypeError traceback naming no file or line; a plain-text file's bad bytes stored
-    as replacement characters, silently; an input of empty lines written as a dataset of none."""
+    as replacement characters, silently; an input of empty lines written as a dataset of none; an empty plain-text
+    file, or a JSONL file of empty texts, written as a dataset of end-of-document tokens alone (exit 0)."""
     (tmp_path / name).write_bytes(content)
     result = _run(["scripts/preprocess_data.py", "--input", str(tmp_path / name), "--output-prefix",
                    str(tmp_path / "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                    dataset["tokenizer"]])
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not list(tmp_path.glob("out_*"))
+
+
+def test_an_empty_input_beside_others_is_refused_by_name(dataset, tmp_path):
+    """An empty file among good ones is most likely a mistake (a wrong path, a failed export): refused, naming it
+    alone, before the tokenizer is trained."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n")
+    common = ["scripts/preprocess_data.py", "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+              "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "spm.model"),
+              "--train-sentencepiece", "300"]
+    one = _run(common + ["--input", str(dataset["root"] / "docs.jsonl"), str(tmp_path / "empty.txt")])
+    assert one.returncode == 1 and one.stderr == (f"error: no documents in {tmp_path / 'empty.txt'} (empty, or "
+                                                  "whitespace only): leave it out of --input\n"), one.stderr
+    both = _run(common + ["--input", str(tmp_path / "empty.txt"), str(dataset["root"] / "notes.txt"),
+                          str(tmp_path / "blank.jsonl")])
+    assert both.returncode == 1 and f"no documents in {tmp_path / 'empty.txt'}, {tmp_path / 'blank.jsonl'} (" \
+        "empty, or whitespace only): leave them out of --input" in both.stderr, both.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl", "empty.txt"]
 
 
 @pytest.mark.parametrize("spelling", ["same", "dot", "relative"])
