@@ -3,8 +3,9 @@
 
     python3 scripts/plot_loss.py runs/tiny/train_log.jsonl --output runs/tiny/loss.png
     python3 scripts/plot_loss.py bf16/train_log.jsonl int8/train_log.jsonl --labels BF16 INT8 --output cmp.png \\
-        --summary cmp.md     # + markdown tables: last-100 mean training loss, final validation loss, gaps;
-                             #   and each run's training-loss gap per tenth of the run
+        --summary cmp.md     # + markdown tables: last-100 mean training loss, final validation loss, gaps
+                             #   (at the last iteration both runs reached); and each run's training-loss gap
+                             #   per tenth of the run
 """
 import argparse
 import gzip
@@ -79,19 +80,39 @@ def output_problem(path: str):
 
 
 def summary_table(runs, window=100) -> str:
-    """Markdown: per run, the mean training loss of the last `window` iterations and the final
-    validation loss, each with its relative gap to the first run (the reference)."""
-    rows, reference = [], None
+    """Markdown: per run, the mean training loss of the last `window` iterations and the final validation loss, each
+    with its relative gap to the first run (the reference). A run that ends at another iteration than the reference
+    is compared with it where both reached, as convergence_report.py does (a run ahead would be compared at a later,
+    lower point of its curve): its row says where, and shows its losses there."""
+    reference_label, reference_train, reference_valid = runs[0]
+    rows, any_cut = [], False
     for label, train, valid in runs:
-        steps = sorted(train)
-        mean = sum(train[s] for s in steps[-window:]) / len(steps[-window:])
-        final_valid = valid[max(valid)] if valid else float("nan")
-        reference = reference or (mean, final_valid)
-        rows.append(f"| {label} | {steps[-1]} | {mean:.4f} | {relative_gap(mean, reference[0])} | "
-                    f"{final_valid:.4f} | {relative_gap(final_valid, reference[1])} |")
+        last, shared = max(train), sorted(set(train) & set(reference_train))[-window:]
+        cut = last != max(reference_train)
+        any_cut |= cut
+        iterations = f"{last} (compared at {shared[-1]})" if cut and shared else str(last)
+        mean = mean_over(train, shared or sorted(train)[-window:])  # disjoint logs: no gap
+        gap = relative_gap(mean, mean_over(reference_train, shared)) if shared else "n/a (no iteration in common)"
+        evaluated = max(set(valid) & set(reference_valid), default=None)
+        if evaluated is None:
+            valid_cell = f"{valid[max(valid)] if valid else float('nan'):.4f}"
+            valid_gap = "n/a (no common evaluation)"
+        else:
+            valid_cell = f"{valid[evaluated]:.4f}"
+            if evaluated != max(valid) or evaluated != max(reference_valid):
+                valid_cell += f" (at {evaluated})"
+            valid_gap = relative_gap(valid[evaluated], reference_valid[evaluated])
+        rows.append(f"| {label} | {iterations} | {mean:.4f} | {gap} | {valid_cell} | {valid_gap} |")
     header = (f"| run | iterations | training loss (mean of last {window}) | gap | final validation loss | gap |\n"
               "|---|---|---|---|---|---|")
-    return "\n".join([header] + rows)
+    note = (f"\n\nA run that ends at another iteration than {reference_label} is compared with it at the last "
+            f"iteration both reached: the training loss over the same last {window} iterations, the validation loss at "
+            "the last evaluation both have.") if any_cut else ""
+    return "\n".join([header] + rows) + note
+
+
+def mean_over(series, steps) -> float:
+    return sum(series[s] for s in steps) / len(steps)
 
 
 def window_gaps(runs, parts=10) -> str:

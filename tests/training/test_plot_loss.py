@@ -118,3 +118,25 @@ def test_a_reference_loss_of_0_has_no_relative_gap(tmp_path):
     text = summary.read_text()
     assert "| other | 20 | 0.5000 | n/a (reference 0) | 0.2500 | n/a (reference 0) |" in text
     assert "| other | " + " | ".join(["n/a (reference 0)"] * 10) + " |" in text
+
+
+@pytest.mark.parametrize("reference_iterations, other_iterations", [(1000, 500), (500, 1000), (1000, 600)])
+def test_runs_of_different_lengths_are_compared_where_both_reached(tmp_path, reference_iterations, other_iterations):
+    """Two runs of one curve, one stopped early: each run's own last 100 iterations were compared (a run ahead sits
+    lower on the curve), a +70% gap between identical runs; so was each run's own last validation loss."""
+    curve = [1.5 + 1.5 * 0.995 ** i for i in range(1, 1001)]
+    valid = {i: curve[i - 1] + 0.1 for i in (250, 500, 750, 1000)}
+    _write_log(tmp_path / "a.jsonl", curve[:reference_iterations], valid)
+    _write_log(tmp_path / "b.jsonl", curve[:other_iterations], valid)
+    summary = tmp_path / "s.md"
+    assert _plot_loss().main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--labels", "ref", "int8",
+                              "--output", str(tmp_path / "p.png"), "--summary", str(summary)]) == 0
+    text = summary.read_text()
+    common = min(reference_iterations, other_iterations)
+    evaluated = max(i for i in valid if i <= common)  # the last evaluation of both, not the final one of both
+    assert f"| ref | {reference_iterations} | {sum(curve[reference_iterations - 100:reference_iterations]) / 100:.4f} " \
+           f"| +0.00% | {valid[reference_iterations]:.4f} | +0.00% |" in text, text
+    assert f"| int8 | {other_iterations} (compared at {common}) | {sum(curve[common - 100:common]) / 100:.4f} | " \
+           f"+0.00% | {valid[evaluated]:.4f} (at {evaluated}) | +0.00% |" in text, text
+    assert "A run that ends at another iteration than ref is compared with it at the last iteration both reached" \
+        in text
