@@ -142,7 +142,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", help="train_log.jsonl files")
     parser.add_argument("--labels", nargs="*", default=None, help="one legend label per log")
-    parser.add_argument("--output", required=True, help="PNG to write")
+    parser.add_argument("--output", required=True,
+                        help="PNG to write (.png is added to a name without an extension; .pdf, .svg also work)")
     parser.add_argument("--smooth", type=int, default=10, help="moving-average window (iterations)")
     parser.add_argument("--title", default="Training loss")
     parser.add_argument("--summary", default=None, help="also write a markdown summary table here")
@@ -161,9 +162,17 @@ def main(argv=None) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         print("error: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 1
+    extension = os.path.splitext(args.output)[1].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not extension:  # matplotlib would add .png itself: the name printed is the file written
+        args.output += ".png"
+    elif extension[1:] not in formats:
+        parser.error(f"--output {args.output}: matplotlib cannot write {extension} files: end the name in .png, or "
+                     f"another of its formats ({', '.join(sorted(formats))})")
 
     figure, axis = plt.subplots(figsize=(8, 5))
     runs = []

@@ -140,3 +140,16 @@ def test_runs_of_different_lengths_are_compared_where_both_reached(tmp_path, ref
            f"+0.00% | {valid[evaluated]:.4f} (at {evaluated}) | +0.00% |" in text, text
     assert "A run that ends at another iteration than ref is compared with it at the last iteration both reached" \
         in text
+
+
+def test_output_names_the_file_written_and_a_format_matplotlib_cannot_write_is_refused_first(tmp_path, capsys):
+    """--output loss said "wrote loss" of the loss.png that matplotlib wrote; --output loss.txt was a matplotlib
+    traceback after the logs were read."""
+    _write_log(tmp_path / "a.jsonl", [3.0, 2.0], {})
+    assert _plot_loss().main([str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "loss")]) == 0
+    assert f"wrote {tmp_path / 'loss.png'}\n" in capsys.readouterr().out and (tmp_path / "loss.png").is_file()
+    with pytest.raises(SystemExit) as exit_info:  # a log that does not exist: refused before it is read
+        _plot_loss().main([str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "loss.txt")])
+    assert exit_info.value.code == 2
+    assert f"--output {tmp_path / 'loss.txt'}: matplotlib cannot write .txt files: end the name in .png, or " \
+        "another of its formats (" in capsys.readouterr().err and not (tmp_path / "loss.txt").exists()
