@@ -241,6 +241,9 @@ def main(argv=None) -> int:
                              "an existing --tokenizer-model (delete the index caches built from the data too: "
                              "megatron-core names them by path, not content; the trainer refuses stale ones)")
     args = parser.parse_args(argv)
+    from megatron_int8.training.known_warnings import filter_known_warnings
+
+    filter_known_warnings()  # megatron-core's import-time notes, as the trainer filters them
     if len(set(args.json_keys)) != len(args.json_keys):
         parser.error(f"--json-keys {' '.join(args.json_keys)}: a key named twice would write its documents twice")
     first_named = {}  # real path -> its first spelling: ./c.jsonl and c.jsonl are one file

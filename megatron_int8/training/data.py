@@ -208,7 +208,8 @@ def split_shares(split: str) -> list:
 
     plain = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)(\s*[,/]\s*(\d+\.?\d*|\.\d+))*\s*", split)
     try:  # megatron's parser reads the digits of anything else (1e3 as 1, 3; -2 as 2)
-        shares = parse_and_normalize_split(split) if plain else []
+        with np.errstate(divide="ignore", invalid="ignore"):  # a sum of 0: NaN shares, refused below
+            shares = parse_and_normalize_split(split) if plain else []
     except (ValueError, AssertionError):
         shares = []
     if len(shares) != 3 or not all(math.isfinite(v) for v in shares):

@@ -37,6 +37,19 @@ def dataset(tmp_path_factory):
             "stdout": result.stdout}
 
 
+def test_preprocess_prints_no_megatron_import_notes(dataset, tmp_path):
+    """megatron-core's "Transformer Engine and Apex are not installed" notes, which the trainer filters, came out
+    of preprocess_data.py too (run here with Python's default warning filters)."""
+    (tmp_path / "a.txt").write_text("one document\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    result = subprocess.run([sys.executable, "scripts/preprocess_data.py", "--input", str(tmp_path / "a.txt"),
+                             "--output-prefix", str(tmp_path / "d"), "--tokenizer-type", "SentencePieceTokenizer",
+                             "--tokenizer-model", dataset["tokenizer"]], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Transformer Engine and Apex" not in result.stderr, result.stderr[-3000:]
+
+
 def test_preprocess_round_trips_code_and_appends_eod(dataset):
     import sentencepiece as spm
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -304,6 +317,18 @@ def _pretrain_error(args) -> str:
 ])
 def test_bad_input_fails_early_with_message(dataset, extra, message):
     assert message in _pretrain_error(_trainer_args(dataset, *extra))
+
+
+def test_a_split_summing_to_zero_is_refused_without_numpy_warnings():
+    """The error came after two lines of numpy's RuntimeWarning (a division by the sum 0)."""
+    import warnings
+
+    from megatron_int8.training.data import split_shares
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(ArgumentError, match="--split '0,0,0': expected up to three non-negative weights"):
+            split_shares("0,0,0")
 
 
 def test_weighted_blend_checks_the_splits_megatron_will_build(dataset):
