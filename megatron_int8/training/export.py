@@ -311,7 +311,11 @@ def _write_export(load, output, staging, dtype, log, tokenizer_model, ckpt_step,
         log(f"note: trained with --moe-expert-capacity-factor {recorded.moe_expert_capacity_factor}: megatron drops "
             "the token-expert pairs over an expert's capacity (in evaluation too); the exported Mixtral routes every "
             "token, so its logits differ where megatron dropped")
-    model, args, _ = load_for_inference(load, log=log, int8=False, bf16=False, tokenizer_model=tokenizer_model,
+    def load_log(message):  # the weights load without INT8 on purpose: its "not the checkpoint's" note is no news
+        if not message.startswith("precision: this run's"):
+            log(message)
+
+    model, args, _ = load_for_inference(load, log=load_log, int8=False, bf16=False, tokenizer_model=tokenizer_model,
                                         ckpt_step=ckpt_step)
     architecture = hf_architecture(args)
     megatron = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

@@ -242,6 +242,17 @@ def test_loading_for_inference_tears_its_process_group_down_at_exit(trained):
     assert "LOADED initialized=True" in out and "AT EXIT initialized=False" in out, out[-2000:]
 
 
+def test_export_script_of_an_int8_checkpoint_prints_no_precision_note(trained, tmp_path):
+    """The export reads the weights without INT8 on purpose; the load's "precision: this run's INT8 off ..., not the
+    checkpoint's" line read like a problem."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    result = subprocess.run([sys.executable, "scripts/export_hf.py", "--load", str(trained["save"]), "--output",
+                             str(tmp_path / "hf")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exported LlamaForCausalLM" in result.stdout and "precision:" not in result.stdout + result.stderr
+
+
 def test_a_missing_tokenizer_model_given_is_named_as_the_users(trained, tmp_path):
     """generate.py / export_hf.py --tokenizer-model of a missing file said "the checkpoint's tokenizer ... is not
     here", as if the checkpoint had recorded that path."""
