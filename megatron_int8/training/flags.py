@@ -186,11 +186,11 @@ def _add_training_arguments(parser: argparse.ArgumentParser, common) -> None:
                    help="Megatron-LM's flag, without Transformer Engine: this package's AdamW (one fused kernel "
                         "per parameter) with the state precisions below; docs/training.md, 'Optimizer states'.")
     g.add_argument("--exp-avg-dtype", default="fp32", choices=STATE_DTYPE_CHOICES,
-                   help="Adam's first moment: fp32, bf16 or int8 (blocks of 128, power-of-two scales). Needs "
-                        "--use-precision-aware-optimizer.")
+                   help="Adam's first moment: fp32, bf16 or int8 (blocks of 128, power-of-two scales); "
+                        "Megatron-LM's fp16 and fp8 are refused here. Needs --use-precision-aware-optimizer.")
     g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=STATE_DTYPE_CHOICES,
-                   help="Adam's second moment: fp32, bf16 or int8 (sqrt(v) in blocks of 128). Needs "
-                        "--use-precision-aware-optimizer.")
+                   help="Adam's second moment: fp32, bf16 or int8 (sqrt(v) in blocks of 128); Megatron-LM's "
+                        "fp16 and fp8 are refused here. Needs --use-precision-aware-optimizer.")
     g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"],
                    help="The master weights' dtype; fp32 only here (Megatron-LM's fp16 is not supported).")
     g.add_argument("--store-param-remainders", action="store_true",
