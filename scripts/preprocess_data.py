@@ -234,7 +234,7 @@ def main(argv=None) -> int:
                              "lines (default: %(default)s)")
     parser.add_argument("--eod-token", default=None, help="Hugging Face EOD token (default: the eos_token of "
                         "tokenizer_config.json, else of special_tokens_map.json, as the trainer takes it)")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
     parser.add_argument("--log-interval-s", type=float, default=2.0, help="seconds between progress lines")
     parser.add_argument("--force", action="store_true",
                         help="write over an existing PREFIX_<key>_document.bin/.idx, and with --train-sentencepiece "
@@ -244,6 +244,11 @@ def main(argv=None) -> int:
     from megatron_int8.training.known_warnings import filter_known_warnings
 
     filter_known_warnings()  # megatron-core's import-time notes, as the trainer filters them
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if not os.path.basename(args.output_prefix):  # data/ would write data/_text_document.bin
+        parser.error(f"--output-prefix {args.output_prefix} names a folder: add the files' name, e.g. "
+                     f"{os.path.join(args.output_prefix, 'corpus')}")
     if len(set(args.json_keys)) != len(args.json_keys):
         parser.error(f"--json-keys {' '.join(args.json_keys)}: a key named twice would write its documents twice")
     first_named = {}  # real path -> its first spelling: ./c.jsonl and c.jsonl are one file

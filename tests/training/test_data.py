@@ -139,6 +139,20 @@ def test_an_input_named_twice_is_refused_before_any_work(dataset, tmp_path, spel
     assert os.listdir(tmp_path) == ["c.jsonl"]  # no tokenizer trained, no dataset
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "-3"], "--workers must be at least 1, got -3"),  # printed "-3 worker(s)" and went on
+    (["--output-prefix", "OUT/"], "--output-prefix OUT/ names a folder: add the files' name"),  # OUT/_text_document
+])
+def test_preprocess_settings_named_before_any_work(dataset, tmp_path, flags, message):
+    flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
+    argv = ["scripts/preprocess_data.py", "--input", str(dataset["root"] / "notes.txt"), "--output-prefix",
+            str(tmp_path / "d"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+            dataset["tokenizer"], *flags]
+    result = _run(argv)
+    assert result.returncode == 2 and message.replace("OUT", str(tmp_path / "out")) in result.stderr, result.stderr
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("name", ["corpus.JSONL", "corpus.ndjson"])
 def test_jsonl_is_known_by_its_suffix_in_any_case(dataset, tmp_path, name):
     """corpus.JSONL and .ndjson were tokenized as plain text: one document of JSON syntax."""
