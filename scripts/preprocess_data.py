@@ -246,6 +246,13 @@ def main(argv=None) -> int:
     filter_known_warnings()  # megatron-core's import-time notes, as the trainer filters them
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    plain = [path for path in args.input if not path.lower().endswith(JSONL_SUFFIXES)]
+    if plain and len(args.json_keys) > 1:  # a plain-text file's one document goes to the first key alone
+        parser.error(f"--json-keys {' '.join(args.json_keys)} with plain-text input ({plain[0]}): its text would go "
+                     f"to {args.json_keys[0]} alone and the other datasets would miss it; give one key, or JSONL")
+    if args.eod_token is not None and args.tokenizer_type != "HuggingFaceTokenizer":
+        parser.error(f"--eod-token {args.eod_token} applies to a Hugging Face tokenizer; a SentencePiece model's "
+                     "end of document is its own EOS")
     if not os.path.basename(args.output_prefix):  # data/ would write data/_text_document.bin
         parser.error(f"--output-prefix {args.output_prefix} names a folder: add the files' name, e.g. "
                      f"{os.path.join(args.output_prefix, 'corpus')}")

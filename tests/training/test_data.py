@@ -142,6 +142,8 @@ def test_an_input_named_twice_is_refused_before_any_work(dataset, tmp_path, spel
 @pytest.mark.parametrize("flags, message", [
     (["--workers", "-3"], "--workers must be at least 1, got -3"),  # printed "-3 worker(s)" and went on
     (["--output-prefix", "OUT/"], "--output-prefix OUT/ names a folder: add the files' name"),  # OUT/_text_document
+    (["--json-keys", "text", "code"], "--json-keys text code with plain-text input"),  # an empty code dataset
+    (["--eod-token", "</s>"], "--eod-token </s> applies to a Hugging Face tokenizer"),  # silently ignored
 ])
 def test_preprocess_settings_named_before_any_work(dataset, tmp_path, flags, message):
     flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
