@@ -527,7 +527,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if args.vocab_size is None:
             raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
     elif args.tokenizer_model is None:
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+        hint = (", or with --mock-data --tokenizer-type NullTokenizer --vocab-size V (token ids, no tokenizer file)"
+                if args.mock_data else "")
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}{origin(args, 'tokenizer_type')} needs "
+                            f"--tokenizer-model{hint}")
     elif not os.path.exists(args.tokenizer_model):
         raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     else:  # a directory, a corpus or the other family's file is named here, before megatron is imported

@@ -581,6 +581,15 @@ def test_numbers_and_combinations_that_failed_after_the_build_are_refused(flags,
         _validated(*flags)
 
 
+def test_mock_data_under_a_config_with_a_tokenizer_type_says_how_to_run_without_one():
+    """tiny.yaml sets a SentencePiece tokenizer: with --mock-data the error named only --tokenizer-model."""
+    from megatron_int8.training.args import ArgumentError, parse_args, validate_args
+
+    with pytest.raises(ArgumentError, match=r"SentencePieceTokenizer \(from --config .*tiny.yaml\) needs "
+                                            r"--tokenizer-model, or with --mock-data --tokenizer-type NullTokenizer"):
+        validate_args(parse_args(["--config", TINY, "--mock-data"]), world_size=1)
+
+
 def test_recompute_counts_that_serve_each_method_are_accepted():
     """uniform: chunks that divide a stage's layers; block: any count (more than a stage holds recomputes them all)."""
     recompute = ["--recompute-granularity", "full", "--recompute-num-layers"]
