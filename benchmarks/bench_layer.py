@@ -445,8 +445,9 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
+    from megatron_int8.training.model import destroy_distributed
+
     try:
         main()
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_distributed()
